@@ -1,0 +1,128 @@
+// Per-block encode and decode math shared by the scalar CPU reference and the
+// CUDA kernels. Inputs are assumed finite (see codec.h).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/half.h"
+#include "kernels/hd.h"
+#include "kernels/layout.h"
+
+namespace turbokv {
+
+// --- q8_0: 32 values, fp16 d = max|x| / 127, q = round(x / d) ---------------
+
+TURBOKV_HD void EncodeQ8Block(const float* x, uint8_t* out) {
+  float amax = 0.0f;
+  for (int j = 0; j < kGgmlBlockValues; ++j) amax = fmaxf(amax, fabsf(x[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  StoreHalfBits(out, FloatToHalfBits(d));
+  for (int j = 0; j < kGgmlBlockValues; ++j) {
+    out[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(roundf(x[j] * id)));
+  }
+}
+
+TURBOKV_HD void DecodeQ8Block(const uint8_t* in, float* x) {
+  const float d = HalfBitsToFloat(LoadHalfBits(in));
+  for (int j = 0; j < kGgmlBlockValues; ++j) x[j] = static_cast<int8_t>(in[2 + j]) * d;
+}
+
+// --- q4_0: 32 values, d = (value of largest magnitude) / -8, q in 0..15 ------
+
+TURBOKV_HD void EncodeQ4Block(const float* x, uint8_t* out) {
+  float amax = 0.0f;
+  float max = 0.0f;
+  for (int j = 0; j < kGgmlBlockValues; ++j) {
+    if (fabsf(x[j]) > amax) {
+      amax = fabsf(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  StoreHalfBits(out, FloatToHalfBits(d));
+  for (int j = 0; j < kGgmlBlockValues / 2; ++j) {
+    const int lo = static_cast<int>(fminf(15.0f, x[j] * id + 8.5f));
+    const int hi = static_cast<int>(fminf(15.0f, x[j + 16] * id + 8.5f));
+    out[2 + j] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+}
+
+TURBOKV_HD void DecodeQ4Block(const uint8_t* in, float* x) {
+  const float d = HalfBitsToFloat(LoadHalfBits(in));
+  for (int j = 0; j < kGgmlBlockValues / 2; ++j) {
+    x[j] = static_cast<float>((in[2 + j] & 15) - 8) * d;
+    x[j + 16] = static_cast<float>((in[2 + j] >> 4) - 8) * d;
+  }
+}
+
+// --- turbo: quantizer applied to a rotated block ------------------------------
+//
+// z holds B values of H*S*x (unnormalized, so ||z|| = sqrt(B) * ||x||). The
+// coordinates of u = z * sqrt(B) / ||z|| are quantized to the codebook, and the
+// stored scale s = <z, c> / ||c||^2 equals ||x|| * <u, c> / ||c||^2, the
+// MSE-optimal scale of DESIGN.md section 1. Decoding computes
+// x_hat = S * H * (s * c) / B.
+
+// 1 / ||z|| scaled to unit-variance coordinates; 0 for a zero block.
+TURBOKV_HD float TurboNormalizer(float sum_squares, int block_values) {
+  const float norm = sqrtf(sum_squares);
+  return norm > 0.0f ? sqrtf(static_cast<float>(block_values)) / norm : 0.0f;
+}
+
+// The fp16 scale from <z, c> and ||c||^2.
+TURBOKV_HD uint16_t TurboScaleBits(float dot, float centroid_sq) {
+  return FloatToHalfBits(centroid_sq > 0.0f ? dot / centroid_sq : 0.0f);
+}
+
+// Sums over a block use one fixed order everywhere (scalar, SIMD of any width,
+// CUDA), so every implementation computes the same norm and scale to the bit:
+// 16 partial sums, partial r adding the terms i = r, r + 16, r + 32, ... in
+// ascending order, then a fixed tree over the 16 partials.
+constexpr int kSumLanes = 16;
+
+TURBOKV_HD float SumPartials16(const float* partial) {
+  float t[8];
+  for (int l = 0; l < 8; ++l) t[l] = partial[l] + partial[l + 8];
+  for (int l = 0; l < 4; ++l) t[l] = t[l] + t[l + 4];
+  for (int l = 0; l < 2; ++l) t[l] = t[l] + t[l + 2];
+  return t[0] + t[1];
+}
+
+// Scalar reference: quantizes one rotated block, writes scale and planes.
+// `indices` is scratch space for block_values bytes.
+TURBOKV_HD void EncodeTurboRotatedBlock(const float* z, int block_values, int bits,
+                                        const float* centroids, const float* boundaries,
+                                        uint8_t* indices, uint8_t* out) {
+  const int levels = 1 << bits;
+  float squares[kSumLanes] = {};
+  for (int i = 0; i < block_values; ++i) squares[i % kSumLanes] += z[i] * z[i];
+  const float inv = TurboNormalizer(SumPartials16(squares), block_values);
+  float dot[kSumLanes] = {};
+  float centroid_sq[kSumLanes] = {};
+  for (int i = 0; i < block_values; ++i) {
+    const int index = QuantizeIndex(z[i] * inv, boundaries, levels);
+    const float c = centroids[index];
+    indices[i] = static_cast<uint8_t>(index);
+    dot[i % kSumLanes] += z[i] * c;
+    centroid_sq[i % kSumLanes] += c * c;
+  }
+  StoreHalfBits(out, TurboScaleBits(SumPartials16(dot), SumPartials16(centroid_sq)));
+  const int plane_bytes = block_values * bits / 8;
+  for (int b = 0; b < plane_bytes; ++b) {
+    out[kTurboScaleBytes + b] = TurboPlaneByte(indices, block_values, bits, b);
+  }
+}
+
+// Scalar reference: s * c / B in the rotated domain (apply S*H afterwards).
+TURBOKV_HD void DecodeTurboRotatedBlock(const uint8_t* in, int block_values, int bits,
+                                        const float* centroids, float* w) {
+  const float f = HalfBitsToFloat(LoadHalfBits(in)) * (1.0f / static_cast<float>(block_values));
+  for (int i = 0; i < block_values; ++i) {
+    w[i] = f * centroids[TurboIndex(in + kTurboScaleBytes, block_values, bits, i)];
+  }
+}
+
+}  // namespace turbokv

@@ -1,0 +1,367 @@
+// Highway SIMD codecs with run-time dispatch. This file is compiled once per
+// SIMD target (foreach_target.h); the best target of the CPU is chosen at the
+// first call. Every path computes the same operations in the same order as the
+// scalar reference (block_math.h), so the bytes agree exactly.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/simd_codec.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+#include "kernels/block_math.h"
+#include "kernels/codebooks.h"
+
+#ifndef TURBOKV_SIMD_CODEC_ONCE
+#define TURBOKV_SIMD_CODEC_ONCE
+namespace turbokv {
+
+// What the per-target kernels need of a turbo codec.
+struct TurboArgs {
+  int head_dim;
+  int block_values;
+  int blocks;
+  int block_bytes;
+  const float* signs;  // head_dim values of +-1
+  const Codebook* codebook;
+};
+
+}  // namespace turbokv
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace turbokv {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// At most B/8 float lanes: then every index plane (strides B/8, B/4, B/2) is a
+// whole number of vectors and packing needs no shuffles.
+template <int kB>
+using BlockTag = hn::CappedTag<float, kB / 8>;
+
+// In-place H*x over one block held in `z` (aligned), the butterflies of
+// FastWalshHadamard: stages with h >= lanes pair whole vectors, smaller stages
+// pair lanes i and i ^ h inside a vector.
+template <int kB>
+HWY_INLINE void Fwht(float* HWY_RESTRICT z) {
+  const BlockTag<kB> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int h = 1; h < lanes; h *= 2) {
+    HWY_ALIGN int32_t partner[16];
+    for (int i = 0; i < lanes; ++i) partner[i] = i ^ h;
+    const auto indices = hn::IndicesFromVec(d, hn::Load(di, partner));
+    const auto upper = hn::RebindMask(
+        d, hn::Ne(hn::And(hn::Iota(di, 0), hn::Set(di, h)), hn::Zero(di)));
+    for (int j = 0; j < kB; j += lanes) {
+      const auto v = hn::Load(d, z + j);
+      const auto other = hn::TableLookupLanes(v, indices);
+      hn::Store(hn::IfThenElse(upper, hn::Sub(other, v), hn::Add(v, other)), d, z + j);
+    }
+  }
+  for (int h = lanes; h < kB; h *= 2) {
+    for (int i = 0; i < kB; i += 2 * h) {
+      for (int j = i; j < i + h; j += lanes) {
+        const auto a = hn::Load(d, z + j);
+        const auto b = hn::Load(d, z + j + h);
+        hn::Store(hn::Add(a, b), d, z + j);
+        hn::Store(hn::Sub(a, b), d, z + j + h);
+      }
+    }
+  }
+}
+
+// Sum of a block-long product in the fixed order of SumPartials16: lane l of
+// accumulator a holds partial sum a * lanes + l.
+template <class D, class V>
+HWY_INLINE float FinishSum(D d, const V* acc) {
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  HWY_ALIGN float partial[kSumLanes];
+  for (int a = 0; a < kSumLanes / lanes; ++a) hn::Store(acc[a], d, partial + a * lanes);
+  return SumPartials16(partial);
+}
+
+template <int kB, int kBits>
+void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
+                  uint8_t* HWY_RESTRICT codes) {
+  const BlockTag<kB> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const hn::Rebind<uint8_t, decltype(di)> du8;
+  using VF = hn::Vec<decltype(d)>;
+  constexpr int kLevels = 1 << kBits;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  const int accs = kSumLanes / lanes;
+  const float* centroids = args.codebook->centroids;
+  const float* boundaries = args.codebook->boundaries;
+  const float sqrt_b = sqrtf(static_cast<float>(kB));
+  HWY_ALIGN float z[kB];
+  HWY_ALIGN int32_t idx[kB];
+  const size_t code_size = static_cast<size_t>(args.blocks) * args.block_bytes;
+
+  for (size_t v = 0; v < n; ++v) {
+    for (int blk = 0; blk < args.blocks; ++blk) {
+      const float* in = x + v * args.head_dim + blk * kB;
+      const float* signs = args.signs + blk * kB;
+      uint8_t* out = codes + v * code_size + blk * args.block_bytes;
+      for (int j = 0; j < kB; j += lanes) {
+        hn::Store(hn::Mul(hn::LoadU(d, in + j), hn::LoadU(d, signs + j)), d, z + j);
+      }
+      Fwht<kB>(z);
+
+      VF acc[kSumLanes];
+      for (int a = 0; a < accs; ++a) acc[a] = hn::Zero(d);
+      for (int j = 0, a = 0; j < kB; j += lanes, a = (a + 1) % accs) {
+        const auto zj = hn::Load(d, z + j);
+        acc[a] = hn::Add(acc[a], hn::Mul(zj, zj));
+      }
+      const float sum_squares = FinishSum(d, acc);
+      // Same expression as TurboNormalizer, with sqrt(B) hoisted.
+      const float norm = sqrtf(sum_squares);
+      const auto inv = hn::Set(d, norm > 0.0f ? sqrt_b / norm : 0.0f);
+
+      VF dot[kSumLanes], csq[kSumLanes];
+      for (int a = 0; a < accs; ++a) dot[a] = csq[a] = hn::Zero(d);
+      for (int j = 0, a = 0; j < kB; j += lanes, a = (a + 1) % accs) {
+        const auto zj = hn::Load(d, z + j);
+        const auto u = hn::Mul(zj, inv);
+        auto index = hn::Zero(di);
+        auto c = hn::Set(d, centroids[0]);
+        for (int k = 0; k + 1 < kLevels; ++k) {
+          const auto above = hn::Lt(hn::Set(d, boundaries[k]), u);
+          index = hn::IfThenElse(hn::RebindMask(di, above), hn::Set(di, k + 1), index);
+          c = hn::IfThenElse(above, hn::Set(d, centroids[k + 1]), c);
+        }
+        hn::Store(index, di, idx + j);
+        dot[a] = hn::Add(dot[a], hn::Mul(zj, c));
+        csq[a] = hn::Add(csq[a], hn::Mul(c, c));
+      }
+      StoreHalfBits(out, TurboScaleBits(FinishSum(d, dot), FinishSum(d, csq)));
+
+      uint8_t* planes = out + kTurboScaleBytes;
+      if (kBits == 4) {
+        constexpr int kPlane = kB / 2;
+        for (int j = 0; j < kPlane; j += lanes) {
+          const auto lo = hn::Load(di, idx + j);
+          const auto hi = hn::Load(di, idx + j + kPlane);
+          hn::StoreU(hn::DemoteTo(du8, hn::Or(lo, hn::ShiftLeft<4>(hi))), du8, planes + j);
+        }
+      } else {
+        constexpr int kLow = kB / 4;
+        const auto three = hn::Set(di, 3);
+        for (int j = 0; j < kLow; j += lanes) {
+          auto byte = hn::And(hn::Load(di, idx + j), three);
+          byte = hn::Or(byte, hn::ShiftLeft<2>(hn::And(hn::Load(di, idx + j + kLow), three)));
+          byte = hn::Or(byte, hn::ShiftLeft<4>(hn::And(hn::Load(di, idx + j + 2 * kLow), three)));
+          byte = hn::Or(byte, hn::ShiftLeft<6>(hn::And(hn::Load(di, idx + j + 3 * kLow), three)));
+          hn::StoreU(hn::DemoteTo(du8, byte), du8, planes + j);
+        }
+        if (kBits == 3) {
+          constexpr int kHigh = kB / 8;
+          for (int j = 0; j < kHigh; j += lanes) {
+            auto byte = hn::Zero(di);
+            for (int m = 0; m < 8; ++m) {
+              const auto bit = hn::ShiftRight<2>(hn::Load(di, idx + j + m * kHigh));
+              byte = hn::Or(byte, hn::ShiftLeftSame(bit, m));
+            }
+            hn::StoreU(hn::DemoteTo(du8, byte), du8, planes + kLow + j);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Centroids of an index vector: a lane permute when the table fits in one
+// vector, a gather otherwise.
+template <class D, class VI>
+HWY_INLINE hn::Vec<D> Centroids(D d, const float* table, int levels, VI index) {
+  if (levels <= static_cast<int>(hn::Lanes(d))) {
+    return hn::TableLookupLanes(hn::LoadU(d, table), hn::IndicesFromVec(d, index));
+  }
+  return hn::GatherIndex(d, table, index);
+}
+
+template <int kB, int kBits>
+void DecodeTurboT(const TurboArgs& args, size_t n, const uint8_t* HWY_RESTRICT codes,
+                  float* HWY_RESTRICT x) {
+  const BlockTag<kB> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const hn::Rebind<uint8_t, decltype(di)> du8;
+  constexpr int kLevels = 1 << kBits;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  const float* table = args.codebook->centroids;
+  HWY_ALIGN float w[kB];
+  const size_t code_size = static_cast<size_t>(args.blocks) * args.block_bytes;
+
+  for (size_t v = 0; v < n; ++v) {
+    for (int blk = 0; blk < args.blocks; ++blk) {
+      const uint8_t* in = codes + v * code_size + blk * args.block_bytes;
+      const uint8_t* planes = in + kTurboScaleBytes;
+      const auto f =
+          hn::Set(d, HalfBitsToFloat(LoadHalfBits(in)) * (1.0f / static_cast<float>(kB)));
+      auto put = [&](int i, decltype(hn::Zero(di)) index) {
+        hn::Store(hn::Mul(f, Centroids(d, table, kLevels, index)), d, w + i);
+      };
+      if (kBits == 4) {
+        constexpr int kPlane = kB / 2;
+        const auto mask = hn::Set(di, 15);
+        for (int j = 0; j < kPlane; j += lanes) {
+          const auto byte = hn::PromoteTo(di, hn::LoadU(du8, planes + j));
+          put(j, hn::And(byte, mask));
+          put(j + kPlane, hn::ShiftRight<4>(byte));
+        }
+      } else {
+        constexpr int kLow = kB / 4;
+        constexpr int kHigh = kB / 8;
+        const auto three = hn::Set(di, 3);
+        const auto one = hn::Set(di, 1);
+        for (int j = 0; j < kLow; j += lanes) {
+          const auto byte = hn::PromoteTo(di, hn::LoadU(du8, planes + j));
+          for (int m = 0; m < 4; ++m) {
+            const int i = j + m * kLow;
+            auto index = hn::And(hn::ShiftRightSame(byte, 2 * m), three);
+            if (kBits == 3) {
+              const auto high = hn::PromoteTo(di, hn::LoadU(du8, planes + kLow + i % kHigh));
+              index = hn::Or(index, hn::ShiftLeft<2>(hn::And(hn::ShiftRightSame(high, i / kHigh), one)));
+            }
+            put(i, index);
+          }
+        }
+      }
+      Fwht<kB>(w);
+      const float* signs = args.signs + blk * kB;
+      float* out = x + v * args.head_dim + blk * kB;
+      for (int j = 0; j < kB; j += lanes) {
+        hn::StoreU(hn::Mul(hn::Load(d, w + j), hn::LoadU(d, signs + j)), d, out + j);
+      }
+    }
+  }
+}
+
+void EncodeTurbo(const TurboArgs& args, size_t n, const float* x, uint8_t* codes) {
+  const int bits = args.codebook->bits;
+  if (args.block_values == 128) {
+    if (bits == 2) return EncodeTurboT<128, 2>(args, n, x, codes);
+    if (bits == 3) return EncodeTurboT<128, 3>(args, n, x, codes);
+    return EncodeTurboT<128, 4>(args, n, x, codes);
+  }
+  if (bits == 2) return EncodeTurboT<64, 2>(args, n, x, codes);
+  if (bits == 3) return EncodeTurboT<64, 3>(args, n, x, codes);
+  return EncodeTurboT<64, 4>(args, n, x, codes);
+}
+
+void DecodeTurbo(const TurboArgs& args, size_t n, const uint8_t* codes, float* x) {
+  const int bits = args.codebook->bits;
+  if (args.block_values == 128) {
+    if (bits == 2) return DecodeTurboT<128, 2>(args, n, codes, x);
+    if (bits == 3) return DecodeTurboT<128, 3>(args, n, codes, x);
+    return DecodeTurboT<128, 4>(args, n, codes, x);
+  }
+  if (bits == 2) return DecodeTurboT<64, 2>(args, n, codes, x);
+  if (bits == 3) return DecodeTurboT<64, 3>(args, n, codes, x);
+  return DecodeTurboT<64, 4>(args, n, codes, x);
+}
+
+// fp16 values: the F16C conversion where the target has it (round to nearest
+// even, after clamping to the finite range, as FloatToHalfBits does),
+// the scalar conversion elsewhere.
+void EncodeF16(size_t count, const float* HWY_RESTRICT x, uint8_t* HWY_RESTRICT codes) {
+  size_t i = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  const hn::ScalableTag<float> d;
+  const hn::Rebind<hwy::float16_t, decltype(d)> dh;
+  const auto hi = hn::Set(d, kHalfMax);
+  const auto lo = hn::Set(d, -kHalfMax);
+  const size_t lanes = hn::Lanes(d);
+  auto* out = reinterpret_cast<hwy::float16_t*>(codes);
+  for (; i + lanes <= count; i += lanes) {
+    hn::StoreU(hn::DemoteTo(dh, hn::Min(hn::Max(hn::LoadU(d, x + i), lo), hi)), dh, out + i);
+  }
+#endif
+  for (; i < count; ++i) StoreHalfBits(codes + 2 * i, FloatToHalfBits(x[i]));
+}
+
+void DecodeF16(size_t count, const uint8_t* HWY_RESTRICT codes, float* HWY_RESTRICT x) {
+  size_t i = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  const hn::ScalableTag<float> d;
+  const hn::Rebind<hwy::float16_t, decltype(d)> dh;
+  const size_t lanes = hn::Lanes(d);
+  const auto* in = reinterpret_cast<const hwy::float16_t*>(codes);
+  for (; i + lanes <= count; i += lanes) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, in + i)), d, x + i);
+#endif
+  for (; i < count; ++i) x[i] = HalfBitsToFloat(LoadHalfBits(codes + 2 * i));
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace turbokv
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <memory>
+
+#include "hwy/targets.h"
+#include "kernels/cpu/cpu_codecs.h"
+
+namespace turbokv {
+
+HWY_EXPORT(EncodeTurbo);
+HWY_EXPORT(DecodeTurbo);
+HWY_EXPORT(EncodeF16);
+HWY_EXPORT(DecodeF16);
+
+const char* ChosenSimdTarget() {
+  const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
+  return hwy::TargetName(targets & -targets);
+}
+
+namespace {
+
+// Turbo codecs and f16 run SIMD code; q8_0 and q4_0 (baselines kept for
+// comparison) run the scalar reference.
+class SimdCodec final : public Codec {
+ public:
+  SimdCodec(const CodecSpec& spec, const CodecLayout& layout)
+      : Codec(spec, layout), fallback_(NewScalarCodec(spec, layout)) {
+    if (rotation_) {
+      args_ = TurboArgs{layout.head_dim, layout.block_values, layout.blocks,
+                        layout.block_bytes, rotation_->signs(), codebook_};
+    }
+  }
+
+  void Encode(size_t n, const float* x, uint8_t* codes) const override {
+    if (rotation_) {
+      HWY_DYNAMIC_DISPATCH(EncodeTurbo)(args_, n, x, codes);
+    } else if (layout_.kind == CodecKind::kF16) {
+      HWY_DYNAMIC_DISPATCH(EncodeF16)(n * layout_.head_dim, x, codes);
+    } else {
+      fallback_->Encode(n, x, codes);
+    }
+  }
+
+  void Decode(size_t n, const uint8_t* codes, float* x) const override {
+    if (rotation_) {
+      HWY_DYNAMIC_DISPATCH(DecodeTurbo)(args_, n, codes, x);
+    } else if (layout_.kind == CodecKind::kF16) {
+      HWY_DYNAMIC_DISPATCH(DecodeF16)(n * layout_.head_dim, codes, x);
+    } else {
+      fallback_->Decode(n, codes, x);
+    }
+  }
+
+  std::string implementation() const override {
+    if (!rotation_ && layout_.kind != CodecKind::kF16) return "scalar";
+    return std::string("simd:") + ChosenSimdTarget();
+  }
+
+ private:
+  std::unique_ptr<Codec> fallback_;
+  TurboArgs args_{};
+};
+
+}  // namespace
+
+std::unique_ptr<Codec> NewSimdCodec(const CodecSpec& spec, const CodecLayout& layout) {
+  return std::make_unique<SimdCodec>(spec, layout);
+}
+
+}  // namespace turbokv
+#endif  // HWY_ONCE
