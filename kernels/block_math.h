@@ -116,10 +116,15 @@ TURBOKV_HD void EncodeTurboRotatedBlock(const float* z, int block_values, int bi
   }
 }
 
+// s / B for a stored block: decoded values in the rotated domain are f * c.
+TURBOKV_HD float TurboDecodeFactor(const uint8_t* block, int block_values) {
+  return HalfBitsToFloat(LoadHalfBits(block)) * (1.0f / static_cast<float>(block_values));
+}
+
 // Scalar reference: s * c / B in the rotated domain (apply S*H afterwards).
 TURBOKV_HD void DecodeTurboRotatedBlock(const uint8_t* in, int block_values, int bits,
                                         const float* centroids, float* w) {
-  const float f = HalfBitsToFloat(LoadHalfBits(in)) * (1.0f / static_cast<float>(block_values));
+  const float f = TurboDecodeFactor(in, block_values);
   for (int i = 0; i < block_values; ++i) {
     w[i] = f * centroids[TurboIndex(in + kTurboScaleBytes, block_values, bits, i)];
   }

@@ -91,7 +91,6 @@ void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
   const int accs = kSumLanes / lanes;
   const float* centroids = args.codebook->centroids;
   const float* boundaries = args.codebook->boundaries;
-  const float sqrt_b = sqrtf(static_cast<float>(kB));
   HWY_ALIGN float z[kB];
   HWY_ALIGN int32_t idx[kB];
   const size_t code_size = static_cast<size_t>(args.blocks) * args.block_bytes;
@@ -113,9 +112,7 @@ void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
         acc[a] = hn::Add(acc[a], hn::Mul(zj, zj));
       }
       const float sum_squares = FinishSum(d, acc);
-      // Same expression as TurboNormalizer, with sqrt(B) hoisted.
-      const float norm = sqrtf(sum_squares);
-      const auto inv = hn::Set(d, norm > 0.0f ? sqrt_b / norm : 0.0f);
+      const auto inv = hn::Set(d, TurboNormalizer(sum_squares, kB));
 
       VF dot[kSumLanes], csq[kSumLanes];
       for (int a = 0; a < accs; ++a) dot[a] = csq[a] = hn::Zero(d);
@@ -195,8 +192,7 @@ void DecodeTurboT(const TurboArgs& args, size_t n, const uint8_t* HWY_RESTRICT c
     for (int blk = 0; blk < args.blocks; ++blk) {
       const uint8_t* in = codes + v * code_size + blk * args.block_bytes;
       const uint8_t* planes = in + kTurboScaleBytes;
-      const auto f =
-          hn::Set(d, HalfBitsToFloat(LoadHalfBits(in)) * (1.0f / static_cast<float>(kB)));
+      const auto f = hn::Set(d, TurboDecodeFactor(in, kB));
       auto put = [&](int i, decltype(hn::Zero(di)) index) {
         hn::Store(hn::Mul(f, Centroids(d, table, kLevels, index)), d, w + i);
       };
