@@ -112,6 +112,27 @@ struct Codebook {
   Real mse;
 };
 
+// Integrals of f, t f and t^2 f over the cell of centroid i.
+struct Cell {
+  Real mass, first, second;
+};
+
+Cell CellMoments(const Moments& m, const Codebook& cb, int i) {
+  const int levels = static_cast<int>(cb.centroids.size());
+  const Real lo = i == 0 ? -m.hi() : cb.boundaries[i - 1];
+  const Real hi = i + 1 == levels ? m.hi() : cb.boundaries[i];
+  Real a0, a2, b0, b2;
+  m.Cumulative(lo, &a0, &a2);
+  m.Cumulative(hi, &b0, &b2);
+  return Cell{b0 - a0, m.FirstMoment(hi) - m.FirstMoment(lo), b2 - a2};
+}
+
+void SetMidpoints(Codebook* cb) {
+  for (size_t i = 0; i + 1 < cb->centroids.size(); ++i) {
+    cb->boundaries[i] = (cb->centroids[i] + cb->centroids[i + 1]) / 2;
+  }
+}
+
 Codebook LloydMax(const Moments& m, int bits) {
   const int levels = 1 << bits;
   Codebook cb;
@@ -120,17 +141,11 @@ Codebook LloydMax(const Moments& m, int bits) {
   for (int i = 0; i < levels; ++i) cb.centroids[i] = -2.5L + 5.0L * (i + 0.5L) / levels;
   cb.boundaries.resize(levels - 1);
   for (int iter = 0; iter < 200000; ++iter) {
-    for (int i = 0; i + 1 < levels; ++i) {
-      cb.boundaries[i] = (cb.centroids[i] + cb.centroids[i + 1]) / 2;
-    }
+    SetMidpoints(&cb);
     Real change = 0;
     for (int i = 0; i < levels; ++i) {
-      const Real lo = i == 0 ? -m.hi() : cb.boundaries[i - 1];
-      const Real hi = i + 1 == levels ? m.hi() : cb.boundaries[i];
-      Real a0, a2, b0, b2;
-      m.Cumulative(lo, &a0, &a2);
-      m.Cumulative(hi, &b0, &b2);
-      const Real mean = (m.FirstMoment(hi) - m.FirstMoment(lo)) / (b0 - a0);
+      const Cell cell = CellMoments(m, cb, i);
+      const Real mean = cell.first / cell.mass;
       change = std::fmax(change, std::fabs(mean - cb.centroids[i]));
       cb.centroids[i] = mean;
     }
@@ -142,19 +157,12 @@ Codebook LloydMax(const Moments& m, int bits) {
     cb.centroids[i] = -c;
     cb.centroids[levels - 1 - i] = c;
   }
-  for (int i = 0; i + 1 < levels; ++i) {
-    cb.boundaries[i] = (cb.centroids[i] + cb.centroids[i + 1]) / 2;
-  }
+  SetMidpoints(&cb);
   Real err = 0;
   for (int i = 0; i < levels; ++i) {
-    const Real lo = i == 0 ? -m.hi() : cb.boundaries[i - 1];
-    const Real hi = i + 1 == levels ? m.hi() : cb.boundaries[i];
-    Real a0, a2, b0, b2;
-    m.Cumulative(lo, &a0, &a2);
-    m.Cumulative(hi, &b0, &b2);
+    const Cell cell = CellMoments(m, cb, i);
     const Real c = cb.centroids[i];
-    const Real first = m.FirstMoment(hi) - m.FirstMoment(lo);
-    err += (b2 - a2) - 2 * c * first + c * c * (b0 - a0);
+    err += cell.second - 2 * c * cell.first + c * c * cell.mass;
   }
   cb.mse = err / m.Total();
   return cb;

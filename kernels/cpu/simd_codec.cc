@@ -232,28 +232,40 @@ void DecodeTurboT(const TurboArgs& args, size_t n, const uint8_t* HWY_RESTRICT c
   }
 }
 
-void EncodeTurbo(const TurboArgs& args, size_t n, const float* x, uint8_t* codes) {
+// Calls Op::Run<B, bits> for the codec's block size and bit width.
+template <class Op, class... Args>
+void ForTurbo(const TurboArgs& args, Args... rest) {
   const int bits = args.codebook->bits;
   if (args.block_values == 128) {
-    if (bits == 2) return EncodeTurboT<128, 2>(args, n, x, codes);
-    if (bits == 3) return EncodeTurboT<128, 3>(args, n, x, codes);
-    return EncodeTurboT<128, 4>(args, n, x, codes);
+    if (bits == 2) return Op::template Run<128, 2>(args, rest...);
+    if (bits == 3) return Op::template Run<128, 3>(args, rest...);
+    return Op::template Run<128, 4>(args, rest...);
   }
-  if (bits == 2) return EncodeTurboT<64, 2>(args, n, x, codes);
-  if (bits == 3) return EncodeTurboT<64, 3>(args, n, x, codes);
-  return EncodeTurboT<64, 4>(args, n, x, codes);
+  if (bits == 2) return Op::template Run<64, 2>(args, rest...);
+  if (bits == 3) return Op::template Run<64, 3>(args, rest...);
+  return Op::template Run<64, 4>(args, rest...);
+}
+
+struct EncodeOp {
+  template <int kB, int kBits, class... Args>
+  static void Run(Args... args) {
+    EncodeTurboT<kB, kBits>(args...);
+  }
+};
+
+struct DecodeOp {
+  template <int kB, int kBits, class... Args>
+  static void Run(Args... args) {
+    DecodeTurboT<kB, kBits>(args...);
+  }
+};
+
+void EncodeTurbo(const TurboArgs& args, size_t n, const float* x, uint8_t* codes) {
+  ForTurbo<EncodeOp>(args, n, x, codes);
 }
 
 void DecodeTurbo(const TurboArgs& args, size_t n, const uint8_t* codes, float* x) {
-  const int bits = args.codebook->bits;
-  if (args.block_values == 128) {
-    if (bits == 2) return DecodeTurboT<128, 2>(args, n, codes, x);
-    if (bits == 3) return DecodeTurboT<128, 3>(args, n, codes, x);
-    return DecodeTurboT<128, 4>(args, n, codes, x);
-  }
-  if (bits == 2) return DecodeTurboT<64, 2>(args, n, codes, x);
-  if (bits == 3) return DecodeTurboT<64, 3>(args, n, codes, x);
-  return DecodeTurboT<64, 4>(args, n, codes, x);
+  ForTurbo<DecodeOp>(args, n, codes, x);
 }
 
 // fp16 values: the F16C conversion where the target has it (round to nearest

@@ -204,74 +204,75 @@ unsigned GridFor(size_t items, size_t per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
-// Picks the template instance for (B, bits); nullptr when there is none.
-template <class Fn, class F64x2, class F64x3, class F64x4, class F128x2, class F128x3, class F128x4>
-Fn PickTurbo(int block_values, int bits, F64x2 a, F64x3 b, F64x4 c, F128x2 d, F128x3 e, F128x4 f) {
-  if (block_values == 64) return bits == 2 ? a : bits == 3 ? b : bits == 4 ? c : nullptr;
-  if (block_values == 128) return bits == 2 ? d : bits == 3 ? e : bits == 4 ? f : nullptr;
-  return nullptr;
+// The kernels of one direction, for the launcher below.
+struct EncodeKernels {
+  using In = float;
+  using Out = uint8_t;
+  template <int B, int kBits>
+  static auto Turbo() { return EncodeTurboKernel<B, kBits>; }
+  static auto F16() { return EncodeF16Kernel; }
+  static auto Ggml() { return EncodeGgmlKernel; }
+};
+
+struct DecodeKernels {
+  using In = uint8_t;
+  using Out = float;
+  template <int B, int kBits>
+  static auto Turbo() { return DecodeTurboKernel<B, kBits>; }
+  static auto F16() { return DecodeF16Kernel; }
+  static auto Ggml() { return DecodeGgmlKernel; }
+};
+
+// Dispatches (codec, block size, bits) to a kernel once and enqueues it.
+template <class K>
+cudaError_t Launch(const CodecLayout& layout, uint64_t seed, size_t n, const typename K::In* in,
+                   typename K::Out* out, cudaStream_t stream) {
+  if (layout.blocks == 0) return cudaErrorNotSupported;
+  if (n == 0) return cudaSuccess;
+  const size_t total_blocks = n * static_cast<size_t>(layout.blocks);
+  switch (layout.kind) {
+    case CodecKind::kF16: {
+      const size_t count = n * layout.head_dim;
+      K::F16()<<<GridFor(count, kThreads), kThreads, 0, stream>>>(count, in, out);
+      return cudaGetLastError();
+    }
+    case CodecKind::kQ8_0:
+    case CodecKind::kQ4_0:
+      K::Ggml()<<<GridFor(total_blocks, kThreads), kThreads, 0, stream>>>(layout.kind, total_blocks,
+                                                                          in, out);
+      return cudaGetLastError();
+    default:
+      break;
+  }
+  const int bits = TurboBits(layout.kind);
+  decltype(K::template Turbo<64, 2>()) kernel = nullptr;
+  if (layout.block_values == 64) {
+    kernel = bits == 2   ? K::template Turbo<64, 2>()
+             : bits == 3 ? K::template Turbo<64, 3>()
+             : bits == 4 ? K::template Turbo<64, 4>()
+                         : nullptr;
+  } else if (layout.block_values == 128) {
+    kernel = bits == 2   ? K::template Turbo<128, 2>()
+             : bits == 3 ? K::template Turbo<128, 3>()
+             : bits == 4 ? K::template Turbo<128, 4>()
+                         : nullptr;
+  }
+  if (kernel == nullptr) return cudaErrorNotSupported;
+  kernel<<<GridFor(total_blocks, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
+      layout.head_dim, layout.blocks, layout.block_bytes, seed, total_blocks, in, out);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t LaunchEncode(const CodecLayout& layout, uint64_t seed, size_t n, const float* x,
                          uint8_t* codes, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  const size_t total_blocks = n * static_cast<size_t>(layout.blocks);
-  if (layout.blocks == 0) return cudaErrorNotSupported;
-  switch (layout.kind) {
-    case CodecKind::kF16: {
-      const size_t count = n * layout.head_dim;
-      EncodeF16Kernel<<<GridFor(count, kThreads), kThreads, 0, stream>>>(count, x, codes);
-      return cudaGetLastError();
-    }
-    case CodecKind::kQ8_0:
-    case CodecKind::kQ4_0:
-      EncodeGgmlKernel<<<GridFor(total_blocks, kThreads), kThreads, 0, stream>>>(layout.kind,
-                                                                                 total_blocks, x, codes);
-      return cudaGetLastError();
-    default:
-      break;
-  }
-  using Fn = void (*)(int, int, int, uint64_t, size_t, const float*, uint8_t*);
-  const Fn kernel = PickTurbo<Fn>(layout.block_values, TurboBits(layout.kind),
-                                  EncodeTurboKernel<64, 2>, EncodeTurboKernel<64, 3>,
-                                  EncodeTurboKernel<64, 4>, EncodeTurboKernel<128, 2>,
-                                  EncodeTurboKernel<128, 3>, EncodeTurboKernel<128, 4>);
-  if (kernel == nullptr) return cudaErrorNotSupported;
-  kernel<<<GridFor(total_blocks, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
-      layout.head_dim, layout.blocks, layout.block_bytes, seed, total_blocks, x, codes);
-  return cudaGetLastError();
+  return Launch<EncodeKernels>(layout, seed, n, x, codes, stream);
 }
 
 cudaError_t LaunchDecode(const CodecLayout& layout, uint64_t seed, size_t n, const uint8_t* codes,
                          float* x, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  const size_t total_blocks = n * static_cast<size_t>(layout.blocks);
-  if (layout.blocks == 0) return cudaErrorNotSupported;
-  switch (layout.kind) {
-    case CodecKind::kF16: {
-      const size_t count = n * layout.head_dim;
-      DecodeF16Kernel<<<GridFor(count, kThreads), kThreads, 0, stream>>>(count, codes, x);
-      return cudaGetLastError();
-    }
-    case CodecKind::kQ8_0:
-    case CodecKind::kQ4_0:
-      DecodeGgmlKernel<<<GridFor(total_blocks, kThreads), kThreads, 0, stream>>>(layout.kind,
-                                                                                 total_blocks, codes, x);
-      return cudaGetLastError();
-    default:
-      break;
-  }
-  using Fn = void (*)(int, int, int, uint64_t, size_t, const uint8_t*, float*);
-  const Fn kernel = PickTurbo<Fn>(layout.block_values, TurboBits(layout.kind),
-                                  DecodeTurboKernel<64, 2>, DecodeTurboKernel<64, 3>,
-                                  DecodeTurboKernel<64, 4>, DecodeTurboKernel<128, 2>,
-                                  DecodeTurboKernel<128, 3>, DecodeTurboKernel<128, 4>);
-  if (kernel == nullptr) return cudaErrorNotSupported;
-  kernel<<<GridFor(total_blocks, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
-      layout.head_dim, layout.blocks, layout.block_bytes, seed, total_blocks, codes, x);
-  return cudaGetLastError();
+  return Launch<DecodeKernels>(layout, seed, n, codes, x, stream);
 }
 
 }  // namespace turbokv::cuda

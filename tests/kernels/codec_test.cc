@@ -224,16 +224,12 @@ TEST(SimdTargetsTest, EveryTargetMatchesTheReference) {
 
 // DESIGN.md section 1: relative MSE on 100,000 random unit vectors, d = 128.
 TEST(FidelityTest, UnitVectorsMeetTheBars) {
-  constexpr size_t kVectors = 100000;
+  constexpr size_t kVectors = testing::kFidelityVectors;
   const std::vector<float> x = UnitVectors(kVectors, 128, 2024);
-  const struct {
-    CodecKind kind;
-    double bar;
-  } bars[] = {{CodecKind::kTurbo2, 0.1165}, {CodecKind::kTurbo3, 0.0342}, {CodecKind::kTurbo4, 0.0094}};
-  for (const auto& b : bars) {
+  for (const testing::FidelityBar& b : testing::kFidelityBars) {
     const auto codec = Make(b.kind, 128, CpuPath::kSimd, 5);
     const double mse = RelativeMse(x, RoundTrip(*codec, x).decoded);
-    EXPECT_LE(mse, b.bar) << CodecName(b.kind);
+    EXPECT_LE(mse, b.max_rel_mse) << CodecName(b.kind);
     // Not better than the Lloyd-Max error per coordinate allows, minus the
     // small gain of the MSE-optimal scale.
     EXPECT_GE(mse, 0.95 * FindCodebook(128, TurboBits(b.kind))->mse) << CodecName(b.kind);

@@ -119,6 +119,15 @@ inline CodeComparison CompareCodes(const CodecSpec& spec, const CodecLayout& lay
   return c;
 }
 
+// DESIGN.md section 1: relative MSE bars on 100,000 random unit vectors, d = 128.
+struct FidelityBar {
+  CodecKind kind;
+  double max_rel_mse;
+};
+inline const FidelityBar kFidelityBars[] = {
+    {CodecKind::kTurbo2, 0.1165}, {CodecKind::kTurbo3, 0.0342}, {CodecKind::kTurbo4, 0.0094}};
+constexpr size_t kFidelityVectors = 100000;
+
 inline const CodecKind kAllCodecs[] = {CodecKind::kF16,    CodecKind::kQ8_0,
                                        CodecKind::kQ4_0,   CodecKind::kTurbo2,
                                        CodecKind::kTurbo3, CodecKind::kTurbo4};

@@ -71,20 +71,16 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(CudaFidelityTest, UnitVectorsMeetTheBars) {
   const absl::Status device = cuda::CheckDevice(0);
   if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
-  constexpr size_t kVectors = 100000;
+  constexpr size_t kVectors = testing::kFidelityVectors;
   const std::vector<float> x = UnitVectors(kVectors, 128, 2024);
-  const struct {
-    CodecKind kind;
-    double bar;
-  } bars[] = {{CodecKind::kTurbo2, 0.1165}, {CodecKind::kTurbo3, 0.0342}, {CodecKind::kTurbo4, 0.0094}};
-  for (const auto& b : bars) {
+  for (const testing::FidelityBar& b : testing::kFidelityBars) {
     auto gpu = cuda::CudaCodec::Create(CodecSpec{b.kind, 128, 5}, 0);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     std::vector<uint8_t> codes(kVectors * (*gpu)->code_size());
     std::vector<float> y(x.size());
     ASSERT_TRUE((*gpu)->Encode(kVectors, x.data(), codes.data()).ok());
     ASSERT_TRUE((*gpu)->Decode(kVectors, codes.data(), y.data()).ok());
-    EXPECT_LE(RelativeMse(x, y), b.bar) << CodecName(b.kind);
+    EXPECT_LE(RelativeMse(x, y), b.max_rel_mse) << CodecName(b.kind);
   }
 }
 
