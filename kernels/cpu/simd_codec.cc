@@ -9,6 +9,7 @@
 
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
+#include "kernels/cpu/turbo_simd-inl.h"
 
 #ifndef TURBOKV_SIMD_CODEC_ONCE
 #define TURBOKV_SIMD_CODEC_ONCE
@@ -31,53 +32,6 @@ HWY_BEFORE_NAMESPACE();
 namespace turbokv {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-// At most B/8 float lanes: then every index plane (strides B/8, B/4, B/2) is a
-// whole number of vectors and packing needs no shuffles.
-template <int kB>
-using BlockTag = hn::CappedTag<float, kB / 8>;
-
-// In-place H*x over one block held in `z` (aligned), the butterflies of
-// FastWalshHadamard: stages with h >= lanes pair whole vectors, smaller stages
-// pair lanes i and i ^ h inside a vector.
-template <int kB>
-HWY_INLINE void Fwht(float* HWY_RESTRICT z) {
-  const BlockTag<kB> d;
-  const hn::RebindToSigned<decltype(d)> di;
-  const int lanes = static_cast<int>(hn::Lanes(d));
-  for (int h = 1; h < lanes; h *= 2) {
-    HWY_ALIGN int32_t partner[16];
-    for (int i = 0; i < lanes; ++i) partner[i] = i ^ h;
-    const auto indices = hn::IndicesFromVec(d, hn::Load(di, partner));
-    const auto upper = hn::RebindMask(
-        d, hn::Ne(hn::And(hn::Iota(di, 0), hn::Set(di, h)), hn::Zero(di)));
-    for (int j = 0; j < kB; j += lanes) {
-      const auto v = hn::Load(d, z + j);
-      const auto other = hn::TableLookupLanes(v, indices);
-      hn::Store(hn::IfThenElse(upper, hn::Sub(other, v), hn::Add(v, other)), d, z + j);
-    }
-  }
-  for (int h = lanes; h < kB; h *= 2) {
-    for (int i = 0; i < kB; i += 2 * h) {
-      for (int j = i; j < i + h; j += lanes) {
-        const auto a = hn::Load(d, z + j);
-        const auto b = hn::Load(d, z + j + h);
-        hn::Store(hn::Add(a, b), d, z + j);
-        hn::Store(hn::Sub(a, b), d, z + j + h);
-      }
-    }
-  }
-}
-
-// Sum of a block-long product in the fixed order of SumPartials16: lane l of
-// accumulator a holds partial sum a * lanes + l.
-template <class D, class V>
-HWY_INLINE float FinishSum(D d, const V* acc) {
-  const int lanes = static_cast<int>(hn::Lanes(d));
-  HWY_ALIGN float partial[kSumLanes];
-  for (int a = 0; a < kSumLanes / lanes; ++a) hn::Store(acc[a], d, partial + a * lanes);
-  return SumPartials16(partial);
-}
 
 template <int kB, int kBits>
 void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
@@ -166,62 +120,17 @@ void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
   }
 }
 
-// Centroids of an index vector: a lane permute when the table fits in one
-// vector, a gather otherwise.
-template <class D, class VI>
-HWY_INLINE hn::Vec<D> Centroids(D d, const float* table, int levels, VI index) {
-  if (levels <= static_cast<int>(hn::Lanes(d))) {
-    return hn::TableLookupLanes(hn::LoadU(d, table), hn::IndicesFromVec(d, index));
-  }
-  return hn::GatherIndex(d, table, index);
-}
-
 template <int kB, int kBits>
 void DecodeTurboT(const TurboArgs& args, size_t n, const uint8_t* HWY_RESTRICT codes,
                   float* HWY_RESTRICT x) {
   const BlockTag<kB> d;
-  const hn::RebindToSigned<decltype(d)> di;
-  const hn::Rebind<uint8_t, decltype(di)> du8;
-  constexpr int kLevels = 1 << kBits;
   const int lanes = static_cast<int>(hn::Lanes(d));
-  const float* table = args.codebook->centroids;
   HWY_ALIGN float w[kB];
   const size_t code_size = static_cast<size_t>(args.blocks) * args.block_bytes;
-
   for (size_t v = 0; v < n; ++v) {
     for (int blk = 0; blk < args.blocks; ++blk) {
-      const uint8_t* in = codes + v * code_size + blk * args.block_bytes;
-      const uint8_t* planes = in + kTurboScaleBytes;
-      const auto f = hn::Set(d, TurboDecodeFactor(in, kB));
-      auto put = [&](int i, decltype(hn::Zero(di)) index) {
-        hn::Store(hn::Mul(f, Centroids(d, table, kLevels, index)), d, w + i);
-      };
-      if (kBits == 4) {
-        constexpr int kPlane = kB / 2;
-        const auto mask = hn::Set(di, 15);
-        for (int j = 0; j < kPlane; j += lanes) {
-          const auto byte = hn::PromoteTo(di, hn::LoadU(du8, planes + j));
-          put(j, hn::And(byte, mask));
-          put(j + kPlane, hn::ShiftRight<4>(byte));
-        }
-      } else {
-        constexpr int kLow = kB / 4;
-        constexpr int kHigh = kB / 8;
-        const auto three = hn::Set(di, 3);
-        const auto one = hn::Set(di, 1);
-        for (int j = 0; j < kLow; j += lanes) {
-          const auto byte = hn::PromoteTo(di, hn::LoadU(du8, planes + j));
-          for (int m = 0; m < 4; ++m) {
-            const int i = j + m * kLow;
-            auto index = hn::And(hn::ShiftRightSame(byte, 2 * m), three);
-            if (kBits == 3) {
-              const auto high = hn::PromoteTo(di, hn::LoadU(du8, planes + kLow + i % kHigh));
-              index = hn::Or(index, hn::ShiftLeft<2>(hn::And(hn::ShiftRightSame(high, i / kHigh), one)));
-            }
-            put(i, index);
-          }
-        }
-      }
+      DecodeTurboBlockRotated<kB, kBits>(codes + v * code_size + blk * args.block_bytes,
+                                         args.codebook->centroids, w);
       Fwht<kB>(w);
       const float* signs = args.signs + blk * kB;
       float* out = x + v * args.head_dim + blk * kB;

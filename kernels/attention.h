@@ -1,0 +1,126 @@
+// Attention computed directly on a compressed, paged KV cache (DESIGN.md
+// section 1, "Attention on compressed data"). Keys and values are never
+// expanded to fp16: turbo keys are scored against the query rotated once into
+// the key domain, values accumulate in the value-rotated domain, and each
+// output is rotated back once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/layout.h"
+
+namespace turbokv {
+
+class ThreadPool;
+
+// One layer's paged cache, as the kernels read it (docs/FORMAT.md, "Pages").
+//
+// Tokens live in pages of `page_tokens` tokens; page p holds tokens
+// [p * page_tokens, (p + 1) * page_tokens). Inside a page, kv head by kv head:
+//
+//   head h region, at h * page_tokens * (K + V) bytes:
+//     keys    page_tokens records of K = key_layout.code_size() bytes, token-major
+//     values  page_tokens records of V = value_layout.code_size() bytes
+//
+// so the key of token t (t < page_tokens) of head h starts at
+//   h * page_tokens * (K + V) + t * K
+// and its value at
+//   h * page_tokens * (K + V) + page_tokens * K + t * V.
+// Records are the codec format of docs/FORMAT.md. A page is
+// kv_heads * page_tokens * (K + V) bytes; the last page may be partly filled.
+struct PagedKvCache {
+  CodecLayout key_layout;
+  CodecLayout value_layout;
+  uint64_t key_seed = 0;    // rotation seeds (turbo codecs)
+  uint64_t value_seed = 0;
+  int kv_heads = 0;
+  int page_tokens = 0;
+  int64_t tokens = 0;                  // tokens stored
+  const uint8_t* const* pages = nullptr;  // ceil(tokens / page_tokens) pages
+
+  size_t page_bytes() const {
+    return static_cast<size_t>(kv_heads) * page_tokens *
+           (key_layout.code_size() + value_layout.code_size());
+  }
+  // Offsets inside a page of the records of slot s (token page * page_tokens + s).
+  size_t key_offset(int head, int64_t slot) const {
+    return static_cast<size_t>(head) * page_tokens *
+               (key_layout.code_size() + value_layout.code_size()) +
+           static_cast<size_t>(slot) * key_layout.code_size();
+  }
+  size_t value_offset(int head, int64_t slot) const {
+    return static_cast<size_t>(head) * page_tokens *
+               (key_layout.code_size() + value_layout.code_size()) +
+           static_cast<size_t>(page_tokens) * key_layout.code_size() +
+           static_cast<size_t>(slot) * value_layout.code_size();
+  }
+  const uint8_t* key_record(int head, int64_t t) const {
+    return pages[t / page_tokens] + key_offset(head, t % page_tokens);
+  }
+  const uint8_t* value_record(int head, int64_t t) const {
+    return pages[t / page_tokens] + value_offset(head, t % page_tokens);
+  }
+};
+
+struct AttentionParams {
+  int q_heads = 0;            // a multiple of kv_heads; q head h reads kv head h / (q_heads / kv_heads)
+  float softmax_scale = 0.0f; // 0: 1 / sqrt(head_dim)
+  float softcap = 0.0f;       // > 0: logits become softcap * tanh(logit / softcap)
+  int64_t window = 0;         // > 0: a query at p sees only tokens (p - window, p]
+  int top_k = 0;              // > 0: also return the k highest logits per query head
+};
+
+// n queries [n][q_heads][head_dim] f32, each at a position; a query at p sees
+// tokens [0, p] (or the last `window` of them). 0 <= p < cache.tokens.
+struct AttentionQueries {
+  int64_t n = 0;
+  const float* q = nullptr;
+  const int64_t* positions = nullptr;
+};
+
+// out: [n][q_heads][head_dim] f32. lse: [n][q_heads], the natural-log
+// log-sum-exp of the logits each output averaged over, so results over
+// disjoint token sets merge exactly (MergeAttention). With top_k > 0:
+// topk_tokens / topk_logits [n][q_heads][top_k], highest first; slots beyond
+// the visible token count hold token -1 and logit -inf.
+struct AttentionOutput {
+  float* out = nullptr;
+  float* lse = nullptr;
+  int64_t* topk_tokens = nullptr;
+  float* topk_logits = nullptr;
+};
+
+enum class AttentionPath {
+  kScalar,  // the plain reference, the oracle of the tests
+  kSimd,    // Highway SIMD, best target of this CPU
+};
+
+struct AttentionOptions {
+  AttentionPath path = AttentionPath::kSimd;
+  // Work is split over kv heads and token chunks and runs here; nullptr runs
+  // everything on the calling thread.
+  ThreadPool* pool = nullptr;
+  // Tokens per work item when splitting a head's tokens (0: chosen from the
+  // pool size and the cache length).
+  int64_t chunk_tokens = 0;
+};
+
+// Checks the descriptor, parameters and positions; INVALID_ARGUMENT naming
+// the field otherwise.
+absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& params,
+                            const AttentionQueries& queries, const AttentionOutput& output);
+
+// Attention on the CPU.
+absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
+                       const AttentionQueries& queries, const AttentionOutput& output,
+                       const AttentionOptions& options = {});
+
+// Merges two results computed over disjoint token sets of the same queries
+// (count = n * q_heads outputs of head_dim values): a becomes the result over
+// both sets, exactly as if computed at once.
+void MergeAttention(size_t count, int head_dim, float* out_a, float* lse_a, const float* out_b,
+                    const float* lse_b);
+
+}  // namespace turbokv

@@ -1,0 +1,290 @@
+// CPU attention driver: validation, query rotation, splitting into work items
+// (kv head x token chunk), merging partial softmax states, the final inverse
+// rotation of the values; plus the scalar scan, the reference the SIMD scan
+// is tested against.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/attention.h"
+#include "kernels/block_math.h"
+#include "kernels/codebooks.h"
+#include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/rotation.h"
+
+namespace turbokv {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
+}
+
+// Decodes one record into the domain the kernel works in: turbo codecs stay
+// rotated ((s / B) * c per block), the others decode to plain values.
+void DecodeRow(const CodecLayout& layout, const uint8_t* in, float* out) {
+  const int bits = TurboBits(layout.kind);
+  for (int b = 0; b < layout.blocks; ++b) {
+    const uint8_t* block = in + static_cast<size_t>(b) * layout.block_bytes;
+    float* x = out + b * layout.block_values;
+    switch (layout.kind) {
+      case CodecKind::kF16:
+        for (int i = 0; i < layout.block_values; ++i) x[i] = HalfBitsToFloat(LoadHalfBits(block + 2 * i));
+        break;
+      case CodecKind::kQ8_0:
+        DecodeQ8Block(block, x);
+        break;
+      case CodecKind::kQ4_0:
+        DecodeQ4Block(block, x);
+        break;
+      default:
+        DecodeTurboRotatedBlock(block, layout.block_values, bits,
+                                FindCodebook(layout.block_values, bits)->centroids, x);
+        break;
+    }
+  }
+}
+
+// Folds the state of a later chunk into `into` (same rows).
+void MergeState(const ScanState& from, int head_dim, ScanState* into) {
+  for (size_t r = 0; r < into->m.size(); ++r) {
+    const float m = std::max(into->m[r], from.m[r]);
+    if (m == -INFINITY) continue;
+    const float a = std::exp(into->m[r] - m);
+    const float b = std::exp(from.m[r] - m);
+    float* acc = into->acc.data() + r * head_dim;
+    const float* other = from.acc.data() + r * head_dim;
+    for (int i = 0; i < head_dim; ++i) acc[i] = acc[i] * a + other[i] * b;
+    into->l[r] = into->l[r] * a + from.l[r] * b;
+    into->m[r] = m;
+    for (const TopEntry& e : from.top[r].entries()) into->top[r].Push(e.logit, e.token);
+  }
+}
+
+}  // namespace
+
+void TopK::Push(float logit, int64_t token) {
+  auto greater = [](const TopEntry& a, const TopEntry& b) {
+    return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
+  };
+  const TopEntry e{logit, token};
+  if (static_cast<int>(heap_.size()) < k_) {
+    heap_.push_back(e);
+    std::push_heap(heap_.begin(), heap_.end(), greater);
+  } else if (k_ > 0 && greater(e, heap_.front())) {
+    std::pop_heap(heap_.begin(), heap_.end(), greater);
+    heap_.back() = e;
+    std::push_heap(heap_.begin(), heap_.end(), greater);
+  }
+}
+
+void ScanScalar(const ScanTask& task, ScanState* state) {
+  const PagedKvCache& c = *task.cache;
+  const int d = c.key_layout.head_dim;
+  std::vector<float> k(d), v(d);
+  for (int64_t t = task.begin; t < task.end; ++t) {
+    DecodeRow(c.key_layout, c.key_record(task.head, t), k.data());
+    DecodeRow(c.value_layout, c.value_record(task.head, t), v.data());
+    for (int r = 0; r < task.rows; ++r) {
+      const int query = r / task.group;
+      if (t < task.first[query] || t > task.last[query]) continue;
+      const float* q = task.q + static_cast<size_t>(r) * d;
+      float score = 0.0f;
+      for (int i = 0; i < d; ++i) score += q[i] * k[i];
+      const float logit = Logit(score, task.scale, task.softcap);
+      state->top[r].Push(logit, t);
+      float* acc = state->acc.data() + static_cast<size_t>(r) * d;
+      if (logit > state->m[r]) {
+        const float correction = std::exp(state->m[r] - logit);
+        for (int i = 0; i < d; ++i) acc[i] *= correction;
+        state->l[r] *= correction;
+        state->m[r] = logit;
+      }
+      const float p = std::exp(logit - state->m[r]);
+      state->l[r] += p;
+      for (int i = 0; i < d; ++i) acc[i] += p * v[i];
+    }
+  }
+}
+
+absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& params,
+                            const AttentionQueries& queries, const AttentionOutput& output) {
+  const int d = cache.key_layout.head_dim;
+  if (cache.key_layout.blocks == 0 || cache.key_layout.code_size() == 0) {
+    return Invalid("key_layout", "not a supported codec layout");
+  }
+  if (cache.value_layout.blocks == 0 || cache.value_layout.head_dim != d) {
+    return Invalid("value_layout", absl::StrCat("head_dim ", cache.value_layout.head_dim,
+                                                " differs from the keys' ", d));
+  }
+  if (cache.kv_heads <= 0) return Invalid("kv_heads", "must be positive");
+  if (cache.page_tokens <= 0) return Invalid("page_tokens", "must be positive");
+  if (cache.tokens <= 0) return Invalid("tokens", "the cache holds no tokens");
+  if (cache.pages == nullptr) return Invalid("pages", "missing");
+  if (params.q_heads <= 0 || params.q_heads % cache.kv_heads != 0) {
+    return Invalid("q_heads", absl::StrCat(params.q_heads, " is not a positive multiple of kv_heads ",
+                                           cache.kv_heads));
+  }
+  if (!(params.softmax_scale >= 0.0f) || !std::isfinite(params.softmax_scale)) {
+    return Invalid("softmax_scale", "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  }
+  if (!(params.softcap >= 0.0f) || !std::isfinite(params.softcap)) {
+    return Invalid("softcap", "must be finite and >= 0 (0 means none)");
+  }
+  if (params.window < 0) return Invalid("window", "must be >= 0 (0 means no window)");
+  if (params.top_k < 0) return Invalid("top_k", "must be >= 0");
+  if (queries.n <= 0) return Invalid("queries", "no queries");
+  if (queries.q == nullptr || queries.positions == nullptr) return Invalid("queries", "missing data");
+  for (int64_t i = 0; i < queries.n; ++i) {
+    const int64_t p = queries.positions[i];
+    if (p < 0 || p >= cache.tokens) {
+      return Invalid("positions", absl::StrCat("query ", i, " is at position ", p,
+                                               "; the cache holds positions 0 to ", cache.tokens - 1));
+    }
+  }
+  if (output.out == nullptr || output.lse == nullptr) return Invalid("output", "missing buffers");
+  if (params.top_k > 0 && (output.topk_tokens == nullptr || output.topk_logits == nullptr)) {
+    return Invalid("output", "top_k > 0 needs top-k buffers");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
+                       const AttentionQueries& queries, const AttentionOutput& output,
+                       const AttentionOptions& options) {
+  if (absl::Status s = CheckAttention(cache, params, queries, output); !s.ok()) return s;
+  const int d = cache.key_layout.head_dim;
+  const int group = params.q_heads / cache.kv_heads;
+  const int64_t n = queries.n;
+  const int rows = static_cast<int>(n) * group;
+
+  // Visible ranges and the span of tokens any query sees.
+  std::vector<int64_t> first(n), last(n);
+  int64_t begin = cache.tokens, end = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    last[i] = queries.positions[i];
+    first[i] = params.window > 0 ? std::max<int64_t>(0, last[i] - params.window + 1) : 0;
+    begin = std::min(begin, first[i]);
+    end = std::max(end, last[i] + 1);
+  }
+
+  // Queries in the key domain, per kv head: [head][row][d].
+  std::vector<float> q(static_cast<size_t>(cache.kv_heads) * rows * d);
+  std::unique_ptr<HadamardRotation> key_rotation, value_rotation;
+  if (TurboBits(cache.key_layout.kind) != 0) {
+    key_rotation = std::make_unique<HadamardRotation>(d, cache.key_layout.block_values, cache.key_seed);
+  }
+  if (TurboBits(cache.value_layout.kind) != 0) {
+    value_rotation =
+        std::make_unique<HadamardRotation>(d, cache.value_layout.block_values, cache.value_seed);
+  }
+  for (int h = 0; h < cache.kv_heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const int64_t query = r / group;
+      const int q_head = h * group + r % group;
+      float* dst = q.data() + (static_cast<size_t>(h) * rows + r) * d;
+      std::memcpy(dst, queries.q + (query * params.q_heads + q_head) * static_cast<size_t>(d),
+                  d * sizeof(float));
+      if (key_rotation) {
+        for (int b = 0; b < cache.key_layout.blocks; ++b) {
+          key_rotation->Forward(b, dst + b * cache.key_layout.block_values);
+        }
+      }
+    }
+  }
+
+  // Work items: kv head x chunk of the span.
+  const int threads = options.pool ? options.pool->size() : 1;
+  const int64_t span = end - begin;
+  int64_t chunk = options.chunk_tokens;
+  if (chunk <= 0) {
+    const int64_t wanted = (4 * threads + cache.kv_heads - 1) / cache.kv_heads;  // chunks per head
+    chunk = threads == 1 ? span : std::max<int64_t>(1024, (span + wanted - 1) / wanted);
+  }
+  const int64_t chunks = (span + chunk - 1) / chunk;
+  const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
+                                                  : 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<std::unique_ptr<ScanState>> states(static_cast<size_t>(cache.kv_heads) * chunks);
+  auto run_item = [&](int64_t item) {
+    ScanTask task;
+    task.cache = &cache;
+    task.head = static_cast<int>(item / chunks);
+    task.begin = begin + (item % chunks) * chunk;
+    task.end = std::min(end, task.begin + chunk);
+    task.rows = rows;
+    task.group = group;
+    task.q = q.data() + static_cast<size_t>(task.head) * rows * d;
+    task.first = first.data();
+    task.last = last.data();
+    task.scale = scale;
+    task.softcap = params.softcap;
+    task.top_k = params.top_k;
+    auto state = std::make_unique<ScanState>(rows, d, params.top_k);
+    if (options.path == AttentionPath::kScalar) {
+      ScanScalar(task, state.get());
+    } else {
+      ScanSimd(task, state.get());
+    }
+    states[item] = std::move(state);
+  };
+  const int64_t items = static_cast<int64_t>(cache.kv_heads) * chunks;
+  if (options.pool) {
+    options.pool->ParallelFor(items, run_item);
+  } else {
+    for (int64_t i = 0; i < items; ++i) run_item(i);
+  }
+
+  // Merge chunks in order, normalize, rotate values back.
+  for (int h = 0; h < cache.kv_heads; ++h) {
+    ScanState& total = *states[static_cast<size_t>(h) * chunks];
+    for (int64_t c = 1; c < chunks; ++c) MergeState(*states[h * chunks + c], d, &total);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t query = r / group;
+      const int q_head = h * group + r % group;
+      const size_t o = static_cast<size_t>(query) * params.q_heads + q_head;
+      float* out = output.out + o * d;
+      const float* acc = total.acc.data() + static_cast<size_t>(r) * d;
+      const float inv = total.l[r] > 0.0f ? 1.0f / total.l[r] : 0.0f;
+      for (int i = 0; i < d; ++i) out[i] = acc[i] * inv;
+      if (value_rotation) {
+        for (int b = 0; b < cache.value_layout.blocks; ++b) {
+          value_rotation->Inverse(b, out + b * cache.value_layout.block_values);
+        }
+      }
+      output.lse[o] = total.l[r] > 0.0f ? total.m[r] + std::log(total.l[r]) : -INFINITY;
+      if (params.top_k > 0) {
+        std::vector<TopEntry> top = total.top[r].entries();
+        std::sort(top.begin(), top.end(), [](const TopEntry& a, const TopEntry& b) {
+          return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
+        });
+        for (int k = 0; k < params.top_k; ++k) {
+          const bool have = k < static_cast<int>(top.size());
+          output.topk_tokens[o * params.top_k + k] = have ? top[k].token : -1;
+          output.topk_logits[o * params.top_k + k] = have ? top[k].logit : -INFINITY;
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void MergeAttention(size_t count, int head_dim, float* out_a, float* lse_a, const float* out_b,
+                    const float* lse_b) {
+  for (size_t i = 0; i < count; ++i) {
+    const float m = std::max(lse_a[i], lse_b[i]);
+    if (m == -INFINITY) continue;
+    const float wa = std::exp(lse_a[i] - m);
+    const float wb = std::exp(lse_b[i] - m);
+    const float inv = 1.0f / (wa + wb);
+    float* a = out_a + i * head_dim;
+    const float* b = out_b + i * head_dim;
+    for (int k = 0; k < head_dim; ++k) a[k] = (a[k] * wa + b[k] * wb) * inv;
+    lse_a[i] = m + std::log(wa + wb);
+  }
+}
+
+}  // namespace turbokv

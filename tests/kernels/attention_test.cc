@@ -1,0 +1,267 @@
+#include "kernels/attention.h"
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/paged_cache.h"
+#include "tests/kernels/attention_testing.h"
+#include "tests/kernels/codec_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::turbokv::testing::DecodedThroughCodec;
+using ::turbokv::testing::GaussianVectors;
+using ::turbokv::testing::OutlierKeys;
+using ::turbokv::testing::ReferenceAttention;
+using ::turbokv::testing::ReferenceResult;
+using ::turbokv::testing::RelativeL2;
+
+constexpr int kPage = 64;
+
+struct Problem {
+  CodecSpec key_spec, value_spec;
+  int kv_heads = 2;
+  AttentionParams params;
+  std::vector<float> keys, values, q;  // originals
+  std::vector<int64_t> positions;
+  std::unique_ptr<PagedCacheBuffer> cache;
+};
+
+Problem MakeProblem(CodecKind k, CodecKind v, int d, int kv_heads, int group, int64_t tokens,
+                    int64_t n_queries, float q_gain = 2.0f, std::vector<float> keys = {}) {
+  Problem p;
+  p.key_spec = CodecSpec{k, d, 0x1111};
+  p.value_spec = CodecSpec{v, d, 0x2222};
+  p.kv_heads = kv_heads;
+  p.params.q_heads = kv_heads * group;
+  p.keys = keys.empty() ? GaussianVectors(tokens * kv_heads, d, 10 + d + tokens) : std::move(keys);
+  p.values = GaussianVectors(tokens * kv_heads, d, 20 + d + tokens);
+  p.q = GaussianVectors(n_queries * p.params.q_heads, d, 30 + d + tokens);
+  for (float& x : p.q) x *= q_gain;
+  for (int64_t i = 0; i < n_queries; ++i) {
+    p.positions.push_back(i == 0 ? tokens - 1 : (tokens - 1) * (n_queries - i) / n_queries);
+  }
+  auto cache = PagedCacheBuffer::Create(p.key_spec, p.value_spec, kv_heads, kPage);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  p.cache = *std::move(cache);
+  p.cache->Append(tokens, p.keys.data(), p.values.data());
+  return p;
+}
+
+struct Result {
+  std::vector<float> out, lse;
+  std::vector<int64_t> top_tokens;
+  std::vector<float> top_logits;
+};
+
+Result Attend(const Problem& p, const AttentionOptions& options) {
+  const int d = p.key_spec.head_dim;
+  const size_t rows = p.positions.size() * p.params.q_heads;
+  Result r;
+  r.out.assign(rows * d, std::nanf(""));
+  r.lse.assign(rows, std::nanf(""));
+  r.top_tokens.assign(rows * std::max(p.params.top_k, 0), -7);
+  r.top_logits.assign(rows * std::max(p.params.top_k, 0), std::nanf(""));
+  const AttentionQueries queries{static_cast<int64_t>(p.positions.size()), p.q.data(), p.positions.data()};
+  const AttentionOutput output{r.out.data(), r.lse.data(), r.top_tokens.data(), r.top_logits.data()};
+  const absl::Status s = AttendCpu(p.cache->descriptor(), p.params, queries, output, options);
+  EXPECT_TRUE(s.ok()) << s;
+  return r;
+}
+
+// The reference over what the cache stores (decoded keys and values).
+ReferenceResult DecodedReference(const Problem& p) {
+  return ReferenceAttention(DecodedThroughCodec(p.key_spec, p.keys),
+                            DecodedThroughCodec(p.value_spec, p.values), p.kv_heads,
+                            p.key_spec.head_dim, p.q, p.positions, p.params);
+}
+
+void ExpectMatchesReference(const Result& r, const ReferenceResult& ref, const std::string& what) {
+  EXPECT_LT(RelativeL2(r.out, ref.out), 2e-5) << what;
+  for (size_t i = 0; i < ref.lse.size(); ++i) {
+    ASSERT_NEAR(r.lse[i], ref.lse[i], 1e-4 * std::max(1.0, std::fabs(ref.lse[i]))) << what << " row " << i;
+  }
+}
+
+class AttentionTest
+    : public ::testing::TestWithParam<std::tuple<std::pair<CodecKind, CodecKind>, int, int>> {};
+
+TEST_P(AttentionTest, ScalarAndSimdMatchTheFloatReference) {
+  const auto [codecs, d, group] = GetParam();
+  for (int64_t tokens : {int64_t{1}, int64_t{kPage - 1}, int64_t{kPage + 1}, int64_t{10000}}) {
+    const Problem p = MakeProblem(codecs.first, codecs.second, d, 2, group, tokens, 3);
+    const ReferenceResult ref = DecodedReference(p);
+    const std::string what = std::string(CodecName(codecs.first)) + "/" + CodecName(codecs.second) +
+                             " d=" + std::to_string(d) + " group=" + std::to_string(group) +
+                             " tokens=" + std::to_string(tokens);
+    ExpectMatchesReference(Attend(p, {AttentionPath::kScalar}), ref, what + " scalar");
+    ExpectMatchesReference(Attend(p, {AttentionPath::kSimd}), ref, what + " simd");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionTest,
+    ::testing::Combine(
+        ::testing::Values(std::make_pair(CodecKind::kTurbo3, CodecKind::kTurbo3),
+                          std::make_pair(CodecKind::kTurbo2, CodecKind::kTurbo4),
+                          std::make_pair(CodecKind::kF16, CodecKind::kF16),
+                          std::make_pair(CodecKind::kQ8_0, CodecKind::kQ4_0),
+                          std::make_pair(CodecKind::kTurbo4, CodecKind::kF16)),
+        ::testing::Values(64, 128, 256), ::testing::Values(1, 4, 8)),
+    [](const auto& info) {
+      const auto& codecs = std::get<0>(info.param);
+      return std::string(CodecName(codecs.first)) + "_" + CodecName(codecs.second) + "_d" +
+             std::to_string(std::get<1>(info.param)) + "_g" + std::to_string(std::get<2>(info.param));
+    });
+
+TEST(AttentionFeaturesTest, WindowSoftcapAndCausalPositions) {
+  Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, 1000, 5, 6.0f);
+  p.params.window = 100;
+  p.params.softcap = 5.0f;
+  p.params.softmax_scale = 0.2f;
+  p.positions = {999, 500, 120, 99, 0};
+  const ReferenceResult ref = DecodedReference(p);
+  ExpectMatchesReference(Attend(p, {AttentionPath::kScalar}), ref, "scalar");
+  ExpectMatchesReference(Attend(p, {AttentionPath::kSimd}), ref, "simd");
+  // The window really limits what a query sees: without it the result differs.
+  Problem full = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, 1000, 5, 6.0f);
+  full.params.softcap = 5.0f;
+  full.params.softmax_scale = 0.2f;
+  full.positions = p.positions;
+  EXPECT_GT(RelativeL2(Attend(full, {}).out, ref.out), 0.05);
+}
+
+TEST(AttentionFeaturesTest, TopKMatchesTheReference) {
+  Problem p = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo3, 128, 2, 4, 3000, 2);
+  p.params.top_k = 8;
+  const ReferenceResult ref = DecodedReference(p);
+  for (AttentionPath path : {AttentionPath::kScalar, AttentionPath::kSimd}) {
+    const Result r = Attend(p, {path});
+    for (size_t row = 0; row < ref.logits.size(); ++row) {
+      for (int k = 0; k < p.params.top_k; ++k) {
+        const auto& [logit, token] = ref.logits[row][k];
+        EXPECT_NEAR(r.top_logits[row * 8 + k], logit, 1e-4) << "row " << row << " rank " << k;
+        // Tokens agree unless two logits are within rounding of each other.
+        if (ref.logits[row][k].first - ref.logits[row][k + 1].first > 1e-4 &&
+            (k == 0 || ref.logits[row][k - 1].first - logit > 1e-4)) {
+          EXPECT_EQ(r.top_tokens[row * 8 + k], token) << "row " << row << " rank " << k;
+        }
+      }
+    }
+  }
+  // Fewer visible tokens than k: the rest is padding.
+  Problem small = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 64, 1, 1, 3, 1);
+  small.params.top_k = 5;
+  const Result r = Attend(small, {});
+  EXPECT_EQ(r.top_tokens[3], -1);
+  EXPECT_EQ(r.top_logits[4], -INFINITY);
+  EXPECT_GE(r.top_tokens[2], 0);
+}
+
+TEST(AttentionFeaturesTest, ThreadsAndChunksGiveTheSameResult) {
+  const Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 4, 4, 5000, 2);
+  const Result single = Attend(p, {AttentionPath::kSimd});
+  ThreadPool pool(3);
+  for (int64_t chunk : {int64_t{0}, int64_t{100}, int64_t{777}}) {
+    const Result split = Attend(p, {AttentionPath::kSimd, &pool, chunk});
+    // Only the order of float sums changes: a few float epsilons over 5000 tokens.
+    EXPECT_LT(RelativeL2(split.out, single.out), 1e-5) << "chunk " << chunk;
+    for (size_t i = 0; i < single.lse.size(); ++i) EXPECT_NEAR(split.lse[i], single.lse[i], 1e-5);
+  }
+}
+
+TEST(AttentionFeaturesTest, MergingTwoHalvesEqualsTheWhole) {
+  constexpr int64_t kTokens = 2000;
+  const Problem whole = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, kTokens, 1);
+  // The same tokens split into two caches; the query sees both halves.
+  const int d = 128, kv = 2, half = kTokens / 2;
+  auto first = PagedCacheBuffer::Create(whole.key_spec, whole.value_spec, kv, kPage);
+  auto second = PagedCacheBuffer::Create(whole.key_spec, whole.value_spec, kv, kPage);
+  (*first)->Append(half, whole.keys.data(), whole.values.data());
+  (*second)->Append(kTokens - half, whole.keys.data() + half * kv * d, whole.values.data() + half * kv * d);
+  const size_t rows = whole.params.q_heads;
+  std::vector<float> out_a(rows * d), lse_a(rows), out_b(rows * d), lse_b(rows);
+  const int64_t last_a = half - 1, last_b = kTokens - half - 1;
+  ASSERT_TRUE(AttendCpu((*first)->descriptor(), whole.params, {1, whole.q.data(), &last_a},
+                        {out_a.data(), lse_a.data()})
+                  .ok());
+  ASSERT_TRUE(AttendCpu((*second)->descriptor(), whole.params, {1, whole.q.data(), &last_b},
+                        {out_b.data(), lse_b.data()})
+                  .ok());
+  MergeAttention(rows, d, out_a.data(), lse_a.data(), out_b.data(), lse_b.data());
+  const Result r = Attend(whole, {});
+  EXPECT_LT(RelativeL2(out_a, r.out), 1e-6);
+  for (size_t i = 0; i < rows; ++i) EXPECT_NEAR(lse_a[i], r.lse[i], 1e-5);
+}
+
+// Error against attention over the original, uncompressed vectors.
+double ErrorVsOriginal(const Problem& p) {
+  const ReferenceResult exact =
+      ReferenceAttention(p.keys, p.values, p.kv_heads, p.key_spec.head_dim, p.q, p.positions, p.params);
+  return RelativeL2(Attend(p, {}).out, exact.out);
+}
+
+TEST(AttentionFidelityTest, WithinTheCodecErrorOfTheOriginal) {
+  // First-order prediction of the output error for random keys, values and
+  // queries of gain g (logits of standard deviation g): value errors carry
+  // over at sqrt(rel_mse), key errors move the logits by g * sqrt(rel_mse)
+  // and the softmax weights by as much, so the error is about
+  // sqrt((1 + g^2) * rel_mse). Allow 25% over the prediction.
+  constexpr float kGain = 2.0f;
+  const struct {
+    CodecKind kind;
+    double rel_mse;
+  } codecs[] = {{CodecKind::kTurbo2, 0.1165}, {CodecKind::kTurbo3, 0.0342}, {CodecKind::kTurbo4, 0.0094},
+                {CodecKind::kQ8_0, 4e-5}, {CodecKind::kF16, 1e-7}};
+  for (const auto& c : codecs) {
+    const Problem p = MakeProblem(c.kind, c.kind, 128, 2, 4, 4096, 4, kGain);
+    const double error = ErrorVsOriginal(p);
+    const double predicted = std::sqrt((1 + kGain * kGain) * c.rel_mse);
+    EXPECT_LT(error, 1.25 * predicted) << CodecName(c.kind);
+    std::printf("%s: output relative L2 error vs uncompressed attention %.4f (predicted %.4f)\n",
+                CodecName(c.kind), error, predicted);
+  }
+}
+
+TEST(AttentionFidelityTest, Turbo4BeatsQ4OnOutlierKeys) {
+  const std::vector<float> keys = OutlierKeys(4096 * 2, 128, 77);
+  const double turbo4 = ErrorVsOriginal(MakeProblem(CodecKind::kTurbo4, CodecKind::kF16, 128, 2, 4,
+                                                    4096, 4, 0.3f, keys));
+  const double q4 = ErrorVsOriginal(MakeProblem(CodecKind::kQ4_0, CodecKind::kF16, 128, 2, 4, 4096,
+                                                4, 0.3f, keys));
+  std::printf("outlier keys: turbo4 %.4f, q4_0 %.4f\n", turbo4, q4);
+  EXPECT_LT(turbo4, q4);
+}
+
+TEST(AttentionValidationTest, BadRequestsNameTheField) {
+  Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, 10, 1);
+  std::vector<float> out(8 * 128), lse(8);
+  const AttentionOutput output{out.data(), lse.data()};
+  auto attend = [&](const AttentionParams& params, int64_t position) {
+    return AttendCpu(p.cache->descriptor(), params, {1, p.q.data(), &position}, output);
+  };
+  auto expect = [](const absl::Status& s, const std::string& field) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s;
+  };
+  expect(attend(p.params, 10), "positions");
+  expect(attend(p.params, -1), "positions");
+  AttentionParams bad = p.params;
+  bad.q_heads = 7;
+  expect(attend(bad, 3), "q_heads");
+  bad = p.params;
+  bad.softcap = -1;
+  expect(attend(bad, 3), "softcap");
+  bad = p.params;
+  bad.top_k = 4;  // no top-k buffers
+  expect(attend(bad, 3), "output");
+  EXPECT_TRUE(attend(p.params, 9).ok());
+}
+
+}  // namespace
+}  // namespace turbokv
