@@ -223,6 +223,7 @@ absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
     task.scale = scale;
     task.softcap = params.softcap;
     task.top_k = params.top_k;
+    task.integer_dot_products = options.integer_dot_products;
     auto state = std::make_unique<ScanState>(rows, d, params.top_k);
     if (options.path == AttentionPath::kScalar) {
       ScanScalar(task, state.get());

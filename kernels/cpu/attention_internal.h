@@ -43,6 +43,7 @@ struct ScanTask {
   float scale = 1.0f;
   float softcap = 0.0f;
   int top_k = 0;
+  bool integer_dot_products = true;
 };
 
 // Running softmax state of every row over the tokens scanned so far: the

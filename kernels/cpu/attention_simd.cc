@@ -6,6 +6,11 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/attention_simd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
@@ -65,107 +70,412 @@ void DecodeRowSimd(const CodecLayout& layout, const float* centroids, const uint
   }
 }
 
-void Scan(const ScanTask& task, ScanState* state) {
+// Per task: the codebooks of both tensors.
+struct ScanSetup {
+  const float* key_table = nullptr;
+  const float* value_table = nullptr;
+  explicit ScanSetup(const PagedKvCache& c) {
+    if (const int bits = TurboBits(c.key_layout.kind)) {
+      key_table = FindCodebook(c.key_layout.block_values, bits)->centroids;
+    }
+    if (const int bits = TurboBits(c.value_layout.kind)) {
+      value_table = FindCodebook(c.value_layout.block_values, bits)->centroids;
+    }
+  }
+};
+
+// Raw scores <q_r, k_t> of the tile's n tokens into logits[r * kTile + j]:
+// each key record decoded once, dotted with every row.
+void ScoreTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t0, int n, float* k,
+                    float* logits) {
   const PagedKvCache& c = *task.cache;
   const int dim = c.key_layout.head_dim;
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
-  const Codebook* key_cb = TurboBits(c.key_layout.kind)
-                               ? FindCodebook(c.key_layout.block_values, TurboBits(c.key_layout.kind))
-                               : nullptr;
-  const Codebook* value_cb =
-      TurboBits(c.value_layout.kind)
-          ? FindCodebook(c.value_layout.block_values, TurboBits(c.value_layout.kind))
-          : nullptr;
-  const float* key_table = key_cb ? key_cb->centroids : nullptr;
-  const float* value_table = value_cb ? value_cb->centroids : nullptr;
+  for (int j = 0; j < n; ++j) {
+    DecodeRowSimd(c.key_layout, setup.key_table, c.key_record(task.head, t0 + j), k);
+    for (int r = 0; r < task.rows; ++r) {
+      const float* q = task.q + static_cast<size_t>(r) * dim;
+      auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
+      for (int i = 0; i < dim; i += 2 * lanes) {
+        acc0 = hn::MulAdd(hn::LoadU(d, q + i), hn::Load(d, k + i), acc0);
+        acc1 = hn::MulAdd(hn::LoadU(d, q + i + lanes), hn::Load(d, k + i + lanes), acc1);
+      }
+      logits[r * kTile + j] = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
+    }
+  }
+}
 
-  auto row_buffer = hwy::AllocateAligned<float>(dim);
+// acc_r += sum_j weights[r * kTile + j] * v_j: each value record decoded once.
+void AccumulateTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t0, int n,
+                         const float* weights, float* v, ScanState* state) {
+  const PagedKvCache& c = *task.cache;
+  const int dim = c.key_layout.head_dim;
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int j = 0; j < n; ++j) {
+    DecodeRowSimd(c.value_layout, setup.value_table, c.value_record(task.head, t0 + j), v);
+    for (int r = 0; r < task.rows; ++r) {
+      const float weight = weights[r * kTile + j];
+      if (weight == 0.0f) continue;
+      const auto p = hn::Set(d, weight);
+      float* acc = state->acc.data() + static_cast<size_t>(r) * dim;
+      for (int i = 0; i < dim; i += lanes) {
+        hn::StoreU(hn::MulAdd(p, hn::Load(d, v + i), hn::LoadU(d, acc + i)), d, acc + i);
+      }
+    }
+  }
+}
+
+// Turns the raw scores of a tile into softmax weights (in place) and updates
+// each row's running max, sum and accumulator scale. Invisible tokens and the
+// slots past n get weight 0.
+void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanState* state) {
+  const int dim = task.cache->key_layout.head_dim;
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  const auto scale = hn::Set(d, task.scale);
+  const auto cap = hn::Set(d, task.softcap);
+  const auto inv_cap = hn::Set(d, task.softcap > 0.0f ? 1.0f / task.softcap : 0.0f);
+  for (int r = 0; r < task.rows; ++r) {
+    float* lr = logits + r * kTile;
+    const int query = r / task.group;
+    const int64_t lo = std::max<int64_t>(task.first[query] - t0, 0);
+    const int64_t hi = std::min<int64_t>(task.last[query] - t0 + 1, n);  // visible: [lo, hi)
+    if (lo >= hi) {  // nothing visible: no weight on any token of the tile
+      for (int j = 0; j < kTile; ++j) lr[j] = 0.0f;
+      continue;
+    }
+    float tile_max = -INFINITY;
+    for (int j = 0; j < kTile; j += lanes) {
+      auto x = hn::Mul(hn::Load(d, lr + j), scale);
+      if (task.softcap > 0.0f) x = hn::Mul(cap, hn::Tanh(d, hn::Mul(x, inv_cap)));
+      hn::Store(x, d, lr + j);
+    }
+    for (int j = 0; j < kTile; ++j) {
+      if (j < lo || j >= hi) {
+        lr[j] = -INFINITY;
+      } else {
+        tile_max = std::max(tile_max, lr[j]);
+        if (task.top_k > 0) state->top[r].Push(lr[j], t0 + j);
+      }
+    }
+    const float m_old = state->m[r];
+    const float m_new = std::max(m_old, tile_max);
+    const float correction = std::exp(m_old - m_new);
+    const auto m = hn::Set(d, m_new);
+    const auto floor = hn::Set(d, -100.0f);
+    auto sum = hn::Zero(d);
+    for (int j = 0; j < kTile; j += lanes) {
+      const auto x = hn::Load(d, lr + j);
+      const auto visible = hn::Gt(x, hn::Set(d, -INFINITY));
+      const auto p = hn::IfThenElseZero(visible, hn::Exp(d, hn::Max(hn::Sub(x, m), floor)));
+      hn::Store(p, d, lr + j);
+      sum = hn::Add(sum, p);
+    }
+    if (correction != 1.0f) {
+      float* acc = state->acc.data() + static_cast<size_t>(r) * dim;
+      const auto corr = hn::Set(d, correction);
+      for (int i = 0; i < dim; i += lanes) hn::StoreU(hn::Mul(hn::LoadU(d, acc + i), corr), d, acc + i);
+    }
+    state->l[r] = state->l[r] * correction + hn::GetLane(hn::SumOfLanes(d, sum));
+    state->m[r] = m_new;
+  }
+}
+
+#if HWY_TARGET == HWY_AVX3_DL
+// Highway's AVX3_DL target string names the VEX avxvnni; the 512-bit dot
+// products need avx512vnni, which the AVX3_DL run-time check requires.
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+}  // namespace HWY_NAMESPACE
+}  // namespace turbokv
+#include <immintrin.h>
+namespace turbokv {
+namespace HWY_NAMESPACE {
+
+// Integer path for turbo keys and values with rotation blocks of 128, on
+// AVX-512 VNNI/VBMI. Key centroids become int16 (x 8192) and the rotated query
+// int16 per block (x 8191 / max|q|); scores are vpdpwssd dot products, each
+// int32 lane summing 8 products of at most 22037 x 8191 (< 2^31). Value
+// centroids become int16 (x 2048) and the softmax weights int16 per tile
+// (x 8191 / the tile's largest weight); a lane sums 32 products of at most
+// 5509 x 8191. Logits and outputs agree with the float path to about 1e-4
+// relative, far inside any codec's own error.
+constexpr float kKeyCentroidScale = 8192.0f;
+constexpr float kValueCentroidScale = 2048.0f;
+constexpr float kQueryMax = 8191.0f;
+constexpr float kWeightMax = 8191.0f;
+
+bool IntPathApplies(const PagedKvCache& c) {
+  return TurboBits(c.key_layout.kind) != 0 && TurboBits(c.value_layout.kind) != 0 &&
+         c.key_layout.block_values == 128 && c.value_layout.block_values == 128;
+}
+
+__m512i CentroidTable16(const float* centroids, int bits, float scale) {
+  alignas(64) int16_t table[32] = {};
+  for (int i = 0; i < (1 << bits); ++i) {
+    table[i] = static_cast<int16_t>(std::lrint(centroids[i] * scale));
+  }
+  return _mm512_load_si512(table);
+}
+
+// Indices 0..63 and 64..127 of one block, one per byte.
+template <int kBits>
+HWY_INLINE void UnpackIndices(const uint8_t* planes, __m512i* lo, __m512i* hi) {
+  if (kBits == 4) {
+    const __m512i p = _mm512_loadu_si512(planes);
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    *lo = _mm512_and_si512(p, mask);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+    return;
+  }
+  const __m512i p = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes)));
+  const __m512i three = _mm512_set1_epi8(3);
+  // Halves of the 2-bit plane: indices j, j + 32 | j + 64, j + 96.
+  const __m512i shift_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+  const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  *lo = _mm512_and_si512(_mm512_srlv_epi16(p, shift_lo), three);
+  *hi = _mm512_and_si512(_mm512_srlv_epi16(p, shift_hi), three);
+  if (kBits == 3) {
+    // High bits: 16 bytes, index j + 16 m at bit m; 128-bit lane m of the
+    // result holds indices 16 m .. 16 m + 15.
+    const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 32)));
+    const __m512i one = _mm512_set1_epi8(1);
+    const __m512i lanes_lo = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i shifts_lo = _mm512_or_si512(lanes_lo, _mm512_slli_epi64(lanes_lo, 16));
+    const __m512i shift_words_lo = _mm512_or_si512(shifts_lo, _mm512_slli_epi64(shifts_lo, 32));
+    const __m512i shift_words_hi = _mm512_add_epi16(shift_words_lo, _mm512_set1_epi16(4));
+    *lo = _mm512_or_si512(*lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_words_lo), one), 2));
+    *hi = _mm512_or_si512(*hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_words_hi), one), 2));
+  }
+}
+
+// The int16 centroids of one block: 4 vectors of 32 values in index order.
+template <int kBits>
+HWY_INLINE void BlockCentroids16(const uint8_t* block, __m512i table, __m512i* c) {
+  __m512i lo, hi;
+  UnpackIndices<kBits>(block + kTurboScaleBytes, &lo, &hi);
+  c[0] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), table);
+  c[1] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), table);
+  c[2] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), table);
+  c[3] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), table);
+}
+
+// Sums of the 16 lanes of v[0..15], in order: result lane t = sum of v[t].
+HWY_INLINE __m512i ReduceLanes16(const __m512i* v) {
+  __m512i w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k) {
+    w[k] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * k], v[2 * k + 1], 0x44),
+                            _mm512_shuffle_i64x2(v[2 * k], v[2 * k + 1], 0xee));
+  }
+  for (int k = 0; k < 4; ++k) {
+    x[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0x88),
+                            _mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0xdd));
+  }
+  for (int k = 0; k < 2; ++k) {
+    y[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * k], x[2 * k + 1]),
+                            _mm512_unpackhi_epi64(x[2 * k], x[2 * k + 1]));
+  }
+  const __m512i t1 = _mm512_unpacklo_epi32(y[0], y[1]);
+  const __m512i t2 = _mm512_unpackhi_epi32(y[0], y[1]);
+  const __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi64(t1, t2), _mm512_unpackhi_epi64(t1, t2));
+  // Lane 4 L + p of z holds token L, 8 + L, 4 + L, 12 + L for p = 0, 1, 2, 3.
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 13, 9, 5, 1, 14, 10, 6, 2, 12, 8, 4, 0);
+  return _mm512_permutexvar_epi32(order, z);
+}
+
+struct IntPath {
+  int blocks = 0;
+  int key_bits = 0;
+  int value_bits = 0;
+  __m512i key_table, value_table;
+  std::vector<int16_t> q;         // [rows][blocks][128]
+  std::vector<float> q_scale;     // [rows][blocks]: float score per integer unit
+  std::vector<int32_t> dots;      // scratch [kTile][16] per row-block reduction
+  std::vector<int16_t> values;    // [kTile][blocks][128] decoded value centroids
+  std::vector<int32_t> pair_weights;  // [rows][kTile / 2]
+
+  IntPath(const ScanTask& task, const ScanSetup& setup) {
+    const PagedKvCache& c = *task.cache;
+    blocks = c.key_layout.blocks;
+    key_bits = TurboBits(c.key_layout.kind);
+    value_bits = TurboBits(c.value_layout.kind);
+    key_table = CentroidTable16(setup.key_table, key_bits, kKeyCentroidScale);
+    value_table = CentroidTable16(setup.value_table, value_bits, kValueCentroidScale);
+    q.resize(static_cast<size_t>(task.rows) * blocks * 128);
+    q_scale.resize(static_cast<size_t>(task.rows) * blocks);
+    for (int r = 0; r < task.rows; ++r) {
+      for (int b = 0; b < blocks; ++b) {
+        const float* src = task.q + static_cast<size_t>(r) * c.key_layout.head_dim + b * 128;
+        float max = 0.0f;
+        for (int i = 0; i < 128; ++i) max = std::max(max, std::fabs(src[i]));
+        const float to_int = max > 0.0f ? kQueryMax / max : 0.0f;
+        int16_t* dst = q.data() + (static_cast<size_t>(r) * blocks + b) * 128;
+        for (int i = 0; i < 128; ++i) dst[i] = static_cast<int16_t>(std::lrint(src[i] * to_int));
+        q_scale[r * blocks + b] = max > 0.0f ? max / kQueryMax / kKeyCentroidScale : 0.0f;
+      }
+    }
+    dots.resize(static_cast<size_t>(kTile) * 16);
+    values.resize(static_cast<size_t>(kTile) * blocks * 128);
+    pair_weights.resize(static_cast<size_t>(task.rows) * (kTile / 2));
+  }
+};
+
+template <int kBits>
+void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
+  const PagedKvCache& c = *task.cache;
+  const int blocks = ip.blocks;
+  for (int j = 0; j < kTile * task.rows; ++j) logits[j] = 0.0f;
+  alignas(64) float scales[kTile];
+  for (int b = 0; b < blocks; ++b) {
+    for (int j = 0; j < kTile; ++j) {
+      scales[j] = j < n ? TurboDecodeFactor(c.key_record(task.head, t0 + j) + b * c.key_layout.block_bytes, 128)
+                        : 0.0f;
+    }
+    // Rows in groups of four share each decoded key block.
+    for (int r0 = 0; r0 < task.rows; r0 += 4) {
+      const int rows = std::min(4, task.rows - r0);
+      __m512i acc[4][kTile];
+      for (int j = 0; j < kTile; ++j) {
+        for (int r = 0; r < 4; ++r) acc[r][j] = _mm512_setzero_si512();
+      }
+      for (int j = 0; j < n; ++j) {
+        __m512i cent[4];
+        BlockCentroids16<kBits>(c.key_record(task.head, t0 + j) + b * c.key_layout.block_bytes,
+                                ip.key_table, cent);
+        for (int r = 0; r < rows; ++r) {
+          const int16_t* q = ip.q.data() + (static_cast<size_t>(r0 + r) * blocks + b) * 128;
+          __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), cent[0], _mm512_loadu_si512(q));
+          a = _mm512_dpwssd_epi32(a, cent[1], _mm512_loadu_si512(q + 32));
+          a = _mm512_dpwssd_epi32(a, cent[2], _mm512_loadu_si512(q + 64));
+          acc[r][j] = _mm512_dpwssd_epi32(a, cent[3], _mm512_loadu_si512(q + 96));
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        const __m512 unit = _mm512_set1_ps(ip.q_scale[(r0 + r) * blocks + b]);
+        float* lr = logits + (r0 + r) * kTile;
+        for (int j = 0; j < kTile; j += 16) {
+          const __m512 dot = _mm512_cvtepi32_ps(ReduceLanes16(&acc[r][j]));
+          const __m512 contribution = _mm512_mul_ps(_mm512_mul_ps(dot, unit), _mm512_load_ps(scales + j));
+          _mm512_storeu_ps(lr + j, _mm512_add_ps(_mm512_loadu_ps(lr + j), contribution));
+        }
+      }
+    }
+  }
+}
+
+template <int kBits>
+void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, const float* weights,
+                       ScanState* state) {
+  const PagedKvCache& c = *task.cache;
+  const int blocks = ip.blocks;
+  const int dim = c.value_layout.head_dim;
+  const int pairs = (n + 1) / 2;
+  alignas(64) float scales[kTile];
+  // Natural dimension order of the two halves that unpacklo/hi_epi16 make of a
+  // 32-value chunk: lo = dims 0-3, 8-11, 16-19, 24-27; hi = 4-7, 12-15, ...
+  const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int b = 0; b < blocks; ++b) {
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* block = c.value_record(task.head, t0 + j) + b * c.value_layout.block_bytes;
+      scales[j] = TurboDecodeFactor(block, 128);
+      __m512i cent[4];
+      BlockCentroids16<kBits>(block, ip.value_table, cent);
+      int16_t* dst = ip.values.data() + static_cast<size_t>(j) * 128;
+      for (int k = 0; k < 4; ++k) _mm512_storeu_si512(dst + 32 * k, cent[k]);
+    }
+    if (n % 2) {  // pad the last pair with a zero-weight token
+      std::fill(ip.values.begin() + static_cast<size_t>(n) * 128, ip.values.begin() + (n + 1) * 128, 0);
+      scales[n] = 0.0f;
+    }
+    for (int r0 = 0; r0 < task.rows; r0 += 4) {
+      const int rows = std::min(4, task.rows - r0);
+      float unit[4] = {};
+      for (int r = 0; r < rows; ++r) {
+        const float* w = weights + (r0 + r) * kTile;
+        float max = 0.0f;
+        for (int j = 0; j < n; ++j) max = std::max(max, w[j] * scales[j]);
+        const float to_int = max > 0.0f ? kWeightMax / max : 0.0f;
+        int32_t* pw = ip.pair_weights.data() + static_cast<size_t>(r0 + r) * (kTile / 2);
+        for (int p = 0; p < pairs; ++p) {
+          const int32_t w0 = static_cast<int32_t>(std::lrint(w[2 * p] * scales[2 * p] * to_int));
+          const int32_t w1 =
+              2 * p + 1 < n ? static_cast<int32_t>(std::lrint(w[2 * p + 1] * scales[2 * p + 1] * to_int)) : 0;
+          pw[p] = (w0 & 0xffff) | (w1 << 16);
+        }
+        unit[r] = max / kWeightMax / kValueCentroidScale;
+      }
+      for (int chunk = 0; chunk < 4; ++chunk) {  // 32 dimensions at a time
+        __m512i acc[4][2];
+        for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+        for (int p = 0; p < pairs; ++p) {
+          const int16_t* v0 = ip.values.data() + static_cast<size_t>(2 * p) * 128 + 32 * chunk;
+          const __m512i a = _mm512_loadu_si512(v0);
+          const __m512i a1 = _mm512_loadu_si512(v0 + 128);
+          const __m512i lo = _mm512_unpacklo_epi16(a, a1);
+          const __m512i hi = _mm512_unpackhi_epi16(a, a1);
+          for (int r = 0; r < rows; ++r) {
+            const __m512i w = _mm512_set1_epi32(ip.pair_weights[static_cast<size_t>(r0 + r) * (kTile / 2) + p]);
+            acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], lo, w);
+            acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], hi, w);
+          }
+        }
+        for (int r = 0; r < rows; ++r) {
+          const __m512 u = _mm512_set1_ps(unit[r]);
+          const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][0]), u);
+          const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][1]), u);
+          float* out = state->acc.data() + static_cast<size_t>(r0 + r) * dim + b * 128 + 32 * chunk;
+          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_permutex2var_ps(lo, first16, hi)));
+          _mm512_storeu_ps(out + 16,
+                           _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_permutex2var_ps(lo, second16, hi)));
+        }
+      }
+    }
+  }
+}
+
+void ScoreTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
+  if (ip.key_bits == 2) return ScoreTileInt<2>(task, ip, t0, n, logits);
+  if (ip.key_bits == 3) return ScoreTileInt<3>(task, ip, t0, n, logits);
+  return ScoreTileInt<4>(task, ip, t0, n, logits);
+}
+
+void AccumulateTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int n,
+                              const float* weights, ScanState* state) {
+  if (ip.value_bits == 2) return AccumulateTileInt<2>(task, ip, t0, n, weights, state);
+  if (ip.value_bits == 3) return AccumulateTileInt<3>(task, ip, t0, n, weights, state);
+  return AccumulateTileInt<4>(task, ip, t0, n, weights, state);
+}
+#pragma GCC pop_options
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
+void Scan(const ScanTask& task, ScanState* state) {
+  const PagedKvCache& c = *task.cache;
+  const ScanSetup setup(c);
+  auto row_buffer = hwy::AllocateAligned<float>(c.key_layout.head_dim);
   auto logits = hwy::AllocateAligned<float>(static_cast<size_t>(task.rows) * kTile);
-  float* k = row_buffer.get();
-  float* v = row_buffer.get();
-
+#if HWY_TARGET == HWY_AVX3_DL
+  std::unique_ptr<IntPath> int_path;
+  if (task.integer_dot_products && IntPathApplies(c)) int_path = std::make_unique<IntPath>(task, setup);
+#endif
   for (int64_t t0 = task.begin; t0 < task.end;) {
     // A tile never crosses a page.
     const int64_t page_end = (t0 / c.page_tokens + 1) * c.page_tokens;
     const int n = static_cast<int>(std::min<int64_t>({kTile, task.end - t0, page_end - t0}));
-
-    // Scores: decode each key once, dot it with every row.
-    for (int j = 0; j < n; ++j) {
-      DecodeRowSimd(c.key_layout, key_table, c.key_record(task.head, t0 + j), k);
-      for (int r = 0; r < task.rows; ++r) {
-        const float* q = task.q + static_cast<size_t>(r) * dim;
-        auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
-        for (int i = 0; i < dim; i += 2 * lanes) {
-          acc0 = hn::MulAdd(hn::LoadU(d, q + i), hn::Load(d, k + i), acc0);
-          acc1 = hn::MulAdd(hn::LoadU(d, q + i + lanes), hn::Load(d, k + i + lanes), acc1);
-        }
-        logits[r * kTile + j] = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
-      }
+#if HWY_TARGET == HWY_AVX3_DL
+    if (int_path) {
+      ScoreTileIntAnyBits(task, *int_path, t0, n, logits.get());
+      SoftmaxTile(task, t0, n, logits.get(), state);
+      AccumulateTileIntAnyBits(task, *int_path, t0, n, logits.get(), state);
+      t0 += n;
+      continue;
     }
-
-    // Softmax update per row, vectorized over the tile.
-    const auto scale = hn::Set(d, task.scale);
-    const auto cap = hn::Set(d, task.softcap);
-    const auto inv_cap = hn::Set(d, task.softcap > 0.0f ? 1.0f / task.softcap : 0.0f);
-    for (int r = 0; r < task.rows; ++r) {
-      float* lr = logits.get() + r * kTile;
-      const int query = r / task.group;
-      const int64_t lo = std::max<int64_t>(task.first[query] - t0, 0);
-      const int64_t hi = std::min<int64_t>(task.last[query] - t0 + 1, n);  // visible: [lo, hi)
-      if (lo >= hi) {  // nothing visible: no weight on any token of the tile
-        for (int j = 0; j < kTile; ++j) lr[j] = 0.0f;
-        continue;
-      }
-      float tile_max = -INFINITY;
-      for (int j = 0; j < kTile; j += lanes) {
-        auto x = hn::Mul(hn::Load(d, lr + j), scale);
-        if (task.softcap > 0.0f) x = hn::Mul(cap, hn::Tanh(d, hn::Mul(x, inv_cap)));
-        hn::Store(x, d, lr + j);
-      }
-      for (int j = 0; j < kTile; ++j) {
-        if (j < lo || j >= hi) {
-          lr[j] = -INFINITY;
-        } else {
-          tile_max = std::max(tile_max, lr[j]);
-          if (task.top_k > 0) state->top[r].Push(lr[j], t0 + j);
-        }
-      }
-      const float m_old = state->m[r];
-      const float m_new = std::max(m_old, tile_max);
-      const float correction = std::exp(m_old - m_new);
-      const auto m = hn::Set(d, m_new);
-      const auto floor = hn::Set(d, -100.0f);
-      auto sum = hn::Zero(d);
-      for (int j = 0; j < kTile; j += lanes) {
-        const auto x = hn::Load(d, lr + j);
-        const auto visible = hn::Gt(x, hn::Set(d, -INFINITY));
-        const auto p = hn::IfThenElseZero(visible, hn::Exp(d, hn::Max(hn::Sub(x, m), floor)));
-        hn::Store(p, d, lr + j);
-        sum = hn::Add(sum, p);
-      }
-      if (correction != 1.0f) {
-        float* acc = state->acc.data() + static_cast<size_t>(r) * dim;
-        const auto corr = hn::Set(d, correction);
-        for (int i = 0; i < dim; i += lanes) hn::StoreU(hn::Mul(hn::LoadU(d, acc + i), corr), d, acc + i);
-      }
-      state->l[r] = state->l[r] * correction + hn::GetLane(hn::SumOfLanes(d, sum));
-      state->m[r] = m_new;
-    }
-
-    // Values: decode each once, accumulate into every row it has weight in.
-    for (int j = 0; j < n; ++j) {
-      DecodeRowSimd(c.value_layout, value_table, c.value_record(task.head, t0 + j), v);
-      for (int r = 0; r < task.rows; ++r) {
-        const float weight = logits[r * kTile + j];
-        if (weight == 0.0f) continue;
-        const auto p = hn::Set(d, weight);
-        float* acc = state->acc.data() + static_cast<size_t>(r) * dim;
-        for (int i = 0; i < dim; i += lanes) {
-          hn::StoreU(hn::MulAdd(p, hn::Load(d, v + i), hn::LoadU(d, acc + i)), d, acc + i);
-        }
-      }
-    }
+#endif
+    ScoreTileFloat(task, setup, t0, n, row_buffer.get(), logits.get());
+    SoftmaxTile(task, t0, n, logits.get(), state);
+    AccumulateTileFloat(task, setup, t0, n, logits.get(), row_buffer.get(), state);
     t0 += n;
   }
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "hwy/targets.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/attention_testing.h"
@@ -81,11 +82,32 @@ ReferenceResult DecodedReference(const Problem& p) {
                             p.key_spec.head_dim, p.q, p.positions, p.params);
 }
 
-void ExpectMatchesReference(const Result& r, const ReferenceResult& ref, const std::string& what) {
-  EXPECT_LT(RelativeL2(r.out, ref.out), 2e-5) << what;
+// How close a path must come to the double-precision reference: float
+// paths to rounding, the integer path (int16 centroids, queries and weights)
+// to about 1e-4 relative.
+struct Tolerance {
+  double out;    // relative L2 of all outputs
+  double logit;  // logits and log-sum-exp, relative to max(1, |x|)
+};
+constexpr Tolerance kFloat{2e-5, 1e-4};
+constexpr Tolerance kInteger{5e-4, 1e-3};
+
+void ExpectMatchesReference(const Result& r, const ReferenceResult& ref, const std::string& what,
+                            Tolerance tol = kFloat) {
+  EXPECT_LT(RelativeL2(r.out, ref.out), tol.out) << what;
   for (size_t i = 0; i < ref.lse.size(); ++i) {
-    ASSERT_NEAR(r.lse[i], ref.lse[i], 1e-4 * std::max(1.0, std::fabs(ref.lse[i]))) << what << " row " << i;
+    ASSERT_NEAR(r.lse[i], ref.lse[i], tol.logit * std::max(1.0, std::fabs(ref.lse[i])))
+        << what << " row " << i;
   }
+}
+
+// Every path: scalar, SIMD float, SIMD with integer dot products.
+void ExpectAllPathsMatch(const Problem& p, const ReferenceResult& ref, const std::string& what) {
+  ExpectMatchesReference(Attend(p, {AttentionPath::kScalar}), ref, what + " scalar");
+  AttentionOptions simd_float{AttentionPath::kSimd};
+  simd_float.integer_dot_products = false;
+  ExpectMatchesReference(Attend(p, simd_float), ref, what + " simd float");
+  ExpectMatchesReference(Attend(p, {AttentionPath::kSimd}), ref, what + " simd", kInteger);
 }
 
 class AttentionTest
@@ -99,8 +121,7 @@ TEST_P(AttentionTest, ScalarAndSimdMatchTheFloatReference) {
     const std::string what = std::string(CodecName(codecs.first)) + "/" + CodecName(codecs.second) +
                              " d=" + std::to_string(d) + " group=" + std::to_string(group) +
                              " tokens=" + std::to_string(tokens);
-    ExpectMatchesReference(Attend(p, {AttentionPath::kScalar}), ref, what + " scalar");
-    ExpectMatchesReference(Attend(p, {AttentionPath::kSimd}), ref, what + " simd");
+    ExpectAllPathsMatch(p, ref, what);
   }
 }
 
@@ -126,8 +147,7 @@ TEST(AttentionFeaturesTest, WindowSoftcapAndCausalPositions) {
   p.params.softmax_scale = 0.2f;
   p.positions = {999, 500, 120, 99, 0};
   const ReferenceResult ref = DecodedReference(p);
-  ExpectMatchesReference(Attend(p, {AttentionPath::kScalar}), ref, "scalar");
-  ExpectMatchesReference(Attend(p, {AttentionPath::kSimd}), ref, "simd");
+  ExpectAllPathsMatch(p, ref, "window+softcap");
   // The window really limits what a query sees: without it the result differs.
   Problem full = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, 1000, 5, 6.0f);
   full.params.softcap = 5.0f;
@@ -140,15 +160,20 @@ TEST(AttentionFeaturesTest, TopKMatchesTheReference) {
   Problem p = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo3, 128, 2, 4, 3000, 2);
   p.params.top_k = 8;
   const ReferenceResult ref = DecodedReference(p);
-  for (AttentionPath path : {AttentionPath::kScalar, AttentionPath::kSimd}) {
-    const Result r = Attend(p, {path});
+  AttentionOptions simd_float{AttentionPath::kSimd};
+  simd_float.integer_dot_products = false;
+  const std::pair<AttentionOptions, Tolerance> paths[] = {
+      {{AttentionPath::kScalar}, kFloat}, {simd_float, kFloat}, {{AttentionPath::kSimd}, kInteger}};
+  for (const auto& [options, tol] : paths) {
+    const Result r = Attend(p, options);
     for (size_t row = 0; row < ref.logits.size(); ++row) {
       for (int k = 0; k < p.params.top_k; ++k) {
         const auto& [logit, token] = ref.logits[row][k];
-        EXPECT_NEAR(r.top_logits[row * 8 + k], logit, 1e-4) << "row " << row << " rank " << k;
-        // Tokens agree unless two logits are within rounding of each other.
-        if (ref.logits[row][k].first - ref.logits[row][k + 1].first > 1e-4 &&
-            (k == 0 || ref.logits[row][k - 1].first - logit > 1e-4)) {
+        const double slack = tol.logit * std::max(1.0, std::fabs(logit));
+        EXPECT_NEAR(r.top_logits[row * 8 + k], logit, slack) << "row " << row << " rank " << k;
+        // Tokens agree unless two logits are within that tolerance of each other.
+        if (ref.logits[row][k].first - ref.logits[row][k + 1].first > 2 * slack &&
+            (k == 0 || ref.logits[row][k - 1].first - logit > 2 * slack)) {
           EXPECT_EQ(r.top_tokens[row * 8 + k], token) << "row " << row << " rank " << k;
         }
       }
@@ -163,12 +188,41 @@ TEST(AttentionFeaturesTest, TopKMatchesTheReference) {
   EXPECT_GE(r.top_tokens[2], 0);
 }
 
+// Every SIMD target compiled in and supported here against the scalar path.
+TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
+  const Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 2);
+  const Problem f16 = MakeProblem(CodecKind::kF16, CodecKind::kQ8_0, 64, 2, 4, 300, 2);
+  const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
+  int tested = 0;
+  for (int64_t bits = targets; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    for (const Problem* problem : {&p, &f16}) {
+      const Result scalar = Attend(*problem, {AttentionPath::kScalar});
+      AttentionOptions simd_float{AttentionPath::kSimd};
+      simd_float.integer_dot_products = false;
+      EXPECT_LT(RelativeL2(Attend(*problem, simd_float).out, scalar.out), 2e-5) << hwy::TargetName(target);
+      EXPECT_LT(RelativeL2(Attend(*problem, {AttentionPath::kSimd}).out, scalar.out), 5e-4)
+          << hwy::TargetName(target);
+    }
+    ++tested;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(tested, 2);
+}
+
 TEST(AttentionFeaturesTest, ThreadsAndChunksGiveTheSameResult) {
+  // Float path: the integer path quantizes weights per tile, and chunks move
+  // tile boundaries.
   const Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 4, 4, 5000, 2);
-  const Result single = Attend(p, {AttentionPath::kSimd});
+  AttentionOptions options{AttentionPath::kSimd};
+  options.integer_dot_products = false;
+  const Result single = Attend(p, options);
   ThreadPool pool(3);
+  options.pool = &pool;
   for (int64_t chunk : {int64_t{0}, int64_t{100}, int64_t{777}}) {
-    const Result split = Attend(p, {AttentionPath::kSimd, &pool, chunk});
+    options.chunk_tokens = chunk;
+    const Result split = Attend(p, options);
     // Only the order of float sums changes: a few float epsilons over 5000 tokens.
     EXPECT_LT(RelativeL2(split.out, single.out), 1e-5) << "chunk " << chunk;
     for (size_t i = 0; i < single.lse.size(); ++i) EXPECT_NEAR(split.lse[i], single.lse[i], 1e-5);
@@ -187,14 +241,16 @@ TEST(AttentionFeaturesTest, MergingTwoHalvesEqualsTheWhole) {
   const size_t rows = whole.params.q_heads;
   std::vector<float> out_a(rows * d), lse_a(rows), out_b(rows * d), lse_b(rows);
   const int64_t last_a = half - 1, last_b = kTokens - half - 1;
+  AttentionOptions options{AttentionPath::kSimd};
+  options.integer_dot_products = false;  // exact up to float rounding
   ASSERT_TRUE(AttendCpu((*first)->descriptor(), whole.params, {1, whole.q.data(), &last_a},
-                        {out_a.data(), lse_a.data()})
+                        {out_a.data(), lse_a.data()}, options)
                   .ok());
   ASSERT_TRUE(AttendCpu((*second)->descriptor(), whole.params, {1, whole.q.data(), &last_b},
-                        {out_b.data(), lse_b.data()})
+                        {out_b.data(), lse_b.data()}, options)
                   .ok());
   MergeAttention(rows, d, out_a.data(), lse_a.data(), out_b.data(), lse_b.data());
-  const Result r = Attend(whole, {});
+  const Result r = Attend(whole, options);
   EXPECT_LT(RelativeL2(out_a, r.out), 1e-6);
   for (size_t i = 0; i < rows; ++i) EXPECT_NEAR(lse_a[i], r.lse[i], 1e-5);
 }

@@ -1,0 +1,174 @@
+// turbokv-bench attend: attention on the compressed cache, next to the same
+// attention on an f16 cache of the same vectors and a plain streaming read of
+// as many bytes as the compressed cache, all with the same threads, in one run.
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench/cli.h"
+#include "kernels/attention.h"
+#include "kernels/cpu/cpu_codecs.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/paged_cache.h"
+
+namespace turbokv::bench {
+namespace {
+
+// Uniform values in [-1, 1): attention speed does not depend on the data.
+void FillRandom(std::vector<float>* x, uint64_t seed) {
+  uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (float& v : *x) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    v = static_cast<float>(static_cast<int32_t>(s >> 32)) * (1.0f / 2147483648.0f);
+  }
+}
+
+struct Cache {
+  std::unique_ptr<PagedCacheBuffer> buffer;
+  size_t bytes = 0;  // what attention reads: every token's key and value records
+};
+
+std::string BuildCache(CodecKind k, CodecKind v, int head_dim, int kv_heads, int page_tokens,
+                       int64_t tokens, const std::vector<float>& keys,
+                       const std::vector<float>& values, Cache* cache) {
+  auto made = PagedCacheBuffer::Create(CodecSpec{k, head_dim, 1}, CodecSpec{v, head_dim, 2},
+                                       kv_heads, page_tokens);
+  if (!made.ok()) return std::string(made.status().message());
+  cache->buffer = *std::move(made);
+  cache->buffer->Append(tokens, keys.data(), values.data());
+  const PagedKvCache& d = cache->buffer->descriptor();
+  cache->bytes = static_cast<size_t>(tokens) * kv_heads *
+                 (d.key_layout.code_size() + d.value_layout.code_size());
+  return std::string();
+}
+
+// A plain read of every 8-byte word of `buffer`, split over the pool.
+uint64_t StreamRead(ThreadPool& pool, const std::vector<uint64_t>& buffer) {
+  const int parts = pool.size();
+  std::vector<uint64_t> sums(parts);
+  pool.ParallelFor(parts, [&](int64_t part) {
+    const size_t begin = buffer.size() * part / parts, end = buffer.size() * (part + 1) / parts;
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    size_t i = begin;
+    for (; i + 4 <= end; i += 4) {
+      a += buffer[i];
+      b += buffer[i + 1];
+      c += buffer[i + 2];
+      d += buffer[i + 3];
+    }
+    for (; i < end; ++i) a += buffer[i];
+    sums[part] = a + b + c + d;
+  });
+  uint64_t total = 0;
+  for (uint64_t s : sums) total += s;
+  return total;
+}
+
+}  // namespace
+
+int RunAttend(int argc, char** argv) {
+  Options options;
+  std::string error;
+  if (!options.Parse(argc, argv,
+                     {"k-codec", "v-codec", "tokens", "kv-heads", "q-heads", "head-dim", "queries",
+                      "threads", "page-tokens"},
+                     {"json"}, &error)) {
+    return UsageError(error);
+  }
+  long long tokens, kv_heads, q_heads, head_dim, n_queries, threads, page_tokens;
+  if (!options.GetInt("tokens", 16384, &tokens, &error) ||
+      !options.GetInt("kv-heads", 8, &kv_heads, &error) ||
+      !options.GetInt("q-heads", 32, &q_heads, &error) ||
+      !options.GetInt("head-dim", 128, &head_dim, &error) ||
+      !options.GetInt("queries", 1, &n_queries, &error) ||
+      !options.GetInt("threads", 1, &threads, &error) ||
+      !options.GetInt("page-tokens", 256, &page_tokens, &error)) {
+    return UsageError(error);
+  }
+  const auto k_codec = ParseCodecKind(options.Get("k-codec", "turbo3"));
+  if (!k_codec.ok()) return UsageError(std::string(k_codec.status().message()));
+  const auto v_codec = ParseCodecKind(options.Get("v-codec", "turbo3"));
+  if (!v_codec.ok()) return UsageError(std::string(v_codec.status().message()));
+  if (q_heads % kv_heads != 0) return UsageError("--q-heads must be a multiple of --kv-heads");
+  if (n_queries > tokens) return UsageError("--queries cannot exceed --tokens");
+  if (head_dim > kMaxHeadDim || kv_heads > 1024 || q_heads > 8192 || threads > 1024) {
+    return UsageError("a size is out of range");
+  }
+  const int d = static_cast<int>(head_dim), kv = static_cast<int>(kv_heads);
+
+  std::vector<float> keys(static_cast<size_t>(tokens) * kv * d), values(keys.size());
+  FillRandom(&keys, 1);
+  FillRandom(&values, 2);
+  Cache compressed, f16;
+  error = BuildCache(*k_codec, *v_codec, d, kv, static_cast<int>(page_tokens), tokens, keys, values,
+                     &compressed);
+  if (error.empty()) {
+    error = BuildCache(CodecKind::kF16, CodecKind::kF16, d, kv, static_cast<int>(page_tokens), tokens,
+                       keys, values, &f16);
+  }
+  if (!error.empty()) return UsageError(error);
+  keys = {};
+  values = {};
+
+  std::vector<float> q(static_cast<size_t>(n_queries) * q_heads * d);
+  FillRandom(&q, 3);
+  std::vector<int64_t> positions(n_queries);
+  for (long long i = 0; i < n_queries; ++i) positions[i] = tokens - n_queries + i;
+  std::vector<float> out(q.size()), lse(static_cast<size_t>(n_queries) * q_heads);
+  AttentionParams params;
+  params.q_heads = static_cast<int>(q_heads);
+  const AttentionQueries queries{n_queries, q.data(), positions.data()};
+  const AttentionOutput output{out.data(), lse.data()};
+  ThreadPool pool(static_cast<int>(threads));
+  const AttentionOptions attend_options{AttentionPath::kSimd, &pool};
+
+  auto calls_per_second = [&](const Cache& cache) {
+    return MedianRate(1, [&] {
+      const absl::Status s = AttendCpu(cache.buffer->descriptor(), params, queries, output, attend_options);
+      if (!s.ok()) error = std::string(s.message());
+    }, 0.3);
+  };
+  const double compressed_rate = calls_per_second(compressed);
+  const double f16_rate = calls_per_second(f16);
+  if (!error.empty()) {
+    std::fprintf(stderr, "turbokv-bench: %s\n", error.c_str());
+    return 1;
+  }
+  std::vector<uint64_t> stream((compressed.bytes + 7) / 8, 1);
+  uint64_t sink = 0;
+  const double stream_rate = MedianRate(stream.size() * 8, [&] { sink += StreamRead(pool, stream); }, 0.3);
+
+  const double us = 1e6 / compressed_rate, f16_us = 1e6 / f16_rate;
+  const double cache_gb_per_s = compressed.bytes * compressed_rate / 1e9;
+  const double stream_gb_per_s = stream_rate / 1e9;
+  if (options.Has("json")) {
+    std::printf(
+        "{\"k_codec\": \"%s\", \"v_codec\": \"%s\", \"tokens\": %lld, \"kv_heads\": %lld, "
+        "\"q_heads\": %lld, \"head_dim\": %lld, \"queries\": %lld, \"threads\": %lld, "
+        "\"implementation\": \"simd:%s\", \"us_per_call\": %.6g, \"f16_us_per_call\": %.6g, "
+        "\"cache_bytes\": %zu, \"f16_cache_bytes\": %zu, \"cache_gb_per_s\": %.6g, "
+        "\"stream_read_gb_per_s\": %.6g, \"speedup_vs_f16\": %.6g, \"fraction_of_stream_read\": %.6g}\n",
+        CodecName(*k_codec), CodecName(*v_codec), tokens, kv_heads, q_heads, head_dim, n_queries,
+        threads, ChosenSimdTarget(), us, f16_us, compressed.bytes, f16.bytes, cache_gb_per_s,
+        stream_gb_per_s, f16_us / us, cache_gb_per_s / stream_gb_per_s);
+    return sink == 42 ? 3 : 0;
+  }
+  std::printf("attend %s keys, %s values: %lld tokens, %lld kv heads, %lld q heads, d %lld, %lld "
+              "quer%s, %lld thread%s, simd:%s\n",
+              CodecName(*k_codec), CodecName(*v_codec), tokens, kv_heads, q_heads, head_dim, n_queries,
+              n_queries == 1 ? "y" : "ies", threads, threads == 1 ? "" : "s", ChosenSimdTarget());
+  std::printf("  compressed   %10.1f us/call  %8.1f M tokens/s  %6.1f GB/s of cache (%.1f MB)\n", us,
+              tokens * compressed_rate / 1e6, cache_gb_per_s, compressed.bytes / 1e6);
+  std::printf("  f16          %10.1f us/call  %8.1f M tokens/s  %6.1f GB/s of cache (%.1f MB)\n", f16_us,
+              tokens * f16_rate / 1e6, f16.bytes * f16_rate / 1e9, f16.bytes / 1e6);
+  std::printf("  speed-up over f16: %.2fx\n", f16_us / us);
+  std::printf("  streaming read of %.1f MB: %.1f GB/s; the compressed cache is read at %.0f%% of it\n",
+              compressed.bytes / 1e6, stream_gb_per_s, 100 * cache_gb_per_s / stream_gb_per_s);
+  return sink == 42 ? 3 : 0;
+}
+
+}  // namespace turbokv::bench

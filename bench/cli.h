@@ -1,0 +1,99 @@
+// Shared pieces of the turbokv-bench subcommands.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+
+namespace turbokv::bench {
+
+// Prints the problem and the usage to stderr; returns the exit code 2.
+int UsageError(const std::string& message);
+
+// --name value / --name=value options and bare --switches after the subcommand.
+class Options {
+ public:
+  bool Parse(int argc, char** argv, const std::vector<std::string>& valued,
+             const std::vector<std::string>& switches, std::string* error) {
+    for (int i = 0; i < argc; ++i) {
+      std::string arg = argv[i];
+      if (arg.rfind("--", 0) != 0) {
+        *error = "unexpected argument \"" + arg + "\"";
+        return false;
+      }
+      arg = arg.substr(2);
+      std::string value;
+      const size_t eq = arg.find('=');
+      const bool inline_value = eq != std::string::npos;
+      if (inline_value) {
+        value = arg.substr(eq + 1);
+        arg = arg.substr(0, eq);
+      }
+      if (std::find(switches.begin(), switches.end(), arg) != switches.end() && !inline_value) {
+        values_[arg] = "true";
+        continue;
+      }
+      if (std::find(valued.begin(), valued.end(), arg) == valued.end()) {
+        *error = "unknown option --" + arg;
+        return false;
+      }
+      if (!inline_value) {
+        if (i + 1 >= argc) {
+          *error = "--" + arg + " needs a value";
+          return false;
+        }
+        value = argv[++i];
+      }
+      values_[arg] = value;
+    }
+    return true;
+  }
+
+  bool Has(const std::string& name) const { return values_.count(name) != 0; }
+  std::string Get(const std::string& name, const std::string& fallback) const {
+    auto it = values_.find(name);
+    return it == values_.end() ? fallback : it->second;
+  }
+  // A positive integer option; false with *error set when it is not one.
+  bool GetInt(const std::string& name, long long fallback, long long* out, std::string* error) const {
+    const std::string text = Get(name, std::to_string(fallback));
+    if (!absl::SimpleAtoi(text, out) || *out <= 0) {
+      *error = "--" + name + " must be a positive integer, got \"" + text + "\"";
+      return false;
+    }
+    return true;
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+inline double Seconds(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Median over 5 runs of `op`, which handles `count` items, each run repeated
+// for at least `min_seconds`; returns items per second.
+template <class Op>
+double MedianRate(size_t count, Op op, double min_seconds = 0.1) {
+  std::vector<double> rates;
+  for (int run = 0; run < 5; ++run) {
+    const auto start = std::chrono::steady_clock::now();
+    size_t done = 0;
+    double elapsed = 0;
+    do {
+      op();
+      done += count;
+      elapsed = Seconds(start);
+    } while (elapsed < min_seconds);
+    rates.push_back(done / elapsed);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+}  // namespace turbokv::bench
