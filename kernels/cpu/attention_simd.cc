@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 
@@ -92,8 +93,11 @@ void ScoreTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t0, in
   const int dim = c.key_layout.head_dim;
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
+  // A tile lies in one page: its records are consecutive.
+  const uint8_t* records = c.key_record(task.head, t0);
+  const size_t record_bytes = c.key_layout.code_size();
   for (int j = 0; j < n; ++j) {
-    DecodeRowSimd(c.key_layout, setup.key_table, c.key_record(task.head, t0 + j), k);
+    DecodeRowSimd(c.key_layout, setup.key_table, records + j * record_bytes, k);
     for (int r = 0; r < task.rows; ++r) {
       const float* q = task.q + static_cast<size_t>(r) * dim;
       auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
@@ -113,8 +117,10 @@ void AccumulateTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t
   const int dim = c.key_layout.head_dim;
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
+  const uint8_t* records = c.value_record(task.head, t0);
+  const size_t record_bytes = c.value_layout.code_size();
   for (int j = 0; j < n; ++j) {
-    DecodeRowSimd(c.value_layout, setup.value_table, c.value_record(task.head, t0 + j), v);
+    DecodeRowSimd(c.value_layout, setup.value_table, records + j * record_bytes, v);
     for (int r = 0; r < task.rows; ++r) {
       const float weight = weights[r * kTile + j];
       if (weight == 0.0f) continue;
@@ -146,19 +152,21 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
       for (int j = 0; j < kTile; ++j) lr[j] = 0.0f;
       continue;
     }
-    float tile_max = -INFINITY;
+    auto max = hn::Set(d, -INFINITY);
     for (int j = 0; j < kTile; j += lanes) {
       auto x = hn::Mul(hn::Load(d, lr + j), scale);
       if (task.softcap > 0.0f) x = hn::Mul(cap, hn::Tanh(d, hn::Mul(x, inv_cap)));
+      // Invisible tokens (and slots past n) get -inf.
+      const auto index = hn::Iota(d, static_cast<float>(j));
+      x = hn::IfThenElse(hn::And(hn::Ge(index, hn::Set(d, static_cast<float>(lo))),
+                                 hn::Lt(index, hn::Set(d, static_cast<float>(hi)))),
+                         x, hn::Set(d, -INFINITY));
+      max = hn::Max(max, x);
       hn::Store(x, d, lr + j);
     }
-    for (int j = 0; j < kTile; ++j) {
-      if (j < lo || j >= hi) {
-        lr[j] = -INFINITY;
-      } else {
-        tile_max = std::max(tile_max, lr[j]);
-        if (task.top_k > 0) state->top[r].Push(lr[j], t0 + j);
-      }
+    const float tile_max = hn::GetLane(hn::MaxOfLanes(d, max));
+    if (task.top_k > 0) {
+      for (int64_t j = lo; j < hi; ++j) state->top[r].Push(lr[j], t0 + j);
     }
     const float m_old = state->m[r];
     const float m_new = std::max(m_old, tile_max);
@@ -326,30 +334,31 @@ template <int kBits>
 void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
   const PagedKvCache& c = *task.cache;
   const int blocks = ip.blocks;
+  const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
+  const size_t record_bytes = c.key_layout.code_size();
   for (int j = 0; j < kTile * task.rows; ++j) logits[j] = 0.0f;
   alignas(64) float scales[kTile];
+  alignas(64) __m512i acc[4][kTile];
+  for (int r = 0; r < 4; ++r) {
+    for (int j = n; j < kTile; ++j) acc[r][j] = _mm512_setzero_si512();
+  }
   for (int b = 0; b < blocks; ++b) {
-    for (int j = 0; j < kTile; ++j) {
-      scales[j] = j < n ? TurboDecodeFactor(c.key_record(task.head, t0 + j) + b * c.key_layout.block_bytes, 128)
-                        : 0.0f;
-    }
+    const uint8_t* first = records + b * c.key_layout.block_bytes;
+    for (int j = 0; j < kTile; ++j) scales[j] = j < n ? TurboDecodeFactor(first + j * record_bytes, 128) : 0.0f;
     // Rows in groups of four share each decoded key block.
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int rows = std::min(4, task.rows - r0);
-      __m512i acc[4][kTile];
-      for (int j = 0; j < kTile; ++j) {
-        for (int r = 0; r < 4; ++r) acc[r][j] = _mm512_setzero_si512();
-      }
+      const int16_t* q = ip.q.data() + (static_cast<size_t>(r0) * blocks + b) * 128;
+      const size_t q_row = static_cast<size_t>(blocks) * 128;
       for (int j = 0; j < n; ++j) {
         __m512i cent[4];
-        BlockCentroids16<kBits>(c.key_record(task.head, t0 + j) + b * c.key_layout.block_bytes,
-                                ip.key_table, cent);
+        BlockCentroids16<kBits>(first + j * record_bytes, ip.key_table, cent);
         for (int r = 0; r < rows; ++r) {
-          const int16_t* q = ip.q.data() + (static_cast<size_t>(r0 + r) * blocks + b) * 128;
-          __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), cent[0], _mm512_loadu_si512(q));
-          a = _mm512_dpwssd_epi32(a, cent[1], _mm512_loadu_si512(q + 32));
-          a = _mm512_dpwssd_epi32(a, cent[2], _mm512_loadu_si512(q + 64));
-          acc[r][j] = _mm512_dpwssd_epi32(a, cent[3], _mm512_loadu_si512(q + 96));
+          const int16_t* qr = q + r * q_row;
+          __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), cent[0], _mm512_loadu_si512(qr));
+          a = _mm512_dpwssd_epi32(a, cent[1], _mm512_loadu_si512(qr + 32));
+          a = _mm512_dpwssd_epi32(a, cent[2], _mm512_loadu_si512(qr + 64));
+          acc[r][j] = _mm512_dpwssd_epi32(a, cent[3], _mm512_loadu_si512(qr + 96));
         }
       }
       for (int r = 0; r < rows; ++r) {
@@ -365,6 +374,40 @@ void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* l
   }
 }
 
+// acc_r += sum_j w_rj v_j over a tile for kRows rows (kept in registers).
+template <int kRows>
+HWY_INLINE void AccumulateRowsInt(const int16_t* values, int pairs, const int32_t* pair_weights,
+                                  const float* unit, int dim, int block, float* acc_out) {
+  // Natural dimension order of the two halves that unpacklo/hi_epi16 make of a
+  // 32-value chunk: lo = dims 0-3, 8-11, 16-19, 24-27; hi = 4-7, 12-15, ...
+  const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int chunk = 0; chunk < 4; ++chunk) {  // 32 dimensions at a time
+    __m512i acc[kRows][2];
+    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int p = 0; p < pairs; ++p) {
+      const int16_t* v0 = values + static_cast<size_t>(2 * p) * 128 + 32 * chunk;
+      const __m512i a = _mm512_loadu_si512(v0);
+      const __m512i a1 = _mm512_loadu_si512(v0 + 128);
+      const __m512i lo = _mm512_unpacklo_epi16(a, a1);
+      const __m512i hi = _mm512_unpackhi_epi16(a, a1);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i w = _mm512_set1_epi32(pair_weights[r * (kTile / 2) + p]);
+        acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], lo, w);
+        acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], hi, w);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 u = _mm512_set1_ps(unit[r]);
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][0]), u);
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][1]), u);
+      float* out = acc_out + static_cast<size_t>(r) * dim + block * 128 + 32 * chunk;
+      _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_permutex2var_ps(lo, first16, hi)));
+      _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_permutex2var_ps(lo, second16, hi)));
+    }
+  }
+}
+
 template <int kBits>
 void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, const float* weights,
                        ScanState* state) {
@@ -372,65 +415,50 @@ void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, con
   const int blocks = ip.blocks;
   const int dim = c.value_layout.head_dim;
   const int pairs = (n + 1) / 2;
+  const uint8_t* records = c.value_record(task.head, t0);  // a tile lies in one page
+  const size_t record_bytes = c.value_layout.code_size();
   alignas(64) float scales[kTile];
-  // Natural dimension order of the two halves that unpacklo/hi_epi16 make of a
-  // 32-value chunk: lo = dims 0-3, 8-11, 16-19, 24-27; hi = 4-7, 12-15, ...
-  const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int b = 0; b < blocks; ++b) {
+    for (int j = 0; j < kTile; ++j) scales[j] = 0.0f;
     for (int j = 0; j < n; ++j) {
-      const uint8_t* block = c.value_record(task.head, t0 + j) + b * c.value_layout.block_bytes;
+      const uint8_t* block = records + j * record_bytes + b * c.value_layout.block_bytes;
       scales[j] = TurboDecodeFactor(block, 128);
       __m512i cent[4];
       BlockCentroids16<kBits>(block, ip.value_table, cent);
       int16_t* dst = ip.values.data() + static_cast<size_t>(j) * 128;
       for (int k = 0; k < 4; ++k) _mm512_storeu_si512(dst + 32 * k, cent[k]);
     }
-    if (n % 2) {  // pad the last pair with a zero-weight token
+    if (n % 2) {  // the last pair's second token has weight 0; keep its values finite
       std::fill(ip.values.begin() + static_cast<size_t>(n) * 128, ip.values.begin() + (n + 1) * 128, 0);
-      scales[n] = 0.0f;
     }
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int rows = std::min(4, task.rows - r0);
       float unit[4] = {};
       for (int r = 0; r < rows; ++r) {
+        // Weights times value scales, as int16 pairs: (w_2p, w_2p+1).
         const float* w = weights + (r0 + r) * kTile;
-        float max = 0.0f;
-        for (int j = 0; j < n; ++j) max = std::max(max, w[j] * scales[j]);
-        const float to_int = max > 0.0f ? kWeightMax / max : 0.0f;
-        int32_t* pw = ip.pair_weights.data() + static_cast<size_t>(r0 + r) * (kTile / 2);
-        for (int p = 0; p < pairs; ++p) {
-          const int32_t w0 = static_cast<int32_t>(std::lrint(w[2 * p] * scales[2 * p] * to_int));
-          const int32_t w1 =
-              2 * p + 1 < n ? static_cast<int32_t>(std::lrint(w[2 * p + 1] * scales[2 * p + 1] * to_int)) : 0;
-          pw[p] = (w0 & 0xffff) | (w1 << 16);
+        __m512 scaled[2];
+        __m512 max = _mm512_setzero_ps();
+        for (int h = 0; h < 2; ++h) {
+          scaled[h] = _mm512_mul_ps(_mm512_loadu_ps(w + 16 * h), _mm512_load_ps(scales + 16 * h));
+          max = _mm512_max_ps(max, scaled[h]);
         }
-        unit[r] = max / kWeightMax / kValueCentroidScale;
+        const float m = _mm512_reduce_max_ps(max);
+        const __m512 to_int = _mm512_set1_ps(m > 0.0f ? kWeightMax / m : 0.0f);
+        int16_t* pw = reinterpret_cast<int16_t*>(ip.pair_weights.data() + static_cast<size_t>(r0 + r) * (kTile / 2));
+        for (int h = 0; h < 2; ++h) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + 16 * h),
+                              _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(scaled[h], to_int))));
+        }
+        unit[r] = m / kWeightMax / kValueCentroidScale;
       }
-      for (int chunk = 0; chunk < 4; ++chunk) {  // 32 dimensions at a time
-        __m512i acc[4][2];
-        for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-        for (int p = 0; p < pairs; ++p) {
-          const int16_t* v0 = ip.values.data() + static_cast<size_t>(2 * p) * 128 + 32 * chunk;
-          const __m512i a = _mm512_loadu_si512(v0);
-          const __m512i a1 = _mm512_loadu_si512(v0 + 128);
-          const __m512i lo = _mm512_unpacklo_epi16(a, a1);
-          const __m512i hi = _mm512_unpackhi_epi16(a, a1);
-          for (int r = 0; r < rows; ++r) {
-            const __m512i w = _mm512_set1_epi32(ip.pair_weights[static_cast<size_t>(r0 + r) * (kTile / 2) + p]);
-            acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], lo, w);
-            acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], hi, w);
-          }
-        }
-        for (int r = 0; r < rows; ++r) {
-          const __m512 u = _mm512_set1_ps(unit[r]);
-          const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][0]), u);
-          const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][1]), u);
-          float* out = state->acc.data() + static_cast<size_t>(r0 + r) * dim + b * 128 + 32 * chunk;
-          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_permutex2var_ps(lo, first16, hi)));
-          _mm512_storeu_ps(out + 16,
-                           _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_permutex2var_ps(lo, second16, hi)));
-        }
+      const int32_t* pw = ip.pair_weights.data() + static_cast<size_t>(r0) * (kTile / 2);
+      float* out = state->acc.data() + static_cast<size_t>(r0) * dim;
+      switch (rows) {
+        case 4: AccumulateRowsInt<4>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 3: AccumulateRowsInt<3>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 2: AccumulateRowsInt<2>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        default: AccumulateRowsInt<1>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
       }
     }
   }
@@ -451,6 +479,18 @@ void AccumulateTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int
 #pragma GCC pop_options
 #endif  // HWY_TARGET == HWY_AVX3_DL
 
+// Asks for the records of tokens [begin, end) (within one page) ahead of use:
+// the scan is otherwise bound by the latency of each tile's first touch.
+void PrefetchRecords(const PagedKvCache& c, int head, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  end = std::min(end, (begin / c.page_tokens + 1) * c.page_tokens);
+  const size_t tokens = static_cast<size_t>(end - begin);
+  for (const auto& [first, bytes] : {std::make_pair(c.key_record(head, begin), tokens * c.key_layout.code_size()),
+                                     std::make_pair(c.value_record(head, begin), tokens * c.value_layout.code_size())}) {
+    for (size_t offset = 0; offset < bytes; offset += 64) hwy::Prefetch(first + offset);
+  }
+}
+
 void Scan(const ScanTask& task, ScanState* state) {
   const PagedKvCache& c = *task.cache;
   const ScanSetup setup(c);
@@ -464,6 +504,7 @@ void Scan(const ScanTask& task, ScanState* state) {
     // A tile never crosses a page.
     const int64_t page_end = (t0 / c.page_tokens + 1) * c.page_tokens;
     const int n = static_cast<int>(std::min<int64_t>({kTile, task.end - t0, page_end - t0}));
+    PrefetchRecords(c, task.head, t0 + n, std::min<int64_t>(task.end, t0 + n + kTile));
 #if HWY_TARGET == HWY_AVX3_DL
     if (int_path) {
       ScoreTileIntAnyBits(task, *int_path, t0, n, logits.get());
