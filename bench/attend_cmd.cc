@@ -12,6 +12,9 @@
 #include "kernels/cpu/cpu_codecs.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/paged_cache.h"
+#ifdef TURBOKV_WITH_CUDA
+#include "bench/cuda_attention_timing.h"
+#endif
 
 namespace turbokv::bench {
 namespace {
@@ -68,6 +71,38 @@ uint64_t StreamRead(ThreadPool& pool, const std::vector<uint64_t>& buffer) {
   return total;
 }
 
+#ifdef TURBOKV_WITH_CUDA
+// The same comparison on GPU 0: CUDA events, and a device-to-device copy of
+// the compressed cache's bytes for the memory speed.
+int RunAttendCuda(const Cache& compressed, const Cache& f16, const AttentionParams& params,
+                  const AttentionQueries& queries, bool json) {
+  auto c = MeasureCudaAttention(compressed.buffer->descriptor(), params, queries, compressed.bytes);
+  auto f = MeasureCudaAttention(f16.buffer->descriptor(), params, queries, f16.bytes);
+  if (!c.ok() || !f.ok()) {
+    std::fprintf(stderr, "turbokv-bench: %s\n", std::string((c.ok() ? f.status() : c.status()).message()).c_str());
+    return 1;
+  }
+  const double cache_gb_per_s = compressed.bytes / (c->us_per_call * 1e-6) / 1e9;
+  if (json) {
+    std::printf("{\"implementation\": \"cuda:0\", \"us_per_call\": %.6g, \"f16_us_per_call\": %.6g, "
+                "\"cache_bytes\": %zu, \"cache_gb_per_s\": %.6g, \"device_copy_gb_per_s\": %.6g}\n",
+                c->us_per_call, f->us_per_call, compressed.bytes, cache_gb_per_s, c->copy_gb_per_s);
+    return 0;
+  }
+  std::printf("attend %s keys, %s values: %lld tokens, %d kv heads, %d q heads, d %d, %lld quer%s, GPU 0\n",
+              CodecName(compressed.buffer->descriptor().key_layout.kind),
+              CodecName(compressed.buffer->descriptor().value_layout.kind),
+              static_cast<long long>(compressed.buffer->tokens()), compressed.buffer->descriptor().kv_heads,
+              params.q_heads, compressed.buffer->descriptor().key_layout.head_dim,
+              static_cast<long long>(queries.n), queries.n == 1 ? "y" : "ies");
+  std::printf("  compressed %.1f us/call (%.0f GB/s of cache), f16 %.1f us/call (%.0f GB/s); "
+              "speed-up %.2fx; device copy %.0f GB/s\n",
+              c->us_per_call, cache_gb_per_s, f->us_per_call, f16.bytes / (f->us_per_call * 1e-6) / 1e9,
+              f->us_per_call / c->us_per_call, c->copy_gb_per_s);
+  return 0;
+}
+#endif
+
 }  // namespace
 
 int RunAttend(int argc, char** argv) {
@@ -75,7 +110,7 @@ int RunAttend(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"k-codec", "v-codec", "tokens", "kv-heads", "q-heads", "head-dim", "queries",
-                      "threads", "page-tokens"},
+                      "threads", "page-tokens", "impl"},
                      {"json"}, &error)) {
     return UsageError(error);
   }
@@ -123,6 +158,11 @@ int RunAttend(int argc, char** argv) {
   params.q_heads = static_cast<int>(q_heads);
   const AttentionQueries queries{n_queries, q.data(), positions.data()};
   const AttentionOutput output{out.data(), lse.data()};
+  const std::string impl = options.Get("impl", "cpu");
+#ifdef TURBOKV_WITH_CUDA
+  if (impl == "cuda") return RunAttendCuda(compressed, f16, params, queries, options.Has("json"));
+#endif
+  if (impl != "cpu") return UsageError("--impl must be cpu or cuda (when built with CUDA)");
   ThreadPool pool(static_cast<int>(threads));
   const AttentionOptions attend_options{AttentionPath::kSimd, &pool};
 

@@ -17,7 +17,8 @@ constexpr char kUsage[] =
     "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--json]\n"
     "         NAME: f16, q8_0, q4_0, turbo2, turbo3, turbo4, or all (a table of every codec)\n"
     "       turbokv-bench attend --k-codec C --v-codec C --tokens T --kv-heads H --q-heads Q\n"
-    "                            --head-dim D [--queries N] [--threads N] [--json]\n";
+    "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
+    "                            [--impl cpu|cuda] [--json]\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);

@@ -40,26 +40,26 @@ struct PagedKvCache {
   int64_t tokens = 0;                  // tokens stored
   const uint8_t* const* pages = nullptr;  // ceil(tokens / page_tokens) pages
 
-  size_t page_bytes() const {
+  TURBOKV_HD size_t page_bytes() const {
     return static_cast<size_t>(kv_heads) * page_tokens *
            (key_layout.code_size() + value_layout.code_size());
   }
   // Offsets inside a page of the records of slot s (token page * page_tokens + s).
-  size_t key_offset(int head, int64_t slot) const {
+  TURBOKV_HD size_t key_offset(int head, int64_t slot) const {
     return static_cast<size_t>(head) * page_tokens *
                (key_layout.code_size() + value_layout.code_size()) +
            static_cast<size_t>(slot) * key_layout.code_size();
   }
-  size_t value_offset(int head, int64_t slot) const {
+  TURBOKV_HD size_t value_offset(int head, int64_t slot) const {
     return static_cast<size_t>(head) * page_tokens *
                (key_layout.code_size() + value_layout.code_size()) +
            static_cast<size_t>(page_tokens) * key_layout.code_size() +
            static_cast<size_t>(slot) * value_layout.code_size();
   }
-  const uint8_t* key_record(int head, int64_t t) const {
+  TURBOKV_HD const uint8_t* key_record(int head, int64_t t) const {
     return pages[t / page_tokens] + key_offset(head, t % page_tokens);
   }
-  const uint8_t* value_record(int head, int64_t t) const {
+  TURBOKV_HD const uint8_t* value_record(int head, int64_t t) const {
     return pages[t / page_tokens] + value_offset(head, t % page_tokens);
   }
 };

@@ -8,6 +8,7 @@
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
 #include "kernels/cuda/codec_kernels.cuh"
+#include "kernels/cuda/warp.cuh"
 #include "kernels/rotation.h"
 
 namespace turbokv::cuda {
@@ -19,7 +20,6 @@ __constant__ Codebook c_codebooks[] = {
 constexpr int kCodebookCount = sizeof(kCodebooks) / sizeof(kCodebooks[0]);
 
 constexpr int kWarpsPerBlock = 4;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ const Codebook& DeviceCodebook(int block_values, int bits) {
   int i = 0;
@@ -28,31 +28,6 @@ __device__ const Codebook& DeviceCodebook(int block_values, int bits) {
     ++i;
   }
   return c_codebooks[i];
-}
-
-// In-warp H * v over one block; lane holds values lane * V .. lane * V + V - 1.
-template <int V>
-__device__ __forceinline__ void WarpFwht(float (&v)[V], int lane) {
-  for (int h = 1; h < V; h *= 2) {
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      if ((k & h) == 0) {
-        const float a = v[k];
-        const float b = v[k + h];
-        v[k] = a + b;
-        v[k + h] = a - b;
-      }
-    }
-  }
-#pragma unroll
-  for (int lane_step = 1; lane_step < 32; lane_step *= 2) {
-    const bool upper = (lane & lane_step) != 0;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float other = __shfl_xor_sync(kFullMask, v[k], lane_step);
-      v[k] = upper ? other - v[k] : v[k] + other;
-    }
-  }
 }
 
 // Partial r of SumPartials16: terms[r], terms[r + 16], ... in ascending order.
