@@ -217,33 +217,55 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
   }
 }
 
-// One warp per (query, q head): combines the splits, normalizes, rotates
-// turbo values back (S_v * H per block) and writes out and lse.
+constexpr int kMergeThreads = 128;
+constexpr int kMaxSplits = 256;
+
+// Block reduction over kMergeThreads threads (max or sum), returned to all.
+template <bool kMax>
+__device__ float BlockReduce(float x, float* scratch) {
+  x = kMax ? WarpMax(x) : WarpSum(x);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = scratch[0];
+  for (int w = 1; w < kMergeThreads / 32; ++w) r = kMax ? fmaxf(r, scratch[w]) : r + scratch[w];
+  __syncthreads();
+  return r;
+}
+
+// One block per (query, q head): combines the splits through their max and
+// sum, normalizes, rotates turbo values back (S_v * H per block, warp 0) and
+// writes out and lse.
 template <int V>
-__global__ void MergeKernel(Problem p, float* __restrict__ out, float* __restrict__ lse) {
-  extern __shared__ float row[];  // [d]
-  const int lane = threadIdx.x;
+__global__ void __launch_bounds__(kMergeThreads) MergeKernel(Problem p, float* __restrict__ out,
+                                                             float* __restrict__ lse) {
+  extern __shared__ float shared[];
+  float* row = shared;                    // [d]
+  float* weight = shared + kMaxCudaHeadDim;  // [splits]: exp(m_s - m) / l
+  float* scratch = weight + kMaxSplits;   // [warps]
   const size_t o = blockIdx.x;
   const CodecLayout& layout = p.cache.value_layout;
   const int d = layout.head_dim;
-  const float* part = p.partials + o * p.splits * static_cast<size_t>(d + 2);
+  const size_t stride = d + 2;
+  const float* part = p.partials + o * p.splits * stride;
   float m = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, part[s * (d + 2)]);
+  for (int s = threadIdx.x; s < p.splits; s += kMergeThreads) m = fmaxf(m, part[s * stride]);
+  m = BlockReduce<true>(m, scratch);
   float l = 0.0f;
-  for (int s = 0; s < p.splits; ++s) {
-    const float ms = part[s * (d + 2)];
-    if (ms != -INFINITY) l += part[s * (d + 2) + 1] * __expf(ms - m);
+  for (int s = threadIdx.x; s < p.splits; s += kMergeThreads) {
+    const float ms = part[s * stride];
+    weight[s] = ms == -INFINITY ? 0.0f : __expf(ms - m);
+    l += part[s * stride + 1] * weight[s];
   }
+  l = BlockReduce<false>(l, scratch);
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  for (int i = lane; i < d; i += 32) {
+  for (int i = threadIdx.x; i < d; i += kMergeThreads) {
     float a = 0.0f;
-    for (int s = 0; s < p.splits; ++s) {
-      const float ms = part[s * (d + 2)];
-      if (ms != -INFINITY) a += part[s * (d + 2) + 2 + i] * __expf(ms - m);
-    }
+    for (int s = 0; s < p.splits; ++s) a += part[s * stride + 2 + i] * weight[s];
     row[i] = a * inv;
   }
-  __syncwarp();
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
   if (TurboBits(layout.kind) != 0) {
     for (int b = 0; b < layout.blocks; ++b) {
       float v[V];
@@ -278,7 +300,7 @@ Plan MakePlan(const PagedKvCache& cache, const AttentionParams& params, int64_t 
   const int64_t wanted = std::max<int64_t>(1, (8 * static_cast<int64_t>(sm_count) + blocks_without_split - 1) /
                                                   blocks_without_split);
   const int64_t most = std::max<int64_t>(1, (cache.tokens + 32 * kWarps - 1) / (32 * kWarps));
-  plan.splits = static_cast<int>(std::min<int64_t>({wanted, most, 65535}));
+  plan.splits = static_cast<int>(std::min<int64_t>({wanted, most, kMaxSplits}));
   plan.chunk = (cache.tokens + plan.splits - 1) / plan.splits;
   return plan;
 }
@@ -338,11 +360,11 @@ cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& pa
       (kRowsPerBlock * d + kWarps * kRowsPerBlock * d + kWarps * kRowsPerBlock * 2 + 32) * sizeof(float);
   const dim3 grid(cache.kv_heads, plan.splits, static_cast<unsigned>(n_queries * plan.row_chunks));
   SplitKernel<<<grid, 32 * kWarps, shared, stream>>>(p);
-  const size_t row_shared = d * sizeof(float);
+  const size_t merge_shared = (kMaxCudaHeadDim + kMaxSplits + kMergeThreads / 32) * sizeof(float);
   if (cache.value_layout.block_values == 128 || TurboBits(cache.value_layout.kind) == 0) {
-    MergeKernel<4><<<rows, 32, row_shared, stream>>>(p, out, lse);
+    MergeKernel<4><<<rows, kMergeThreads, merge_shared, stream>>>(p, out, lse);
   } else {
-    MergeKernel<2><<<rows, 32, row_shared, stream>>>(p, out, lse);
+    MergeKernel<2><<<rows, kMergeThreads, merge_shared, stream>>>(p, out, lse);
   }
   return cudaGetLastError();
 }
