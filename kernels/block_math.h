@@ -135,21 +135,26 @@ TURBOKV_HD void DecodeTurboRotatedBlock(const uint8_t* in, int block_values, int
 // `centroids` is the codebook of a turbo layout (unused for the others).
 TURBOKV_HD float DecodeValueAt(const CodecLayout& layout, const uint8_t* record, int i,
                                const float* centroids) {
-  const int b = i / layout.block_values;
-  const int j = i % layout.block_values;
-  const uint8_t* block = record + static_cast<size_t>(b) * layout.block_bytes;
   switch (layout.kind) {
     case CodecKind::kF16:
       return HalfBitsToFloat(LoadHalfBits(record + 2 * i));
-    case CodecKind::kQ8_0:
-      return static_cast<int8_t>(block[2 + j]) * HalfBitsToFloat(LoadHalfBits(block));
+    case CodecKind::kQ8_0: {
+      const uint8_t* block = record + (i >> 5) * kQ8BlockBytes;
+      return static_cast<int8_t>(block[2 + (i & 31)]) * HalfBitsToFloat(LoadHalfBits(block));
+    }
     case CodecKind::kQ4_0: {
+      const uint8_t* block = record + (i >> 5) * kQ4BlockBytes;
+      const int j = i & 31;
       const int q = j < 16 ? (block[2 + j] & 15) : (block[2 + j - 16] >> 4);
       return static_cast<float>(q - 8) * HalfBitsToFloat(LoadHalfBits(block));
     }
-    default:
+    default: {
+      const int shift = BlockShift(layout.block_values);
+      const uint8_t* block = record + static_cast<size_t>(i >> shift) * layout.block_bytes;
+      const int j = i & (layout.block_values - 1);
       return TurboDecodeFactor(block, layout.block_values) *
              centroids[TurboIndex(block + kTurboScaleBytes, layout.block_values, TurboBits(layout.kind), j)];
+    }
   }
 }
 

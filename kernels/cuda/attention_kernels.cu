@@ -144,8 +144,11 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
     {
       float dot[kRowsPerBlock] = {};
       if (valid) {
-        KeyDots(p.cache.key_layout, p.cache.key_record(head, t), q_s, rows, centroids_s, dot);
-        value = p.cache.value_record(head, t);
+        const int64_t page = t / p.cache.page_tokens;  // one 64-bit division per token
+        const int64_t slot = t - page * p.cache.page_tokens;
+        const uint8_t* base = p.cache.pages[page];
+        KeyDots(p.cache.key_layout, base + p.cache.key_offset(head, slot), q_s, rows, centroids_s, dot);
+        value = base + p.cache.value_offset(head, slot);
       }
 #pragma unroll
       for (int r = 0; r < kRowsPerBlock; ++r) {
