@@ -158,4 +158,53 @@ TURBOKV_HD float DecodeValueAt(const CodecLayout& layout, const uint8_t* record,
   }
 }
 
+// Dot products of kRows query rows (q + r * q_stride, 128 values each, in the
+// rotated domain) with one stored turbo block of 128 values: for each row,
+// (s / B) * sum_j q[j] * c[index_j]. The block's index planes are read once
+// into registers as 16-bit words and every index is taken from them with
+// constant shifts, which keeps a GPU thread from issuing one byte load per
+// index. `dot` accumulates.
+template <int kBits, int kRows>
+TURBOKV_HD void TurboBlock128Dots(const uint8_t* block, const float* q, int q_stride, int rows,
+                                  const float* centroids, float* dot) {
+  constexpr int kPlaneBytes = 128 * kBits / 8;
+  uint32_t words[kPlaneBytes / 2];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int k = 0; k < kPlaneBytes / 2; ++k) {
+    words[k] = static_cast<uint32_t>(block[kTurboScaleBytes + 2 * k]) |
+               (static_cast<uint32_t>(block[kTurboScaleBytes + 2 * k + 1]) << 8);
+  }
+  float part[kRows] = {};
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < 128; ++j) {
+    int index;
+    if (kBits == 4) {
+      const int byte = j & 63;
+      index = (words[byte >> 1] >> (8 * (byte & 1) + 4 * (j >> 6))) & 15;
+    } else {
+      const int byte = j & 31;
+      index = (words[byte >> 1] >> (8 * (byte & 1) + 2 * (j >> 5))) & 3;
+      if (kBits == 3) {
+        const int high = 32 + (j & 15);
+        index |= ((words[high >> 1] >> (8 * (high & 1) + (j >> 4))) & 1) << 2;
+      }
+    }
+    const float c = centroids[index];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int r = 0; r < kRows; ++r) {
+      if (r < rows) part[r] += q[r * q_stride + j] * c;
+    }
+  }
+  const float f = TurboDecodeFactor(block, 128);
+  for (int r = 0; r < kRows; ++r) {
+    if (r < rows) dot[r] += f * part[r];
+  }
+}
+
 }  // namespace turbokv

@@ -80,6 +80,15 @@ __device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t
     return;
   }
   const int bv = layout.block_values;
+  if (bv == 128) {
+    for (int b = 0; b < layout.blocks; ++b) {
+      const uint8_t* block = record + static_cast<size_t>(b) * layout.block_bytes;
+      if (bits == 2) TurboBlock128Dots<2, kRowsPerBlock>(block, q + b * 128, d, rows, centroids, dot);
+      if (bits == 3) TurboBlock128Dots<3, kRowsPerBlock>(block, q + b * 128, d, rows, centroids, dot);
+      if (bits == 4) TurboBlock128Dots<4, kRowsPerBlock>(block, q + b * 128, d, rows, centroids, dot);
+    }
+    return;
+  }
   for (int b = 0; b < layout.blocks; ++b) {
     const uint8_t* block = record + static_cast<size_t>(b) * layout.block_bytes;
     float part[kRowsPerBlock] = {};

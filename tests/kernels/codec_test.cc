@@ -249,6 +249,38 @@ TEST(DecodeValueAtTest, MatchesTheCodecs) {
   }
 }
 
+// TurboBlock128Dots (the CUDA key scoring) against dot products with the
+// blocks DecodeValueAt decodes.
+TEST(DecodeValueAtTest, Block128DotsMatchDecodedDots) {
+  for (CodecKind kind : {CodecKind::kTurbo2, CodecKind::kTurbo3, CodecKind::kTurbo4}) {
+    const auto codec = Make(kind, 256, CpuPath::kScalar, 4);
+    const std::vector<float> x = GaussianVectors(5, 256, 12);
+    const std::vector<float> q = GaussianVectors(3, 256, 13);
+    const Encoded e = RoundTrip(*codec, x);
+    const Codebook* cb = FindCodebook(128, TurboBits(kind));
+    for (int v = 0; v < 5; ++v) {
+      const uint8_t* record = e.codes.data() + v * codec->code_size();
+      float dot[4] = {};
+      for (int b = 0; b < 2; ++b) {
+        const uint8_t* block = record + b * codec->layout().block_bytes;
+        switch (kind) {
+          case CodecKind::kTurbo2: TurboBlock128Dots<2, 4>(block, q.data() + b * 128, 256, 3, cb->centroids, dot); break;
+          case CodecKind::kTurbo3: TurboBlock128Dots<3, 4>(block, q.data() + b * 128, 256, 3, cb->centroids, dot); break;
+          default: TurboBlock128Dots<4, 4>(block, q.data() + b * 128, 256, 3, cb->centroids, dot); break;
+        }
+      }
+      for (int r = 0; r < 3; ++r) {
+        double expected = 0;
+        for (int i = 0; i < 256; ++i) {
+          expected += double(q[r * 256 + i]) * DecodeValueAt(codec->layout(), record, i, cb->centroids);
+        }
+        EXPECT_NEAR(dot[r], expected, 1e-4 * (1 + std::fabs(expected))) << CodecName(kind);
+      }
+      EXPECT_EQ(dot[3], 0.0f);
+    }
+  }
+}
+
 // DESIGN.md section 1: relative MSE on 100,000 random unit vectors, d = 128.
 TEST(FidelityTest, UnitVectorsMeetTheBars) {
   constexpr size_t kVectors = testing::kFidelityVectors;
