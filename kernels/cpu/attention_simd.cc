@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
-#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 
@@ -479,18 +478,6 @@ void AccumulateTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int
 #pragma GCC pop_options
 #endif  // HWY_TARGET == HWY_AVX3_DL
 
-// Asks for the records of tokens [begin, end) (within one page) ahead of use:
-// the scan is otherwise bound by the latency of each tile's first touch.
-void PrefetchRecords(const PagedKvCache& c, int head, int64_t begin, int64_t end) {
-  if (begin >= end) return;
-  end = std::min(end, (begin / c.page_tokens + 1) * c.page_tokens);
-  const size_t tokens = static_cast<size_t>(end - begin);
-  for (const auto& [first, bytes] : {std::make_pair(c.key_record(head, begin), tokens * c.key_layout.code_size()),
-                                     std::make_pair(c.value_record(head, begin), tokens * c.value_layout.code_size())}) {
-    for (size_t offset = 0; offset < bytes; offset += 64) hwy::Prefetch(first + offset);
-  }
-}
-
 void Scan(const ScanTask& task, ScanState* state) {
   const PagedKvCache& c = *task.cache;
   const ScanSetup setup(c);
@@ -504,7 +491,6 @@ void Scan(const ScanTask& task, ScanState* state) {
     // A tile never crosses a page.
     const int64_t page_end = (t0 / c.page_tokens + 1) * c.page_tokens;
     const int n = static_cast<int>(std::min<int64_t>({kTile, task.end - t0, page_end - t0}));
-    PrefetchRecords(c, task.head, t0 + n, std::min<int64_t>(task.end, t0 + n + kTile));
 #if HWY_TARGET == HWY_AVX3_DL
     if (int_path) {
       ScoreTileIntAnyBits(task, *int_path, t0, n, logits.get());
