@@ -192,12 +192,15 @@ TEST(AttentionFeaturesTest, TopKMatchesTheReference) {
 TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   const Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 2);
   const Problem f16 = MakeProblem(CodecKind::kF16, CodecKind::kQ8_0, 64, 2, 4, 300, 2);
+  Problem capped = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo2, 128, 2, 4, 300, 2, 6.0f);
+  capped.params.softcap = 5.0f;
+  capped.params.window = 50;
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   int tested = 0;
   for (int64_t bits = targets; bits != 0; bits &= bits - 1) {
     const int64_t target = bits & -bits;
     hwy::SetSupportedTargetsForTest(target);
-    for (const Problem* problem : {&p, &f16}) {
+    for (const Problem* problem : std::initializer_list<const Problem*>{&p, &f16, &capped}) {
       const Result scalar = Attend(*problem, {AttentionPath::kScalar});
       AttentionOptions simd_float{AttentionPath::kSimd};
       simd_float.integer_dot_products = false;
