@@ -14,3 +14,8 @@ echo "relative MSE = E||x - x_hat||^2 / ||x||^2; inner-product slope = least-squ
 echo "<q, x_hat> against <q, x> for random q (1 = unbiased attention scores)."
 echo "A 128K-token context of a Llama-3-70B-shaped model (80 layers, 8 KV heads, d = 128) holds"
 echo "40 GiB of fp16 keys and values; at turbo3's 3.125 bits/value it holds 7.8 GiB."
+echo
+echo "Attention computed directly on the compressed cache: one decode step over 8,192 tokens"
+echo "(8 kv heads, 32 query heads, d = 128), next to the same attention on an f16 cache:"
+"$bench" attend --k-codec turbo3 --v-codec turbo3 --tokens 8192 --kv-heads 8 --q-heads 32 \
+  --head-dim 128 --threads "$(nproc)"
