@@ -2,40 +2,13 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <vector>
 
+#include "bench/cuda_timing.h"
+
 #include "kernels/cuda/cuda_attention.h"
-#include "kernels/cuda/cuda_codec.h"
 
 namespace turbokv {
-namespace {
-
-// Median milliseconds per call of `op` (21 timed batches of 10 calls after a warm-up).
-template <class Op>
-absl::StatusOr<float> MedianMsPerCall(Op op) {
-  cudaEvent_t start, stop;
-  if (auto s = cuda::CudaStatus(cudaEventCreate(&start), "cudaEventCreate"); !s.ok()) return s;
-  if (auto s = cuda::CudaStatus(cudaEventCreate(&stop), "cudaEventCreate"); !s.ok()) return s;
-  absl::Status status = op();
-  std::vector<float> ms;
-  for (int run = 0; run < 21 && status.ok(); ++run) {
-    cudaEventRecord(start);
-    for (int call = 0; call < 10 && status.ok(); ++call) status = op();
-    cudaEventRecord(stop);
-    float elapsed = 0;
-    if (status.ok()) status = cuda::CudaStatus(cudaEventSynchronize(stop), "kernels");
-    if (status.ok()) status = cuda::CudaStatus(cudaEventElapsedTime(&elapsed, start, stop), "timer");
-    ms.push_back(elapsed / 10);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  if (!status.ok()) return status;
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-}  // namespace
 
 absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cache,
                                                          const AttentionParams& params,
@@ -64,10 +37,10 @@ absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cac
   if (status.ok()) {
     auto attend = MedianMsPerCall([&] {
       return cuda::AttendCuda((*device_cache)->descriptor(), params, queries.n, q, positions, out, lse, nullptr);
-    });
+    }, 21, 10);
     auto copy = MedianMsPerCall([&] {
       return cuda::CudaStatus(cudaMemcpyAsync(copy_dst, copy_src, cache_bytes, cudaMemcpyDeviceToDevice), "copy");
-    });
+    }, 21, 10);
     if (!attend.ok()) {
       status = attend.status();
     } else if (!copy.ok()) {

@@ -2,40 +2,12 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <random>
 #include <vector>
 
+#include "bench/cuda_timing.h"
+
 namespace turbokv {
-namespace {
-
-constexpr int kRuns = 11;
-
-// Median milliseconds of `op` over kRuns runs after one warm-up, with events.
-template <class Op>
-absl::StatusOr<float> MedianMs(Op op) {
-  cudaEvent_t start, stop;
-  if (auto s = cuda::CudaStatus(cudaEventCreate(&start), "cudaEventCreate"); !s.ok()) return s;
-  if (auto s = cuda::CudaStatus(cudaEventCreate(&stop), "cudaEventCreate"); !s.ok()) return s;
-  std::vector<float> ms;
-  absl::Status status = op();
-  for (int run = 0; run < kRuns && status.ok(); ++run) {
-    cudaEventRecord(start);
-    status = op();
-    cudaEventRecord(stop);
-    float elapsed = 0;
-    if (status.ok()) status = cuda::CudaStatus(cudaEventSynchronize(stop), "kernel");
-    if (status.ok()) status = cuda::CudaStatus(cudaEventElapsedTime(&elapsed, start, stop), "timer");
-    ms.push_back(elapsed);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  if (!status.ok()) return status;
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-}  // namespace
 
 absl::StatusOr<CudaCodecTiming> MeasureCudaCodec(const cuda::CudaCodec& codec, size_t vectors) {
   const size_t x_bytes = vectors * codec.layout().head_dim * sizeof(float);
@@ -56,11 +28,11 @@ absl::StatusOr<CudaCodecTiming> MeasureCudaCodec(const cuda::CudaCodec& codec, s
   }
   CudaCodecTiming t;
   if (status.ok()) {
-    auto encode = MedianMs([&] { return codec.EncodeAsync(vectors, x, codes, nullptr); });
-    auto decode = MedianMs([&] { return codec.DecodeAsync(vectors, codes, y, nullptr); });
-    auto copy = MedianMs([&] {
+    auto encode = MedianMsPerCall([&] { return codec.EncodeAsync(vectors, x, codes, nullptr); }, 11, 1);
+    auto decode = MedianMsPerCall([&] { return codec.DecodeAsync(vectors, codes, y, nullptr); }, 11, 1);
+    auto copy = MedianMsPerCall([&] {
       return cuda::CudaStatus(cudaMemcpyAsync(y, x, x_bytes, cudaMemcpyDeviceToDevice), "copy");
-    });
+    }, 11, 1);
     if (!encode.ok()) status = encode.status();
     else if (!decode.ok()) status = decode.status();
     else if (!copy.ok()) status = copy.status();

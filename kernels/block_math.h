@@ -130,6 +130,27 @@ TURBOKV_HD void DecodeTurboRotatedBlock(const uint8_t* in, int block_values, int
   }
 }
 
+// One block of a record in the attention kernels' domain: turbo blocks stay
+// rotated ((s / B) * c, apply S * H to get values), the others decode to plain
+// values. `centroids` is the codebook of a turbo layout (unused otherwise).
+TURBOKV_HD void DecodeBlockToKernelDomain(const CodecLayout& layout, const uint8_t* block,
+                                          const float* centroids, float* x) {
+  switch (layout.kind) {
+    case CodecKind::kF16:
+      for (int i = 0; i < layout.block_values; ++i) x[i] = HalfBitsToFloat(LoadHalfBits(block + 2 * i));
+      return;
+    case CodecKind::kQ8_0:
+      DecodeQ8Block(block, x);
+      return;
+    case CodecKind::kQ4_0:
+      DecodeQ4Block(block, x);
+      return;
+    default:
+      DecodeTurboRotatedBlock(block, layout.block_values, TurboBits(layout.kind), centroids, x);
+      return;
+  }
+}
+
 // Value i (0 <= i < head_dim) of one record in the attention kernels' domain:
 // rotated, (s / B) * c[index], for turbo codecs; the plain value otherwise.
 // `centroids` is the codebook of a turbo layout (unused for the others).

@@ -24,28 +24,13 @@ absl::Status Invalid(absl::string_view field, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
 }
 
-// Decodes one record into the domain the kernel works in: turbo codecs stay
-// rotated ((s / B) * c per block), the others decode to plain values.
+// Decodes one record into the domain the kernel works in (turbo: rotated).
 void DecodeRow(const CodecLayout& layout, const uint8_t* in, float* out) {
   const int bits = TurboBits(layout.kind);
+  const float* centroids = bits ? FindCodebook(layout.block_values, bits)->centroids : nullptr;
   for (int b = 0; b < layout.blocks; ++b) {
-    const uint8_t* block = in + static_cast<size_t>(b) * layout.block_bytes;
-    float* x = out + b * layout.block_values;
-    switch (layout.kind) {
-      case CodecKind::kF16:
-        for (int i = 0; i < layout.block_values; ++i) x[i] = HalfBitsToFloat(LoadHalfBits(block + 2 * i));
-        break;
-      case CodecKind::kQ8_0:
-        DecodeQ8Block(block, x);
-        break;
-      case CodecKind::kQ4_0:
-        DecodeQ4Block(block, x);
-        break;
-      default:
-        DecodeTurboRotatedBlock(block, layout.block_values, bits,
-                                FindCodebook(layout.block_values, bits)->centroids, x);
-        break;
-    }
+    DecodeBlockToKernelDomain(layout, in + static_cast<size_t>(b) * layout.block_bytes, centroids,
+                              out + b * layout.block_values);
   }
 }
 

@@ -60,21 +60,8 @@ class ScalarCodec final : public Codec {
   }
 
   void DecodeBlock(int block, const uint8_t* in, float* x) const {
-    switch (layout_.kind) {
-      case CodecKind::kF16:
-        for (int i = 0; i < layout_.block_values; ++i) x[i] = HalfBitsToFloat(LoadHalfBits(in + 2 * i));
-        return;
-      case CodecKind::kQ8_0:
-        DecodeQ8Block(in, x);
-        return;
-      case CodecKind::kQ4_0:
-        DecodeQ4Block(in, x);
-        return;
-      default:
-        DecodeTurboRotatedBlock(in, layout_.block_values, codebook_->bits, codebook_->centroids, x);
-        rotation_->Inverse(block, x);
-        return;
-    }
+    DecodeBlockToKernelDomain(layout_, in, codebook_ ? codebook_->centroids : nullptr, x);
+    if (rotation_) rotation_->Inverse(block, x);
   }
 };
 
