@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "bench/cuda_timing.h"
-
 #include "kernels/cuda/cuda_attention.h"
 
 namespace turbokv {
