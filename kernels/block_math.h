@@ -228,4 +228,31 @@ TURBOKV_HD void TurboBlock128Dots(const uint8_t* block, const float* q, int q_st
   }
 }
 
+// The four values i = lane + 32 k (k = 0..3) of a turbo block of 128 values,
+// in the kernels' domain ((s / B) * c), as DecodeValueAt computes them: the
+// share of one of 32 GPU threads that decode a block together. Each thread
+// reads at most two index bytes, since lane + 32 k falls in the same plane
+// bytes for every k.
+TURBOKV_HD void TurboBlock128LaneValues(const uint8_t* block, int bits, int lane,
+                                        const float* centroids, float* v) {
+  const float f = TurboDecodeFactor(block, 128);
+  const uint8_t* planes = block + kTurboScaleBytes;
+  if (bits == 4) {  // index i: byte i % 64, nibble i / 64
+    const int b0 = planes[lane];
+    const int b1 = planes[lane + 32];
+    v[0] = f * centroids[b0 & 15];
+    v[1] = f * centroids[b1 & 15];
+    v[2] = f * centroids[b0 >> 4];
+    v[3] = f * centroids[b1 >> 4];
+    return;
+  }
+  const int low = planes[lane];  // index i: byte i % 32, bits 2 (i / 32)
+  const int high = bits == 3 ? planes[32 + (lane & 15)] : 0;  // byte i % 16, bit i / 16
+  for (int k = 0; k < 4; ++k) {
+    int index = (low >> (2 * k)) & 3;
+    if (bits == 3) index |= ((high >> ((lane >> 4) + 2 * k)) & 1) << 2;
+    v[k] = f * centroids[index];
+  }
+}
+
 }  // namespace turbokv

@@ -109,7 +109,10 @@ __device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t
 // tokens of the split's range: lane j scores token j of the tile against
 // every row, the tile's softmax update runs across the warp, then the lanes
 // switch to dimensions and accumulate the tile's values. Warps keep m, l per
-// row and acc in shared memory and are combined at the end.
+// row, and acc in registers when head_dim is 128 (kHead128: lane holds
+// dimensions lane + 32 k) or in shared memory otherwise; the warps are
+// combined through shared memory at the end.
+template <bool kHead128>
 __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
   extern __shared__ float shared[];
   const int d = p.cache.key_layout.head_dim;
@@ -134,6 +137,9 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
   }
   float* acc = acc_s + warp * kRowsPerBlock * d;
   for (int x = lane; x < rows * d; x += 32) acc[x] = 0.0f;
+  float acc_r[kRowsPerBlock][4] = {};  // kHead128: dimension lane + 32 k of row r
+  const bool turbo_values_128 =
+      TurboBits(p.cache.value_layout.kind) != 0 && p.cache.value_layout.block_values == 128;
   __syncthreads();
 
   const int64_t last = p.positions[query];
@@ -176,7 +182,12 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
       l[r] = l[r] * correction + WarpSum(weight[r]);
       m[r] = m_new;
       if (correction != 1.0f) {
-        for (int i = lane; i < d; i += 32) acc[r * d + i] *= correction;
+        if (kHead128) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) acc_r[r][k] *= correction;
+        } else {
+          for (int i = lane; i < d; i += 32) acc[r * d + i] *= correction;
+        }
       }
     }
     const int count = static_cast<int>(min(int64_t{32}, end - t0));
@@ -186,13 +197,34 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
       float w[kRowsPerBlock];
 #pragma unroll
       for (int r = 0; r < kRowsPerBlock; ++r) w[r] = __shfl_sync(kFullMask, weight[r], j);
-      for (int i = lane; i < d; i += 32) {
-        const float v = DecodeValueAt(p.cache.value_layout, record, i, centroids_s + 16);
+      if (kHead128) {
+        float v[4];
+        if (turbo_values_128) {
+          TurboBlock128LaneValues(record, TurboBits(p.cache.value_layout.kind), lane, centroids_s + 16, v);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) v[k] = DecodeValueAt(p.cache.value_layout, record, lane + 32 * k, centroids_s + 16);
+        }
 #pragma unroll
         for (int r = 0; r < kRowsPerBlock; ++r) {
-          if (r < rows) acc[r * d + i] += w[r] * v;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) acc_r[r][k] += w[r] * v[k];
+        }
+      } else {
+        for (int i = lane; i < d; i += 32) {
+          const float v = DecodeValueAt(p.cache.value_layout, record, i, centroids_s + 16);
+#pragma unroll
+          for (int r = 0; r < kRowsPerBlock; ++r) {
+            if (r < rows) acc[r * d + i] += w[r] * v;
+          }
         }
       }
+    }
+  }
+  if (kHead128) {
+    for (int r = 0; r < rows; ++r) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) acc[r * d + lane + 32 * k] = acc_r[r][k];
     }
   }
   if (lane == 0) {
@@ -371,7 +403,11 @@ cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& pa
   const size_t shared =
       (kRowsPerBlock * d + kWarps * kRowsPerBlock * d + kWarps * kRowsPerBlock * 2 + 32) * sizeof(float);
   const dim3 grid(cache.kv_heads, plan.splits, static_cast<unsigned>(n_queries * plan.row_chunks));
-  SplitKernel<<<grid, 32 * kWarps, shared, stream>>>(p);
+  if (d == 128) {
+    SplitKernel<true><<<grid, 32 * kWarps, shared, stream>>>(p);
+  } else {
+    SplitKernel<false><<<grid, 32 * kWarps, shared, stream>>>(p);
+  }
   const size_t merge_shared = (kMaxCudaHeadDim + kMaxSplits + kMergeThreads / 32) * sizeof(float);
   if (cache.value_layout.block_values == 128 || TurboBits(cache.value_layout.kind) == 0) {
     MergeKernel<4><<<rows, kMergeThreads, merge_shared, stream>>>(p, out, lse);

@@ -281,6 +281,29 @@ TEST(DecodeValueAtTest, Block128DotsMatchDecodedDots) {
   }
 }
 
+// TurboBlock128LaneValues (the CUDA value decode) gives DecodeValueAt's values.
+TEST(DecodeValueAtTest, LaneValuesMatch) {
+  for (CodecKind kind : {CodecKind::kTurbo2, CodecKind::kTurbo3, CodecKind::kTurbo4}) {
+    const auto codec = Make(kind, 256, CpuPath::kScalar, 6);
+    const std::vector<float> x = GaussianVectors(4, 256, 14);
+    const Encoded e = RoundTrip(*codec, x);
+    const Codebook* cb = FindCodebook(128, TurboBits(kind));
+    for (int vec = 0; vec < 4; ++vec) {
+      const uint8_t* record = e.codes.data() + vec * codec->code_size();
+      for (int b = 0; b < 2; ++b) {
+        for (int lane = 0; lane < 32; ++lane) {
+          float v[4];
+          TurboBlock128LaneValues(record + b * codec->layout().block_bytes, TurboBits(kind), lane, cb->centroids, v);
+          for (int k = 0; k < 4; ++k) {
+            const float expected = DecodeValueAt(codec->layout(), record, b * 128 + lane + 32 * k, cb->centroids);
+            ASSERT_EQ(v[k], expected) << CodecName(kind) << " lane " << lane << " k " << k;
+          }
+        }
+      }
+    }
+  }
+}
+
 // DESIGN.md section 1: relative MSE on 100,000 random unit vectors, d = 128.
 TEST(FidelityTest, UnitVectorsMeetTheBars) {
   constexpr size_t kVectors = testing::kFidelityVectors;
