@@ -11,13 +11,20 @@
 
 namespace turbokv {
 
-// --- q8_0: 32 values, fp16 d = max|x| / 127, q = round(x / d) ---------------
+// 1 / d, or 0 when d is 0 or so small (subnormal) that 1 / d overflows: the
+// quantized values then become 0 instead of an undefined float-to-int cast.
+TURBOKV_HD float SafeReciprocal(float d) {
+  const float r = d != 0.0f ? 1.0f / d : 0.0f;
+  return fabsf(r) <= 3.4e38f ? r : 0.0f;
+}
+
+// --- q8_0: 32 values, fp16 d = max|x| / 127, q = round(x * (1 / d)) ----------
 
 TURBOKV_HD void EncodeQ8Block(const float* x, uint8_t* out) {
   float amax = 0.0f;
   for (int j = 0; j < kGgmlBlockValues; ++j) amax = fmaxf(amax, fabsf(x[j]));
   const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const float id = SafeReciprocal(d);
   StoreHalfBits(out, FloatToHalfBits(d));
   for (int j = 0; j < kGgmlBlockValues; ++j) {
     out[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(roundf(x[j] * id)));
@@ -41,7 +48,7 @@ TURBOKV_HD void EncodeQ4Block(const float* x, uint8_t* out) {
     }
   }
   const float d = max / -8.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const float id = SafeReciprocal(d);
   StoreHalfBits(out, FloatToHalfBits(d));
   for (int j = 0; j < kGgmlBlockValues / 2; ++j) {
     const int lo = static_cast<int>(fminf(15.0f, x[j] * id + 8.5f));

@@ -32,9 +32,9 @@ TURBOKV_HD float BitsToFloat(uint32_t u) {
 constexpr float kHalfMax = 65504.0f;
 
 // Rounds to nearest, ties to even, like F16C's vcvtps2ph and CUDA's
-// __float2half_rn, except that finite values beyond the fp16 range saturate to
-// +-65504 instead of becoming infinities: a stored cache entry is always finite.
-// NaN maps to a quiet NaN.
+// __float2half_rn, except that values beyond the fp16 range (infinities too)
+// saturate to +-65504: a stored cache entry is always finite. NaN maps to a
+// quiet NaN.
 TURBOKV_HD uint16_t FloatToHalfBits(float f) {
   const uint32_t x = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
@@ -71,9 +71,6 @@ TURBOKV_HD float HalfBitsToFloat(uint16_t h) {
   if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (mant << 13));
   return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
 }
-
-// Rounds a float to the nearest value fp16 can hold (same rules as above).
-TURBOKV_HD float RoundToHalf(float f) { return HalfBitsToFloat(FloatToHalfBits(f)); }
 
 // Little-endian load and store of an fp16 field at any byte offset.
 TURBOKV_HD uint16_t LoadHalfBits(const uint8_t* p) {

@@ -1,7 +1,8 @@
-// The randomized Hadamard rotation of TurboQuant (DESIGN.md section 1):
-//   y = H * S * x / sqrt(B)  per block of B values,
-// where S = diag(+-1) is drawn from a 64-bit seed and H is the B x B
-// Walsh-Hadamard matrix in Sylvester order, applied with the fast transform.
+// The randomized Hadamard rotation of TurboQuant (DESIGN.md section 1): the
+// orthogonal map y = H * S * x / sqrt(B) per block of B values, where
+// S = diag(+-1) is drawn from a 64-bit seed and H is the B x B Walsh-Hadamard
+// matrix in Sylvester order, applied with the fast transform. The code keeps
+// it unnormalized (H * S * x) and folds the 1 / sqrt(B) factors into scales.
 #pragma once
 
 #include <cstdint>

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/attention.h"
 #include "kernels/block_math.h"
+#include "kernels/codec.h"
 #include "kernels/codebooks.h"
 #include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/thread_pool.h"
@@ -24,10 +25,19 @@ absl::Status Invalid(absl::string_view field, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
 }
 
-// Decodes one record into the domain the kernel works in (turbo: rotated).
-void DecodeRow(const CodecLayout& layout, const uint8_t* in, float* out) {
+// Higher logit first; the earlier token among equal logits.
+bool Ranks(const TopEntry& a, const TopEntry& b) {
+  return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
+}
+
+// The codebook of a turbo layout, nullptr for the others.
+const float* Centroids(const CodecLayout& layout) {
   const int bits = TurboBits(layout.kind);
-  const float* centroids = bits ? FindCodebook(layout.block_values, bits)->centroids : nullptr;
+  return bits ? FindCodebook(layout.block_values, bits)->centroids : nullptr;
+}
+
+// Decodes one record into the domain the kernel works in (turbo: rotated).
+void DecodeRow(const CodecLayout& layout, const float* centroids, const uint8_t* in, float* out) {
   for (int b = 0; b < layout.blocks; ++b) {
     DecodeBlockToKernelDomain(layout, in + static_cast<size_t>(b) * layout.block_bytes, centroids,
                               out + b * layout.block_values);
@@ -53,9 +63,7 @@ void MergeState(const ScanState& from, int head_dim, ScanState* into) {
 }  // namespace
 
 void TopK::Push(float logit, int64_t token) {
-  auto greater = [](const TopEntry& a, const TopEntry& b) {
-    return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
-  };
+  const auto greater = Ranks;
   const TopEntry e{logit, token};
   if (static_cast<int>(heap_.size()) < k_) {
     heap_.push_back(e);
@@ -71,9 +79,11 @@ void ScanScalar(const ScanTask& task, ScanState* state) {
   const PagedKvCache& c = *task.cache;
   const int d = c.key_layout.head_dim;
   std::vector<float> k(d), v(d);
+  const float* key_centroids = Centroids(c.key_layout);
+  const float* value_centroids = Centroids(c.value_layout);
   for (int64_t t = task.begin; t < task.end; ++t) {
-    DecodeRow(c.key_layout, c.key_record(task.head, t), k.data());
-    DecodeRow(c.value_layout, c.value_record(task.head, t), v.data());
+    DecodeRow(c.key_layout, key_centroids, c.key_record(task.head, t), k.data());
+    DecodeRow(c.value_layout, value_centroids, c.value_record(task.head, t), v.data());
     for (int r = 0; r < task.rows; ++r) {
       const int query = r / task.group;
       if (t < task.first[query] || t > task.last[query]) continue;
@@ -99,10 +109,16 @@ void ScanScalar(const ScanTask& task, ScanState* state) {
 absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& params,
                             const AttentionQueries& queries, const AttentionOutput& output) {
   const int d = cache.key_layout.head_dim;
-  if (cache.key_layout.blocks == 0 || cache.key_layout.code_size() == 0) {
-    return Invalid("key_layout", "not a supported codec layout");
+  for (const auto& [field, layout] : {std::make_pair("key_layout", &cache.key_layout),
+                                      std::make_pair("value_layout", &cache.value_layout)}) {
+    const absl::StatusOr<CodecLayout> expected = CheckCodecSpec(CodecSpec{layout->kind, layout->head_dim, 0});
+    if (!expected.ok()) return Invalid(field, expected.status().message());
+    if (expected->block_values != layout->block_values || expected->blocks != layout->blocks ||
+        expected->block_bytes != layout->block_bytes) {
+      return Invalid(field, "does not match its codec's layout (MakeCodecLayout)");
+    }
   }
-  if (cache.value_layout.blocks == 0 || cache.value_layout.head_dim != d) {
+  if (cache.value_layout.head_dim != d) {
     return Invalid("value_layout", absl::StrCat("head_dim ", cache.value_layout.head_dim,
                                                 " differs from the keys' ", d));
   }
@@ -131,6 +147,12 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
                                                "; the cache holds positions 0 to ", cache.tokens - 1));
     }
   }
+  const size_t values = static_cast<size_t>(queries.n) * params.q_heads * d;
+  for (size_t i = 0; i < values; ++i) {
+    if (!std::isfinite(queries.q[i])) {
+      return Invalid("queries", absl::StrCat("value ", i, " is not finite"));
+    }
+  }
   if (output.out == nullptr || output.lse == nullptr) return Invalid("output", "missing buffers");
   if (params.top_k > 0 && (output.topk_tokens == nullptr || output.topk_logits == nullptr)) {
     return Invalid("output", "top_k > 0 needs top-k buffers");
@@ -138,14 +160,20 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
   return absl::OkStatus();
 }
 
-absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
-                       const AttentionQueries& queries, const AttentionOutput& output,
-                       const AttentionOptions& options) {
-  if (absl::Status s = CheckAttention(cache, params, queries, output); !s.ok()) return s;
+namespace {
+
+// Queries per pass: bounds the per-item softmax state (rows x head_dim floats
+// for every kv head x chunk) during long prefills.
+constexpr int64_t kQueriesPerPass = 32;
+
+// One pass over the cache for queries that CheckAttention accepted.
+void AttendPass(const PagedKvCache& cache, const AttentionParams& params,
+                const AttentionQueries& queries, const AttentionOutput& output,
+                const AttentionOptions& options) {
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
   const int64_t n = queries.n;
-  const int rows = static_cast<int>(n) * group;
+  const int rows = static_cast<int>(n) * group;  // n <= kQueriesPerPass
 
   // Visible ranges and the span of tokens any query sees.
   std::vector<int64_t> first(n), last(n);
@@ -244,9 +272,7 @@ absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
       output.lse[o] = total.l[r] > 0.0f ? total.m[r] + std::log(total.l[r]) : -INFINITY;
       if (params.top_k > 0) {
         std::vector<TopEntry> top = total.top[r].entries();
-        std::sort(top.begin(), top.end(), [](const TopEntry& a, const TopEntry& b) {
-          return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
-        });
+        std::sort(top.begin(), top.end(), Ranks);
         for (int k = 0; k < params.top_k; ++k) {
           const bool have = k < static_cast<int>(top.size());
           output.topk_tokens[o * params.top_k + k] = have ? top[k].token : -1;
@@ -254,6 +280,26 @@ absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
+                       const AttentionQueries& queries, const AttentionOutput& output,
+                       const AttentionOptions& options) {
+  if (absl::Status s = CheckAttention(cache, params, queries, output); !s.ok()) return s;
+  const size_t d = cache.key_layout.head_dim;
+  const size_t heads = params.q_heads;
+  const size_t k = params.top_k;
+  for (int64_t first = 0; first < queries.n; first += kQueriesPerPass) {
+    const int64_t n = std::min(kQueriesPerPass, queries.n - first);
+    const size_t row = static_cast<size_t>(first) * heads;
+    const AttentionQueries part{n, queries.q + row * d, queries.positions + first};
+    const AttentionOutput out{output.out + row * d, output.lse + row,
+                              k ? output.topk_tokens + row * k : nullptr,
+                              k ? output.topk_logits + row * k : nullptr};
+    AttendPass(cache, params, part, out, options);
   }
   return absl::OkStatus();
 }

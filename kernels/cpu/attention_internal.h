@@ -19,7 +19,6 @@ struct TopEntry {
 class TopK {
  public:
   explicit TopK(int k = 0) : k_(k) { heap_.reserve(k); }
-  bool active() const { return k_ > 0; }
   void Push(float logit, int64_t token);
   const std::vector<TopEntry>& entries() const { return heap_; }
 

@@ -1,5 +1,5 @@
 // Highway SIMD scan of the CPU attention (compiled once per target, dispatched
-// at run time). Tiles of up to 32 tokens: each key record is decoded once for
+// at run time). Tiles of up to 64 tokens: each key record is decoded once for
 // all query rows of its GQA group and scored, then the tile's softmax update
 // runs vectorized over tokens, then each value record is decoded once and
 // accumulated into every row.
@@ -301,8 +301,7 @@ struct IntPath {
   __m512i key_table, value_table;
   std::vector<int16_t> q;         // [rows][blocks][128]
   std::vector<float> q_scale;     // [rows][blocks]: float score per integer unit
-  std::vector<int32_t> dots;      // scratch [kTile][16] per row-block reduction
-  std::vector<int16_t> values;    // [kTile][blocks][128] decoded value centroids
+  std::vector<int16_t> values;    // [kTile][128]: one block of the tile's values, decoded
   std::vector<int32_t> pair_weights;  // [rows][kTile / 2]
 
   IntPath(const ScanTask& task, const ScanSetup& setup) {
@@ -325,8 +324,7 @@ struct IntPath {
         q_scale[r * blocks + b] = max > 0.0f ? max / kQueryMax / kKeyCentroidScale : 0.0f;
       }
     }
-    dots.resize(static_cast<size_t>(kTile) * 16);
-    values.resize(static_cast<size_t>(kTile) * blocks * 128);
+    values.resize(static_cast<size_t>(kTile) * 128);
     pair_weights.resize(static_cast<size_t>(task.rows) * (kTile / 2));
   }
 };
@@ -429,9 +427,7 @@ void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, con
       int16_t* dst = ip.values.data() + static_cast<size_t>(j) * 128;
       for (int k = 0; k < 4; ++k) _mm512_storeu_si512(dst + 32 * k, cent[k]);
     }
-    if (n % 2) {  // the last pair's second token has weight 0; keep its values finite
-      std::fill(ip.values.begin() + static_cast<size_t>(n) * 128, ip.values.begin() + (n + 1) * 128, 0);
-    }
+    // With n odd the last pair's second slot holds stale values; its weight is 0.
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int rows = std::min(4, task.rows - r0);
       float unit[4] = {};

@@ -25,6 +25,7 @@ class ThreadPool {
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Runs fn(i) for every i in [0, n) and returns when all have finished.
+  // fn must not throw, and must not call ParallelFor on the same pool.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:

@@ -1,8 +1,9 @@
-// Flash-decoding attention on the compressed paged cache. Values are decoded
-// coordinate by coordinate with DecodeValueAt, the host/device function the
-// CPU tests check against the codecs; turbo keys are scored in the rotated
-// domain against queries rotated once here, turbo values accumulate rotated
-// and are rotated back once per output in the merge kernel.
+// Flash-decoding attention on the compressed paged cache. Records are decoded
+// with the host/device helpers of block_math.h (DecodeValueAt,
+// TurboBlock128Dots, TurboBlock128LaneValues), which the CPU tests check
+// against the codecs; turbo keys are scored in the rotated domain against
+// queries rotated once here, turbo values accumulate rotated and are rotated
+// back once per output in the merge kernel.
 #include <algorithm>
 #include <cmath>
 
@@ -30,7 +31,7 @@ struct Problem {
   float scale;
   float softcap;
   int64_t window;
-  int64_t n;
+  int64_t first_query;  // blockIdx.z counts queries from here
   const int64_t* positions;
   const float* q_rot;  // [n][q_heads][d], in the key domain
   float* partials;     // [n][q_heads][splits][d + 2]: m, l, acc
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int head = blockIdx.x;
   const int split = blockIdx.y;
-  const int64_t query = blockIdx.z / p.row_chunks;
+  const int64_t query = p.first_query + blockIdx.z / p.row_chunks;
   const int g0 = (blockIdx.z % p.row_chunks) * kRowsPerBlock;
   const int rows = min(kRowsPerBlock, p.group - g0);
   float* q_s = shared;                                         // [rows][d]
@@ -388,7 +389,6 @@ cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& pa
   p.scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.softcap = params.softcap;
   p.window = params.window;
-  p.n = n_queries;
   p.positions = positions;
   float* q_rot = static_cast<float*>(workspace);
   p.q_rot = q_rot;
@@ -402,11 +402,17 @@ cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& pa
   }
   const size_t shared =
       (kRowsPerBlock * d + kWarps * kRowsPerBlock * d + kWarps * kRowsPerBlock * 2 + 32) * sizeof(float);
-  const dim3 grid(cache.kv_heads, plan.splits, static_cast<unsigned>(n_queries * plan.row_chunks));
-  if (d == 128) {
-    SplitKernel<true><<<grid, 32 * kWarps, shared, stream>>>(p);
-  } else {
-    SplitKernel<false><<<grid, 32 * kWarps, shared, stream>>>(p);
+  // grid.z is at most 65535: long prefills launch in slices of queries.
+  const int64_t queries_per_launch = 65535 / plan.row_chunks;
+  for (int64_t first = 0; first < n_queries; first += queries_per_launch) {
+    p.first_query = first;
+    const int64_t count = std::min(queries_per_launch, n_queries - first);
+    const dim3 grid(cache.kv_heads, plan.splits, static_cast<unsigned>(count * plan.row_chunks));
+    if (d == 128) {
+      SplitKernel<true><<<grid, 32 * kWarps, shared, stream>>>(p);
+    } else {
+      SplitKernel<false><<<grid, 32 * kWarps, shared, stream>>>(p);
+    }
   }
   const size_t merge_shared = (kMaxCudaHeadDim + kMaxSplits + kMergeThreads / 32) * sizeof(float);
   if (cache.value_layout.block_values == 128 || TurboBits(cache.value_layout.kind) == 0) {

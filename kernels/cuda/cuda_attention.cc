@@ -26,6 +26,9 @@ struct DeviceArray {
 
 absl::StatusOr<std::unique_ptr<DevicePagedCache>> DevicePagedCache::Upload(const PagedKvCache& host,
                                                                             int device) {
+  if (host.page_tokens <= 0 || host.kv_heads <= 0 || host.tokens < 0) {
+    return absl::InvalidArgumentError("DevicePagedCache: page_tokens and kv_heads must be positive");
+  }
   if (absl::Status s = CheckDevice(device); !s.ok()) return s;
   if (absl::Status s = CudaStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
   std::unique_ptr<DevicePagedCache> cache(new DevicePagedCache());
@@ -88,8 +91,8 @@ absl::Status AttendCuda(const PagedKvCache& cache, const AttentionParams& params
 
 absl::Status AttendCudaFromHost(const DevicePagedCache& cache, const AttentionParams& params,
                                 const AttentionQueries& queries, const AttentionOutput& output) {
-  // The host-side check needs host pages only for its own bookkeeping: it reads
-  // the descriptor's sizes and the host positions.
+  // CheckAttention reads the descriptor's sizes and the host queries and
+  // positions, never the (device) pages.
   if (absl::Status s = CheckAttention(cache.descriptor(), params, queries, output); !s.ok()) return s;
   if (absl::Status s = CudaStatus(cudaSetDevice(cache.device()), "cudaSetDevice"); !s.ok()) return s;
   const int d = cache.descriptor().key_layout.head_dim;

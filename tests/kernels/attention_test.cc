@@ -188,6 +188,14 @@ TEST(AttentionFeaturesTest, TopKMatchesTheReference) {
   EXPECT_GE(r.top_tokens[2], 0);
 }
 
+// More queries than one pass holds (a long prefill): causal positions over the
+// whole cache, split into passes inside AttendCpu.
+TEST(AttentionFeaturesTest, ManyQueriesRunInPasses) {
+  Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 500, 75);
+  for (int64_t i = 0; i < 75; ++i) p.positions[i] = 425 + i;
+  ExpectAllPathsMatch(p, DecodedReference(p), "75 queries");
+}
+
 // Every SIMD target compiled in and supported here against the scalar path.
 TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   const Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 2);
@@ -320,6 +328,17 @@ TEST(AttentionValidationTest, BadRequestsNameTheField) {
   bad.top_k = 4;  // no top-k buffers
   expect(attend(bad, 3), "output");
   EXPECT_TRUE(attend(p.params, 9).ok());
+
+  std::vector<float> q = p.q;
+  q[5] = std::nanf("");
+  const int64_t position = 3;
+  expect(AttendCpu(p.cache->descriptor(), p.params, {1, q.data(), &position}, output), "queries");
+  PagedKvCache wrong = p.cache->descriptor();
+  wrong.key_layout.block_bytes += 2;  // records would be read past their end
+  expect(AttendCpu(wrong, p.params, {1, p.q.data(), &position}, output), "key_layout");
+  wrong = p.cache->descriptor();
+  wrong.value_layout.kind = static_cast<CodecKind>(42);
+  expect(AttendCpu(wrong, p.params, {1, p.q.data(), &position}, output), "value_layout");
 }
 
 }  // namespace

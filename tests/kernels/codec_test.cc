@@ -359,7 +359,7 @@ TEST(EdgeInputTest, OutOfRangeMagnitudesStayFinite) {
   for (CodecKind kind : testing::kAllCodecs) {
     for (CpuPath path : {CpuPath::kScalar, CpuPath::kSimd}) {
       const auto codec = Make(kind, 128, path);
-      for (float magnitude : {1e-30f, 1e-8f, 1e6f, 1e30f}) {
+      for (float magnitude : {1e-38f, 1e-30f, 1e-8f, 1e6f, 1e30f}) {
         std::vector<float> x = GaussianVectors(4, 128, 11);
         for (float& v : x) v *= magnitude;
         const Encoded e = RoundTrip(*codec, x);
