@@ -389,6 +389,7 @@ cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& pa
   p.scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.softcap = params.softcap;
   p.window = params.window;
+  p.first_query = 0;
   p.positions = positions;
   float* q_rot = static_cast<float*>(workspace);
   p.q_rot = q_rot;
