@@ -1,0 +1,107 @@
+#include "service/store/layer_cache.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace turbokv {
+
+LayerCache::LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<const Codec> value_codec,
+                       int kv_heads, int page_tokens, PagePool* pool)
+    : key_codec_(std::move(key_codec)),
+      value_codec_(std::move(value_codec)),
+      kv_heads_(kv_heads),
+      page_tokens_(page_tokens),
+      pool_(pool),
+      page_bytes_(static_cast<size_t>(kv_heads) * page_tokens *
+                  (key_codec_->code_size() + value_codec_->code_size())) {}
+
+absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys,
+                                           const float* values) {
+  if (start > tokens_) {
+    return absl::FailedPreconditionError(absl::StrCat("chunk starts at position ", start,
+                                                      " but the layer holds ", tokens_,
+                                                      " tokens: positions ", tokens_, " to ",
+                                                      start - 1, " are missing"));
+  }
+  const int64_t end = start + n;
+  if (end <= tokens_) return tokens_;  // already stored
+
+  // Take every page the chunk needs before changing anything.
+  const bool copy_last = tokens_ % page_tokens_ != 0 && pages_.back().use_count() > 1;
+  const size_t pages_needed = static_cast<size_t>((end + page_tokens_ - 1) / page_tokens_);
+  std::vector<std::shared_ptr<Page>> fresh;
+  for (size_t i = pages_.size() - (copy_last ? 1 : 0); i < pages_needed; ++i) {
+    absl::StatusOr<std::shared_ptr<Page>> page = pool_->Allocate(page_bytes_);
+    if (!page.ok()) return page.status();
+    fresh.push_back(*std::move(page));
+  }
+  size_t next = 0;
+  if (copy_last) {
+    std::memcpy(fresh[0]->data, pages_.back()->data, page_bytes_);
+    pages_.back() = fresh[next++];
+    page_pointers_.back() = pages_.back()->data;
+  }
+  for (; next < fresh.size(); ++next) {
+    pages_.push_back(fresh[next]);
+    page_pointers_.push_back(pages_.back()->data);
+  }
+
+  // Encode the new tokens, one run of consecutive slots per page and head.
+  const PagedKvCache d = Descriptor();
+  const int dim = key_codec_->layout().head_dim;
+  std::vector<float> k_run, v_run;
+  for (int64_t t = tokens_; t < end;) {
+    const int64_t page = t / page_tokens_;
+    const int64_t slot = t % page_tokens_;
+    const int64_t run = std::min<int64_t>(end - t, page_tokens_ - slot);
+    k_run.resize(static_cast<size_t>(run) * dim);
+    v_run.resize(k_run.size());
+    for (int h = 0; h < kv_heads_; ++h) {
+      for (int64_t i = 0; i < run; ++i) {
+        const size_t src = (static_cast<size_t>(t - start + i) * kv_heads_ + h) * dim;
+        std::memcpy(&k_run[i * dim], keys + src, dim * sizeof(float));
+        std::memcpy(&v_run[i * dim], values + src, dim * sizeof(float));
+      }
+      uint8_t* base = pages_[page]->data;
+      key_codec_->Encode(run, k_run.data(), base + d.key_offset(h, slot));
+      value_codec_->Encode(run, v_run.data(), base + d.value_offset(h, slot));
+    }
+    t += run;
+  }
+  tokens_ = end;
+  return tokens_;
+}
+
+void LayerCache::Truncate(int64_t n) {
+  tokens_ = std::min(tokens_, std::max<int64_t>(n, 0));
+  const size_t keep = static_cast<size_t>((tokens_ + page_tokens_ - 1) / page_tokens_);
+  pages_.resize(keep);
+  page_pointers_.resize(keep);
+}
+
+LayerCache LayerCache::Fork(int64_t prefix) const {
+  LayerCache fork(key_codec_, value_codec_, kv_heads_, page_tokens_, pool_);
+  fork.tokens_ = std::min(std::max<int64_t>(prefix, 0), tokens_);
+  const size_t keep = static_cast<size_t>((fork.tokens_ + page_tokens_ - 1) / page_tokens_);
+  fork.pages_.assign(pages_.begin(), pages_.begin() + keep);
+  fork.page_pointers_.assign(page_pointers_.begin(), page_pointers_.begin() + keep);
+  return fork;
+}
+
+PagedKvCache LayerCache::Descriptor() const {
+  PagedKvCache d;
+  d.key_layout = key_codec_->layout();
+  d.value_layout = value_codec_->layout();
+  d.key_seed = key_codec_->spec().seed;
+  d.value_seed = value_codec_->spec().seed;
+  d.kv_heads = kv_heads_;
+  d.page_tokens = page_tokens_;
+  d.tokens = tokens_;
+  d.pages = page_pointers_.data();
+  return d;
+}
+
+}  // namespace turbokv

@@ -1,0 +1,59 @@
+// One layer of one session: its keys and values in pages of a PagePool, laid
+// out as the attention kernels read them (PagedKvCache, docs/FORMAT.md).
+// Not thread-safe: the session that owns it serializes access.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/attention.h"
+#include "kernels/codec.h"
+#include "service/store/page_pool.h"
+
+namespace turbokv {
+
+class LayerCache {
+ public:
+  // key_codec and value_codec share head_dim; page_tokens > 0, kv_heads > 0.
+  LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<const Codec> value_codec,
+             int kv_heads, int page_tokens, PagePool* pool);
+
+  int64_t tokens() const { return tokens_; }
+  // Bytes of the pages this layer holds (pages shared with forks count here too).
+  size_t bytes() const { return pages_.size() * page_bytes_; }
+  size_t page_bytes() const { return page_bytes_; }
+
+  // Stores tokens [start, start + n): keys and values [n][kv_heads][head_dim].
+  // Idempotent by position: tokens already stored are acknowledged, not stored
+  // again. A chunk that starts past the end is FAILED_PRECONDITION. All pages
+  // the chunk needs are taken from the pool first, so a chunk is applied whole
+  // or, when the budget is short (RESOURCE_EXHAUSTED), not at all. Returns the
+  // new token count.
+  absl::StatusOr<int64_t> Append(int64_t start, int64_t n, const float* keys, const float* values);
+
+  // Keeps the first n tokens (n <= tokens()) and releases the pages past them.
+  void Truncate(int64_t n);
+
+  // A new layer holding the first `prefix` tokens (prefix <= tokens()) by
+  // sharing this layer's pages; a shared, partly filled last page is copied
+  // by whichever side appends to it first.
+  LayerCache Fork(int64_t prefix) const;
+
+  // The descriptor the kernels read; valid until the next change.
+  PagedKvCache Descriptor() const;
+
+ private:
+  std::shared_ptr<const Codec> key_codec_;
+  std::shared_ptr<const Codec> value_codec_;
+  int kv_heads_;
+  int page_tokens_;
+  PagePool* pool_;
+  size_t page_bytes_;
+  std::vector<std::shared_ptr<Page>> pages_;
+  std::vector<const uint8_t*> page_pointers_;
+  int64_t tokens_ = 0;
+};
+
+}  // namespace turbokv

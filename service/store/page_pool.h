@@ -1,0 +1,39 @@
+// The memory of one device's compressed caches: pages counted against a byte
+// budget. A page returns its bytes to the budget when its last holder (a
+// layer cache, or a fork sharing it) lets go.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+
+namespace turbokv {
+
+struct Page {
+  uint8_t* data = nullptr;
+  size_t bytes = 0;
+};
+
+class PagePool {
+ public:
+  explicit PagePool(size_t budget_bytes) : budget_(budget_bytes) {}
+  PagePool(const PagePool&) = delete;
+  PagePool& operator=(const PagePool&) = delete;
+
+  // A zeroed page of `bytes`. RESOURCE_EXHAUSTED, naming the bytes used,
+  // needed and the budget, when it does not fit. Thread-safe. The pool must
+  // outlive its pages.
+  absl::StatusOr<std::shared_ptr<Page>> Allocate(size_t bytes);
+
+  size_t used_bytes() const { return used_.load(std::memory_order_relaxed); }
+  size_t budget_bytes() const { return budget_; }
+
+ private:
+  const size_t budget_;
+  std::atomic<size_t> used_{0};
+};
+
+}  // namespace turbokv

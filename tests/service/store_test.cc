@@ -1,0 +1,173 @@
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/attention.h"
+#include "kernels/paged_cache.h"
+#include "service/store/layer_cache.h"
+#include "service/store/page_pool.h"
+#include "tests/kernels/codec_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::turbokv::testing::GaussianVectors;
+
+constexpr int kHeads = 2, kDim = 128, kPage = 64;
+
+std::shared_ptr<const Codec> MakeCodec(CodecKind kind, uint64_t seed) {
+  auto codec = MakeCpuCodec(CodecSpec{kind, kDim, seed});
+  EXPECT_TRUE(codec.ok());
+  return std::shared_ptr<const Codec>(*std::move(codec));
+}
+
+LayerCache MakeLayer(PagePool* pool) {
+  return LayerCache(MakeCodec(CodecKind::kTurbo3, 1), MakeCodec(CodecKind::kTurbo4, 2), kHeads, kPage, pool);
+}
+
+// The key and value records of every token, for comparing layers.
+std::vector<uint8_t> Records(const LayerCache& layer) {
+  const PagedKvCache d = layer.Descriptor();
+  std::vector<uint8_t> out;
+  for (int64_t t = 0; t < d.tokens; ++t) {
+    for (int h = 0; h < d.kv_heads; ++h) {
+      out.insert(out.end(), d.key_record(h, t), d.key_record(h, t) + d.key_layout.code_size());
+      out.insert(out.end(), d.value_record(h, t), d.value_record(h, t) + d.value_layout.code_size());
+    }
+  }
+  return out;
+}
+
+struct Tokens {
+  std::vector<float> k, v;
+  explicit Tokens(int64_t n, uint64_t seed)
+      : k(GaussianVectors(n * kHeads, kDim, seed)), v(GaussianVectors(n * kHeads, kDim, seed + 1)) {}
+  const float* key(int64_t t) const { return k.data() + t * kHeads * kDim; }
+  const float* value(int64_t t) const { return v.data() + t * kHeads * kDim; }
+};
+
+TEST(PagePoolTest, BudgetIsEnforcedAndReturned) {
+  PagePool pool(1000);
+  auto a = pool.Allocate(600);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(pool.used_bytes(), 600u);
+  auto b = pool.Allocate(500);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(b.status().message());
+  EXPECT_NE(message.find("600 bytes used"), std::string::npos) << message;
+  EXPECT_NE(message.find("500 needed"), std::string::npos) << message;
+  EXPECT_NE(message.find("budget 1000"), std::string::npos) << message;
+  a->reset();
+  EXPECT_EQ(pool.used_bytes(), 0u);
+  EXPECT_TRUE(pool.Allocate(1000).ok());
+}
+
+TEST(LayerCacheTest, AppendIsIdempotentByPositionAndRejectsGaps) {
+  PagePool pool(1 << 26);
+  const Tokens data(150, 3);
+  LayerCache once = MakeLayer(&pool);
+  ASSERT_EQ(*once.Append(0, 150, data.key(0), data.value(0)), 150);
+
+  LayerCache pieces = MakeLayer(&pool);
+  ASSERT_EQ(*pieces.Append(0, 70, data.key(0), data.value(0)), 70);
+  ASSERT_EQ(*pieces.Append(50, 60, data.key(50), data.value(50)), 110);  // 50..69 repeated
+  ASSERT_EQ(*pieces.Append(0, 30, data.key(0), data.value(0)), 110);     // all repeated
+  const auto gap = pieces.Append(120, 10, data.key(120), data.value(120));
+  ASSERT_FALSE(gap.ok());
+  EXPECT_EQ(gap.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(gap.status().message()).find("110 to 119 are missing"), std::string::npos)
+      << gap.status();
+  ASSERT_EQ(*pieces.Append(110, 40, data.key(110), data.value(110)), 150);
+  EXPECT_EQ(Records(pieces), Records(once));
+}
+
+TEST(LayerCacheTest, AChunkOverTheBudgetChangesNothing) {
+  LayerCache probe = MakeLayer(nullptr);
+  PagePool pool(2 * probe.page_bytes() + 10);
+  LayerCache layer = MakeLayer(&pool);
+  const Tokens data(200, 5);
+  ASSERT_EQ(*layer.Append(0, 100, data.key(0), data.value(0)), 100);  // 2 pages
+  const std::vector<uint8_t> before = Records(layer);
+  const size_t used = pool.used_bytes();
+  const auto over = layer.Append(100, 60, data.key(100), data.value(100));  // needs a third page
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(layer.tokens(), 100);
+  EXPECT_EQ(pool.used_bytes(), used);
+  EXPECT_EQ(Records(layer), before);
+  ASSERT_EQ(*layer.Append(100, 28, data.key(100), data.value(100)), 128);  // fits the second page
+}
+
+TEST(LayerCacheTest, ForkSharesPagesAndDivergesOnAppend) {
+  PagePool pool(1 << 26);
+  LayerCache original = MakeLayer(&pool);
+  const Tokens data(1001, 7), other(1, 99);
+  ASSERT_EQ(*original.Append(0, 1000, data.key(0), data.value(0)), 1000);  // 15 full pages + 40
+  const size_t used = pool.used_bytes();
+
+  LayerCache fork = original.Fork(1000);
+  EXPECT_EQ(pool.used_bytes(), used);  // nothing copied
+  EXPECT_EQ(Records(fork), Records(original));
+
+  // The first side to append copies the shared partial page, nothing else;
+  // the page is then the other side's alone and takes its append in place.
+  ASSERT_EQ(*fork.Append(1000, 1, other.key(0), other.value(0)), 1001);
+  EXPECT_EQ(pool.used_bytes(), used + fork.page_bytes());
+  ASSERT_EQ(*original.Append(1000, 1, data.key(1000), data.value(1000)), 1001);
+  EXPECT_EQ(pool.used_bytes(), used + fork.page_bytes());
+
+  const std::vector<uint8_t> a = Records(original), b = Records(fork);
+  const size_t per_token = a.size() / 1001;
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), 1000 * per_token), 0);  // shared prefix intact
+  EXPECT_NE(std::memcmp(a.data() + 1000 * per_token, b.data() + 1000 * per_token, per_token), 0);
+
+  // A shorter fork shares only the pages of its prefix.
+  LayerCache short_fork = original.Fork(100);
+  EXPECT_EQ(short_fork.tokens(), 100);
+  EXPECT_EQ(short_fork.bytes(), 2 * fork.page_bytes());
+}
+
+TEST(LayerCacheTest, TruncateReleasesPages) {
+  PagePool pool(1 << 26);
+  LayerCache layer = MakeLayer(&pool);
+  const Tokens data(300, 11);
+  ASSERT_EQ(*layer.Append(0, 300, data.key(0), data.value(0)), 300);  // 5 pages
+  layer.Truncate(70);
+  EXPECT_EQ(layer.tokens(), 70);
+  EXPECT_EQ(pool.used_bytes(), 2 * layer.page_bytes());
+  // Appending again after a rollback rewrites the dropped positions.
+  ASSERT_EQ(*layer.Append(70, 230, data.key(70), data.value(70)), 300);
+  LayerCache fresh = MakeLayer(&pool);
+  ASSERT_EQ(*fresh.Append(0, 300, data.key(0), data.value(0)), 300);
+  EXPECT_EQ(Records(layer), Records(fresh));
+}
+
+TEST(LayerCacheTest, KernelsReadTheStoredPages) {
+  PagePool pool(1 << 26);
+  LayerCache layer = MakeLayer(&pool);
+  const Tokens data(500, 13);
+  ASSERT_EQ(*layer.Append(0, 200, data.key(0), data.value(0)), 200);
+  ASSERT_EQ(*layer.Append(200, 300, data.key(200), data.value(200)), 500);
+  auto reference = PagedCacheBuffer::Create({CodecKind::kTurbo3, kDim, 1}, {CodecKind::kTurbo4, kDim, 2},
+                                            kHeads, kPage);
+  ASSERT_TRUE(reference.ok());
+  (*reference)->Append(500, data.key(0), data.value(0));
+
+  AttentionParams params;
+  params.q_heads = 8;
+  const std::vector<float> q = GaussianVectors(8, kDim, 17);
+  const int64_t position = 499;
+  std::vector<float> out_a(8 * kDim), lse_a(8), out_b(8 * kDim), lse_b(8);
+  ASSERT_TRUE(AttendCpu(layer.Descriptor(), params, {1, q.data(), &position}, {out_a.data(), lse_a.data()}).ok());
+  ASSERT_TRUE(AttendCpu((*reference)->descriptor(), params, {1, q.data(), &position},
+                        {out_b.data(), lse_b.data()})
+                  .ok());
+  EXPECT_EQ(out_a, out_b);
+  EXPECT_EQ(lse_a, lse_b);
+}
+
+}  // namespace
+}  // namespace turbokv
