@@ -105,9 +105,9 @@ struct AttentionOptions {
   // Tokens per work item when splitting a head's tokens (0: chosen from the
   // pool size and the cache length).
   int64_t chunk_tokens = 0;
-  // On CPUs with AVX-512 VNNI and VBMI, turbo caches with rotation blocks of
-  // 128 are scored and accumulated with int16 dot products: several times
-  // faster, within about 1e-4 relative of the float path. false forces float.
+  // On CPUs with AVX-512 VNNI and VBMI, caches with turbo keys and values are
+  // scored and accumulated with int16 dot products: several times faster,
+  // within about 1e-4 relative of the float path. false forces float.
   bool integer_dot_products = true;
 };
 

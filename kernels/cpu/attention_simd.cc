@@ -8,6 +8,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -203,7 +204,7 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
 namespace turbokv {
 namespace HWY_NAMESPACE {
 
-// Integer path for turbo keys and values with rotation blocks of 128, on
+// Integer path for turbo keys and values (rotation blocks of 64 or 128), on
 // AVX-512 VNNI/VBMI. Key centroids become int16 (x 8192) and the rotated query
 // int16 per block (x 8191 / max|q|); scores are vpdpwssd dot products, each
 // int32 lane summing 8 products of at most 22037 x 8191 (< 2^31). Value
@@ -217,8 +218,8 @@ constexpr float kQueryMax = 8191.0f;
 constexpr float kWeightMax = 8191.0f;
 
 bool IntPathApplies(const PagedKvCache& c) {
-  return TurboBits(c.key_layout.kind) != 0 && TurboBits(c.value_layout.kind) != 0 &&
-         c.key_layout.block_values == 128 && c.value_layout.block_values == 128;
+  // Keys and values share head_dim, hence the rotation block size.
+  return TurboBits(c.key_layout.kind) != 0 && TurboBits(c.value_layout.kind) != 0;
 }
 
 __m512i CentroidTable16(const float* centroids, int bits, float scale) {
@@ -260,15 +261,57 @@ HWY_INLINE void UnpackIndices(const uint8_t* planes, __m512i* lo, __m512i* hi) {
   }
 }
 
-// The int16 centroids of one block: 4 vectors of 32 values in index order.
+HWY_INLINE uint64_t LoadLittleEndian64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof(v));  // x86 is little-endian
+  return v;
+}
+
+// The 64 indices of a block of 64 values, one per byte.
 template <int kBits>
+HWY_INLINE __m512i UnpackIndices64(const uint8_t* planes) {
+  if (kBits == 4) {  // 32 bytes: index j (low nibble), j + 32 (high nibble)
+    const __m512i p = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes)));
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(p, shift), _mm512_set1_epi8(0x0f));
+  }
+  // 16 bytes of 2-bit fields: index j + 16 m at bits 2 m; lane m of the result
+  // holds indices 16 m .. 16 m + 15.
+  const __m512i lanes = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i lane_words = _mm512_or_si512(_mm512_or_si512(lanes, _mm512_slli_epi64(lanes, 16)),
+                                             _mm512_or_si512(_mm512_slli_epi64(lanes, 32), _mm512_slli_epi64(lanes, 48)));
+  const __m512i p = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(planes)));
+  __m512i index = _mm512_and_si512(_mm512_srlv_epi16(p, _mm512_add_epi16(lane_words, lane_words)),
+                                   _mm512_set1_epi8(3));
+  if (kBits == 3) {
+    // 8 bytes of high bits: index j + 8 m at bit m. In lane m, bytes 0-7 take
+    // bit 2 m and bytes 8-15 bit 2 m + 1 of the same 8 bytes.
+    const __m512i h = _mm512_set1_epi64(static_cast<long long>(LoadLittleEndian64(planes + 16)));
+    const __m512i upper_half = _mm512_set_epi64(1, 0, 1, 0, 1, 0, 1, 0);
+    const __m512i half_words = _mm512_or_si512(_mm512_or_si512(upper_half, _mm512_slli_epi64(upper_half, 16)),
+                                               _mm512_or_si512(_mm512_slli_epi64(upper_half, 32),
+                                                               _mm512_slli_epi64(upper_half, 48)));
+    const __m512i shift = _mm512_add_epi16(_mm512_add_epi16(lane_words, lane_words), half_words);
+    index = _mm512_or_si512(
+        index, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift), _mm512_set1_epi8(1)), 2));
+  }
+  return index;
+}
+
+// The int16 centroids of one block of kB values: kB / 32 vectors of 32
+// values in index order.
+template <int kB, int kBits>
 HWY_INLINE void BlockCentroids16(const uint8_t* block, __m512i table, __m512i* c) {
-  __m512i lo, hi;
-  UnpackIndices<kBits>(block + kTurboScaleBytes, &lo, &hi);
-  c[0] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), table);
-  c[1] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), table);
-  c[2] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), table);
-  c[3] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), table);
+  __m512i parts[2];
+  if (kB == 128) {
+    UnpackIndices<kBits>(block + kTurboScaleBytes, &parts[0], &parts[1]);
+  } else {
+    parts[0] = UnpackIndices64<kBits>(block + kTurboScaleBytes);
+  }
+  for (int h = 0; h < kB / 64; ++h) {
+    c[2 * h] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(parts[h])), table);
+    c[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(parts[h], 1)), table);
+  }
 }
 
 // Sums of the 16 lanes of v[0..15], in order: result lane t = sum of v[t].
@@ -295,41 +338,45 @@ HWY_INLINE __m512i ReduceLanes16(const __m512i* v) {
 }
 
 struct IntPath {
+  int dim = 0;
+  int block_values = 0;
   int blocks = 0;
   int key_bits = 0;
   int value_bits = 0;
   __m512i key_table, value_table;
-  std::vector<int16_t> q;         // [rows][blocks][128]
+  std::vector<int16_t> q;         // [rows][dim]
   std::vector<float> q_scale;     // [rows][blocks]: float score per integer unit
-  std::vector<int16_t> values;    // [kTile][128]: one block of the tile's values, decoded
+  std::vector<int16_t> values;    // [kTile][block_values]: one block of the tile's values, decoded
   std::vector<int32_t> pair_weights;  // [rows][kTile / 2]
 
   IntPath(const ScanTask& task, const ScanSetup& setup) {
     const PagedKvCache& c = *task.cache;
+    dim = c.key_layout.head_dim;
+    block_values = c.key_layout.block_values;
     blocks = c.key_layout.blocks;
     key_bits = TurboBits(c.key_layout.kind);
     value_bits = TurboBits(c.value_layout.kind);
     key_table = CentroidTable16(setup.key_table, key_bits, kKeyCentroidScale);
     value_table = CentroidTable16(setup.value_table, value_bits, kValueCentroidScale);
-    q.resize(static_cast<size_t>(task.rows) * blocks * 128);
+    q.resize(static_cast<size_t>(task.rows) * dim);
     q_scale.resize(static_cast<size_t>(task.rows) * blocks);
     for (int r = 0; r < task.rows; ++r) {
       for (int b = 0; b < blocks; ++b) {
-        const float* src = task.q + static_cast<size_t>(r) * c.key_layout.head_dim + b * 128;
+        const float* src = task.q + static_cast<size_t>(r) * dim + b * block_values;
         float max = 0.0f;
-        for (int i = 0; i < 128; ++i) max = std::max(max, std::fabs(src[i]));
+        for (int i = 0; i < block_values; ++i) max = std::max(max, std::fabs(src[i]));
         const float to_int = max > 0.0f ? kQueryMax / max : 0.0f;
-        int16_t* dst = q.data() + (static_cast<size_t>(r) * blocks + b) * 128;
-        for (int i = 0; i < 128; ++i) dst[i] = static_cast<int16_t>(std::lrint(src[i] * to_int));
+        int16_t* dst = q.data() + static_cast<size_t>(r) * dim + b * block_values;
+        for (int i = 0; i < block_values; ++i) dst[i] = static_cast<int16_t>(std::lrint(src[i] * to_int));
         q_scale[r * blocks + b] = max > 0.0f ? max / kQueryMax / kKeyCentroidScale : 0.0f;
       }
     }
-    values.resize(static_cast<size_t>(kTile) * 128);
+    values.resize(static_cast<size_t>(kTile) * block_values);
     pair_weights.resize(static_cast<size_t>(task.rows) * (kTile / 2));
   }
 };
 
-template <int kBits>
+template <int kB, int kBits>
 void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
   const PagedKvCache& c = *task.cache;
   const int blocks = ip.blocks;
@@ -343,21 +390,19 @@ void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* l
   }
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* first = records + b * c.key_layout.block_bytes;
-    for (int j = 0; j < kTile; ++j) scales[j] = j < n ? TurboDecodeFactor(first + j * record_bytes, 128) : 0.0f;
+    for (int j = 0; j < kTile; ++j) scales[j] = j < n ? TurboDecodeFactor(first + j * record_bytes, kB) : 0.0f;
     // Rows in groups of four share each decoded key block.
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int rows = std::min(4, task.rows - r0);
-      const int16_t* q = ip.q.data() + (static_cast<size_t>(r0) * blocks + b) * 128;
-      const size_t q_row = static_cast<size_t>(blocks) * 128;
+      const int16_t* q = ip.q.data() + static_cast<size_t>(r0) * ip.dim + b * kB;
       for (int j = 0; j < n; ++j) {
-        __m512i cent[4];
-        BlockCentroids16<kBits>(first + j * record_bytes, ip.key_table, cent);
+        __m512i cent[kB / 32];
+        BlockCentroids16<kB, kBits>(first + j * record_bytes, ip.key_table, cent);
         for (int r = 0; r < rows; ++r) {
-          const int16_t* qr = q + r * q_row;
+          const int16_t* qr = q + r * ip.dim;
           __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), cent[0], _mm512_loadu_si512(qr));
-          a = _mm512_dpwssd_epi32(a, cent[1], _mm512_loadu_si512(qr + 32));
-          a = _mm512_dpwssd_epi32(a, cent[2], _mm512_loadu_si512(qr + 64));
-          acc[r][j] = _mm512_dpwssd_epi32(a, cent[3], _mm512_loadu_si512(qr + 96));
+          for (int k = 1; k < kB / 32; ++k) a = _mm512_dpwssd_epi32(a, cent[k], _mm512_loadu_si512(qr + 32 * k));
+          acc[r][j] = a;
         }
       }
       for (int r = 0; r < rows; ++r) {
@@ -374,20 +419,20 @@ void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* l
 }
 
 // acc_r += sum_j w_rj v_j over a tile for kRows rows (kept in registers).
-template <int kRows>
+template <int kB, int kRows>
 HWY_INLINE void AccumulateRowsInt(const int16_t* values, int pairs, const int32_t* pair_weights,
                                   const float* unit, int dim, int block, float* acc_out) {
   // Natural dimension order of the two halves that unpacklo/hi_epi16 make of a
   // 32-value chunk: lo = dims 0-3, 8-11, 16-19, 24-27; hi = 4-7, 12-15, ...
   const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i second16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (int chunk = 0; chunk < 4; ++chunk) {  // 32 dimensions at a time
+  for (int chunk = 0; chunk < kB / 32; ++chunk) {  // 32 dimensions at a time
     __m512i acc[kRows][2];
     for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
     for (int p = 0; p < pairs; ++p) {
-      const int16_t* v0 = values + static_cast<size_t>(2 * p) * 128 + 32 * chunk;
+      const int16_t* v0 = values + static_cast<size_t>(2 * p) * kB + 32 * chunk;
       const __m512i a = _mm512_loadu_si512(v0);
-      const __m512i a1 = _mm512_loadu_si512(v0 + 128);
+      const __m512i a1 = _mm512_loadu_si512(v0 + kB);
       const __m512i lo = _mm512_unpacklo_epi16(a, a1);
       const __m512i hi = _mm512_unpackhi_epi16(a, a1);
       for (int r = 0; r < kRows; ++r) {
@@ -400,14 +445,14 @@ HWY_INLINE void AccumulateRowsInt(const int16_t* values, int pairs, const int32_
       const __m512 u = _mm512_set1_ps(unit[r]);
       const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][0]), u);
       const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][1]), u);
-      float* out = acc_out + static_cast<size_t>(r) * dim + block * 128 + 32 * chunk;
+      float* out = acc_out + static_cast<size_t>(r) * dim + block * kB + 32 * chunk;
       _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_permutex2var_ps(lo, first16, hi)));
       _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16), _mm512_permutex2var_ps(lo, second16, hi)));
     }
   }
 }
 
-template <int kBits>
+template <int kB, int kBits>
 void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, const float* weights,
                        ScanState* state) {
   const PagedKvCache& c = *task.cache;
@@ -421,11 +466,11 @@ void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, con
     for (int j = 0; j < kTile; ++j) scales[j] = 0.0f;
     for (int j = 0; j < n; ++j) {
       const uint8_t* block = records + j * record_bytes + b * c.value_layout.block_bytes;
-      scales[j] = TurboDecodeFactor(block, 128);
-      __m512i cent[4];
-      BlockCentroids16<kBits>(block, ip.value_table, cent);
-      int16_t* dst = ip.values.data() + static_cast<size_t>(j) * 128;
-      for (int k = 0; k < 4; ++k) _mm512_storeu_si512(dst + 32 * k, cent[k]);
+      scales[j] = TurboDecodeFactor(block, kB);
+      __m512i cent[kB / 32];
+      BlockCentroids16<kB, kBits>(block, ip.value_table, cent);
+      int16_t* dst = ip.values.data() + static_cast<size_t>(j) * kB;
+      for (int k = 0; k < kB / 32; ++k) _mm512_storeu_si512(dst + 32 * k, cent[k]);
     }
     // With n odd the last pair's second slot holds stale values; its weight is 0.
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
@@ -452,26 +497,36 @@ void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, con
       const int32_t* pw = ip.pair_weights.data() + static_cast<size_t>(r0) * (kTile / 2);
       float* out = state->acc.data() + static_cast<size_t>(r0) * dim;
       switch (rows) {
-        case 4: AccumulateRowsInt<4>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        case 3: AccumulateRowsInt<3>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        case 2: AccumulateRowsInt<2>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        default: AccumulateRowsInt<1>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 4: AccumulateRowsInt<kB, 4>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 3: AccumulateRowsInt<kB, 3>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 2: AccumulateRowsInt<kB, 2>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        default: AccumulateRowsInt<kB, 1>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
       }
     }
   }
 }
 
 void ScoreTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
-  if (ip.key_bits == 2) return ScoreTileInt<2>(task, ip, t0, n, logits);
-  if (ip.key_bits == 3) return ScoreTileInt<3>(task, ip, t0, n, logits);
-  return ScoreTileInt<4>(task, ip, t0, n, logits);
+  if (ip.block_values == 128) {
+    if (ip.key_bits == 2) return ScoreTileInt<128, 2>(task, ip, t0, n, logits);
+    if (ip.key_bits == 3) return ScoreTileInt<128, 3>(task, ip, t0, n, logits);
+    return ScoreTileInt<128, 4>(task, ip, t0, n, logits);
+  }
+  if (ip.key_bits == 2) return ScoreTileInt<64, 2>(task, ip, t0, n, logits);
+  if (ip.key_bits == 3) return ScoreTileInt<64, 3>(task, ip, t0, n, logits);
+  return ScoreTileInt<64, 4>(task, ip, t0, n, logits);
 }
 
 void AccumulateTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int n,
                               const float* weights, ScanState* state) {
-  if (ip.value_bits == 2) return AccumulateTileInt<2>(task, ip, t0, n, weights, state);
-  if (ip.value_bits == 3) return AccumulateTileInt<3>(task, ip, t0, n, weights, state);
-  return AccumulateTileInt<4>(task, ip, t0, n, weights, state);
+  if (ip.block_values == 128) {
+    if (ip.value_bits == 2) return AccumulateTileInt<128, 2>(task, ip, t0, n, weights, state);
+    if (ip.value_bits == 3) return AccumulateTileInt<128, 3>(task, ip, t0, n, weights, state);
+    return AccumulateTileInt<128, 4>(task, ip, t0, n, weights, state);
+  }
+  if (ip.value_bits == 2) return AccumulateTileInt<64, 2>(task, ip, t0, n, weights, state);
+  if (ip.value_bits == 3) return AccumulateTileInt<64, 3>(task, ip, t0, n, weights, state);
+  return AccumulateTileInt<64, 4>(task, ip, t0, n, weights, state);
 }
 #pragma GCC pop_options
 #endif  // HWY_TARGET == HWY_AVX3_DL

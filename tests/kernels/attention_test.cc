@@ -196,6 +196,13 @@ TEST(AttentionFeaturesTest, ManyQueriesRunInPasses) {
   ExpectAllPathsMatch(p, DecodedReference(p), "75 queries");
 }
 
+// A head dimension of nine rotation blocks of 64 (MLA-style 576), one kv head
+// shared by 16 query heads.
+TEST(AttentionFeaturesTest, HeadDim576WithSixteenQueryHeads) {
+  const Problem p = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo3, 576, 1, 16, 700, 2);
+  ExpectAllPathsMatch(p, DecodedReference(p), "d=576 group=16");
+}
+
 // Every SIMD target compiled in and supported here against the scalar path.
 TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   const Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 2);
