@@ -166,21 +166,23 @@ int RunAttend(int argc, char** argv) {
   ThreadPool pool(static_cast<int>(threads));
   const AttentionOptions attend_options{AttentionPath::kSimd, &pool};
 
-  auto calls_per_second = [&](const Cache& cache) {
-    return MedianRate(1, [&] {
+  auto attend = [&](const Cache& cache) {
+    return [&] {
       const absl::Status s = AttendCpu(cache.buffer->descriptor(), params, queries, output, attend_options);
       if (!s.ok()) error = std::string(s.message());
-    }, 0.3);
+    };
   };
-  const double compressed_rate = calls_per_second(compressed);
-  const double f16_rate = calls_per_second(f16);
+  std::vector<uint64_t> stream((compressed.bytes + 7) / 8, 1);
+  uint64_t sink = 0;
+  // Compressed, f16 and the streaming read take turns, so machine noise hits
+  // all three alike.
+  const std::vector<double> rates = InterleavedMedianRates(
+      {{1, attend(compressed)}, {1, attend(f16)}, {stream.size() * 8, [&] { sink += StreamRead(pool, stream); }}});
   if (!error.empty()) {
     std::fprintf(stderr, "turbokv-bench: %s\n", error.c_str());
     return 1;
   }
-  std::vector<uint64_t> stream((compressed.bytes + 7) / 8, 1);
-  uint64_t sink = 0;
-  const double stream_rate = MedianRate(stream.size() * 8, [&] { sink += StreamRead(pool, stream); }, 0.3);
+  const double compressed_rate = rates[0], f16_rate = rates[1], stream_rate = rates[2];
 
   const double us = 1e6 / compressed_rate, f16_us = 1e6 / f16_rate;
   const double cache_gb_per_s = compressed.bytes * compressed_rate / 1e9;

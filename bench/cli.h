@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <utility>
 #include <map>
 #include <string>
 #include <vector>
@@ -94,6 +96,35 @@ double MedianRate(size_t count, Op op, double min_seconds = 0.1) {
   }
   std::sort(rates.begin(), rates.end());
   return rates[rates.size() / 2];
+}
+
+// Runs each op in turn, `rounds` times, each turn repeated for at least
+// `min_seconds`, and returns each op's median rate in items per second (an
+// op handles `first` items per call). Interleaving spreads the drift of a
+// shared machine over every op alike, so their ratios hold.
+inline std::vector<double> InterleavedMedianRates(
+    const std::vector<std::pair<size_t, std::function<void()>>>& ops, int rounds = 7,
+    double min_seconds = 0.15) {
+  std::vector<std::vector<double>> rates(ops.size());
+  for (int round = 0; round < rounds; ++round) {
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      size_t done = 0;
+      double elapsed = 0;
+      do {
+        ops[i].second();
+        done += ops[i].first;
+        elapsed = Seconds(start);
+      } while (elapsed < min_seconds);
+      rates[i].push_back(done / elapsed);
+    }
+  }
+  std::vector<double> medians;
+  for (std::vector<double>& r : rates) {
+    std::sort(r.begin(), r.end());
+    medians.push_back(r[r.size() / 2]);
+  }
+  return medians;
 }
 
 }  // namespace turbokv::bench
