@@ -30,12 +30,6 @@ bool Ranks(const TopEntry& a, const TopEntry& b) {
   return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
 }
 
-// The codebook of a turbo layout, nullptr for the others.
-const float* Centroids(const CodecLayout& layout) {
-  const int bits = TurboBits(layout.kind);
-  return bits ? FindCodebook(layout.block_values, bits)->centroids : nullptr;
-}
-
 // Decodes one record into the domain the kernel works in (turbo: rotated).
 void DecodeRow(const CodecLayout& layout, const float* centroids, const uint8_t* in, float* out) {
   for (int b = 0; b < layout.blocks; ++b) {
@@ -79,8 +73,8 @@ void ScanScalar(const ScanTask& task, ScanState* state) {
   const PagedKvCache& c = *task.cache;
   const int d = c.key_layout.head_dim;
   std::vector<float> k(d), v(d);
-  const float* key_centroids = Centroids(c.key_layout);
-  const float* value_centroids = Centroids(c.value_layout);
+  const float* key_centroids = LayoutCentroids(c.key_layout);
+  const float* value_centroids = LayoutCentroids(c.value_layout);
   for (int64_t t = task.begin; t < task.end; ++t) {
     DecodeRow(c.key_layout, key_centroids, c.key_record(task.head, t), k.data());
     DecodeRow(c.value_layout, value_centroids, c.value_record(task.head, t), v.data());

@@ -37,52 +37,28 @@ void DecodeRowSimd(const CodecLayout& layout, const float* centroids, const uint
     for (int b = 0; b < layout.blocks; ++b) {
       const uint8_t* block = in + static_cast<size_t>(b) * layout.block_bytes;
       float* w = out + b * layout.block_values;
-      if (layout.block_values == 128) {
-        if (bits == 2) DecodeTurboBlockRotated<128, 2>(block, centroids, w);
-        if (bits == 3) DecodeTurboBlockRotated<128, 3>(block, centroids, w);
-        if (bits == 4) DecodeTurboBlockRotated<128, 4>(block, centroids, w);
-      } else {
-        if (bits == 2) DecodeTurboBlockRotated<64, 2>(block, centroids, w);
-        if (bits == 3) DecodeTurboBlockRotated<64, 3>(block, centroids, w);
-        if (bits == 4) DecodeTurboBlockRotated<64, 4>(block, centroids, w);
-      }
+      DispatchTurbo(layout.block_values, bits, [&](auto bv, auto kbits) {
+        DecodeTurboBlockRotated<bv.value, kbits.value>(block, centroids, w);
+      });
     }
     return;
   }
-  switch (layout.kind) {
-    case CodecKind::kF16: {
-      int i = 0;
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-      const hn::ScalableTag<float> d;
-      const hn::Rebind<hwy::float16_t, decltype(d)> dh;
-      const auto* h = reinterpret_cast<const hwy::float16_t*>(in);
-      const int lanes = static_cast<int>(hn::Lanes(d));
-      for (; i + lanes <= layout.head_dim; i += lanes) hn::Store(hn::PromoteTo(d, hn::LoadU(dh, h + i)), d, out + i);
-#endif
-      for (; i < layout.head_dim; ++i) out[i] = HalfBitsToFloat(LoadHalfBits(in + 2 * i));
-      return;
-    }
-    case CodecKind::kQ8_0:
-      for (int b = 0; b < layout.blocks; ++b) DecodeQ8Block(in + b * kQ8BlockBytes, out + b * kGgmlBlockValues);
-      return;
-    default:
-      for (int b = 0; b < layout.blocks; ++b) DecodeQ4Block(in + b * kQ4BlockBytes, out + b * kGgmlBlockValues);
-      return;
+  if (layout.kind == CodecKind::kF16) {
+    DecodeF16Values(layout.head_dim, in, out);
+    return;
+  }
+  for (int b = 0; b < layout.blocks; ++b) {  // q8_0, q4_0: the scalar block decoders
+    DecodeBlockToKernelDomain(layout, in + static_cast<size_t>(b) * layout.block_bytes, nullptr,
+                              out + b * layout.block_values);
   }
 }
 
 // Per task: the codebooks of both tensors.
 struct ScanSetup {
-  const float* key_table = nullptr;
-  const float* value_table = nullptr;
-  explicit ScanSetup(const PagedKvCache& c) {
-    if (const int bits = TurboBits(c.key_layout.kind)) {
-      key_table = FindCodebook(c.key_layout.block_values, bits)->centroids;
-    }
-    if (const int bits = TurboBits(c.value_layout.kind)) {
-      value_table = FindCodebook(c.value_layout.block_values, bits)->centroids;
-    }
-  }
+  explicit ScanSetup(const PagedKvCache& c)
+      : key_table(LayoutCentroids(c.key_layout)), value_table(LayoutCentroids(c.value_layout)) {}
+  const float* key_table;
+  const float* value_table;
 };
 
 // Raw scores <q_r, k_t> of the tile's n tokens into logits[r * kTile + j]:
@@ -230,6 +206,14 @@ __m512i CentroidTable16(const float* centroids, int bits, float scale) {
   return _mm512_load_si512(table);
 }
 
+// A 16-bit shift count for every word of 128-bit lane m: counts[m] (lane m
+// of a 512-bit vector holds bytes 16 m .. 16 m + 15).
+HWY_INLINE __m512i LaneWordCounts(int16_t c0, int16_t c1, int16_t c2, int16_t c3) {
+  constexpr long long kEveryWord = 0x0001000100010001LL;
+  return _mm512_set_epi64(c3 * kEveryWord, c3 * kEveryWord, c2 * kEveryWord, c2 * kEveryWord,
+                          c1 * kEveryWord, c1 * kEveryWord, c0 * kEveryWord, c0 * kEveryWord);
+}
+
 // Indices 0..63 and 64..127 of one block, one per byte.
 template <int kBits>
 HWY_INLINE void UnpackIndices(const uint8_t* planes, __m512i* lo, __m512i* hi) {
@@ -252,12 +236,10 @@ HWY_INLINE void UnpackIndices(const uint8_t* planes, __m512i* lo, __m512i* hi) {
     // result holds indices 16 m .. 16 m + 15.
     const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 32)));
     const __m512i one = _mm512_set1_epi8(1);
-    const __m512i lanes_lo = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i shifts_lo = _mm512_or_si512(lanes_lo, _mm512_slli_epi64(lanes_lo, 16));
-    const __m512i shift_words_lo = _mm512_or_si512(shifts_lo, _mm512_slli_epi64(shifts_lo, 32));
-    const __m512i shift_words_hi = _mm512_add_epi16(shift_words_lo, _mm512_set1_epi16(4));
-    *lo = _mm512_or_si512(*lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_words_lo), one), 2));
-    *hi = _mm512_or_si512(*hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_words_hi), one), 2));
+    const __m512i bit_lo = _mm512_srlv_epi16(h, LaneWordCounts(0, 1, 2, 3));
+    const __m512i bit_hi = _mm512_srlv_epi16(h, LaneWordCounts(4, 5, 6, 7));
+    *lo = _mm512_or_si512(*lo, _mm512_slli_epi16(_mm512_and_si512(bit_lo, one), 2));
+    *hi = _mm512_or_si512(*hi, _mm512_slli_epi16(_mm512_and_si512(bit_hi, one), 2));
   }
 }
 
@@ -277,21 +259,16 @@ HWY_INLINE __m512i UnpackIndices64(const uint8_t* planes) {
   }
   // 16 bytes of 2-bit fields: index j + 16 m at bits 2 m; lane m of the result
   // holds indices 16 m .. 16 m + 15.
-  const __m512i lanes = _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i lane_words = _mm512_or_si512(_mm512_or_si512(lanes, _mm512_slli_epi64(lanes, 16)),
-                                             _mm512_or_si512(_mm512_slli_epi64(lanes, 32), _mm512_slli_epi64(lanes, 48)));
   const __m512i p = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(planes)));
-  __m512i index = _mm512_and_si512(_mm512_srlv_epi16(p, _mm512_add_epi16(lane_words, lane_words)),
-                                   _mm512_set1_epi8(3));
+  __m512i index = _mm512_and_si512(_mm512_srlv_epi16(p, LaneWordCounts(0, 2, 4, 6)), _mm512_set1_epi8(3));
   if (kBits == 3) {
     // 8 bytes of high bits: index j + 8 m at bit m. In lane m, bytes 0-7 take
     // bit 2 m and bytes 8-15 bit 2 m + 1 of the same 8 bytes.
     const __m512i h = _mm512_set1_epi64(static_cast<long long>(LoadLittleEndian64(planes + 16)));
-    const __m512i upper_half = _mm512_set_epi64(1, 0, 1, 0, 1, 0, 1, 0);
-    const __m512i half_words = _mm512_or_si512(_mm512_or_si512(upper_half, _mm512_slli_epi64(upper_half, 16)),
-                                               _mm512_or_si512(_mm512_slli_epi64(upper_half, 32),
-                                                               _mm512_slli_epi64(upper_half, 48)));
-    const __m512i shift = _mm512_add_epi16(_mm512_add_epi16(lane_words, lane_words), half_words);
+    constexpr long long kEveryWord = 0x0001000100010001LL;
+    // 2 m in the low qword of lane m, 2 m + 1 in the high one.
+    const __m512i shift = _mm512_set_epi64(7 * kEveryWord, 6 * kEveryWord, 5 * kEveryWord, 4 * kEveryWord,
+                                           3 * kEveryWord, 2 * kEveryWord, 1 * kEveryWord, 0);
     index = _mm512_or_si512(
         index, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift), _mm512_set1_epi8(1)), 2));
   }
@@ -506,28 +483,6 @@ void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, con
   }
 }
 
-void ScoreTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
-  if (ip.block_values == 128) {
-    if (ip.key_bits == 2) return ScoreTileInt<128, 2>(task, ip, t0, n, logits);
-    if (ip.key_bits == 3) return ScoreTileInt<128, 3>(task, ip, t0, n, logits);
-    return ScoreTileInt<128, 4>(task, ip, t0, n, logits);
-  }
-  if (ip.key_bits == 2) return ScoreTileInt<64, 2>(task, ip, t0, n, logits);
-  if (ip.key_bits == 3) return ScoreTileInt<64, 3>(task, ip, t0, n, logits);
-  return ScoreTileInt<64, 4>(task, ip, t0, n, logits);
-}
-
-void AccumulateTileIntAnyBits(const ScanTask& task, IntPath& ip, int64_t t0, int n,
-                              const float* weights, ScanState* state) {
-  if (ip.block_values == 128) {
-    if (ip.value_bits == 2) return AccumulateTileInt<128, 2>(task, ip, t0, n, weights, state);
-    if (ip.value_bits == 3) return AccumulateTileInt<128, 3>(task, ip, t0, n, weights, state);
-    return AccumulateTileInt<128, 4>(task, ip, t0, n, weights, state);
-  }
-  if (ip.value_bits == 2) return AccumulateTileInt<64, 2>(task, ip, t0, n, weights, state);
-  if (ip.value_bits == 3) return AccumulateTileInt<64, 3>(task, ip, t0, n, weights, state);
-  return AccumulateTileInt<64, 4>(task, ip, t0, n, weights, state);
-}
 #pragma GCC pop_options
 #endif  // HWY_TARGET == HWY_AVX3_DL
 
@@ -546,9 +501,14 @@ void Scan(const ScanTask& task, ScanState* state) {
     const int n = static_cast<int>(std::min<int64_t>({kTile, task.end - t0, page_end - t0}));
 #if HWY_TARGET == HWY_AVX3_DL
     if (int_path) {
-      ScoreTileIntAnyBits(task, *int_path, t0, n, logits.get());
+      IntPath& ip = *int_path;
+      DispatchTurbo(ip.block_values, ip.key_bits, [&](auto bv, auto bits) {
+        ScoreTileInt<bv.value, bits.value>(task, ip, t0, n, logits.get());
+      });
       SoftmaxTile(task, t0, n, logits.get(), state);
-      AccumulateTileIntAnyBits(task, *int_path, t0, n, logits.get(), state);
+      DispatchTurbo(ip.block_values, ip.value_bits, [&](auto bv, auto bits) {
+        AccumulateTileInt<bv.value, bits.value>(task, ip, t0, n, logits.get(), state);
+      });
       t0 += n;
       continue;
     }

@@ -141,40 +141,14 @@ void DecodeTurboT(const TurboArgs& args, size_t n, const uint8_t* HWY_RESTRICT c
   }
 }
 
-// Calls Op::Run<B, bits> for the codec's block size and bit width.
-template <class Op, class... Args>
-void ForTurbo(const TurboArgs& args, Args... rest) {
-  const int bits = args.codebook->bits;
-  if (args.block_values == 128) {
-    if (bits == 2) return Op::template Run<128, 2>(args, rest...);
-    if (bits == 3) return Op::template Run<128, 3>(args, rest...);
-    return Op::template Run<128, 4>(args, rest...);
-  }
-  if (bits == 2) return Op::template Run<64, 2>(args, rest...);
-  if (bits == 3) return Op::template Run<64, 3>(args, rest...);
-  return Op::template Run<64, 4>(args, rest...);
-}
-
-struct EncodeOp {
-  template <int kB, int kBits, class... Args>
-  static void Run(Args... args) {
-    EncodeTurboT<kB, kBits>(args...);
-  }
-};
-
-struct DecodeOp {
-  template <int kB, int kBits, class... Args>
-  static void Run(Args... args) {
-    DecodeTurboT<kB, kBits>(args...);
-  }
-};
-
 void EncodeTurbo(const TurboArgs& args, size_t n, const float* x, uint8_t* codes) {
-  ForTurbo<EncodeOp>(args, n, x, codes);
+  DispatchTurbo(args.block_values, args.codebook->bits,
+                [&](auto b, auto bits) { EncodeTurboT<b.value, bits.value>(args, n, x, codes); });
 }
 
 void DecodeTurbo(const TurboArgs& args, size_t n, const uint8_t* codes, float* x) {
-  ForTurbo<DecodeOp>(args, n, codes, x);
+  DispatchTurbo(args.block_values, args.codebook->bits,
+                [&](auto b, auto bits) { DecodeTurboT<b.value, bits.value>(args, n, codes, x); });
 }
 
 // fp16 values: the F16C conversion where the target has it (round to nearest
@@ -197,15 +171,7 @@ void EncodeF16(size_t count, const float* HWY_RESTRICT x, uint8_t* HWY_RESTRICT 
 }
 
 void DecodeF16(size_t count, const uint8_t* HWY_RESTRICT codes, float* HWY_RESTRICT x) {
-  size_t i = 0;
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-  const hn::ScalableTag<float> d;
-  const hn::Rebind<hwy::float16_t, decltype(d)> dh;
-  const size_t lanes = hn::Lanes(d);
-  const auto* in = reinterpret_cast<const hwy::float16_t*>(codes);
-  for (; i + lanes <= count; i += lanes) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, in + i)), d, x + i);
-#endif
-  for (; i < count; ++i) x[i] = HalfBitsToFloat(LoadHalfBits(codes + 2 * i));
+  DecodeF16Values(count, codes, x);
 }
 
 }  // namespace HWY_NAMESPACE

@@ -7,6 +7,8 @@
 #define TURBOKV_KERNELS_CPU_TURBO_SIMD_INL_H_
 #endif
 
+#include <type_traits>
+
 #include "hwy/highway.h"
 #include "kernels/block_math.h"
 
@@ -14,6 +16,24 @@ HWY_BEFORE_NAMESPACE();
 namespace turbokv {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
+
+template <int kValue>
+using IntConstant = std::integral_constant<int, kValue>;
+
+// Calls f(IntConstant<B>(), IntConstant<bits>()) for a rotation block size
+// (64 or 128) and bit width (2, 3 or 4): where the SIMD code turns a layout
+// into template arguments.
+template <class F>
+void DispatchTurbo(int block_values, int bits, F&& f) {
+  if (block_values == 128) {
+    if (bits == 2) return f(IntConstant<128>(), IntConstant<2>());
+    if (bits == 3) return f(IntConstant<128>(), IntConstant<3>());
+    return f(IntConstant<128>(), IntConstant<4>());
+  }
+  if (bits == 2) return f(IntConstant<64>(), IntConstant<2>());
+  if (bits == 3) return f(IntConstant<64>(), IntConstant<3>());
+  return f(IntConstant<64>(), IntConstant<4>());
+}
 
 // At most B/8 float lanes: then every index plane (strides B/8, B/4, B/2) is a
 // whole number of vectors and packing needs no shuffles.
@@ -70,6 +90,21 @@ HWY_INLINE hn::Vec<D> Centroids(D d, const float* table, int levels, VI index) {
     return hn::TableLookupLanes(hn::LoadU(d, table), hn::IndicesFromVec(d, index));
   }
   return hn::GatherIndex(d, table, index);
+}
+
+// fp16 values to float: F16C where the target has it, the scalar conversion
+// elsewhere (both exact).
+HWY_INLINE void DecodeF16Values(size_t count, const uint8_t* HWY_RESTRICT codes,
+                                float* HWY_RESTRICT x) {
+  size_t i = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  const hn::ScalableTag<float> d;
+  const hn::Rebind<hwy::float16_t, decltype(d)> dh;
+  const size_t lanes = hn::Lanes(d);
+  const auto* in = reinterpret_cast<const hwy::float16_t*>(codes);
+  for (; i + lanes <= count; i += lanes) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, in + i)), d, x + i);
+#endif
+  for (; i < count; ++i) x[i] = HalfBitsToFloat(LoadHalfBits(codes + 2 * i));
 }
 
 // One stored block in the rotated domain: w = (s / B) * c[index], B floats

@@ -372,14 +372,10 @@ cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& pa
   const Plan plan = MakePlan(cache, params, n_queries, sm_count);
   Problem p;
   p.cache = cache;
-  for (int i = 0; i < 16; ++i) p.key_centroids[i] = p.value_centroids[i] = 0.0f;
-  if (const int bits = TurboBits(cache.key_layout.kind)) {
-    const Codebook* cb = FindCodebook(cache.key_layout.block_values, bits);
-    for (int i = 0; i < (1 << bits); ++i) p.key_centroids[i] = cb->centroids[i];
-  }
-  if (const int bits = TurboBits(cache.value_layout.kind)) {
-    const Codebook* cb = FindCodebook(cache.value_layout.block_values, bits);
-    for (int i = 0; i < (1 << bits); ++i) p.value_centroids[i] = cb->centroids[i];
+  for (const auto& [layout, table] : {std::make_pair(&cache.key_layout, p.key_centroids),
+                                      std::make_pair(&cache.value_layout, p.value_centroids)}) {
+    const float* centroids = LayoutCentroids(*layout);
+    for (int i = 0; i < 16; ++i) table[i] = centroids != nullptr ? centroids[i] : 0.0f;
   }
   p.q_heads = params.q_heads;
   p.group = params.q_heads / cache.kv_heads;

@@ -231,14 +231,14 @@ TEST(DecodeValueAtTest, MatchesTheCodecs) {
       const auto codec = Make(kind, d, CpuPath::kScalar, 21);
       const std::vector<float> x = GaussianVectors(3, d, 8);
       const Encoded e = RoundTrip(*codec, x);
-      const Codebook* cb = TurboBits(kind) ? FindCodebook(codec->layout().block_values, TurboBits(kind)) : nullptr;
+      const float* centroids = LayoutCentroids(codec->layout());
       for (int v = 0; v < 3; ++v) {
         std::vector<float> row(d);
         for (int i = 0; i < d; ++i) {
           row[i] = DecodeValueAt(codec->layout(), e.codes.data() + v * codec->code_size(), i,
-                                 cb ? cb->centroids : nullptr);
+                                 centroids);
         }
-        if (cb) {
+        if (centroids) {
           const HadamardRotation rotation(d, codec->layout().block_values, 21);
           for (int b = 0; b < codec->layout().blocks; ++b) rotation.Inverse(b, row.data() + b * codec->layout().block_values);
         }
