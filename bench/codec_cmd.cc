@@ -176,8 +176,8 @@ int RunCodec(int argc, char** argv) {
   const bool table = kinds.size() > 1 && !json;
   if (table) {
     std::printf("%zu random unit vectors, head_dim %lld\n\n", static_cast<size_t>(vectors), head_dim);
-    std::printf("| codec  | bits/value | vs fp16 | relative MSE | inner-product slope | encode M vec/s | decode M vec/s | code path |\n");
-    std::printf("|--------|-----------:|--------:|-------------:|--------------------:|---------------:|---------------:|-----------|\n");
+    std::printf("| codec  | bits/value | vs fp16 | relative MSE | inner-product slope | encode M vec/s | decode M vec/s | code path    |\n");
+    std::printf("|--------|-----------:|--------:|-------------:|--------------------:|---------------:|---------------:|--------------|\n");
   }
   std::string how;
   for (CodecKind kind : kinds) {
@@ -206,7 +206,7 @@ int RunCodec(int argc, char** argv) {
           CodecName(kind), head_dim, vectors, r.implementation.c_str(), r.rel_mse, r.ip_slope,
           r.bits_per_value, r.encode_rate, r.decode_rate);
     } else if (table) {
-      std::printf("| %-6s | %10.3f | %6.2fx | %12.5f | %19.4f | %14.2f | %14.2f | %-9s |\n",
+      std::printf("| %-6s | %10.3f | %6.2fx | %12.5f | %19.4f | %14.2f | %14.2f | %-12s |\n",
                   CodecName(kind), r.bits_per_value, 16.0 / r.bits_per_value, r.rel_mse, r.ip_slope,
                   r.encode_rate / 1e6, r.decode_rate / 1e6, r.implementation.c_str());
       how = r.how;

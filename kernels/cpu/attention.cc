@@ -57,15 +57,14 @@ void MergeState(const ScanState& from, int head_dim, ScanState* into) {
 }  // namespace
 
 void TopK::Push(float logit, int64_t token) {
-  const auto greater = Ranks;
   const TopEntry e{logit, token};
   if (static_cast<int>(heap_.size()) < k_) {
     heap_.push_back(e);
-    std::push_heap(heap_.begin(), heap_.end(), greater);
-  } else if (k_ > 0 && greater(e, heap_.front())) {
-    std::pop_heap(heap_.begin(), heap_.end(), greater);
+    std::push_heap(heap_.begin(), heap_.end(), Ranks);
+  } else if (k_ > 0 && Ranks(e, heap_.front())) {
+    std::pop_heap(heap_.begin(), heap_.end(), Ranks);
     heap_.back() = e;
-    std::push_heap(heap_.begin(), heap_.end(), greater);
+    std::push_heap(heap_.begin(), heap_.end(), Ranks);
   }
 }
 
