@@ -78,26 +78,6 @@ inline double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Median over 5 runs of `op`, which handles `count` items, each run repeated
-// for at least `min_seconds`; returns items per second.
-template <class Op>
-double MedianRate(size_t count, Op op, double min_seconds = 0.1) {
-  std::vector<double> rates;
-  for (int run = 0; run < 5; ++run) {
-    const auto start = std::chrono::steady_clock::now();
-    size_t done = 0;
-    double elapsed = 0;
-    do {
-      op();
-      done += count;
-      elapsed = Seconds(start);
-    } while (elapsed < min_seconds);
-    rates.push_back(done / elapsed);
-  }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
-}
-
 // Runs each op in turn, `rounds` times, each turn repeated for at least
 // `min_seconds`, and returns each op's median rate in items per second (an
 // op handles `first` items per call). Interleaving spreads the drift of a

@@ -59,8 +59,12 @@ std::string MakeCpuUnderTest(const CodecSpec& spec, CpuPath path, CodecUnderTest
     std::vector<float> x(timed * d), y(timed * d);
     for (float& v : x) v = normal(rng);
     std::vector<uint8_t> codes(timed * codec->code_size());
-    *encode_rate = MedianRate(timed, [&] { codec->Encode(timed, x.data(), codes.data()); });
-    *decode_rate = MedianRate(timed, [&] { codec->Decode(timed, codes.data(), y.data()); });
+    const std::vector<double> rates =
+        InterleavedMedianRates({{timed, [&] { codec->Encode(timed, x.data(), codes.data()); }},
+                                {timed, [&] { codec->Decode(timed, codes.data(), y.data()); }}},
+                               5, 0.1);
+    *encode_rate = rates[0];
+    *decode_rate = rates[1];
     *how = "one CPU thread, 4096 vectors in cache";
     return std::string();
   };
