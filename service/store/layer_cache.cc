@@ -18,28 +18,49 @@ LayerCache::LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<c
       page_bytes_(static_cast<size_t>(kv_heads) * page_tokens *
                   (key_codec_->code_size() + value_codec_->code_size())) {}
 
-absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys,
-                                           const float* values) {
+size_t LayerCache::BytesToAppend(int64_t start, int64_t n) const {
+  const int64_t end = start + n;
+  if (end <= tokens_) return 0;
+  const bool copy_last = tokens_ % page_tokens_ != 0 && pages_.back().use_count() > 1;
+  const size_t pages_needed = static_cast<size_t>((end + page_tokens_ - 1) / page_tokens_);
+  return (pages_needed - pages_.size() + (copy_last ? 1 : 0)) * page_bytes_;
+}
+
+absl::StatusOr<LayerCache::PendingAppend> LayerCache::Prepare(int64_t start, int64_t n) const {
   if (start > tokens_) {
     return absl::FailedPreconditionError(absl::StrCat("chunk starts at position ", start,
                                                       " but the layer holds ", tokens_,
                                                       " tokens: positions ", tokens_, " to ",
                                                       start - 1, " are missing"));
   }
-  const int64_t end = start + n;
-  if (end <= tokens_) return tokens_;  // already stored
-
-  // Take every page the chunk needs before changing anything.
-  const bool copy_last = tokens_ % page_tokens_ != 0 && pages_.back().use_count() > 1;
-  const size_t pages_needed = static_cast<size_t>((end + page_tokens_ - 1) / page_tokens_);
-  std::vector<std::shared_ptr<Page>> fresh;
-  for (size_t i = pages_.size() - (copy_last ? 1 : 0); i < pages_needed; ++i) {
+  PendingAppend pending;
+  pending.start = start;
+  pending.end = start + n;
+  if (pending.end <= tokens_) return pending;  // already stored
+  pending.copy_last = tokens_ % page_tokens_ != 0 && pages_.back().use_count() > 1;
+  const size_t pages_needed = static_cast<size_t>((pending.end + page_tokens_ - 1) / page_tokens_);
+  for (size_t i = pages_.size() - (pending.copy_last ? 1 : 0); i < pages_needed; ++i) {
     absl::StatusOr<std::shared_ptr<Page>> page = pool_->Allocate(page_bytes_);
     if (!page.ok()) return page.status();
-    fresh.push_back(*std::move(page));
+    pending.pages.push_back(*std::move(page));
   }
+  return pending;
+}
+
+absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys,
+                                           const float* values) {
+  absl::StatusOr<PendingAppend> pending = Prepare(start, n);
+  if (!pending.ok()) return pending.status();
+  return Commit(*std::move(pending), keys, values);
+}
+
+int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float* values) {
+  const int64_t start = pending.start;
+  const int64_t end = pending.end;
+  if (end <= tokens_) return tokens_;
+  std::vector<std::shared_ptr<Page>>& fresh = pending.pages;
   size_t next = 0;
-  if (copy_last) {
+  if (pending.copy_last) {
     std::memcpy(fresh[0]->data, pages_.back()->data, page_bytes_);
     pages_.back() = fresh[next++];
     page_pointers_.back() = pages_.back()->data;
@@ -73,6 +94,28 @@ absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float
   }
   tokens_ = end;
   return tokens_;
+}
+
+void LayerCache::Read(int64_t start, int64_t n, float* keys, float* values) const {
+  const PagedKvCache d = Descriptor();
+  const size_t dim = static_cast<size_t>(head_dim());
+  for (int64_t t = start; t < start + n;) {
+    const int64_t page = t / page_tokens_;
+    const int64_t slot = t % page_tokens_;
+    const int64_t run = std::min<int64_t>(start + n - t, page_tokens_ - slot);
+    std::vector<float> k_run(static_cast<size_t>(run) * dim), v_run(k_run.size());
+    for (int h = 0; h < kv_heads_; ++h) {
+      const uint8_t* base = pages_[page]->data;
+      key_codec_->Decode(run, base + d.key_offset(h, slot), k_run.data());
+      value_codec_->Decode(run, base + d.value_offset(h, slot), v_run.data());
+      for (int64_t i = 0; i < run; ++i) {
+        const size_t dst = (static_cast<size_t>(t - start + i) * kv_heads_ + h) * dim;
+        std::memcpy(keys + dst, &k_run[i * dim], dim * sizeof(float));
+        std::memcpy(values + dst, &v_run[i * dim], dim * sizeof(float));
+      }
+    }
+    t += run;
+  }
 }
 
 void LayerCache::Truncate(int64_t n) {

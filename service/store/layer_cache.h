@@ -24,14 +24,39 @@ class LayerCache {
   // Bytes of the pages this layer holds (pages shared with forks count here too).
   size_t bytes() const { return pages_.size() * page_bytes_; }
   size_t page_bytes() const { return page_bytes_; }
+  int kv_heads() const { return kv_heads_; }
+  int head_dim() const { return key_codec_->layout().head_dim; }
 
-  // Stores tokens [start, start + n): keys and values [n][kv_heads][head_dim].
+  // The pages a chunk needs, taken from the pool and not yet used: Commit
+  // applies them, dropping them gives them back.
+  struct PendingAppend {
+    int64_t start = 0;
+    int64_t end = 0;
+    bool copy_last = false;  // the shared, partly filled last page is replaced by a copy
+    std::vector<std::shared_ptr<Page>> pages;
+  };
+
+  // Bytes a chunk of tokens [start, start + n) would take from the pool
+  // (0 for repeated positions). Assumes start <= tokens().
+  size_t BytesToAppend(int64_t start, int64_t n) const;
+
+  // Checks a chunk of tokens [start, start + n) and takes the pages it needs.
+  // A chunk that starts past the end is FAILED_PRECONDITION; RESOURCE_EXHAUSTED
+  // when the budget is short. Changes nothing.
+  absl::StatusOr<PendingAppend> Prepare(int64_t start, int64_t n) const;
+
+  // Stores the chunk Prepare checked (no change to the layer in between):
+  // keys and values [n][kv_heads][head_dim], n = pending.end - pending.start.
   // Idempotent by position: tokens already stored are acknowledged, not stored
-  // again. A chunk that starts past the end is FAILED_PRECONDITION. All pages
-  // the chunk needs are taken from the pool first, so a chunk is applied whole
-  // or, when the budget is short (RESOURCE_EXHAUSTED), not at all. Returns the
-  // new token count.
+  // again. Returns the new token count.
+  int64_t Commit(PendingAppend pending, const float* keys, const float* values);
+
+  // Prepare then Commit: the chunk is applied whole or not at all.
   absl::StatusOr<int64_t> Append(int64_t start, int64_t n, const float* keys, const float* values);
+
+  // Decodes tokens [start, start + n) (within tokens()) into keys and values
+  // [n][kv_heads][head_dim].
+  void Read(int64_t start, int64_t n, float* keys, float* values) const;
 
   // Keeps the first n tokens (n <= tokens()) and releases the pages past them.
   void Truncate(int64_t n);

@@ -1,0 +1,358 @@
+#include "client/cpp/client.h"
+
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace turbokv {
+namespace {
+
+size_t ValueBytes(v1::DType dtype) { return dtype == v1::DTYPE_F32 ? 4 : 2; }
+
+void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
+  if (timeout > absl::ZeroDuration()) context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+// The tensor message for data holding `rows` rows of `row` values: its shape
+// is `prefix` followed by [rows][...row shape]. INVALID_ARGUMENT when the
+// count is not a whole number of rows.
+absl::Status ToTensor(const TensorData& data, std::vector<int64_t> prefix, std::vector<int64_t> row,
+                      absl::string_view what, v1::Tensor* tensor) {
+  int64_t row_values = 1;
+  for (int64_t d : prefix) row_values *= d;
+  for (int64_t d : row) row_values *= d;
+  if (data.count == 0 || data.count % static_cast<size_t>(row_values) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", data.count, " values, not a positive multiple of ",
+                                                   row_values));
+  }
+  tensor->set_dtype(data.dtype);
+  prefix.push_back(static_cast<int64_t>(data.count / row_values));
+  prefix.insert(prefix.end(), row.begin(), row.end());
+  tensor->mutable_shape()->Assign(prefix.begin(), prefix.end());
+  tensor->set_data(static_cast<const char*>(data.data), data.count * ValueBytes(data.dtype));
+  return absl::OkStatus();
+}
+
+std::vector<float> Floats(const v1::Tensor& tensor) {
+  std::vector<float> values(tensor.data().size() / 4);
+  std::memcpy(values.data(), tensor.data().data(), values.size() * 4);
+  return values;
+}
+
+Attention FromResult(const v1::AttentionResult& result) {
+  Attention attention;
+  attention.output = Floats(result.output());
+  attention.lse = Floats(result.lse());
+  attention.top_k_tokens.assign(result.top_k_tokens().begin(), result.top_k_tokens().end());
+  attention.top_k_logits.assign(result.top_k_logits().begin(), result.top_k_logits().end());
+  return attention;
+}
+
+absl::Status FillAppend(const std::string& id, const v1::SessionConfig& config, int layer, int64_t start,
+                        const TensorData& keys, const TensorData& values, v1::AppendRequest* request) {
+  request->set_session_id(id);
+  request->set_start(start);
+  std::vector<int64_t> prefix;
+  if (layer < 0) {
+    request->set_all_layers(true);
+    prefix.push_back(config.shape().layers());
+  } else {
+    request->set_layer(layer);
+  }
+  const std::vector<int64_t> row = {config.shape().kv_heads(), config.shape().head_dim()};
+  absl::Status status = ToTensor(keys, prefix, row, "keys", request->mutable_keys());
+  if (!status.ok()) return status;
+  return ToTensor(values, prefix, row, "values", request->mutable_values());
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // gRPC and absl share the canonical code numbers.
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+AppendStream::AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config)
+    : session_id_(std::move(session_id)), config_(config) {
+  stream_ = stub->Append(&context_);
+  reader_ = std::thread([this] {
+    v1::AppendResponse response;
+    while (stream_->Read(&response)) {
+      last_ = response;
+      acknowledged_.fetch_add(1);
+    }
+  });
+}
+
+AppendStream::~AppendStream() {
+  if (!finished_) {
+    context_.TryCancel();
+    reader_.join();
+    stream_->Finish().IgnoreError();
+  }
+}
+
+absl::Status AppendStream::Write(int layer, int64_t start, const TensorData& keys, const TensorData& values) {
+  if (finished_) return absl::FailedPreconditionError("the append stream is finished");
+  v1::AppendRequest request;
+  absl::Status status = FillAppend(session_id_, config_, layer, start, keys, values, &request);
+  if (!status.ok()) return status;
+  if (broken_ || !stream_->Write(request)) {
+    broken_ = true;
+    return absl::FailedPreconditionError("the append stream has failed: Finish() says why");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::AppendResponse> AppendStream::Finish() {
+  if (finished_) return absl::FailedPreconditionError("the append stream is finished");
+  finished_ = true;
+  stream_->WritesDone();
+  reader_.join();
+  absl::Status status = FromGrpcStatus(stream_->Finish());
+  if (!status.ok()) return status;
+  return last_;
+}
+
+std::unique_ptr<AppendStream> Session::OpenAppendStream() const {
+  return std::unique_ptr<AppendStream>(new AppendStream(stub_.get(), id_, config_));
+}
+
+absl::StatusOr<int64_t> Session::Append(int layer, int64_t start, const TensorData& keys,
+                                        const TensorData& values) const {
+  if (layer < 0) return absl::InvalidArgumentError(absl::StrCat("layer = ", layer, " must be >= 0"));
+  std::unique_ptr<AppendStream> stream = OpenAppendStream();
+  absl::Status status = stream->Write(layer, start, keys, values);
+  if (!status.ok() && !absl::IsFailedPrecondition(status)) return status;
+  absl::StatusOr<v1::AppendResponse> response = stream->Finish();
+  if (!response.ok()) return response.status();
+  return response->tokens();
+}
+
+absl::StatusOr<int64_t> Session::AppendAllLayers(int64_t start, const TensorData& keys, const TensorData& values) const {
+  std::unique_ptr<AppendStream> stream = OpenAppendStream();
+  absl::Status status = stream->Write(-1, start, keys, values);
+  if (!status.ok() && !absl::IsFailedPrecondition(status)) return status;
+  absl::StatusOr<v1::AppendResponse> response = stream->Finish();
+  if (!response.ok()) return response.status();
+  return response->tokens();
+}
+
+absl::StatusOr<Attention> Session::Attend(int layer, const TensorData& queries, absl::Span<const int64_t> positions,
+                                          const v1::AttentionOptions& options) const {
+  v1::AttendRequest request;
+  request.set_session_id(id_);
+  request.set_layer(layer);
+  absl::Status status =
+      ToTensor(queries, {}, {config_.shape().q_heads(), config_.shape().head_dim()}, "queries", request.mutable_queries());
+  if (!status.ok()) return status;
+  request.mutable_positions()->Assign(positions.begin(), positions.end());
+  *request.mutable_options() = options;
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout_);
+  auto stream = stub_->Attend(&context);
+  v1::AttendResponse response;
+  const bool exchanged = stream->Write(request) && stream->WritesDone() && stream->Read(&response);
+  status = FromGrpcStatus(stream->Finish());
+  if (!status.ok()) return status;
+  if (!exchanged) return absl::UnavailableError("the Attend stream ended without a response");
+  return FromResult(response.result());
+}
+
+absl::StatusOr<StepResult> Session::Step(int layer, int64_t position, const TensorData& key, const TensorData& value,
+                                         const TensorData& query, const v1::AttentionOptions& options) const {
+  v1::StepRequest request;
+  request.set_session_id(id_);
+  request.set_layer(layer);
+  request.set_position(position);
+  const int64_t kv = config_.shape().kv_heads(), q = config_.shape().q_heads(), d = config_.shape().head_dim();
+  absl::Status status = ToTensor(key, {}, {kv, d}, "key", request.mutable_key());
+  if (status.ok()) status = ToTensor(value, {}, {kv, d}, "value", request.mutable_value());
+  if (status.ok()) status = ToTensor(query, {}, {q, d}, "query", request.mutable_query());
+  if (!status.ok()) return status;
+  *request.mutable_options() = options;
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout_);
+  v1::StepResponse response;
+  status = FromGrpcStatus(stub_->Step(&context, request, &response));
+  if (!status.ok()) return status;
+  return StepResult{response.tokens(), FromResult(response.result())};
+}
+
+absl::StatusOr<KvData> Session::ReadKv(int layer, int64_t start, int64_t end) const {
+  v1::ReadKvRequest request;
+  request.set_session_id(id_);
+  request.add_layers(layer);
+  request.set_start(start);
+  request.set_end(end);
+  request.set_dtype(v1::DTYPE_F32);
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout_);
+  auto reader = stub_->ReadKv(&context, request);
+  KvData data;
+  v1::ReadKvResponse response;
+  while (reader->Read(&response)) {
+    const std::vector<float> keys = Floats(response.keys()), values = Floats(response.values());
+    data.keys.insert(data.keys.end(), keys.begin(), keys.end());
+    data.values.insert(data.values.end(), values.begin(), values.end());
+    data.tokens += response.keys().shape(0);
+  }
+  absl::Status status = FromGrpcStatus(reader->Finish());
+  if (!status.ok()) return status;
+  return data;
+}
+
+absl::StatusOr<Session> Session::Fork(int64_t prefix_tokens) const {
+  v1::ForkSessionRequest request;
+  request.set_source_session_id(id_);
+  request.set_prefix_tokens(prefix_tokens);
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout_);
+  v1::ForkSessionResponse response;
+  absl::Status status = FromGrpcStatus(stub_->ForkSession(&context, request, &response));
+  if (!status.ok()) return status;
+  return Session(stub_, response.session_id(), response.session().config(), timeout_);
+}
+
+absl::StatusOr<v1::SessionInfo> Session::Truncate(int64_t tokens) const {
+  v1::TruncateSessionRequest request;
+  request.set_session_id(id_);
+  request.set_tokens(tokens);
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout_);
+  v1::SessionInfo response;
+  absl::Status status = FromGrpcStatus(stub_->TruncateSession(&context, request, &response));
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<v1::SessionInfo> Session::Info() const {
+  v1::GetSessionRequest request;
+  request.set_session_id(id_);
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout_);
+  v1::SessionInfo response;
+  absl::Status status = FromGrpcStatus(stub_->GetSession(&context, request, &response));
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::Status Session::Delete() const {
+  v1::DeleteSessionRequest request;
+  request.set_session_id(id_);
+  grpc::ClientContext context;
+  SetDeadline(&context, timeout_);
+  v1::DeleteSessionResponse response;
+  return FromGrpcStatus(stub_->DeleteSession(&context, request, &response));
+}
+
+std::unique_ptr<Client> Client::Connect(const std::string& target, const ClientOptions& options) {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(options.max_message_bytes);
+  arguments.SetMaxSendMessageSize(options.max_message_bytes);
+  std::unique_ptr<Client> client(new Client());
+  client->options_ = options;
+  client->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  client->stub_ = v1::KvCacheService::NewStub(client->channel_);
+  client->health_ = grpc::health::v1::Health::NewStub(client->channel_);
+  return client;
+}
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health() const {
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.timeout);
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  absl::Status status = FromGrpcStatus(health_->Check(&context, request, &response));
+  if (!status.ok()) return status;
+  return response.status();
+}
+
+absl::Status Client::WaitUntilServing(absl::Duration timeout) const {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status last = absl::DeadlineExceededError("no answer yet");
+  while (absl::Now() < deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    context.set_wait_for_ready(true);
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    last = FromGrpcStatus(health_->Check(&context, request, &response));
+    if (last.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) return absl::OkStatus();
+    if (last.ok()) last = absl::UnavailableError("the daemon is not serving");
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("turbokvd did not become ready within ",
+                                                  absl::FormatDuration(timeout), ": ", last.message()));
+}
+
+absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) const {
+  v1::CreateSessionRequest request;
+  v1::SessionConfig* config = request.mutable_config();
+  config->mutable_shape()->set_layers(options.layers);
+  config->mutable_shape()->set_kv_heads(options.kv_heads);
+  config->mutable_shape()->set_q_heads(options.q_heads);
+  config->mutable_shape()->set_head_dim(options.head_dim);
+  config->set_key_codec(options.key_codec);
+  config->set_value_codec(options.value_codec);
+  if (options.rotation_seed.has_value()) config->set_rotation_seed(*options.rotation_seed);
+  config->set_max_tokens(options.max_tokens);
+  *config->mutable_idle_ttl() =
+      google::protobuf::util::TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(options.idle_ttl));
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.timeout);
+  v1::CreateSessionResponse response;
+  absl::Status status = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
+  if (!status.ok()) return status;
+  return Session(stub_, response.session_id(), response.config(), options_.timeout);
+}
+
+absl::StatusOr<Session> Client::OpenSession(const std::string& id) const {
+  absl::StatusOr<v1::SessionInfo> info = GetSession(id);
+  if (!info.ok()) return info.status();
+  return Session(stub_, id, info->config(), options_.timeout);
+}
+
+absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& id) const {
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.timeout);
+  v1::SessionInfo response;
+  absl::Status status = FromGrpcStatus(stub_->GetSession(&context, request, &response));
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() const {
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.timeout);
+  v1::ListSessionsResponse response;
+  absl::Status status = FromGrpcStatus(stub_->ListSessions(&context, v1::ListSessionsRequest(), &response));
+  if (!status.ok()) return status;
+  return std::vector<v1::SessionInfo>(response.sessions().begin(), response.sessions().end());
+}
+
+absl::Status Client::DeleteSession(const std::string& id) const {
+  v1::DeleteSessionRequest request;
+  request.set_session_id(id);
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.timeout);
+  v1::DeleteSessionResponse response;
+  return FromGrpcStatus(stub_->DeleteSession(&context, request, &response));
+}
+
+absl::StatusOr<v1::StatsResponse> Client::Stats() const {
+  grpc::ClientContext context;
+  SetDeadline(&context, options_.timeout);
+  v1::StatsResponse response;
+  absl::Status status = FromGrpcStatus(stub_->Stats(&context, v1::StatsRequest(), &response));
+  if (!status.ok()) return status;
+  return response;
+}
+
+}  // namespace turbokv

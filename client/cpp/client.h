@@ -1,0 +1,176 @@
+// The C++ client of turbokvd: turbokv::Client (one channel) and
+// turbokv::Session (one session's calls). Tensors go in as spans of f32, or
+// of f16/bf16 bit patterns, laid out as the API says (docs/API.md):
+// keys/values [tokens][kv_heads][head_dim] (all layers:
+// [layers][tokens][kv_heads][head_dim]), queries [n][q_heads][head_dim].
+// Errors come back as absl::Status carrying the server's code and message.
+// A Client and its Sessions are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "turbokv/v1/turbokv.grpc.pb.h"
+
+namespace turbokv {
+
+// The one conversion from grpc::Status to absl::Status on the client side.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// A tensor's values as the caller holds them.
+struct TensorData {
+  v1::DType dtype = v1::DTYPE_F32;
+  const void* data = nullptr;
+  size_t count = 0;  // values
+
+  static TensorData F32(absl::Span<const float> values) { return {v1::DTYPE_F32, values.data(), values.size()}; }
+  static TensorData F16(absl::Span<const uint16_t> bits) { return {v1::DTYPE_F16, bits.data(), bits.size()}; }
+  static TensorData BF16(absl::Span<const uint16_t> bits) { return {v1::DTYPE_BF16, bits.data(), bits.size()}; }
+};
+
+struct SessionOptions {
+  int layers = 1;
+  int kv_heads = 1;
+  int q_heads = 1;
+  int head_dim = 128;
+  v1::Codec key_codec = v1::CODEC_TURBO3;
+  v1::Codec value_codec = v1::CODEC_TURBO3;
+  std::optional<uint64_t> rotation_seed;  // unset: the daemon draws one
+  int64_t max_tokens = 0;                 // 0: the daemon's limit
+  absl::Duration idle_ttl = absl::ZeroDuration();  // zero: the daemon's --session-ttl
+};
+
+struct Attention {
+  std::vector<float> output;  // [n][q_heads][head_dim]
+  std::vector<float> lse;     // [n][q_heads]
+  std::vector<int64_t> top_k_tokens;  // [n][q_heads][top_k] when asked for
+  std::vector<float> top_k_logits;
+};
+
+struct StepResult {
+  int64_t tokens = 0;  // the layer's length after the step
+  Attention attention;
+};
+
+struct KvData {
+  int64_t tokens = 0;
+  std::vector<float> keys;    // [tokens][kv_heads][head_dim], decoded
+  std::vector<float> values;
+};
+
+// A pipelined Append stream: Write sends chunks without waiting for their
+// acknowledgements, which a background thread collects. Finish closes the
+// stream and returns the last acknowledgement or the stream's error. Use from
+// one thread.
+class AppendStream {
+ public:
+  ~AppendStream();  // cancels the stream if Finish was not called
+  AppendStream(const AppendStream&) = delete;
+  AppendStream& operator=(const AppendStream&) = delete;
+
+  // layer < 0: all layers. FAILED_PRECONDITION once the stream has failed
+  // (Finish then says why).
+  absl::Status Write(int layer, int64_t start, const TensorData& keys, const TensorData& values);
+  absl::StatusOr<v1::AppendResponse> Finish();
+  int64_t acknowledged() const { return acknowledged_.load(); }
+
+ private:
+  friend class Session;
+  AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config);
+
+  std::string session_id_;
+  v1::SessionConfig config_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AppendRequest, v1::AppendResponse>> stream_;
+  std::thread reader_;
+  std::atomic<int64_t> acknowledged_{0};
+  v1::AppendResponse last_;  // written by the reader thread, read after join
+  bool finished_ = false;
+  bool broken_ = false;
+};
+
+class Session {
+ public:
+  const std::string& id() const { return id_; }
+  // The effective configuration, as the daemon returned it.
+  const v1::SessionConfig& config() const { return config_; }
+
+  // Stores tokens [start, start + n) of one layer; n from the keys' size.
+  // Returns the layer's new length.
+  absl::StatusOr<int64_t> Append(int layer, int64_t start, const TensorData& keys, const TensorData& values) const;
+  // The same tokens for every layer at once: [layers][n][kv_heads][head_dim].
+  absl::StatusOr<int64_t> AppendAllLayers(int64_t start, const TensorData& keys, const TensorData& values) const;
+  std::unique_ptr<AppendStream> OpenAppendStream() const;
+
+  // n queries; positions empty: each sees every stored token.
+  absl::StatusOr<Attention> Attend(int layer, const TensorData& queries, absl::Span<const int64_t> positions = {},
+                                   const v1::AttentionOptions& options = {}) const;
+  // Appends one token at `position` and attends with its query.
+  absl::StatusOr<StepResult> Step(int layer, int64_t position, const TensorData& key, const TensorData& value,
+                                  const TensorData& query, const v1::AttentionOptions& options = {}) const;
+  // Decoded keys and values of tokens [start, end) of a layer (end 0: all).
+  absl::StatusOr<KvData> ReadKv(int layer, int64_t start = 0, int64_t end = 0) const;
+
+  absl::StatusOr<Session> Fork(int64_t prefix_tokens) const;
+  absl::StatusOr<v1::SessionInfo> Truncate(int64_t tokens) const;
+  absl::StatusOr<v1::SessionInfo> Info() const;
+  absl::Status Delete() const;
+
+ private:
+  friend class Client;
+  Session(std::shared_ptr<v1::KvCacheService::Stub> stub, std::string id, v1::SessionConfig config,
+          absl::Duration timeout)
+      : stub_(std::move(stub)), id_(std::move(id)), config_(std::move(config)), timeout_(timeout) {}
+
+  std::shared_ptr<v1::KvCacheService::Stub> stub_;
+  std::string id_;
+  v1::SessionConfig config_;
+  absl::Duration timeout_;
+};
+
+struct ClientOptions {
+  int max_message_bytes = 64 << 20;
+  // Deadline of each unary call (streams have none); zero: none.
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+class Client {
+ public:
+  // target: unix:///path or host:port. Does not wait for the daemon.
+  static std::unique_ptr<Client> Connect(const std::string& target, const ClientOptions& options = {});
+
+  // Waits until the daemon answers its health check as SERVING.
+  absl::Status WaitUntilServing(absl::Duration timeout) const;
+  // One health check round trip: SERVING, NOT_SERVING, ...
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health() const;
+
+  absl::StatusOr<Session> CreateSession(const SessionOptions& options) const;
+  // A handle on an existing session (one GetSession call).
+  absl::StatusOr<Session> OpenSession(const std::string& id) const;
+  absl::StatusOr<v1::SessionInfo> GetSession(const std::string& id) const;
+  absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions() const;
+  absl::Status DeleteSession(const std::string& id) const;
+  absl::StatusOr<v1::StatsResponse> Stats() const;
+
+  v1::KvCacheService::Stub& stub() const { return *stub_; }
+
+ private:
+  Client() = default;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::shared_ptr<v1::KvCacheService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  ClientOptions options_;
+};
+
+}  // namespace turbokv

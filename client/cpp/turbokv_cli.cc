@@ -1,0 +1,272 @@
+// turbokv: the command-line client of turbokvd.
+#include <cstdio>
+#include <algorithm>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/cpp/client.h"
+#include "client/cpp/demo.h"
+#include "google/protobuf/util/json_util.h"
+#include "kernels/half.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(turbokv: command-line client of turbokvd
+
+usage: turbokv [--target=ADDR] COMMAND [ARGS] [--flag=value ...]
+  --target=ADDR   unix:///path or host:port (default unix:///tmp/turbokv.sock)
+
+commands:
+  create [--layers=N --kv-heads=N --q-heads=N --head-dim=N --key-codec=C --value-codec=C
+          --max-tokens=N --ttl=DURATION]       create a session, print its id
+  list                                        every session (JSON lines)
+  get ID                                      one session (JSON)
+  delete ID
+  stats                                       the daemon's totals (JSON)
+  append-random ID [--tokens=N --chunk=N --layer=L|all]
+                                              append random fp16 keys/values
+  attend-random ID [--layer=L --queries=N --calls=N]
+                                              random queries, print latency
+  demo [--layers=32 --kv-heads=8 --q-heads=32 --head-dim=128 --tokens=8192 --chunk=128
+        --steps=32 --codec=turbo3]            a model-shaped workload, checked
+                                              against float attention
+codecs: f16, q8_0, q4_0, turbo2, turbo3, turbo4
+)";
+
+struct Args {
+  std::string command;
+  std::vector<std::string> positional;
+  std::map<std::string, std::string> flags;
+  std::map<std::string, bool> used;
+
+  std::string Flag(const std::string& name, const std::string& fallback) {
+    used[name] = true;
+    auto it = flags.find(name);
+    return it == flags.end() ? fallback : it->second;
+  }
+  absl::StatusOr<int64_t> Int(const std::string& name, int64_t fallback) {
+    const std::string text = Flag(name, "");
+    if (text.empty()) return fallback;
+    int64_t value;
+    if (!absl::SimpleAtoi(text, &value)) return absl::InvalidArgumentError(absl::StrCat("--", name, "=", text, ": not a number"));
+    return value;
+  }
+};
+
+absl::StatusOr<turbokv::v1::Codec> ParseCodec(const std::string& name) {
+  turbokv::v1::Codec codec;
+  if (!turbokv::v1::Codec_Parse("CODEC_" + absl::AsciiStrToUpper(name), &codec) || codec == turbokv::v1::CODEC_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown codec '", name, "': use f16, q8_0, q4_0, turbo2, turbo3 or turbo4"));
+  }
+  return codec;
+}
+
+std::string Json(const google::protobuf::Message& message) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(message, &json, options).ok()) return message.ShortDebugString();
+  return json;
+}
+
+#define TRY_INT(var, args, name, fallback)                 \
+  absl::StatusOr<int64_t> var##_or = (args).Int(name, fallback); \
+  if (!var##_or.ok()) return var##_or.status();            \
+  const int64_t var = *var##_or
+
+absl::Status Create(const turbokv::Client& client, Args& args) {
+  turbokv::SessionOptions options;
+  TRY_INT(layers, args, "layers", 32);
+  TRY_INT(kv_heads, args, "kv-heads", 8);
+  TRY_INT(q_heads, args, "q-heads", 32);
+  TRY_INT(head_dim, args, "head-dim", 128);
+  TRY_INT(max_tokens, args, "max-tokens", 0);
+  options.layers = static_cast<int>(layers);
+  options.kv_heads = static_cast<int>(kv_heads);
+  options.q_heads = static_cast<int>(q_heads);
+  options.head_dim = static_cast<int>(head_dim);
+  options.max_tokens = max_tokens;
+  absl::StatusOr<turbokv::v1::Codec> key = ParseCodec(args.Flag("key-codec", "turbo3"));
+  if (!key.ok()) return key.status();
+  absl::StatusOr<turbokv::v1::Codec> value = ParseCodec(args.Flag("value-codec", "turbo3"));
+  if (!value.ok()) return value.status();
+  options.key_codec = *key;
+  options.value_codec = *value;
+  const std::string ttl = args.Flag("ttl", "0");
+  if (!absl::ParseDuration(ttl, &options.idle_ttl)) return absl::InvalidArgumentError("--ttl: expected a duration like 30m");
+  absl::StatusOr<turbokv::Session> session = client.CreateSession(options);
+  if (!session.ok()) return session.status();
+  std::printf("%s\n", session->id().c_str());
+  return absl::OkStatus();
+}
+
+absl::Status AppendRandom(const turbokv::Client& client, Args& args) {
+  absl::StatusOr<turbokv::Session> session = client.OpenSession(args.positional.at(0));
+  if (!session.ok()) return session.status();
+  TRY_INT(tokens, args, "tokens", 1024);
+  TRY_INT(chunk, args, "chunk", 128);
+  const std::string layer_flag = args.Flag("layer", "all");
+  int layer = -1;
+  if (layer_flag != "all" && !absl::SimpleAtoi(layer_flag, &layer)) {
+    return absl::InvalidArgumentError("--layer: expected a layer number or all");
+  }
+  const auto& shape = session->config().shape();
+  const int64_t start = layer < 0 ? session->Info()->layer_tokens(0) : session->Info()->layer_tokens(layer);
+  const size_t row = static_cast<size_t>(shape.kv_heads()) * shape.head_dim() * (layer < 0 ? shape.layers() : 1);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::unique_ptr<turbokv::AppendStream> stream = session->OpenAppendStream();
+  const absl::Time begin = absl::Now();
+  for (int64_t t = 0; t < tokens && chunk > 0; t += chunk) {
+    const int64_t n = std::min(chunk, tokens - t);
+    std::vector<uint16_t> keys(row * n), values(row * n);
+    for (auto* v : {&keys, &values}) {
+      for (uint16_t& x : *v) x = turbokv::FloatToHalfBits(normal(rng));
+    }
+    if (!stream->Write(layer, start + t, turbokv::TensorData::F16(keys), turbokv::TensorData::F16(values)).ok()) break;
+  }
+  absl::StatusOr<turbokv::v1::AppendResponse> last = stream->Finish();
+  if (!last.ok()) return last.status();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+  std::printf("appended %lld tokens in %.2f s (%.0f tokens/s); layer holds %lld\n", static_cast<long long>(tokens),
+              seconds, tokens / seconds, static_cast<long long>(last->tokens()));
+  return absl::OkStatus();
+}
+
+absl::Status AttendRandom(const turbokv::Client& client, Args& args) {
+  absl::StatusOr<turbokv::Session> session = client.OpenSession(args.positional.at(0));
+  if (!session.ok()) return session.status();
+  TRY_INT(layer, args, "layer", 0);
+  TRY_INT(queries, args, "queries", 1);
+  TRY_INT(calls, args, "calls", 10);
+  const auto& shape = session->config().shape();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(static_cast<size_t>(std::max<int64_t>(queries, 1)) * shape.q_heads() * shape.head_dim());
+  std::vector<double> us;
+  for (int64_t c = 0; c < calls; ++c) {
+    for (float& x : q) x = normal(rng);
+    const absl::Time begin = absl::Now();
+    absl::StatusOr<turbokv::Attention> attention = session->Attend(static_cast<int>(layer), turbokv::TensorData::F32(q));
+    if (!attention.ok()) return attention.status();
+    us.push_back(absl::ToDoubleMicroseconds(absl::Now() - begin));
+  }
+  std::sort(us.begin(), us.end());
+  std::printf("attend: %lld calls of %lld queries on layer %lld: p50 %.0f us, max %.0f us\n",
+              static_cast<long long>(calls), static_cast<long long>(queries), static_cast<long long>(layer),
+              us.empty() ? 0 : us[us.size() / 2], us.empty() ? 0 : us.back());
+  return absl::OkStatus();
+}
+
+absl::Status Demo(const turbokv::Client& client, Args& args) {
+  turbokv::DemoOptions options;
+  TRY_INT(layers, args, "layers", options.layers);
+  TRY_INT(kv_heads, args, "kv-heads", options.kv_heads);
+  TRY_INT(q_heads, args, "q-heads", options.q_heads);
+  TRY_INT(head_dim, args, "head-dim", options.head_dim);
+  TRY_INT(tokens, args, "tokens", options.tokens);
+  TRY_INT(chunk, args, "chunk", options.chunk);
+  TRY_INT(steps, args, "steps", options.steps);
+  options.layers = static_cast<int>(layers);
+  options.kv_heads = static_cast<int>(kv_heads);
+  options.q_heads = static_cast<int>(q_heads);
+  options.head_dim = static_cast<int>(head_dim);
+  options.tokens = tokens;
+  options.chunk = chunk;
+  options.steps = static_cast<int>(steps);
+  if (options.tokens < 1 || options.chunk < 1 || options.steps < 1 || options.layers < 1) {
+    return absl::InvalidArgumentError("--tokens, --chunk, --steps and --layers must be at least 1");
+  }
+  absl::StatusOr<turbokv::v1::Codec> codec = ParseCodec(args.Flag("codec", "turbo3"));
+  if (!codec.ok()) return codec.status();
+  options.key_codec = options.value_codec = *codec;
+  return turbokv::RunDemo(client, options);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (absl::StartsWith(arg, "--")) {
+      const size_t eq = arg.find('=');
+      if (eq == std::string::npos) {
+        if (i + 1 >= argc) {
+          std::fprintf(stderr, "turbokv: %s needs a value\n", arg.c_str());
+          return 2;
+        }
+        args.flags[arg.substr(2)] = argv[++i];
+      } else {
+        args.flags[arg.substr(2, eq - 2)] = arg.substr(eq + 1);
+      }
+    } else if (args.command.empty()) {
+      args.command = arg;
+    } else {
+      args.positional.push_back(arg);
+    }
+  }
+  if (args.command.empty()) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const bool needs_id = args.command == "get" || args.command == "delete" || args.command == "append-random" ||
+                        args.command == "attend-random";
+  if (needs_id && args.positional.size() != 1) {
+    std::fprintf(stderr, "turbokv %s: expected one session id\n", args.command.c_str());
+    return 2;
+  }
+  turbokv::ClientOptions client_options;
+  const std::unique_ptr<turbokv::Client> client =
+      turbokv::Client::Connect(args.Flag("target", "unix:///tmp/turbokv.sock"), client_options);
+
+  absl::Status status;
+  if (args.command == "create") {
+    status = Create(*client, args);
+  } else if (args.command == "list") {
+    absl::StatusOr<std::vector<turbokv::v1::SessionInfo>> sessions = client->ListSessions();
+    status = sessions.status();
+    if (sessions.ok()) {
+      for (const auto& s : *sessions) std::printf("%s\n", Json(s).c_str());
+    }
+  } else if (args.command == "get") {
+    absl::StatusOr<turbokv::v1::SessionInfo> info = client->GetSession(args.positional[0]);
+    status = info.status();
+    if (info.ok()) std::printf("%s\n", Json(*info).c_str());
+  } else if (args.command == "delete") {
+    status = client->DeleteSession(args.positional[0]);
+  } else if (args.command == "stats") {
+    absl::StatusOr<turbokv::v1::StatsResponse> stats = client->Stats();
+    status = stats.status();
+    if (stats.ok()) std::printf("%s\n", Json(*stats).c_str());
+  } else if (args.command == "append-random") {
+    status = AppendRandom(*client, args);
+  } else if (args.command == "attend-random") {
+    status = AttendRandom(*client, args);
+  } else if (args.command == "demo") {
+    status = Demo(*client, args);
+  } else {
+    std::fprintf(stderr, "turbokv: unknown command '%s'\n%s", args.command.c_str(), kUsage);
+    return 2;
+  }
+  for (const auto& [name, value] : args.flags) {
+    if (!args.used.count(name)) std::fprintf(stderr, "turbokv: warning: --%s is not used by %s\n", name.c_str(), args.command.c_str());
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "turbokv %s: %s: %s\n", args.command.c_str(), absl::StatusCodeToString(status.code()).c_str(),
+                 std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,121 @@
+// turbokvd: flags -> ServerOptions, start, wait for SIGTERM or SIGINT, drain.
+// The only place that reads flags.
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "service/byte_size.h"
+#include "service/server.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(turbokvd: KV-cache compression service (gRPC turbokv.v1.KvCacheService)
+
+Flags (--name=value or --name value):
+  --listen=ADDR            unix:///path or host:port (port 0: any); repeatable
+                           (default unix:///tmp/turbokv.sock)
+  --device=auto|cpu|cuda:N where sessions live and kernels run (default auto)
+  --threads=N              kernel threads, 0 = one per core (default 0)
+  --memory-budget=SIZE     bytes of compressed pages, e.g. 4GiB (default 4GiB)
+  --eviction=reject|lru    when the budget is full: refuse the write, or evict
+                           least recently used idle sessions (default reject)
+  --session-ttl=DURATION   delete sessions idle this long, 0 = never (default 1h)
+  --max-message-bytes=SIZE largest gRPC message in or out (default 64MiB)
+  --max-tokens=N           most tokens a layer of a session may hold (default 1048576)
+  --shutdown-deadline=DURATION  how long calls in flight get on SIGTERM (default 10s)
+  --help
+)";
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "turbokvd: %s\n(see turbokvd --help)\n", message.c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  turbokv::ServerOptions options;
+  std::vector<std::string> listen;
+  absl::Duration shutdown_deadline = absl::Seconds(10);
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (!absl::StartsWith(arg, "--")) return Fail(absl::StrCat("unexpected argument '", arg, "'"));
+    std::string name = arg.substr(2), value;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return Fail(absl::StrCat("--", name, " needs a value"));
+    }
+    const std::string flag = absl::StrCat("--", name, "=", value);
+    if (name == "listen") {
+      listen.push_back(value);
+    } else if (name == "device") {
+      options.device = value;
+    } else if (name == "threads") {
+      if (!absl::SimpleAtoi(value, &options.threads) || options.threads < 0) return Fail(flag + ": expected a count >= 0");
+    } else if (name == "memory-budget") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok()) return Fail(absl::StrCat("--memory-budget: ", bytes.status().message()));
+      options.memory_budget = *bytes;
+    } else if (name == "eviction") {
+      if (value == "reject") options.eviction = turbokv::EvictionPolicy::kReject;
+      else if (value == "lru") options.eviction = turbokv::EvictionPolicy::kLru;
+      else return Fail(flag + ": expected reject or lru");
+    } else if (name == "session-ttl") {
+      if (!absl::ParseDuration(value, &options.session_ttl)) return Fail(flag + ": expected a duration like 30m, 1h or 0");
+    } else if (name == "max-message-bytes") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok() || *bytes > (size_t{1} << 31) - 1) return Fail(flag + ": expected a size up to 2GiB");
+      options.max_message_bytes = static_cast<int>(*bytes);
+    } else if (name == "max-tokens") {
+      if (!absl::SimpleAtoi(value, &options.max_tokens) || options.max_tokens < 1) return Fail(flag + ": expected a count >= 1");
+    } else if (name == "shutdown-deadline") {
+      if (!absl::ParseDuration(value, &shutdown_deadline)) return Fail(flag + ": expected a duration like 10s");
+    } else {
+      return Fail(absl::StrCat("unknown flag --", name));
+    }
+  }
+  if (!listen.empty()) options.listen = listen;
+
+  // Signals are taken by sigwait below, not by a handler.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<turbokv::Server>> server = turbokv::Server::Create(options);
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+  std::fprintf(stderr, "turbokvd: device %s (%s)\n", (*server)->device().c_str(), (*server)->device_reason().c_str());
+  if (absl::Status status = (*server)->Start(); !status.ok()) return Fail(std::string(status.message()));
+  std::fprintf(stderr,
+               "turbokvd: memory budget %s, eviction %s, session ttl %s, max message %s\n"
+               "turbokvd: listening on %s\n",
+               turbokv::FormatByteSize(options.memory_budget).c_str(),
+               options.eviction == turbokv::EvictionPolicy::kLru ? "lru" : "reject",
+               options.session_ttl == absl::ZeroDuration() ? "none" : absl::FormatDuration(options.session_ttl).c_str(),
+               turbokv::FormatByteSize(options.max_message_bytes).c_str(),
+               absl::StrJoin((*server)->endpoints(), ", ").c_str());
+
+  int signal = 0;
+  sigwait(&signals, &signal);
+  std::fprintf(stderr, "turbokvd: %s, draining (deadline %s)\n", signal == SIGTERM ? "SIGTERM" : "SIGINT",
+               absl::FormatDuration(shutdown_deadline).c_str());
+  (*server)->Shutdown(shutdown_deadline);
+  std::fprintf(stderr, "turbokvd: stopped\n");
+  return 0;
+}

@@ -1,0 +1,203 @@
+#include "service/rpc/kv_cache_service.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace turbokv {
+namespace {
+
+const grpc::Status kDraining(grpc::StatusCode::UNAVAILABLE, "turbokvd is shutting down");
+
+// One message in, one message out, until the client closes its side: each
+// request goes to the executor, its response is written, then the next read
+// starts. The first error ends the stream with its status.
+template <typename Request, typename Response>
+class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
+ public:
+  using Method = absl::StatusOr<Response> (Handler::*)(const Request&);
+
+  // refuse: the server is draining; the call ends at once with UNAVAILABLE.
+  StreamReactor(Handler* handler, Executor* executor, Method method, bool refuse)
+      : handler_(handler), executor_(executor), method_(method) {
+    if (refuse) {
+      this->Finish(kDraining);
+    } else {
+      this->StartRead(&request_);
+    }
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client finished writing (or went away)
+      this->Finish(grpc::Status::OK);
+      return;
+    }
+    const bool queued = executor_->Submit([this] {
+      absl::StatusOr<Response> response = (handler_->*method_)(request_);
+      if (!response.ok()) {
+        this->Finish(ToGrpcStatus(response.status()));
+        return;
+      }
+      response_ = *std::move(response);
+      this->StartWrite(&response_);
+    });
+    if (!queued) this->Finish(kDraining);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      this->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    this->StartRead(&request_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  Handler* handler_;
+  Executor* executor_;
+  Method method_;
+  Request request_;
+  Response response_;
+};
+
+// ReadKv: messages produced one at a time on the executor, each written
+// before the next is made.
+class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> {
+ public:
+  ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request, bool refuse)
+      : handler_(handler), executor_(executor) {
+    if (refuse || !executor_->Submit([this, request] {
+          absl::StatusOr<ReadKvCursor> cursor = handler_->StartReadKv(*request);
+          if (!cursor.ok()) {
+            Finish(ToGrpcStatus(cursor.status()));
+            return;
+          }
+          cursor_ = *std::move(cursor);
+          Next();
+        })) {
+      Finish(kDraining);
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    if (!executor_->Submit([this] { Next(); })) Finish(kDraining);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // On the executor.
+  void Next() {
+    response_.Clear();
+    absl::StatusOr<bool> more = handler_->NextReadKv(cursor_, &response_);
+    if (!more.ok()) {
+      Finish(ToGrpcStatus(more.status()));
+    } else if (!*more) {
+      Finish(grpc::Status::OK);
+    } else {
+      StartWrite(&response_);
+    }
+  }
+
+  Handler* handler_;
+  Executor* executor_;
+  ReadKvCursor cursor_;
+  v1::ReadKvResponse response_;
+};
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbers.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+template <typename Request, typename Response, typename Method>
+grpc::ServerUnaryReactor* KvCacheService::Unary(grpc::CallbackServerContext* context,
+                                                const Request* request, Response* response,
+                                                Method method) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (draining_.load()) {
+    reactor->Finish(kDraining);
+    return reactor;
+  }
+  const bool queued = executor_->Submit([this, reactor, request, response, method] {
+    absl::StatusOr<Response> result = (handler_->*method)(*request);
+    if (result.ok()) *response = *std::move(result);
+    reactor->Finish(ToGrpcStatus(result.status()));
+  });
+  if (!queued) reactor->Finish(kDraining);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvCacheService::CreateSession(grpc::CallbackServerContext* context,
+                                                        const v1::CreateSessionRequest* request,
+                                                        v1::CreateSessionResponse* response) {
+  return Unary(context, request, response, &Handler::CreateSession);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetSession(grpc::CallbackServerContext* context,
+                                                     const v1::GetSessionRequest* request,
+                                                     v1::SessionInfo* response) {
+  return Unary(context, request, response, &Handler::GetSession);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ListSessions(grpc::CallbackServerContext* context,
+                                                       const v1::ListSessionsRequest* request,
+                                                       v1::ListSessionsResponse* response) {
+  return Unary(context, request, response, &Handler::ListSessions);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::DeleteSession(grpc::CallbackServerContext* context,
+                                                        const v1::DeleteSessionRequest* request,
+                                                        v1::DeleteSessionResponse* response) {
+  return Unary(context, request, response, &Handler::DeleteSession);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::TruncateSession(grpc::CallbackServerContext* context,
+                                                          const v1::TruncateSessionRequest* request,
+                                                          v1::SessionInfo* response) {
+  return Unary(context, request, response, &Handler::TruncateSession);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ForkSession(grpc::CallbackServerContext* context,
+                                                      const v1::ForkSessionRequest* request,
+                                                      v1::ForkSessionResponse* response) {
+  return Unary(context, request, response, &Handler::ForkSession);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context,
+                                               const v1::StepRequest* request, v1::StepResponse* response) {
+  return Unary(context, request, response, &Handler::Step);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* context,
+                                                const v1::StatsRequest* request, v1::StatsResponse* response) {
+  return Unary(context, request, response, &Handler::Stats);
+}
+
+grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::Append(
+    grpc::CallbackServerContext*) {
+  return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
+                                                                   draining_.load());
+}
+
+grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::Attend(
+    grpc::CallbackServerContext*) {
+  return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
+                                                                   draining_.load());
+}
+
+grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext*,
+                                                                     const v1::ReadKvRequest* request) {
+  return new ReadKvReactor(handler_, executor_, request, draining_.load());
+}
+
+}  // namespace turbokv

@@ -1,0 +1,65 @@
+// gRPC transport of KvCacheService: callback reactors that move messages
+// between gRPC and the Handler. They hold no logic and never block: each
+// request is handed to the Executor, and the reactor is resumed from there.
+#pragma once
+
+#include <atomic>
+
+#include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
+#include "service/executor.h"
+#include "service/handler.h"
+#include "turbokv/v1/turbokv.grpc.pb.h"
+
+namespace turbokv {
+
+// The one conversion from absl::Status to grpc::Status.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class KvCacheService final : public v1::KvCacheService::CallbackService {
+ public:
+  KvCacheService(Handler* handler, Executor* executor) : handler_(handler), executor_(executor) {}
+
+  // From now on new calls are refused with UNAVAILABLE; calls in flight go on.
+  void StartDraining() { draining_.store(true); }
+
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const v1::CreateSessionRequest* request,
+                                          v1::CreateSessionResponse* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::GetSessionRequest* request,
+                                       v1::SessionInfo* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const v1::ListSessionsRequest* request,
+                                         v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context,
+                                          const v1::DeleteSessionRequest* request,
+                                          v1::DeleteSessionResponse* response) override;
+  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* context,
+                                            const v1::TruncateSessionRequest* request,
+                                            v1::SessionInfo* response) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context,
+                                        const v1::ForkSessionRequest* request,
+                                        v1::ForkSessionResponse* response) override;
+  grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* Append(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* Attend(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context, const v1::StepRequest* request,
+                                 v1::StepResponse* response) override;
+  grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadKv(grpc::CallbackServerContext* context,
+                                                       const v1::ReadKvRequest* request) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context, const v1::StatsRequest* request,
+                                  v1::StatsResponse* response) override;
+
+ private:
+  template <typename Request, typename Response, typename Method>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const Request* request,
+                                  Response* response, Method method);
+
+  Handler* handler_;
+  Executor* executor_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace turbokv

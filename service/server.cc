@@ -1,0 +1,127 @@
+#include "service/server.h"
+
+#include <cstdio>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kernels/cpu/thread_pool.h"
+#include "service/device.h"
+#include "service/executor.h"
+#include "service/handler.h"
+#include "service/rpc/kv_cache_service.h"
+
+namespace turbokv {
+
+Server::Server(const ServerOptions& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
+  if (options.listen.empty()) return absl::InvalidArgumentError("no --listen address");
+  for (const std::string& address : options.listen) {
+    if (address.empty() || (!absl::StartsWith(address, "unix:") && address.find(':') == std::string::npos)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--listen=", address, ": expected unix:///path or host:port"));
+    }
+  }
+  if (options.threads < 0) return absl::InvalidArgumentError("--threads must be >= 0 (0: one per core)");
+  if (options.memory_budget == 0) return absl::InvalidArgumentError("--memory-budget must be more than 0");
+  if (options.max_message_bytes < (1 << 20)) {
+    return absl::InvalidArgumentError("--max-message-bytes must be at least 1MiB");
+  }
+  if (options.session_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--session-ttl must not be negative");
+  }
+  std::unique_ptr<Server> server(new Server(options));
+  const int threads = options.threads > 0 ? options.threads
+                                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  absl::StatusOr<DeviceChoice> device = ChooseDevice(options.device, threads);
+  if (!device.ok()) return device.status();
+  server->device_ = device->name;
+  server->device_reason_ = device->why;
+  server->kernel_pool_ = std::make_unique<ThreadPool>(threads);
+  StoreOptions store;
+  store.budget_bytes = options.memory_budget;
+  store.eviction = options.eviction;
+  store.page_tokens = options.page_tokens;
+  server->store_ = std::make_unique<SessionStore>(store);
+  HandlerOptions handler;
+  handler.kernel_pool = server->kernel_pool_.get();
+  handler.max_tokens = options.max_tokens;
+  handler.session_ttl = options.session_ttl;
+  handler.max_message_bytes = static_cast<size_t>(options.max_message_bytes) / 2;
+  handler.device = device->name;
+  server->handler_ = std::make_unique<Handler>(server->store_.get(), handler);
+  // Enough workers that cheap calls are not queued behind kernels.
+  server->executor_ = std::make_unique<Executor>(threads + 2);
+  server->service_ = std::make_unique<KvCacheService>(server->handler_.get(), server->executor_.get());
+  return server;
+}
+
+Server::~Server() { Shutdown(absl::ZeroDuration()); }
+
+absl::Status Server::Start() {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::vector<int> ports(options_.listen.size(), 0);
+  for (size_t i = 0; i < options_.listen.size(); ++i) {
+    builder.AddListeningPort(options_.listen[i], grpc::InsecureServerCredentials(), &ports[i]);
+  }
+  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  for (size_t i = 0; i < options_.listen.size(); ++i) {
+    const std::string& address = options_.listen[i];
+    if (ports[i] == 0) {
+      if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+      server_.reset();
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", address,
+                                                 " (in use, bad address or no permission)"));
+    }
+    if (absl::StartsWith(address, "unix:")) {
+      endpoints_.push_back(address);
+    } else {
+      endpoints_.push_back(absl::StrCat(address.substr(0, address.rfind(':')), ":", ports[i]));
+    }
+  }
+  if (server_ == nullptr) return absl::UnavailableError("the gRPC server did not start");
+  server_->GetHealthCheckService()->SetServingStatus(true);
+  expiry_thread_ = std::thread([this] { ExpireLoop(); });
+  return absl::OkStatus();
+}
+
+void Server::ExpireLoop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_expiry_.wait_for(lock, absl::ToChronoSeconds(options_.expiry_interval) +
+                                          absl::ToChronoNanoseconds(options_.expiry_interval % absl::Seconds(1)),
+                                [this] { return stopping_; })) {
+    lock.unlock();
+    const int expired = store_->ExpireIdle(absl::Now());
+    if (expired > 0) std::fprintf(stderr, "turbokvd: %d idle session(s) expired\n", expired);
+    lock.lock();
+  }
+}
+
+void Server::Shutdown(absl::Duration deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  stop_expiry_.notify_all();
+  if (expiry_thread_.joinable()) expiry_thread_.join();
+  if (service_ != nullptr) service_->StartDraining();
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+  }
+  if (executor_ != nullptr) executor_->Shutdown();
+  if (server_ != nullptr) server_->Wait();
+}
+
+}  // namespace turbokv

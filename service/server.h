@@ -1,0 +1,84 @@
+// turbokvd: the gRPC server around the Handler. Create checks the options and
+// builds the store; Start binds the listeners; Shutdown drains.
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "service/store/session_store.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace turbokv {
+
+class Executor;
+class Handler;
+class KvCacheService;
+class ThreadPool;
+
+struct ServerOptions {
+  // unix:///path or host:port (port 0: one the OS picks).
+  std::vector<std::string> listen = {"unix:///tmp/turbokv.sock"};
+  std::string device = "auto";  // auto, cpu or cuda:N
+  int threads = 0;              // kernel threads; 0: one per core
+  size_t memory_budget = size_t{4} << 30;
+  EvictionPolicy eviction = EvictionPolicy::kReject;
+  absl::Duration session_ttl = absl::Hours(1);  // zero: sessions never expire
+  int max_message_bytes = 64 << 20;
+  int64_t max_tokens = int64_t{1} << 20;  // per layer of a session
+  int page_tokens = 64;
+  absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked
+};
+
+class Server {
+ public:
+  // Checks the options and chooses the device; nothing listens yet.
+  static absl::StatusOr<std::unique_ptr<Server>> Create(const ServerOptions& options);
+  ~Server();  // Shutdown(zero deadline) if still running
+
+  // Binds every listener and starts serving. UNAVAILABLE naming the address
+  // that could not be bound.
+  absl::Status Start();
+
+  // Health turns NOT_SERVING, new calls get UNAVAILABLE, calls in flight get
+  // until `deadline` from now to finish and are cancelled after; then the
+  // workers stop. Idempotent.
+  void Shutdown(absl::Duration deadline);
+
+  // The listeners as bound, with the OS-chosen TCP ports filled in.
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  const std::string& device() const { return device_; }
+  const std::string& device_reason() const { return device_reason_; }
+  Handler& handler() { return *handler_; }
+  SessionStore& store() { return *store_; }
+
+ private:
+  explicit Server(const ServerOptions& options);
+  void ExpireLoop();
+
+  ServerOptions options_;
+  std::string device_;
+  std::string device_reason_;
+  std::unique_ptr<ThreadPool> kernel_pool_;
+  std::unique_ptr<SessionStore> store_;
+  std::unique_ptr<Handler> handler_;
+  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<KvCacheService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::vector<std::string> endpoints_;
+
+  std::mutex mutex_;
+  std::condition_variable stop_expiry_;
+  bool stopping_ = false;
+  std::thread expiry_thread_;
+};
+
+}  // namespace turbokv

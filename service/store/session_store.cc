@@ -1,0 +1,195 @@
+#include "service/store/session_store.h"
+
+#include <algorithm>
+#include <random>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/rotation.h"
+
+namespace turbokv {
+namespace {
+
+constexpr size_t kRememberedGone = 65536;
+
+}  // namespace
+
+std::string NewSessionId() {
+  static constexpr char kAlphabet[] = "abcdefghijklmnopqrstuvwxyz234567";
+  std::random_device device;  // the kernel's CSPRNG on Linux
+  unsigned __int128 bits = 0;
+  for (int i = 0; i < 4; ++i) bits = (bits << 32) | device();
+  std::string id(26, 'a');
+  for (char& c : id) {
+    c = kAlphabet[static_cast<unsigned>(bits & 31)];
+    bits >>= 5;
+  }
+  return id;
+}
+
+Session::Session(std::string id, const SessionConfig& config, absl::Time now)
+    : id_(std::move(id)), config_(config), created_(now), last_used_ns_(absl::ToUnixNanos(now)) {}
+
+size_t Session::bytes_used() const {
+  size_t bytes = 0;
+  for (const LayerCache& layer : layers_) bytes += layer.bytes();
+  return bytes;
+}
+
+int64_t Session::tokens() const {
+  int64_t tokens = 0;
+  for (const LayerCache& layer : layers_) tokens += layer.tokens();
+  return tokens;
+}
+
+size_t Session::fp16_bytes() const {
+  // Keys and values, two bytes a value.
+  return static_cast<size_t>(tokens()) * config_.kv_heads * config_.head_dim * 2 * 2;
+}
+
+SessionStore::SessionStore(const StoreOptions& options)
+    : options_(options), pool_(options.budget_bytes) {}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionStore::Create(const SessionConfig& config,
+                                                              absl::Time now) {
+  const CodecSpec key_spec{config.key_codec, config.head_dim,
+                           DeriveRotationSeed(config.rotation_seed, RotationStream::kKeys)};
+  const CodecSpec value_spec{config.value_codec, config.head_dim,
+                             DeriveRotationSeed(config.rotation_seed, RotationStream::kValues)};
+  absl::StatusOr<std::unique_ptr<Codec>> key_codec = MakeCpuCodec(key_spec);
+  if (!key_codec.ok()) return key_codec.status();
+  absl::StatusOr<std::unique_ptr<Codec>> value_codec = MakeCpuCodec(value_spec);
+  if (!value_codec.ok()) return value_codec.status();
+  std::shared_ptr<const Codec> keys = *std::move(key_codec);
+  std::shared_ptr<const Codec> values = *std::move(value_codec);
+
+  auto session = std::make_shared<Session>(NewSessionId(), config, now);
+  session->layers_.reserve(config.layers);
+  for (int l = 0; l < config.layers; ++l) {
+    session->layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  sessions_.emplace(session->id(), session);
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionStore::Find(const std::string& id,
+                                                            absl::Time now) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    auto gone = gone_reasons_.find(id);
+    if (gone != gone_reasons_.end()) {
+      return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second));
+    }
+    return absl::NotFoundError(absl::StrCat("no session ", id));
+  }
+  it->second->Touch(now);
+  return it->second;
+}
+
+absl::Status SessionStore::Delete(const std::string& id) {
+  std::shared_ptr<Session> session;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
+      auto gone = gone_reasons_.find(id);
+      if (gone != gone_reasons_.end()) {
+        return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second));
+      }
+      return absl::NotFoundError(absl::StrCat("no session ", id));
+    }
+    session = std::move(it->second);
+    sessions_.erase(it);
+  }
+  // Calls in flight on the session finish first; later ones see it gone.
+  std::lock_guard<std::mutex> lock(session->mutex());
+  session->gone_ = true;
+  session->layers_.clear();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionStore::Fork(const Session& source, int64_t prefix,
+                                                            absl::Time now) {
+  auto fork = std::make_shared<Session>(NewSessionId(), source.config(), now);
+  fork->layers_.reserve(source.layers().size());
+  for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
+  std::lock_guard<std::mutex> lock(mutex_);
+  sessions_.emplace(fork->id(), fork);
+  return fork;
+}
+
+std::vector<std::shared_ptr<Session>> SessionStore::List() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<Session>> sessions;
+  sessions.reserve(sessions_.size());
+  for (const auto& [id, session] : sessions_) sessions.push_back(session);
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a->created() < b->created(); });
+  return sessions;
+}
+
+size_t SessionStore::session_count() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sessions_.size();
+}
+
+void SessionStore::RememberGone(const std::string& id, std::string reason) {
+  sessions_.erase(id);
+  gone_reasons_[id] = std::move(reason);
+  gone_order_.push_back(id);
+  if (gone_order_.size() > kRememberedGone) {
+    gone_reasons_.erase(gone_order_.front());
+    gone_order_.pop_front();
+  }
+  evictions_.fetch_add(1);
+}
+
+absl::Status SessionStore::MakeRoom(size_t bytes, const Session* requester) {
+  auto fits = [&] { return bytes <= pool_.budget_bytes() && pool_.used_bytes() <= pool_.budget_bytes() - bytes; };
+  if (fits()) return absl::OkStatus();
+  if (options_.eviction == EvictionPolicy::kLru) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::shared_ptr<Session>> candidates;
+    for (const auto& [id, session] : sessions_) {
+      if (session.get() != requester) candidates.push_back(session);
+    }
+    std::sort(candidates.begin(), candidates.end(),
+              [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
+    for (const std::shared_ptr<Session>& victim : candidates) {
+      if (fits()) break;
+      // A session with a call in flight is not idle: skip it.
+      std::unique_lock<std::mutex> victim_lock(victim->mutex(), std::try_to_lock);
+      if (!victim_lock.owns_lock()) continue;
+      victim->gone_ = true;
+      victim->layers_.clear();
+      RememberGone(victim->id(), "evicted (least recently used) to make room in the memory budget");
+    }
+  }
+  if (fits()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("memory budget exceeded: ", pool_.used_bytes(),
+                                                   " bytes used, ", bytes, " needed, budget ",
+                                                   pool_.budget_bytes(), " bytes"));
+}
+
+int SessionStore::ExpireIdle(absl::Time now) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<Session>> expired;
+  for (const auto& [id, session] : sessions_) {
+    const absl::Duration ttl = session->config().idle_ttl;
+    if (ttl > absl::ZeroDuration() && now - session->last_used() > ttl) expired.push_back(session);
+  }
+  int count = 0;
+  for (const std::shared_ptr<Session>& session : expired) {
+    std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
+    if (!session_lock.owns_lock()) continue;  // in use: not idle
+    session->gone_ = true;
+    session->layers_.clear();
+    RememberGone(session->id(), absl::StrCat("expired after ", absl::FormatDuration(session->config().idle_ttl), " idle"));
+    ++count;
+  }
+  return count;
+}
+
+}  // namespace turbokv

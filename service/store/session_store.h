@@ -1,0 +1,139 @@
+// The daemon's sessions: each a model-shaped set of layer caches in one
+// PagePool, found by an unguessable id. Enforces the byte budget with either
+// a plain refusal or eviction of the least recently used idle sessions, and
+// expires sessions idle past their TTL. No gRPC types.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/codec.h"
+#include "service/store/layer_cache.h"
+#include "service/store/page_pool.h"
+
+namespace turbokv {
+
+// A session's configuration, checked and with every default filled in.
+struct SessionConfig {
+  int layers = 0;
+  int kv_heads = 0;
+  int q_heads = 0;
+  int head_dim = 0;
+  CodecKind key_codec = CodecKind::kTurbo3;
+  CodecKind value_codec = CodecKind::kTurbo3;
+  uint64_t rotation_seed = 0;
+  int64_t max_tokens = 0;  // per layer
+  absl::Duration idle_ttl = absl::ZeroDuration();
+};
+
+enum class EvictionPolicy {
+  kReject,  // a full budget refuses the write
+  kLru,     // a full budget evicts least recently used idle sessions first
+};
+
+struct StoreOptions {
+  size_t budget_bytes = size_t{4} << 30;
+  EvictionPolicy eviction = EvictionPolicy::kReject;
+  int page_tokens = 64;
+};
+
+class Session {
+ public:
+  Session(std::string id, const SessionConfig& config, absl::Time now);
+
+  const std::string& id() const { return id_; }
+  const SessionConfig& config() const { return config_; }
+  absl::Time created() const { return created_; }
+  absl::Time last_used() const { return absl::FromUnixNanos(last_used_ns_.load()); }
+  void Touch(absl::Time now) { last_used_ns_.store(absl::ToUnixNanos(now)); }
+
+  // Serializes every call on the session. Holders check gone() first.
+  std::mutex& mutex() { return mutex_; }
+  // Set (under mutex()) when the session is deleted or evicted; its layers
+  // are then empty and every call answers NOT_FOUND.
+  bool gone() const { return gone_; }
+  std::vector<LayerCache>& layers() { return layers_; }
+  const std::vector<LayerCache>& layers() const { return layers_; }
+
+  // Under mutex(): bytes of the pages held (shared pages included) and
+  // what the same tokens take in fp16.
+  size_t bytes_used() const;
+  size_t fp16_bytes() const;
+  int64_t tokens() const;  // summed over layers
+
+ private:
+  friend class SessionStore;
+
+  const std::string id_;
+  const SessionConfig config_;
+  const absl::Time created_;
+  std::atomic<int64_t> last_used_ns_;
+  std::mutex mutex_;
+  bool gone_ = false;
+  std::vector<LayerCache> layers_;
+};
+
+class SessionStore {
+ public:
+  explicit SessionStore(const StoreOptions& options);
+  SessionStore(const SessionStore&) = delete;
+  SessionStore& operator=(const SessionStore&) = delete;
+
+  // A new, empty session. The config must have been checked (codecs and
+  // shape valid); the caller fills defaults.
+  absl::StatusOr<std::shared_ptr<Session>> Create(const SessionConfig& config, absl::Time now);
+
+  // The session with this id, marked as used now. NOT_FOUND for an unknown
+  // id, saying so when it was evicted and why.
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, absl::Time now);
+
+  // Removes the session; its pages go back to the pool unless a fork shares them.
+  absl::Status Delete(const std::string& id);
+
+  // A new session holding the first `prefix` tokens of every layer of
+  // `source` (whose mutex the caller holds), sharing its pages.
+  absl::StatusOr<std::shared_ptr<Session>> Fork(const Session& source, int64_t prefix, absl::Time now);
+
+  std::vector<std::shared_ptr<Session>> List() const;
+
+  // Makes room for `bytes` more: with kLru, evicts least recently used idle
+  // sessions other than `requester` (whose mutex the caller holds) until
+  // they fit. Returns RESOURCE_EXHAUSTED naming used, needed and budget bytes
+  // when they still do not fit. A later allocation can still lose a race to
+  // another session; callers retry.
+  absl::Status MakeRoom(size_t bytes, const Session* requester);
+
+  // Deletes sessions idle longer than their TTL; returns how many.
+  int ExpireIdle(absl::Time now);
+
+  PagePool& pool() { return pool_; }
+  const StoreOptions& options() const { return options_; }
+  int64_t evictions() const { return evictions_.load(); }
+  size_t session_count() const;
+
+ private:
+  // Under mutex_: drops the session from the map and remembers why.
+  void RememberGone(const std::string& id, std::string reason);
+
+  const StoreOptions options_;
+  PagePool pool_;
+  mutable std::mutex mutex_;
+  std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+  // Ids evicted or expired (the most recent kRememberedGone), with why.
+  std::unordered_map<std::string, std::string> gone_reasons_;
+  std::deque<std::string> gone_order_;
+  std::atomic<int64_t> evictions_{0};
+};
+
+// 128 random bits as 26 lowercase base32 characters.
+std::string NewSessionId();
+
+}  // namespace turbokv

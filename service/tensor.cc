@@ -1,0 +1,122 @@
+#include "service/tensor.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/half.h"
+
+namespace turbokv {
+namespace {
+
+uint16_t FloatToBf16Bits(float f) {
+  const uint32_t u = FloatBits(f);
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+uint16_t Load16(const char* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Every fp16 bit pattern as f32: one lookup per value on the append path.
+const std::vector<float>& HalfTable() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t h = 0; h < 65536; ++h) t[h] = HalfBitsToFloat(static_cast<uint16_t>(h));
+    return t;
+  }();
+  return table;
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+}  // namespace
+
+size_t DTypeSize(int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_F32: return 4;
+    case v1::DTYPE_F16:
+    case v1::DTYPE_BF16: return 2;
+    default: return 0;
+  }
+}
+
+absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
+                                                  absl::Span<const int64_t> shape,
+                                                  absl::string_view field) {
+  const size_t value_bytes = DTypeSize(tensor.dtype());
+  if (value_bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16 (got ", tensor.dtype(), ")"));
+  }
+  if (!std::equal(shape.begin(), shape.end(), tensor.shape().begin(), tensor.shape().end())) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape is ", ShapeString(tensor.shape()),
+                                                   ", expected ", ShapeString(shape)));
+  }
+  // Counted so that no product can overflow: a shape larger than the data
+  // fails the length check.
+  size_t count = 1;
+  bool too_large = false;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && count > tensor.data().size() / static_cast<size_t>(d))) too_large = true;
+    count *= static_cast<size_t>(d < 0 ? 0 : d);
+  }
+  if (too_large || tensor.data().size() != count * value_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data holds ", tensor.data().size(),
+                                                   " bytes, shape ", ShapeString(shape), " of ",
+                                                   v1::DType_Name(tensor.dtype()), " needs ",
+                                                   count * value_bytes));
+  }
+  std::vector<float> values(count);
+  const char* data = tensor.data().data();
+  switch (tensor.dtype()) {
+    case v1::DTYPE_F32: std::memcpy(values.data(), data, count * 4); break;
+    case v1::DTYPE_F16: {
+      const float* table = HalfTable().data();
+      for (size_t i = 0; i < count; ++i) values[i] = table[Load16(data + 2 * i)];
+      break;
+    }
+    default:
+      for (size_t i = 0; i < count; ++i) values[i] = BitsToFloat(uint32_t{Load16(data + 2 * i)} << 16);
+      break;
+  }
+  // Inf and NaN are the f32 patterns with every exponent bit set; one
+  // branch-free pass finds whether there is any.
+  bool all_finite = true;
+  for (size_t i = 0; i < count; ++i) all_finite &= (FloatBits(values[i]) & 0x7f800000u) != 0x7f800000u;
+  if (!all_finite) {
+    for (size_t i = 0; i < count; ++i) {
+      if (!std::isfinite(values[i])) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".data value ", i, " is not finite (",
+                                                       values[i], ")"));
+      }
+    }
+  }
+  return values;
+}
+
+void FloatsToTensor(absl::Span<const float> values, absl::Span<const int64_t> shape, v1::DType dtype,
+                    v1::Tensor* tensor) {
+  tensor->set_dtype(dtype);
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  std::string* data = tensor->mutable_data();
+  const size_t n = values.size();
+  if (dtype == v1::DTYPE_F32) {
+    data->assign(reinterpret_cast<const char*>(values.data()), n * 4);
+    return;
+  }
+  data->resize(n * 2);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t bits =
+        dtype == v1::DTYPE_F16 ? FloatToHalfBits(values[i]) : FloatToBf16Bits(values[i]);
+    std::memcpy(&(*data)[2 * i], &bits, 2);
+  }
+}
+
+}  // namespace turbokv

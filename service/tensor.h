@@ -1,0 +1,30 @@
+// Tensors on the wire (turbokv.v1.Tensor: bytes + dtype + shape,
+// little-endian, row-major) to and from f32.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "turbokv/v1/turbokv.pb.h"
+
+namespace turbokv {
+
+// Bytes of one value of dtype; 0 for an unknown dtype.
+size_t DTypeSize(int dtype);
+
+// The tensor as f32, after checking that it is set, that its dtype is known,
+// that its shape equals `shape`, that its byte length matches, and that every
+// value is finite. INVALID_ARGUMENT naming `field` otherwise.
+absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
+                                                  absl::Span<const int64_t> shape,
+                                                  absl::string_view field);
+
+// Writes values of `shape` into tensor as dtype (f32, f16 round to nearest
+// even, bf16 round to nearest even).
+void FloatsToTensor(absl::Span<const float> values, absl::Span<const int64_t> shape, v1::DType dtype,
+                    v1::Tensor* tensor);
+
+}  // namespace turbokv
