@@ -127,22 +127,22 @@ absl::Status RunAttention(const LayerCache& layer, const AttentionParams& params
 Handler::Handler(SessionStore* store, const HandlerOptions& options)
     : store_(store), options_(options) {}
 
-absl::StatusOr<std::shared_ptr<Session>> Handler::FindLocked(const std::string& id,
+absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::string& id,
                                                              std::unique_lock<std::mutex>* lock) {
   if (id.empty()) return absl::InvalidArgumentError("session_id is empty");
-  absl::StatusOr<std::shared_ptr<Session>> session = store_->Find(id, absl::Now());
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Find(id, absl::Now());
   if (!session.ok()) return session.status();
   *lock = std::unique_lock<std::mutex>((*session)->mutex());
   if ((*session)->gone()) {
     // Deleted or evicted between the lookup and the lock: the store knows why.
     lock->unlock();
-    absl::StatusOr<std::shared_ptr<Session>> again = store_->Find(id, absl::Now());
+    absl::StatusOr<std::shared_ptr<SessionCache>> again = store_->Find(id, absl::Now());
     return again.ok() ? absl::NotFoundError(absl::StrCat("no session ", id)) : again.status();
   }
   return session;
 }
 
-v1::SessionInfo Handler::Info(const Session& session) const {
+v1::SessionInfo Handler::Info(const SessionCache& session) const {
   v1::SessionInfo info;
   info.set_session_id(session.id());
   ConfigToProto(session.config(), info.mutable_config());
@@ -200,7 +200,7 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
   }
   config.idle_ttl = ttl == absl::ZeroDuration() ? options_.session_ttl : ttl;
 
-  absl::StatusOr<std::shared_ptr<Session>> session = store_->Create(config, absl::Now());
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Create(config, absl::Now());
   if (!session.ok()) return session.status();
   v1::CreateSessionResponse response;
   response.set_session_id((*session)->id());
@@ -210,14 +210,14 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
 
 absl::StatusOr<v1::SessionInfo> Handler::GetSession(const v1::GetSessionRequest& request) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<Session>> session = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = FindLocked(request.session_id(), &lock);
   if (!session.ok()) return session.status();
   return Info(**session);
 }
 
 absl::StatusOr<v1::ListSessionsResponse> Handler::ListSessions(const v1::ListSessionsRequest&) {
   v1::ListSessionsResponse response;
-  for (const std::shared_ptr<Session>& session : store_->List()) {
+  for (const std::shared_ptr<SessionCache>& session : store_->List()) {
     std::lock_guard<std::mutex> lock(session->mutex());
     if (!session->gone()) *response.add_sessions() = Info(*session);
   }
@@ -236,7 +236,7 @@ absl::StatusOr<v1::SessionInfo> Handler::TruncateSession(const v1::TruncateSessi
     return absl::InvalidArgumentError(absl::StrCat("tokens = ", request.tokens(), " must be >= 0"));
   }
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<Session>> session = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = FindLocked(request.session_id(), &lock);
   if (!session.ok()) return session.status();
   for (LayerCache& layer : (*session)->layers()) layer.Truncate(request.tokens());
   return Info(**session);
@@ -247,7 +247,7 @@ absl::StatusOr<v1::ForkSessionResponse> Handler::ForkSession(const v1::ForkSessi
     return absl::InvalidArgumentError(absl::StrCat("prefix_tokens = ", request.prefix_tokens(), " must be >= 0"));
   }
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<Session>> source = FindLocked(request.source_session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> source = FindLocked(request.source_session_id(), &lock);
   if (!source.ok()) return source.status();
   for (size_t l = 0; l < (*source)->layers().size(); ++l) {
     const int64_t tokens = (*source)->layers()[l].tokens();
@@ -256,7 +256,7 @@ absl::StatusOr<v1::ForkSessionResponse> Handler::ForkSession(const v1::ForkSessi
                                                         " is past the ", tokens, " tokens of layer ", l));
     }
   }
-  absl::StatusOr<std::shared_ptr<Session>> fork = store_->Fork(**source, request.prefix_tokens(), absl::Now());
+  absl::StatusOr<std::shared_ptr<SessionCache>> fork = store_->Fork(**source, request.prefix_tokens(), absl::Now());
   if (!fork.ok()) return fork.status();
   lock.unlock();
   v1::ForkSessionResponse response;
@@ -267,7 +267,7 @@ absl::StatusOr<v1::ForkSessionResponse> Handler::ForkSession(const v1::ForkSessi
 }
 
 absl::StatusOr<std::vector<LayerCache::PendingAppend>> Handler::PrepareAppend(
-    Session& session, const std::vector<int>& layers, int64_t start, int64_t n) {
+    SessionCache& session, const std::vector<int>& layers, int64_t start, int64_t n) {
   for (int l : layers) {
     const int64_t tokens = session.layers()[l].tokens();
     if (start > tokens) {
@@ -301,9 +301,9 @@ absl::StatusOr<std::vector<LayerCache::PendingAppend>> Handler::PrepareAppend(
 
 absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& request) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
   if (!found.ok()) return found.status();
-  Session& session = **found;
+  SessionCache& session = **found;
   const SessionConfig& config = session.config();
   std::vector<int> layers;
   int rank = 3;
@@ -373,9 +373,9 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
 
 absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& request) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
   if (!found.ok()) return found.status();
-  Session& session = **found;
+  SessionCache& session = **found;
   const SessionConfig& config = session.config();
   absl::Status status = CheckLayer(config, request.layer(), "layer");
   if (!status.ok()) return status;
@@ -420,9 +420,9 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
 
 absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
   if (!found.ok()) return found.status();
-  Session& session = **found;
+  SessionCache& session = **found;
   const SessionConfig& config = session.config();
   absl::Status status = CheckLayer(config, request.layer(), "layer");
   if (!status.ok()) return status;
@@ -457,7 +457,7 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request) {
 
 absl::StatusOr<ReadKvCursor> Handler::StartReadKv(const v1::ReadKvRequest& request) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
   if (!found.ok()) return found.status();
   const SessionConfig& config = (*found)->config();
   ReadKvCursor cursor;
@@ -508,7 +508,7 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
     cursor.position = cursor.start;
   }
   if (cursor.layer_index >= cursor.layers.size()) return false;
-  Session& session = *cursor.session;
+  SessionCache& session = *cursor.session;
   std::lock_guard<std::mutex> lock(session.mutex());
   const int l = cursor.layers[cursor.layer_index];
   if (session.gone()) return absl::NotFoundError(absl::StrCat("session ", session.id(), " was deleted while being read"));
@@ -532,7 +532,7 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
 absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&) {
   v1::StatsResponse response;
   int64_t sessions = 0, tokens = 0, fp16 = 0;
-  for (const std::shared_ptr<Session>& session : store_->List()) {
+  for (const std::shared_ptr<SessionCache>& session : store_->List()) {
     std::lock_guard<std::mutex> lock(session->mutex());
     if (session->gone()) continue;
     ++sessions;

@@ -35,7 +35,7 @@ struct HandlerOptions {
 
 // A ReadKv call in progress: which layers and range, and how far it got.
 struct ReadKvCursor {
-  std::shared_ptr<Session> session;
+  std::shared_ptr<SessionCache> session;
   std::vector<int> layers;
   std::vector<int64_t> ends;  // per layer
   int64_t start = 0;
@@ -70,14 +70,14 @@ class Handler {
 
  private:
   // The session, locked, or NOT_FOUND.
-  absl::StatusOr<std::shared_ptr<Session>> FindLocked(const std::string& id,
+  absl::StatusOr<std::shared_ptr<SessionCache>> FindLocked(const std::string& id,
                                                       std::unique_lock<std::mutex>* lock);
   // Takes the pages of a chunk for each layer, making room first (and
   // evicting, with lru); all or none.
-  absl::StatusOr<std::vector<LayerCache::PendingAppend>> PrepareAppend(Session& session,
+  absl::StatusOr<std::vector<LayerCache::PendingAppend>> PrepareAppend(SessionCache& session,
                                                                        const std::vector<int>& layers,
                                                                        int64_t start, int64_t n);
-  v1::SessionInfo Info(const Session& session) const;  // session locked
+  v1::SessionInfo Info(const SessionCache& session) const;  // session locked
 
   SessionStore* store_;
   HandlerOptions options_;

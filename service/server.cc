@@ -115,10 +115,14 @@ void Server::Shutdown(absl::Duration deadline) {
   }
   stop_expiry_.notify_all();
   if (expiry_thread_.joinable()) expiry_thread_.join();
+  // Drain while still listening, so that health checks see NOT_SERVING and
+  // new calls get a clear UNAVAILABLE; then cancel what is left.
+  const absl::Time until = absl::Now() + deadline;
   if (service_ != nullptr) service_->StartDraining();
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
-    server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+    while (service_->active_calls() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+    server_->Shutdown(absl::ToChronoTime(absl::Now()));
   }
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();

@@ -48,9 +48,9 @@ class Server {
   // that could not be bound.
   absl::Status Start();
 
-  // Health turns NOT_SERVING, new calls get UNAVAILABLE, calls in flight get
-  // until `deadline` from now to finish and are cancelled after; then the
-  // workers stop. Idempotent.
+  // Health turns NOT_SERVING and new calls get UNAVAILABLE while the
+  // listeners stay open; calls in flight get until `deadline` from now to
+  // finish and are cancelled after; then the workers stop. Idempotent.
   void Shutdown(absl::Duration deadline);
 
   // The listeners as bound, with the OS-chosen TCP ports filled in.

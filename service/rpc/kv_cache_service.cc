@@ -18,8 +18,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
   using Method = absl::StatusOr<Response> (Handler::*)(const Request&);
 
   // refuse: the server is draining; the call ends at once with UNAVAILABLE.
-  StreamReactor(Handler* handler, Executor* executor, Method method, bool refuse)
-      : handler_(handler), executor_(executor), method_(method) {
+  // active counts the calls in flight, this one until OnDone.
+  StreamReactor(Handler* handler, Executor* executor, Method method, bool refuse, std::atomic<int>* active)
+      : handler_(handler), executor_(executor), method_(method), active_(active) {
+    active_->fetch_add(1);
     if (refuse) {
       this->Finish(kDraining);
     } else {
@@ -52,12 +54,16 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
     this->StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    active_->fetch_sub(1);
+    delete this;
+  }
 
  private:
   Handler* handler_;
   Executor* executor_;
   Method method_;
+  std::atomic<int>* active_;
   Request request_;
   Response response_;
 };
@@ -66,8 +72,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
 // before the next is made.
 class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> {
  public:
-  ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request, bool refuse)
-      : handler_(handler), executor_(executor) {
+  ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request, bool refuse,
+                std::atomic<int>* active)
+      : handler_(handler), executor_(executor), active_(active) {
+    active_->fetch_add(1);
     if (refuse || !executor_->Submit([this, request] {
           absl::StatusOr<ReadKvCursor> cursor = handler_->StartReadKv(*request);
           if (!cursor.ok()) {
@@ -89,7 +97,10 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
     if (!executor_->Submit([this] { Next(); })) Finish(kDraining);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    active_->fetch_sub(1);
+    delete this;
+  }
 
  private:
   // On the executor.
@@ -107,6 +118,7 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
 
   Handler* handler_;
   Executor* executor_;
+  std::atomic<int>* active_;
   ReadKvCursor cursor_;
   v1::ReadKvResponse response_;
 };
@@ -128,12 +140,17 @@ grpc::ServerUnaryReactor* KvCacheService::Unary(grpc::CallbackServerContext* con
     reactor->Finish(kDraining);
     return reactor;
   }
+  active_.fetch_add(1);
   const bool queued = executor_->Submit([this, reactor, request, response, method] {
     absl::StatusOr<Response> result = (handler_->*method)(*request);
     if (result.ok()) *response = *std::move(result);
     reactor->Finish(ToGrpcStatus(result.status()));
+    active_.fetch_sub(1);
   });
-  if (!queued) reactor->Finish(kDraining);
+  if (!queued) {
+    reactor->Finish(kDraining);
+    active_.fetch_sub(1);
+  }
   return reactor;
 }
 
@@ -186,18 +203,18 @@ grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* con
 grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::Append(
     grpc::CallbackServerContext*) {
   return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
-                                                                   draining_.load());
+                                                                   draining_.load(), &active_);
 }
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::Attend(
     grpc::CallbackServerContext*) {
   return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
-                                                                   draining_.load());
+                                                                   draining_.load(), &active_);
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext*,
                                                                      const v1::ReadKvRequest* request) {
-  return new ReadKvReactor(handler_, executor_, request, draining_.load());
+  return new ReadKvReactor(handler_, executor_, request, draining_.load(), &active_);
 }
 
 }  // namespace turbokv

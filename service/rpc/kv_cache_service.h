@@ -22,6 +22,8 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
 
   // From now on new calls are refused with UNAVAILABLE; calls in flight go on.
   void StartDraining() { draining_.store(true); }
+  // Calls started and not yet finished.
+  int active_calls() const { return active_.load(); }
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
                                           const v1::CreateSessionRequest* request,
@@ -60,6 +62,7 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
   Handler* handler_;
   Executor* executor_;
   std::atomic<bool> draining_{false};
+  std::atomic<int> active_{0};
 };
 
 }  // namespace turbokv

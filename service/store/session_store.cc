@@ -27,22 +27,22 @@ std::string NewSessionId() {
   return id;
 }
 
-Session::Session(std::string id, const SessionConfig& config, absl::Time now)
+SessionCache::SessionCache(std::string id, const SessionConfig& config, absl::Time now)
     : id_(std::move(id)), config_(config), created_(now), last_used_ns_(absl::ToUnixNanos(now)) {}
 
-size_t Session::bytes_used() const {
+size_t SessionCache::bytes_used() const {
   size_t bytes = 0;
   for (const LayerCache& layer : layers_) bytes += layer.bytes();
   return bytes;
 }
 
-int64_t Session::tokens() const {
+int64_t SessionCache::tokens() const {
   int64_t tokens = 0;
   for (const LayerCache& layer : layers_) tokens += layer.tokens();
   return tokens;
 }
 
-size_t Session::fp16_bytes() const {
+size_t SessionCache::fp16_bytes() const {
   // Keys and values, two bytes a value.
   return static_cast<size_t>(tokens()) * config_.kv_heads * config_.head_dim * 2 * 2;
 }
@@ -50,7 +50,7 @@ size_t Session::fp16_bytes() const {
 SessionStore::SessionStore(const StoreOptions& options)
     : options_(options), pool_(options.budget_bytes) {}
 
-absl::StatusOr<std::shared_ptr<Session>> SessionStore::Create(const SessionConfig& config,
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const SessionConfig& config,
                                                               absl::Time now) {
   const CodecSpec key_spec{config.key_codec, config.head_dim,
                            DeriveRotationSeed(config.rotation_seed, RotationStream::kKeys)};
@@ -63,7 +63,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionStore::Create(const SessionConfi
   std::shared_ptr<const Codec> keys = *std::move(key_codec);
   std::shared_ptr<const Codec> values = *std::move(value_codec);
 
-  auto session = std::make_shared<Session>(NewSessionId(), config, now);
+  auto session = std::make_shared<SessionCache>(NewSessionId(), config, now);
   session->layers_.reserve(config.layers);
   for (int l = 0; l < config.layers; ++l) {
     session->layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
@@ -73,7 +73,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionStore::Create(const SessionConfi
   return session;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionStore::Find(const std::string& id,
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::string& id,
                                                             absl::Time now) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sessions_.find(id);
@@ -89,7 +89,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionStore::Find(const std::string& i
 }
 
 absl::Status SessionStore::Delete(const std::string& id) {
-  std::shared_ptr<Session> session;
+  std::shared_ptr<SessionCache> session;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(id);
@@ -110,9 +110,9 @@ absl::Status SessionStore::Delete(const std::string& id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionStore::Fork(const Session& source, int64_t prefix,
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(const SessionCache& source, int64_t prefix,
                                                             absl::Time now) {
-  auto fork = std::make_shared<Session>(NewSessionId(), source.config(), now);
+  auto fork = std::make_shared<SessionCache>(NewSessionId(), source.config(), now);
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
   std::lock_guard<std::mutex> lock(mutex_);
@@ -120,9 +120,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionStore::Fork(const Session& sourc
   return fork;
 }
 
-std::vector<std::shared_ptr<Session>> SessionStore::List() const {
+std::vector<std::shared_ptr<SessionCache>> SessionStore::List() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<std::shared_ptr<Session>> sessions;
+  std::vector<std::shared_ptr<SessionCache>> sessions;
   sessions.reserve(sessions_.size());
   for (const auto& [id, session] : sessions_) sessions.push_back(session);
   std::sort(sessions.begin(), sessions.end(),
@@ -146,18 +146,18 @@ void SessionStore::RememberGone(const std::string& id, std::string reason) {
   evictions_.fetch_add(1);
 }
 
-absl::Status SessionStore::MakeRoom(size_t bytes, const Session* requester) {
+absl::Status SessionStore::MakeRoom(size_t bytes, const SessionCache* requester) {
   auto fits = [&] { return bytes <= pool_.budget_bytes() && pool_.used_bytes() <= pool_.budget_bytes() - bytes; };
   if (fits()) return absl::OkStatus();
   if (options_.eviction == EvictionPolicy::kLru) {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<std::shared_ptr<Session>> candidates;
+    std::vector<std::shared_ptr<SessionCache>> candidates;
     for (const auto& [id, session] : sessions_) {
       if (session.get() != requester) candidates.push_back(session);
     }
     std::sort(candidates.begin(), candidates.end(),
               [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
-    for (const std::shared_ptr<Session>& victim : candidates) {
+    for (const std::shared_ptr<SessionCache>& victim : candidates) {
       if (fits()) break;
       // A session with a call in flight is not idle: skip it.
       std::unique_lock<std::mutex> victim_lock(victim->mutex(), std::try_to_lock);
@@ -175,13 +175,13 @@ absl::Status SessionStore::MakeRoom(size_t bytes, const Session* requester) {
 
 int SessionStore::ExpireIdle(absl::Time now) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<std::shared_ptr<Session>> expired;
+  std::vector<std::shared_ptr<SessionCache>> expired;
   for (const auto& [id, session] : sessions_) {
     const absl::Duration ttl = session->config().idle_ttl;
     if (ttl > absl::ZeroDuration() && now - session->last_used() > ttl) expired.push_back(session);
   }
   int count = 0;
-  for (const std::shared_ptr<Session>& session : expired) {
+  for (const std::shared_ptr<SessionCache>& session : expired) {
     std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
     if (!session_lock.owns_lock()) continue;  // in use: not idle
     session->gone_ = true;

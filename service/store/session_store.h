@@ -45,9 +45,9 @@ struct StoreOptions {
   int page_tokens = 64;
 };
 
-class Session {
+class SessionCache {
  public:
-  Session(std::string id, const SessionConfig& config, absl::Time now);
+  SessionCache(std::string id, const SessionConfig& config, absl::Time now);
 
   const std::string& id() const { return id_; }
   const SessionConfig& config() const { return config_; }
@@ -89,27 +89,27 @@ class SessionStore {
 
   // A new, empty session. The config must have been checked (codecs and
   // shape valid); the caller fills defaults.
-  absl::StatusOr<std::shared_ptr<Session>> Create(const SessionConfig& config, absl::Time now);
+  absl::StatusOr<std::shared_ptr<SessionCache>> Create(const SessionConfig& config, absl::Time now);
 
   // The session with this id, marked as used now. NOT_FOUND for an unknown
   // id, saying so when it was evicted and why.
-  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, absl::Time now);
+  absl::StatusOr<std::shared_ptr<SessionCache>> Find(const std::string& id, absl::Time now);
 
   // Removes the session; its pages go back to the pool unless a fork shares them.
   absl::Status Delete(const std::string& id);
 
   // A new session holding the first `prefix` tokens of every layer of
   // `source` (whose mutex the caller holds), sharing its pages.
-  absl::StatusOr<std::shared_ptr<Session>> Fork(const Session& source, int64_t prefix, absl::Time now);
+  absl::StatusOr<std::shared_ptr<SessionCache>> Fork(const SessionCache& source, int64_t prefix, absl::Time now);
 
-  std::vector<std::shared_ptr<Session>> List() const;
+  std::vector<std::shared_ptr<SessionCache>> List() const;
 
   // Makes room for `bytes` more: with kLru, evicts least recently used idle
   // sessions other than `requester` (whose mutex the caller holds) until
   // they fit. Returns RESOURCE_EXHAUSTED naming used, needed and budget bytes
   // when they still do not fit. A later allocation can still lose a race to
   // another session; callers retry.
-  absl::Status MakeRoom(size_t bytes, const Session* requester);
+  absl::Status MakeRoom(size_t bytes, const SessionCache* requester);
 
   // Deletes sessions idle longer than their TTL; returns how many.
   int ExpireIdle(absl::Time now);
@@ -126,7 +126,7 @@ class SessionStore {
   const StoreOptions options_;
   PagePool pool_;
   mutable std::mutex mutex_;
-  std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+  std::unordered_map<std::string, std::shared_ptr<SessionCache>> sessions_;
   // Ids evicted or expired (the most recent kRememberedGone), with why.
   std::unordered_map<std::string, std::string> gone_reasons_;
   std::deque<std::string> gone_order_;

@@ -1,0 +1,232 @@
+// The real gRPC server in-process, on a unix socket and on an OS-picked TCP
+// port, driven through the C++ client.
+#include "service/server.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/kernels/attention_testing.h"
+#include "tests/kernels/codec_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::testing::HasSubstr;
+using ::turbokv::testing::GaussianVectors;
+
+constexpr int kLayers = 2, kKv = 2, kQ = 4, kDim = 128;
+
+std::string SocketPath() { return absl::StrCat("/tmp/turbokv-server-test-", getpid(), ".sock"); }
+
+class ServerTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    ServerOptions options;
+    options.listen = {"unix://" + SocketPath(), "127.0.0.1:0"};
+    options.device = "cpu";
+    options.threads = 2;
+    options.memory_budget = size_t{256} << 20;
+    options.expiry_interval = absl::Milliseconds(20);
+    auto server = Server::Create(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    ASSERT_TRUE(server_->Start().ok());
+    ASSERT_EQ(server_->endpoints().size(), 2u);
+    EXPECT_THAT(server_->endpoints()[1], ::testing::StartsWith("127.0.0.1:"));
+    EXPECT_NE(server_->endpoints()[1], "127.0.0.1:0");
+    client_ = Client::Connect(GetParam() ? server_->endpoints()[1] : server_->endpoints()[0]);
+    ASSERT_TRUE(client_->WaitUntilServing(absl::Seconds(10)).ok());
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(absl::Seconds(1));
+  }
+
+  Session NewSession(v1::Codec codec = v1::CODEC_TURBO3) {
+    SessionOptions options;
+    options.layers = kLayers;
+    options.kv_heads = kKv;
+    options.q_heads = kQ;
+    options.head_dim = kDim;
+    options.key_codec = options.value_codec = codec;
+    auto session = client_->CreateSession(options);
+    EXPECT_TRUE(session.ok()) << session.status();
+    return *std::move(session);
+  }
+
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_P(ServerTest, EndToEndThroughTheClient) {
+  Session session = NewSession();
+  EXPECT_EQ(*client_->Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  // A pipelined prefill of 10 chunks of 50 tokens into layer 1.
+  const int64_t n = 500;
+  const auto k = GaussianVectors(n * kKv, kDim, 1), v = GaussianVectors(n * kKv, kDim, 2);
+  auto stream = session.OpenAppendStream();
+  const size_t chunk = 50 * kKv * kDim;
+  for (int c = 0; c < 10; ++c) {
+    ASSERT_TRUE(stream->Write(1, c * 50, TensorData::F32({k.data() + c * chunk, chunk}),
+                              TensorData::F32({v.data() + c * chunk, chunk}))
+                    .ok());
+  }
+  auto last = stream->Finish();
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->tokens(), n);
+  EXPECT_EQ(stream->acknowledged(), 10);
+
+  // Attention against a float reference over what the service stores.
+  auto kv = session.ReadKv(1);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  ASSERT_EQ(kv->tokens, n);
+  EXPECT_LT(testing::RelativeL2(kv->keys, k), 0.2);
+  const auto q = GaussianVectors(2 * kQ, kDim, 3);
+  const std::vector<int64_t> positions = {99, 499};
+  auto attention = session.Attend(1, TensorData::F32(q), positions);
+  ASSERT_TRUE(attention.ok()) << attention.status();
+  AttentionParams params;
+  params.q_heads = kQ;
+  const auto reference = testing::ReferenceAttention(kv->keys, kv->values, kKv, kDim, q, positions, params);
+  EXPECT_LT(testing::RelativeL2(attention->output, reference.out), 1e-3);
+  EXPECT_LT(testing::RelativeL2(attention->lse, reference.lse), 1e-4);
+
+  // Step, fork, truncate, list, stats, delete.
+  const auto k1 = GaussianVectors(kKv, kDim, 4), v1_ = GaussianVectors(kKv, kDim, 5), q1 = GaussianVectors(kQ, kDim, 6);
+  auto step = session.Step(1, n, TensorData::F32(k1), TensorData::F32(v1_), TensorData::F32(q1));
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->tokens, n + 1);
+  ASSERT_TRUE(session.Append(0, 0, TensorData::F32(k), TensorData::F32(v)).ok());
+  auto fork = session.Fork(300);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  auto truncated = fork->Truncate(100);
+  ASSERT_TRUE(truncated.ok());
+  EXPECT_EQ(truncated->layer_tokens(1), 100);
+  EXPECT_EQ(session.Info()->layer_tokens(1), n + 1);
+  auto sessions = client_->ListSessions();
+  ASSERT_TRUE(sessions.ok());
+  EXPECT_EQ(sessions->size(), 2u);
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sessions(), 2);
+  EXPECT_GT(stats->compression_ratio(), 4.5);
+  EXPECT_THAT(stats->device(), HasSubstr("cpu"));
+  EXPECT_TRUE(fork->Delete().ok());
+  EXPECT_TRUE(session.Delete().ok());
+  EXPECT_EQ(client_->Stats()->bytes_used(), 0);
+}
+
+TEST_P(ServerTest, ErrorsKeepTheirCodesAndMessagesOverTheWire) {
+  auto missing = client_->GetSession("no-such-session");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  SessionOptions bad;
+  bad.head_dim = 100;
+  auto invalid = client_->CreateSession(bad);
+  EXPECT_EQ(invalid.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(invalid.status().message()), HasSubstr("config.shape.head_dim"));
+
+  // In a stream, the first bad chunk ends it; the acknowledged ones stay.
+  Session session = NewSession();
+  const auto k = GaussianVectors(20 * kKv, kDim, 1);
+  auto stream = session.OpenAppendStream();
+  ASSERT_TRUE(stream->Write(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+  stream->Write(0, 30, TensorData::F32(k), TensorData::F32(k)).IgnoreError();  // gap
+  stream->Write(0, 20, TensorData::F32(k), TensorData::F32(k)).IgnoreError();  // not applied
+  auto finished = stream->Finish();
+  EXPECT_EQ(finished.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(finished.status().message()), HasSubstr("positions 20 to 29 are missing"));
+  EXPECT_EQ(session.Info()->layer_tokens(0), 20);
+}
+
+TEST_P(ServerTest, HalfPrecisionInputRoundTrips) {
+  Session session = NewSession(v1::CODEC_F16);
+  const auto x = GaussianVectors(30 * kKv, kDim, 9);
+  std::vector<uint16_t> f16(x.size()), bf16(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    f16[i] = FloatToHalfBits(x[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &x[i], 4);
+    bf16[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  ASSERT_TRUE(session.Append(0, 0, TensorData::F16(f16), TensorData::BF16(bf16)).ok());
+  auto kv = session.ReadKv(0);
+  ASSERT_TRUE(kv.ok());
+  EXPECT_LT(testing::RelativeL2(kv->keys, x), 1e-3);
+  EXPECT_LT(testing::RelativeL2(kv->values, x), 1e-2);  // bf16 truncation, then f16
+}
+
+TEST_P(ServerTest, IdleSessionsExpire) {
+  SessionOptions options;
+  options.head_dim = 64;
+  options.idle_ttl = absl::Milliseconds(100);
+  auto session = client_->CreateSession(options);
+  ASSERT_TRUE(session.ok());
+  absl::SleepFor(absl::Milliseconds(400));
+  auto info = session->Info();
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(info.status().message()), HasSubstr("expired"));
+}
+
+TEST_P(ServerTest, ManyClientsAtOnce) {
+  constexpr int kThreads = 4;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::unique_ptr<Client> client =
+          Client::Connect(GetParam() ? server_->endpoints()[1] : server_->endpoints()[0]);
+      SessionOptions options;
+      options.layers = kLayers;
+      options.kv_heads = kKv;
+      options.q_heads = kQ;
+      auto session = client->CreateSession(options);
+      if (!session.ok()) {
+        ++failures;
+        return;
+      }
+      const auto k = GaussianVectors(64 * kKv, kDim, t);
+      const auto q = GaussianVectors(kQ, kDim, t + 100);
+      for (int r = 0; r < 10; ++r) {
+        if (!session->Append(r % kLayers, (r / kLayers) * 64, TensorData::F32(k), TensorData::F32(k)).ok()) ++failures;
+        if (!session->Attend(r % kLayers, TensorData::F32(q)).ok()) ++failures;
+      }
+      if (session->Info()->layer_tokens(1) != 5 * 64) ++failures;
+      if (!session->Delete().ok()) ++failures;
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(client_->Stats()->sessions(), 0);
+}
+
+TEST_P(ServerTest, ShutdownLetsStreamsFinishAndRefusesNewCalls) {
+  Session session = NewSession();
+  const auto k = GaussianVectors(10 * kKv, kDim, 1);
+  auto stream = session.OpenAppendStream();
+  ASSERT_TRUE(stream->Write(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+  while (stream->acknowledged() < 1) absl::SleepFor(absl::Milliseconds(5));
+  std::thread shutdown([&] { server_->Shutdown(absl::Seconds(10)); });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(*client_->Health(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  auto refused = client_->Stats();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("shutting down"));
+  // The stream in flight goes on until it is done.
+  EXPECT_TRUE(stream->Write(0, 10, TensorData::F32(k), TensorData::F32(k)).ok());
+  auto last = stream->Finish();
+  shutdown.join();
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->tokens(), 20);
+  EXPECT_FALSE(client_->Health().ok());  // no longer listening
+}
+
+INSTANTIATE_TEST_SUITE_P(UnixAndTcp, ServerTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Tcp" : "Unix"; });
+
+}  // namespace
+}  // namespace turbokv
