@@ -3,6 +3,7 @@
 //
 //   turbokv-bench codec ...    codec fidelity and encode/decode speed (codec_cmd.cc)
 //   turbokv-bench attend ...   attention on the compressed cache vs f16 and memory speed (attend_cmd.cc)
+//   turbokv-bench e2e ...      the service over a unix socket vs its kernel and an empty round trip (e2e_cmd.cc)
 #include <cstdio>
 #include <string>
 
@@ -12,13 +13,16 @@ namespace turbokv::bench {
 
 int RunCodec(int argc, char** argv);
 int RunAttend(int argc, char** argv);
+int RunE2e(int argc, char** argv);
 
 constexpr char kUsage[] =
     "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--json]\n"
     "         NAME: f16, q8_0, q4_0, turbo2, turbo3, turbo4, or all (a table of every codec)\n"
     "       turbokv-bench attend --k-codec C --v-codec C --tokens T --kv-heads H --q-heads Q\n"
     "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
-    "                            [--impl cpu|cuda] [--json]\n";
+    "                            [--impl cpu|cuda] [--json]\n"
+    "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
+    "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--json]\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);
@@ -33,6 +37,7 @@ int main(int argc, char** argv) {
   const std::string command = argv[1];
   if (command == "codec") return RunCodec(argc - 2, argv + 2);
   if (command == "attend") return RunAttend(argc - 2, argv + 2);
+  if (command == "e2e") return RunE2e(argc - 2, argv + 2);
   if (command == "-h" || command == "--help" || command == "help") {
     std::printf("%s", kUsage);
     return 0;

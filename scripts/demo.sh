@@ -1,21 +1,42 @@
 #!/usr/bin/env bash
-# `make demo`: what turbokv's codecs save and how accurate they stay, measured
-# now on this machine with the real codec library.
+# `make demo`: starts turbokvd on the CPU, drives a model-shaped workload
+# through the real gRPC client (turbokv demo), stops the daemon cleanly, then
+# shows the codec library's own numbers.
 set -euo pipefail
 build="${1:-build}"
-bench="$build/bench/turbokv-bench"
-echo "turbokv demo: compressing 100,000 random KV head vectors (d = 128) with every codec."
-echo "fp16 is what an inference engine stores today; turbo2/3/4 are TurboQuant (random"
-echo "rotation + Lloyd-Max quantizer), q8_0/q4_0 are llama.cpp's block formats."
+dir="$(mktemp -d /tmp/turbokv-demo.XXXXXX)"
+socket="unix://$dir/turbokv.sock"
+daemon_pid=""
+cleanup() {
+  if [ -n "$daemon_pid" ] && kill -0 "$daemon_pid" 2>/dev/null; then kill -KILL "$daemon_pid"; fi
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+
+echo "== turbokvd: starting on the CPU, listening on $socket"
+"$build/service/turbokvd" --listen "$socket" --device cpu --memory-budget 2GiB 2>"$dir/turbokvd.log" &
+daemon_pid=$!
+sed 's/^/   /' "$dir/turbokvd.log"
+
+echo "== turbokv demo: 32 layers x 8 kv heads x d 128, 32 q heads; prefill 8,192 tokens, 32 decode steps"
+"$build/client/cpp/turbokv" --target "$socket" demo --tokens 8192 --steps 32
+
 echo
-"$bench" codec --codec all --head-dim 128 --vectors 100000
+echo "== stopping turbokvd (SIGTERM)"
+kill -TERM "$daemon_pid"
+status=0
+wait "$daemon_pid" || status=$?
+daemon_pid=""
+sed 's/^/   /' "$dir/turbokvd.log"
+if [ "$status" -ne 0 ]; then
+  echo "turbokvd exited with status $status" >&2
+  exit 1
+fi
+
 echo
-echo "relative MSE = E||x - x_hat||^2 / ||x||^2; inner-product slope = least-squares slope of"
-echo "<q, x_hat> against <q, x> for random q (1 = unbiased attention scores)."
-echo "A 128K-token context of a Llama-3-70B-shaped model (80 layers, 8 KV heads, d = 128) holds"
-echo "40 GiB of fp16 keys and values; at turbo3's 3.125 bits/value it holds 7.8 GiB."
+echo "== the codecs on 100,000 random head vectors (d = 128), one thread"
+"$build/bench/turbokv-bench" codec --codec all --head-dim 128 --vectors 100000
 echo
-echo "Attention computed directly on the compressed cache: one decode step over 8,192 tokens"
-echo "(8 kv heads, 32 query heads, d = 128), next to the same attention on an f16 cache:"
-"$bench" attend --k-codec turbo3 --v-codec turbo3 --tokens 8192 --kv-heads 8 --q-heads 32 \
-  --head-dim 128 --threads "$(nproc)"
+echo "relative MSE = E||x - x_hat||^2 / ||x||^2. A 128K-token context of a Llama-3-70B-shaped"
+echo "model (80 layers, 8 KV heads, d = 128) holds 40 GiB of fp16 keys and values; at turbo3's"
+echo "3.125 bits/value it holds 7.8 GiB."

@@ -1,0 +1,159 @@
+// The real turbokvd binary, started as a process and driven through the C++
+// client: start-up log, calls, budget and eviction, bad flags, SIGTERM.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/kernels/codec_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::testing::HasSubstr;
+using ::turbokv::testing::GaussianVectors;
+
+class Daemon {
+ public:
+  // Starts turbokvd with `flags`, its stderr going to a file.
+  explicit Daemon(std::vector<std::string> flags) {
+    log_ = absl::StrCat(::testing::TempDir(), "turbokvd-", getpid(), "-", count_++, ".log");
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 2);
+      std::vector<char*> argv = {const_cast<char*>(TURBOKVD_PATH)};
+      for (std::string& flag : flags) argv.push_back(flag.data());
+      argv.push_back(nullptr);
+      execv(TURBOKVD_PATH, argv.data());
+      _exit(127);
+    }
+  }
+  ~Daemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  // Sends a signal and returns the exit status (or -1 if it did not exit normally).
+  int Stop(int signal) {
+    kill(pid_, signal);
+    return Wait();
+  }
+  int Wait() {
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  std::string Log() const {
+    std::ifstream in(log_);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+ private:
+  static inline int count_ = 0;
+  pid_t pid_ = -1;
+  std::string log_;
+};
+
+std::string Socket() { return absl::StrCat("unix:///tmp/turbokvd-test-", getpid(), ".sock"); }
+
+TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
+  Daemon daemon({"--listen=" + Socket(), "--device", "cpu", "--threads=2", "--memory-budget=64MiB"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  SessionOptions options;
+  options.layers = 2;
+  options.kv_heads = 2;
+  options.q_heads = 4;
+  auto session = client->CreateSession(options);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const auto k = GaussianVectors(2 * 100 * 2, 128, 1);
+  ASSERT_EQ(*session->AppendAllLayers(0, TensorData::F32(k), TensorData::F32(k)), 100);
+  const auto q = GaussianVectors(4, 128, 2);
+  auto attention = session->Attend(1, TensorData::F32(q));
+  ASSERT_TRUE(attention.ok()) << attention.status();
+  EXPECT_EQ(attention->output.size(), 4u * 128);
+  EXPECT_EQ(client->Stats()->budget_bytes(), 64 << 20);
+
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+  const std::string log = daemon.Log();
+  EXPECT_THAT(log, HasSubstr("device cpu (simd:"));
+  EXPECT_THAT(log, HasSubstr("memory budget 64.00 MiB, eviction reject"));
+  EXPECT_THAT(log, HasSubstr("listening on " + Socket()));
+  EXPECT_THAT(log, HasSubstr("SIGTERM, draining"));
+  EXPECT_THAT(log, HasSubstr("stopped"));
+}
+
+TEST(TurbokvdTest, BudgetIsEnforcedWithRejectAndWithLru) {
+  // turbo3, 1 layer, 8 kv heads, d 128, pages of 64 tokens: 51,200 bytes a page.
+  for (const char* eviction : {"reject", "lru"}) {
+    Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--memory-budget=150KiB",
+                   absl::StrCat("--eviction=", eviction)});
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    SessionOptions options;
+    options.kv_heads = 8;
+    options.q_heads = 8;
+    auto first = client->CreateSession(options);
+    auto second = client->CreateSession(options);
+    ASSERT_TRUE(first.ok() && second.ok());
+    const auto k = GaussianVectors(128 * 8, 128, 1);
+    ASSERT_TRUE(first->Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());  // 2 pages
+    auto over = second->Append(0, 0, TensorData::F32(k), TensorData::F32(k));
+    if (std::string(eviction) == "reject") {
+      EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+      EXPECT_THAT(std::string(over.status().message()),
+                  HasSubstr("102400 bytes used, 102400 needed, budget 153600 bytes"));
+      EXPECT_TRUE(first->Info().ok());
+    } else {
+      EXPECT_TRUE(over.ok()) << over.status();
+      auto gone = first->Info();
+      EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+      EXPECT_THAT(std::string(gone.status().message()), HasSubstr("evicted"));
+    }
+    EXPECT_EQ(daemon.Stop(SIGINT), 0);
+  }
+}
+
+TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
+  struct Case {
+    std::vector<std::string> flags;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{"--memory-budget=lots"}, "--memory-budget: 'lots' is not a size"},
+      {{"--eviction=random"}, "--eviction=random: expected reject or lru"},
+      {{"--device=tpu"}, "--device=tpu: expected auto, cpu or cuda:N"},
+      {{"--no-such-flag=1"}, "unknown flag --no-such-flag"},
+      {{"--listen=nowhere"}, "--listen=nowhere: expected unix:///path or host:port"},
+      {{"--session-ttl=soon"}, "--session-ttl=soon"},
+  };
+  for (const Case& c : cases) {
+    Daemon daemon(c.flags);
+    EXPECT_EQ(daemon.Wait(), 2) << c.message;
+    EXPECT_THAT(daemon.Log(), HasSubstr(c.message));
+  }
+}
+
+TEST(TurbokvdTest, AListenerThatCannotBeBoundFailsTheStart) {
+  Daemon daemon({"--listen=unix:///nonexistent-dir/x.sock", "--device=cpu"});
+  EXPECT_EQ(daemon.Wait(), 2);
+  EXPECT_THAT(daemon.Log(), HasSubstr("cannot listen on unix:///nonexistent-dir/x.sock"));
+}
+
+}  // namespace
+}  // namespace turbokv
