@@ -16,6 +16,10 @@ trap cleanup EXIT
 echo "== turbokvd: starting on the CPU, listening on $socket"
 "$build/service/turbokvd" --listen "$socket" --device cpu --memory-budget 2GiB 2>"$dir/turbokvd.log" &
 daemon_pid=$!
+for _ in $(seq 300); do
+  if grep -q "listening on" "$dir/turbokvd.log" || ! kill -0 "$daemon_pid" 2>/dev/null; then break; fi
+  sleep 0.1
+done
 sed 's/^/   /' "$dir/turbokvd.log"
 
 echo "== turbokv demo: 32 layers x 8 kv heads x d 128, 32 q heads; prefill 8,192 tokens, 32 decode steps"
@@ -27,7 +31,7 @@ kill -TERM "$daemon_pid"
 status=0
 wait "$daemon_pid" || status=$?
 daemon_pid=""
-sed 's/^/   /' "$dir/turbokvd.log"
+tail -n +4 "$dir/turbokvd.log" | sed 's/^/   /'
 if [ "$status" -ne 0 ]; then
   echo "turbokvd exited with status $status" >&2
   exit 1

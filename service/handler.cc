@@ -73,8 +73,10 @@ absl::Status CheckLayer(const SessionConfig& config, int layer, absl::string_vie
   return absl::OkStatus();
 }
 
-absl::StatusOr<AttentionParams> CheckOptions(const v1::AttentionOptions& options,
-                                             const SessionConfig& config) {
+// The attention parameters for a call on `layer` with `options`.
+absl::StatusOr<AttentionParams> CheckLayerAndOptions(const SessionConfig& config, int layer,
+                                                     const v1::AttentionOptions& options) {
+  if (absl::Status status = CheckLayer(config, layer, "layer"); !status.ok()) return status;
   AttentionParams params;
   params.q_heads = config.q_heads;
   if (!std::isfinite(options.softmax_scale()) || options.softmax_scale() < 0) {
@@ -377,9 +379,7 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
   if (!found.ok()) return found.status();
   SessionCache& session = **found;
   const SessionConfig& config = session.config();
-  absl::Status status = CheckLayer(config, request.layer(), "layer");
-  if (!status.ok()) return status;
-  absl::StatusOr<AttentionParams> params = CheckOptions(request.options(), config);
+  absl::StatusOr<AttentionParams> params = CheckLayerAndOptions(config, request.layer(), request.options());
   if (!params.ok()) return params.status();
   if (request.queries().shape_size() != 3) {
     return absl::InvalidArgumentError(absl::StrCat("queries.shape has ", request.queries().shape_size(),
@@ -412,7 +412,7 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
     }
   }
   v1::AttendResponse response;
-  status = RunAttention(layer, *params, n, *queries, positions, options_.kernel_pool, response.mutable_result());
+  const absl::Status status = RunAttention(layer, *params, n, *queries, positions, options_.kernel_pool, response.mutable_result());
   if (!status.ok()) return status;
   session.Touch(absl::Now());
   return response;
@@ -424,9 +424,7 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request) {
   if (!found.ok()) return found.status();
   SessionCache& session = **found;
   const SessionConfig& config = session.config();
-  absl::Status status = CheckLayer(config, request.layer(), "layer");
-  if (!status.ok()) return status;
-  absl::StatusOr<AttentionParams> params = CheckOptions(request.options(), config);
+  absl::StatusOr<AttentionParams> params = CheckLayerAndOptions(config, request.layer(), request.options());
   if (!params.ok()) return params.status();
   if (request.position() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("position = ", request.position(), " must be >= 0"));
@@ -448,7 +446,7 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request) {
   LayerCache& layer = session.layers()[request.layer()];
   v1::StepResponse response;
   response.set_tokens(layer.Commit(std::move(pending->front()), key->data(), value->data()));
-  status = RunAttention(layer, *params, 1, *query, {request.position()}, options_.kernel_pool,
+  const absl::Status status = RunAttention(layer, *params, 1, *query, {request.position()}, options_.kernel_pool,
                         response.mutable_result());
   if (!status.ok()) return status;
   session.Touch(absl::Now());

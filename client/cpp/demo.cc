@@ -178,6 +178,7 @@ void FromHalf(const uint16_t* bits, size_t n, float* values) {
 }  // namespace
 
 absl::Status RunDemo(const Client& client, const DemoOptions& o) {
+  if (absl::Status ready = client.WaitUntilServing(absl::Seconds(30)); !ready.ok()) return ready;
   absl::StatusOr<v1::StatsResponse> stats = client.Stats();
   if (!stats.ok()) return stats.status();
   std::fprintf(stderr, "demo: turbokvd on %s; session of %d layers x %d kv heads x d %d (%d q heads), %s keys, %s values\n",

@@ -78,11 +78,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::stri
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    auto gone = gone_reasons_.find(id);
-    if (gone != gone_reasons_.end()) {
-      return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second));
-    }
-    return absl::NotFoundError(absl::StrCat("no session ", id));
+    return NotFound(id);
   }
   it->second->Touch(now);
   return it->second;
@@ -94,11 +90,7 @@ absl::Status SessionStore::Delete(const std::string& id) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(id);
     if (it == sessions_.end()) {
-      auto gone = gone_reasons_.find(id);
-      if (gone != gone_reasons_.end()) {
-        return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second));
-      }
-      return absl::NotFoundError(absl::StrCat("no session ", id));
+      return NotFound(id);
     }
     session = std::move(it->second);
     sessions_.erase(it);
@@ -133,6 +125,12 @@ std::vector<std::shared_ptr<SessionCache>> SessionStore::List() const {
 size_t SessionStore::session_count() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return sessions_.size();
+}
+
+absl::Status SessionStore::NotFound(const std::string& id) const {
+  auto gone = gone_reasons_.find(id);
+  if (gone != gone_reasons_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second));
+  return absl::NotFoundError(absl::StrCat("no session ", id));
 }
 
 void SessionStore::RememberGone(const std::string& id, std::string reason) {

@@ -120,6 +120,8 @@ class SessionStore {
   size_t session_count() const;
 
  private:
+  // Under mutex_: NOT_FOUND for an id not in the map, saying why when known.
+  absl::Status NotFound(const std::string& id) const;
   // Under mutex_: drops the session from the map and remembers why.
   void RememberGone(const std::string& id, std::string reason);
 
