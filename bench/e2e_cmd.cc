@@ -62,6 +62,7 @@ int RunE2e(int argc, char** argv) {
   server_options.device = "cpu";
   server_options.threads = static_cast<int>(threads);
   server_options.memory_budget = size_t{16} << 30;
+  server_options.metrics_listen = "";
   absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(server_options);
   if (!server.ok() || !(*server)->Start().ok()) {
     std::fprintf(stderr, "turbokv-bench e2e: the server did not start\n");

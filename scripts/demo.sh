@@ -14,7 +14,7 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== turbokvd: starting on the CPU, listening on $socket"
-"$build/service/turbokvd" --listen "$socket" --device cpu --memory-budget 2GiB 2>"$dir/turbokvd.log" &
+"$build/service/turbokvd" --listen "$socket" --device cpu --memory-budget 2GiB --metrics-listen 127.0.0.1:0 2>"$dir/turbokvd.log" &
 daemon_pid=$!
 for _ in $(seq 300); do
   if grep -q "listening on" "$dir/turbokvd.log" || ! kill -0 "$daemon_pid" 2>/dev/null; then break; fi

@@ -103,7 +103,7 @@ absl::StatusOr<AttentionParams> CheckLayerAndOptions(const SessionConfig& config
 // Attention of n queries at `positions` (checked) over one stored layer.
 absl::Status RunAttention(const LayerCache& layer, const AttentionParams& params, int64_t n,
                           const std::vector<float>& queries, const std::vector<int64_t>& positions,
-                          ThreadPool* pool, v1::AttentionResult* result) {
+                          ThreadPool* pool, Metrics* metrics, v1::AttentionResult* result) {
   const int dim = layer.head_dim();
   std::vector<float> out(static_cast<size_t>(n) * params.q_heads * dim);
   std::vector<float> lse(static_cast<size_t>(n) * params.q_heads);
@@ -114,9 +114,14 @@ absl::Status RunAttention(const LayerCache& layer, const AttentionParams& params
                          top ? top_logits.data() : nullptr};
   AttentionOptions options;
   options.pool = pool;
+  const absl::Time start = absl::Now();
   const absl::Status status =
       AttendCpu(layer.Descriptor(), params, AttentionQueries{n, queries.data(), positions.data()}, output, options);
   if (!status.ok()) return status;
+  if (metrics != nullptr) {
+    metrics->ObserveKernel(KernelOp::kAttend, absl::ToDoubleSeconds(absl::Now() - start));
+    metrics->AddAttendedQueries(n);
+  }
   FloatsToTensor(out, {n, params.q_heads, dim}, v1::DTYPE_F32, result->mutable_output());
   FloatsToTensor(lse, {n, params.q_heads}, v1::DTYPE_F32, result->mutable_lse());
   result->mutable_top_k_tokens()->Assign(top_tokens.begin(), top_tokens.end());
@@ -356,10 +361,17 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
     before[i] = layer.tokens();
     after[i] = layer.Commit(std::move((*pending)[i]), keys->data() + offset, values->data() + offset);
   };
+  const absl::Time encode_start = absl::Now();
   if (options_.kernel_pool != nullptr && layers.size() > 1) {
     options_.kernel_pool->ParallelFor(static_cast<int64_t>(layers.size()), commit);
   } else {
     for (size_t i = 0; i < layers.size(); ++i) commit(static_cast<int64_t>(i));
+  }
+  int64_t new_token_layers = 0;
+  for (size_t i = 0; i < layers.size(); ++i) new_token_layers += after[i] - before[i];
+  if (options_.metrics != nullptr) {
+    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
+    options_.metrics->AddAppendedTokens(new_token_layers);
   }
   int64_t tokens = INT64_MAX;
   int64_t stored = 0;
@@ -412,7 +424,8 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
     }
   }
   v1::AttendResponse response;
-  const absl::Status status = RunAttention(layer, *params, n, *queries, positions, options_.kernel_pool, response.mutable_result());
+  const absl::Status status =
+      RunAttention(layer, *params, n, *queries, positions, options_.kernel_pool, options_.metrics, response.mutable_result());
   if (!status.ok()) return status;
   session.Touch(absl::Now());
   return response;
@@ -445,9 +458,15 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request) {
   if (!pending.ok()) return pending.status();
   LayerCache& layer = session.layers()[request.layer()];
   v1::StepResponse response;
+  const int64_t before = layer.tokens();
+  const absl::Time encode_start = absl::Now();
   response.set_tokens(layer.Commit(std::move(pending->front()), key->data(), value->data()));
+  if (options_.metrics != nullptr) {
+    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
+    options_.metrics->AddAppendedTokens(response.tokens() - before);
+  }
   const absl::Status status = RunAttention(layer, *params, 1, *query, {request.position()}, options_.kernel_pool,
-                        response.mutable_result());
+                                           options_.metrics, response.mutable_result());
   if (!status.ok()) return status;
   session.Touch(absl::Now());
   return response;
@@ -528,24 +547,17 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
 }
 
 absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&) {
+  const StoreSnapshot snapshot = store_->Snapshot();
   v1::StatsResponse response;
-  int64_t sessions = 0, tokens = 0, fp16 = 0;
-  for (const std::shared_ptr<SessionCache>& session : store_->List()) {
-    std::lock_guard<std::mutex> lock(session->mutex());
-    if (session->gone()) continue;
-    ++sessions;
-    tokens += session->tokens();
-    fp16 += static_cast<int64_t>(session->fp16_bytes());
-  }
-  const int64_t used = static_cast<int64_t>(store_->pool().used_bytes());
-  response.set_sessions(sessions);
-  response.set_tokens(tokens);
-  response.set_bytes_used(used);
-  response.set_budget_bytes(static_cast<int64_t>(store_->pool().budget_bytes()));
-  response.set_fp16_bytes(fp16);
-  response.set_compression_ratio(used > 0 ? static_cast<double>(fp16) / used : 0.0);
+  response.set_sessions(snapshot.sessions);
+  response.set_tokens(snapshot.tokens);
+  response.set_bytes_used(snapshot.bytes_used);
+  response.set_budget_bytes(snapshot.budget_bytes);
+  response.set_fp16_bytes(snapshot.fp16_bytes);
+  response.set_compression_ratio(snapshot.bytes_used > 0 ? static_cast<double>(snapshot.fp16_bytes) / snapshot.bytes_used
+                                                         : 0.0);
   response.set_device(options_.device);
-  response.set_evictions(store_->evictions());
+  response.set_evictions(snapshot.lru_evictions + snapshot.ttl_expiries);
   return response;
 }
 

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "service/metrics.h"
 #include "service/store/session_store.h"
 #include "turbokv/v1/turbokv.pb.h"
 
@@ -31,6 +32,8 @@ struct HandlerOptions {
   size_t max_message_bytes = size_t{64} << 20;
   // Reported by Stats, e.g. "cpu (simd:AVX3_DL, 2 threads)".
   std::string device = "cpu";
+  // Counts appended tokens, attended queries and kernel time (nullptr: none).
+  Metrics* metrics = nullptr;
 };
 
 // A ReadKv call in progress: which layers and range, and how far it got.

@@ -10,6 +10,9 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/cpu/thread_pool.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+#include "service/metrics.h"
 #include "service/device.h"
 #include "service/executor.h"
 #include "service/handler.h"
@@ -42,6 +45,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   if (!device.ok()) return device.status();
   server->device_ = device->name;
   server->device_reason_ = device->why;
+  server->metrics_ = std::make_unique<Metrics>("cpu");
   server->kernel_pool_ = std::make_unique<ThreadPool>(threads);
   StoreOptions store;
   store.budget_bytes = options.memory_budget;
@@ -54,16 +58,30 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   handler.session_ttl = options.session_ttl;
   handler.max_message_bytes = static_cast<size_t>(options.max_message_bytes) / 2;
   handler.device = device->name;
+  handler.metrics = server->metrics_.get();
   server->handler_ = std::make_unique<Handler>(server->store_.get(), handler);
   // Enough workers that cheap calls are not queued behind kernels.
   server->executor_ = std::make_unique<Executor>(threads + 2);
-  server->service_ = std::make_unique<KvCacheService>(server->handler_.get(), server->executor_.get());
+  server->service_ =
+      std::make_unique<KvCacheService>(server->handler_.get(), server->executor_.get(), server->metrics_.get());
   return server;
 }
 
 Server::~Server() { Shutdown(absl::ZeroDuration()); }
 
 absl::Status Server::Start() {
+  metrics_->SetStore(store_->Snapshot());
+  if (!options_.metrics_listen.empty()) {
+    try {
+      exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_listen);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", options_.metrics_listen, ": ", e.what()));
+    }
+    exposer_->RegisterCollectable(metrics_->registry());
+    const std::vector<int> ports = exposer_->GetListeningPorts();
+    const std::string host = options_.metrics_listen.substr(0, options_.metrics_listen.rfind(':'));
+    metrics_endpoint_ = absl::StrCat("http://", host, ":", ports.empty() ? 0 : ports[0], "/metrics");
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -103,6 +121,7 @@ void Server::ExpireLoop() {
     lock.unlock();
     const int expired = store_->ExpireIdle(absl::Now());
     if (expired > 0) std::fprintf(stderr, "turbokvd: %d idle session(s) expired\n", expired);
+    metrics_->SetStore(store_->Snapshot());
     lock.lock();
   }
 }
@@ -126,6 +145,7 @@ void Server::Shutdown(absl::Duration deadline) {
   }
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();
+  exposer_.reset();
 }
 
 }  // namespace turbokv

@@ -16,12 +16,16 @@
 namespace grpc {
 class Server;
 }
+namespace prometheus {
+class Exposer;
+}
 
 namespace turbokv {
 
 class Executor;
 class Handler;
 class KvCacheService;
+class Metrics;
 class ThreadPool;
 
 struct ServerOptions {
@@ -35,7 +39,9 @@ struct ServerOptions {
   int max_message_bytes = 64 << 20;
   int64_t max_tokens = int64_t{1} << 20;  // per layer of a session
   int page_tokens = 64;
-  absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked
+  absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked (and gauges refreshed)
+  // host:port of the Prometheus endpoint (/metrics); port 0 picks one; empty: none.
+  std::string metrics_listen = "127.0.0.1:9464";
 };
 
 class Server {
@@ -55,6 +61,8 @@ class Server {
 
   // The listeners as bound, with the OS-chosen TCP ports filled in.
   const std::vector<std::string>& endpoints() const { return endpoints_; }
+  // http://host:port/metrics as bound, or empty.
+  const std::string& metrics_endpoint() const { return metrics_endpoint_; }
   const std::string& device() const { return device_; }
   const std::string& device_reason() const { return device_reason_; }
   Handler& handler() { return *handler_; }
@@ -67,6 +75,9 @@ class Server {
   ServerOptions options_;
   std::string device_;
   std::string device_reason_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string metrics_endpoint_;
   std::unique_ptr<ThreadPool> kernel_pool_;
   std::unique_ptr<SessionStore> store_;
   std::unique_ptr<Handler> handler_;

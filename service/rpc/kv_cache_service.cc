@@ -4,10 +4,19 @@
 #include <string>
 #include <utility>
 
+#include "absl/time/clock.h"
+
 namespace turbokv {
 namespace {
 
 const grpc::Status kDraining(grpc::StatusCode::UNAVAILABLE, "turbokvd is shutting down");
+
+// Seconds since `start`, for the RPC duration metrics.
+double Since(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
+
+void Observe(Metrics* metrics, const char* method, const absl::Status& status, absl::Time start) {
+  if (metrics != nullptr) metrics->ObserveRpc(method, status.code(), Since(start));
+}
 
 // One message in, one message out, until the client closes its side: each
 // request goes to the executor, its response is written, then the next read
@@ -19,8 +28,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
 
   // refuse: the server is draining; the call ends at once with UNAVAILABLE.
   // active counts the calls in flight, this one until OnDone.
-  StreamReactor(Handler* handler, Executor* executor, Method method, bool refuse, std::atomic<int>* active)
-      : handler_(handler), executor_(executor), method_(method), active_(active) {
+  StreamReactor(Handler* handler, Executor* executor, Method method, bool refuse, std::atomic<int>* active,
+                Metrics* metrics, const char* name)
+      : handler_(handler), executor_(executor), method_(method), active_(active), metrics_(metrics), name_(name) {
     active_->fetch_add(1);
     if (refuse) {
       this->Finish(kDraining);
@@ -34,8 +44,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
       this->Finish(grpc::Status::OK);
       return;
     }
-    const bool queued = executor_->Submit([this] {
+    const absl::Time start = absl::Now();
+    const bool queued = executor_->Submit([this, start] {
       absl::StatusOr<Response> response = (handler_->*method_)(request_);
+      Observe(metrics_, name_, response.status(), start);
       if (!response.ok()) {
         this->Finish(ToGrpcStatus(response.status()));
         return;
@@ -64,6 +76,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
   Executor* executor_;
   Method method_;
   std::atomic<int>* active_;
+  Metrics* metrics_;
+  const char* name_;
   Request request_;
   Response response_;
 };
@@ -73,13 +87,13 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
 class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> {
  public:
   ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request, bool refuse,
-                std::atomic<int>* active)
-      : handler_(handler), executor_(executor), active_(active) {
+                std::atomic<int>* active, Metrics* metrics)
+      : handler_(handler), executor_(executor), active_(active), metrics_(metrics), start_(absl::Now()) {
     active_->fetch_add(1);
     if (refuse || !executor_->Submit([this, request] {
           absl::StatusOr<ReadKvCursor> cursor = handler_->StartReadKv(*request);
           if (!cursor.ok()) {
-            Finish(ToGrpcStatus(cursor.status()));
+            Done(cursor.status());
             return;
           }
           cursor_ = *std::move(cursor);
@@ -91,7 +105,7 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      Done(absl::CancelledError("the client went away"));
       return;
     }
     if (!executor_->Submit([this] { Next(); })) Finish(kDraining);
@@ -108,17 +122,24 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
     response_.Clear();
     absl::StatusOr<bool> more = handler_->NextReadKv(cursor_, &response_);
     if (!more.ok()) {
-      Finish(ToGrpcStatus(more.status()));
+      Done(more.status());
     } else if (!*more) {
-      Finish(grpc::Status::OK);
+      Done(absl::OkStatus());
     } else {
       StartWrite(&response_);
     }
   }
 
+  void Done(const absl::Status& status) {
+    Observe(metrics_, "ReadKv", status, start_);
+    Finish(ToGrpcStatus(status));
+  }
+
   Handler* handler_;
   Executor* executor_;
   std::atomic<int>* active_;
+  Metrics* metrics_;
+  const absl::Time start_;
   ReadKvCursor cursor_;
   v1::ReadKvResponse response_;
 };
@@ -134,15 +155,17 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 template <typename Request, typename Response, typename Method>
 grpc::ServerUnaryReactor* KvCacheService::Unary(grpc::CallbackServerContext* context,
                                                 const Request* request, Response* response,
-                                                Method method) {
+                                                Method method, const char* name) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (draining_.load()) {
     reactor->Finish(kDraining);
     return reactor;
   }
   active_.fetch_add(1);
-  const bool queued = executor_->Submit([this, reactor, request, response, method] {
+  const absl::Time start = absl::Now();
+  const bool queued = executor_->Submit([this, reactor, request, response, method, name, start] {
     absl::StatusOr<Response> result = (handler_->*method)(*request);
+    Observe(metrics_, name, result.status(), start);
     if (result.ok()) *response = *std::move(result);
     reactor->Finish(ToGrpcStatus(result.status()));
     active_.fetch_sub(1);
@@ -157,64 +180,64 @@ grpc::ServerUnaryReactor* KvCacheService::Unary(grpc::CallbackServerContext* con
 grpc::ServerUnaryReactor* KvCacheService::CreateSession(grpc::CallbackServerContext* context,
                                                         const v1::CreateSessionRequest* request,
                                                         v1::CreateSessionResponse* response) {
-  return Unary(context, request, response, &Handler::CreateSession);
+  return Unary(context, request, response, &Handler::CreateSession, "CreateSession");
 }
 
 grpc::ServerUnaryReactor* KvCacheService::GetSession(grpc::CallbackServerContext* context,
                                                      const v1::GetSessionRequest* request,
                                                      v1::SessionInfo* response) {
-  return Unary(context, request, response, &Handler::GetSession);
+  return Unary(context, request, response, &Handler::GetSession, "GetSession");
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ListSessions(grpc::CallbackServerContext* context,
                                                        const v1::ListSessionsRequest* request,
                                                        v1::ListSessionsResponse* response) {
-  return Unary(context, request, response, &Handler::ListSessions);
+  return Unary(context, request, response, &Handler::ListSessions, "ListSessions");
 }
 
 grpc::ServerUnaryReactor* KvCacheService::DeleteSession(grpc::CallbackServerContext* context,
                                                         const v1::DeleteSessionRequest* request,
                                                         v1::DeleteSessionResponse* response) {
-  return Unary(context, request, response, &Handler::DeleteSession);
+  return Unary(context, request, response, &Handler::DeleteSession, "DeleteSession");
 }
 
 grpc::ServerUnaryReactor* KvCacheService::TruncateSession(grpc::CallbackServerContext* context,
                                                           const v1::TruncateSessionRequest* request,
                                                           v1::SessionInfo* response) {
-  return Unary(context, request, response, &Handler::TruncateSession);
+  return Unary(context, request, response, &Handler::TruncateSession, "TruncateSession");
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ForkSession(grpc::CallbackServerContext* context,
                                                       const v1::ForkSessionRequest* request,
                                                       v1::ForkSessionResponse* response) {
-  return Unary(context, request, response, &Handler::ForkSession);
+  return Unary(context, request, response, &Handler::ForkSession, "ForkSession");
 }
 
 grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context,
                                                const v1::StepRequest* request, v1::StepResponse* response) {
-  return Unary(context, request, response, &Handler::Step);
+  return Unary(context, request, response, &Handler::Step, "Step");
 }
 
 grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* context,
                                                 const v1::StatsRequest* request, v1::StatsResponse* response) {
-  return Unary(context, request, response, &Handler::Stats);
+  return Unary(context, request, response, &Handler::Stats, "Stats");
 }
 
 grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::Append(
     grpc::CallbackServerContext*) {
   return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
-                                                                   draining_.load(), &active_);
+                                                                   draining_.load(), &active_, metrics_, "Append");
 }
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::Attend(
     grpc::CallbackServerContext*) {
   return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
-                                                                   draining_.load(), &active_);
+                                                                   draining_.load(), &active_, metrics_, "Attend");
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext*,
                                                                      const v1::ReadKvRequest* request) {
-  return new ReadKvReactor(handler_, executor_, request, draining_.load(), &active_);
+  return new ReadKvReactor(handler_, executor_, request, draining_.load(), &active_, metrics_);
 }
 
 }  // namespace turbokv

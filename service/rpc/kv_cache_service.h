@@ -9,6 +9,7 @@
 #include "grpcpp/grpcpp.h"
 #include "service/executor.h"
 #include "service/handler.h"
+#include "service/metrics.h"
 #include "turbokv/v1/turbokv.grpc.pb.h"
 
 namespace turbokv {
@@ -18,7 +19,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class KvCacheService final : public v1::KvCacheService::CallbackService {
  public:
-  KvCacheService(Handler* handler, Executor* executor) : handler_(handler), executor_(executor) {}
+  // metrics: RPC durations and errors (nullptr: none).
+  KvCacheService(Handler* handler, Executor* executor, Metrics* metrics)
+      : handler_(handler), executor_(executor), metrics_(metrics) {}
 
   // From now on new calls are refused with UNAVAILABLE; calls in flight go on.
   void StartDraining() { draining_.store(true); }
@@ -57,10 +60,11 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
  private:
   template <typename Request, typename Response, typename Method>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const Request* request,
-                                  Response* response, Method method);
+                                  Response* response, Method method, const char* name);
 
   Handler* handler_;
   Executor* executor_;
+  Metrics* metrics_;
   std::atomic<bool> draining_{false};
   std::atomic<int> active_{0};
 };

@@ -122,6 +122,22 @@ std::vector<std::shared_ptr<SessionCache>> SessionStore::List() const {
   return sessions;
 }
 
+StoreSnapshot SessionStore::Snapshot() const {
+  StoreSnapshot snapshot;
+  for (const std::shared_ptr<SessionCache>& session : List()) {
+    std::lock_guard<std::mutex> lock(session->mutex());
+    if (session->gone()) continue;
+    ++snapshot.sessions;
+    snapshot.tokens += session->tokens();
+    snapshot.fp16_bytes += static_cast<int64_t>(session->fp16_bytes());
+  }
+  snapshot.bytes_used = static_cast<int64_t>(pool_.used_bytes());
+  snapshot.budget_bytes = static_cast<int64_t>(pool_.budget_bytes());
+  snapshot.lru_evictions = lru_evictions_.load();
+  snapshot.ttl_expiries = ttl_expiries_.load();
+  return snapshot;
+}
+
 size_t SessionStore::session_count() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return sessions_.size();
@@ -133,7 +149,7 @@ absl::Status SessionStore::NotFound(const std::string& id) const {
   return absl::NotFoundError(absl::StrCat("no session ", id));
 }
 
-void SessionStore::RememberGone(const std::string& id, std::string reason) {
+void SessionStore::RememberGone(const std::string& id, std::string reason, std::atomic<int64_t>* counter) {
   sessions_.erase(id);
   gone_reasons_[id] = std::move(reason);
   gone_order_.push_back(id);
@@ -141,7 +157,7 @@ void SessionStore::RememberGone(const std::string& id, std::string reason) {
     gone_reasons_.erase(gone_order_.front());
     gone_order_.pop_front();
   }
-  evictions_.fetch_add(1);
+  counter->fetch_add(1);
 }
 
 absl::Status SessionStore::MakeRoom(size_t bytes, const SessionCache* requester) {
@@ -162,7 +178,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, const SessionCache* requester)
       if (!victim_lock.owns_lock()) continue;
       victim->gone_ = true;
       victim->layers_.clear();
-      RememberGone(victim->id(), "evicted (least recently used) to make room in the memory budget");
+      RememberGone(victim->id(), "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
     }
   }
   if (fits()) return absl::OkStatus();
@@ -184,7 +200,8 @@ int SessionStore::ExpireIdle(absl::Time now) {
     if (!session_lock.owns_lock()) continue;  // in use: not idle
     session->gone_ = true;
     session->layers_.clear();
-    RememberGone(session->id(), absl::StrCat("expired after ", absl::FormatDuration(session->config().idle_ttl), " idle"));
+    RememberGone(session->id(), absl::StrCat("expired after ", absl::FormatDuration(session->config().idle_ttl), " idle"),
+                 &ttl_expiries_);
     ++count;
   }
   return count;

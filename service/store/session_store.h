@@ -34,6 +34,17 @@ struct SessionConfig {
   absl::Duration idle_ttl = absl::ZeroDuration();
 };
 
+// What the store holds, summed over sessions.
+struct StoreSnapshot {
+  int64_t sessions = 0;
+  int64_t tokens = 0;      // over sessions and layers
+  int64_t bytes_used = 0;  // pages held, shared pages once
+  int64_t budget_bytes = 0;
+  int64_t fp16_bytes = 0;  // the same tokens in fp16
+  int64_t lru_evictions = 0;  // since start
+  int64_t ttl_expiries = 0;   // since start
+};
+
 enum class EvictionPolicy {
   kReject,  // a full budget refuses the write
   kLru,     // a full budget evicts least recently used idle sessions first
@@ -116,14 +127,17 @@ class SessionStore {
 
   PagePool& pool() { return pool_; }
   const StoreOptions& options() const { return options_; }
-  int64_t evictions() const { return evictions_.load(); }
+  // Sessions evicted (lru) and expired (ttl) since start.
+  int64_t evictions() const { return lru_evictions_.load() + ttl_expiries_.load(); }
   size_t session_count() const;
+  // Sums over the sessions (each locked in turn).
+  StoreSnapshot Snapshot() const;
 
  private:
   // Under mutex_: NOT_FOUND for an id not in the map, saying why when known.
   absl::Status NotFound(const std::string& id) const;
   // Under mutex_: drops the session from the map and remembers why.
-  void RememberGone(const std::string& id, std::string reason);
+  void RememberGone(const std::string& id, std::string reason, std::atomic<int64_t>* counter);
 
   const StoreOptions options_;
   PagePool pool_;
@@ -132,7 +146,8 @@ class SessionStore {
   // Ids evicted or expired (the most recent kRememberedGone), with why.
   std::unordered_map<std::string, std::string> gone_reasons_;
   std::deque<std::string> gone_order_;
-  std::atomic<int64_t> evictions_{0};
+  std::atomic<int64_t> lru_evictions_{0};
+  std::atomic<int64_t> ttl_expiries_{0};
 };
 
 // 128 random bits as 26 lowercase base32 characters.

@@ -2,6 +2,9 @@
 // port, driven through the C++ client.
 #include "service/server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -33,6 +36,7 @@ class ServerTest : public ::testing::TestWithParam<bool> {
     options.threads = 2;
     options.memory_budget = size_t{256} << 20;
     options.expiry_interval = absl::Milliseconds(20);
+    options.metrics_listen = "127.0.0.1:0";
     auto server = Server::Create(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -223,6 +227,56 @@ TEST_P(ServerTest, ShutdownLetsStreamsFinishAndRefusesNewCalls) {
   ASSERT_TRUE(last.ok()) << last.status();
   EXPECT_EQ(last->tokens(), 20);
   EXPECT_FALSE(client_->Health().ok());  // no longer listening
+}
+
+// GET of an http://host:port/path URL over a plain socket: the body.
+std::string HttpGet(const std::string& url) {
+  const std::string rest = url.substr(url.find("//") + 2);
+  const std::string host_port = rest.substr(0, rest.find('/'));
+  const std::string path = rest.substr(rest.find('/'));
+  const int port = std::stoi(host_port.substr(host_port.find(':') + 1));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: " + host_port + "\r\n\r\n";
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return "";
+  }
+  std::string response;
+  char buffer[4096];
+  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+TEST_P(ServerTest, MetricsCountWhatHappened) {
+  Session session = NewSession();
+  const auto k = GaussianVectors(100 * kKv, kDim, 1);
+  ASSERT_TRUE(session.Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+  ASSERT_TRUE(session.Append(0, 50, TensorData::F32(k), TensorData::F32(k)).ok());  // 50 new
+  const auto q = GaussianVectors(3 * kQ, kDim, 2);
+  ASSERT_TRUE(session.Attend(0, TensorData::F32(q)).ok());
+  EXPECT_FALSE(client_->GetSession("missing").ok());
+  absl::SleepFor(absl::Milliseconds(100));  // the gauges refresh every 20 ms here
+  const std::string text = HttpGet(server_->metrics_endpoint());
+  EXPECT_THAT(text, HasSubstr("turbokv_sessions 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_tokens_stored 150"));
+  EXPECT_THAT(text, HasSubstr("turbokv_appended_tokens_total 150"));
+  EXPECT_THAT(text, HasSubstr("turbokv_attended_queries_total 3"));
+  EXPECT_THAT(text, HasSubstr("turbokv_memory_bytes{device=\"cpu\",kind=\"budget\"} 268435456"));
+  EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"NOT_FOUND\",method=\"GetSession\"} 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_rpc_duration_seconds_count{code=\"OK\",method=\"Append\"} 2"));
+  EXPECT_THAT(text, HasSubstr("turbokv_kernel_duration_seconds_count{device=\"cpu\",op=\"attend\"} 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_evictions_total{reason=\"lru\"} 0"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr(session.id())));
 }
 
 INSTANTIATE_TEST_SUITE_P(UnixAndTcp, ServerTest, ::testing::Bool(),

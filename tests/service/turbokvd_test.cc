@@ -31,7 +31,7 @@ class Daemon {
     if (pid_ == 0) {
       const int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 2);
-      std::vector<char*> argv = {const_cast<char*>(TURBOKVD_PATH)};
+      std::vector<char*> argv = {const_cast<char*>(TURBOKVD_PATH), const_cast<char*>("--metrics-listen=127.0.0.1:0")};
       for (std::string& flag : flags) argv.push_back(flag.data());
       argv.push_back(nullptr);
       execv(TURBOKVD_PATH, argv.data());

@@ -1,0 +1,107 @@
+#include "service/metrics.h"
+
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace turbokv {
+namespace {
+
+// 50 us to about 13 s, a factor of 2 apart: decode steps on a GPU to long
+// prefill chunks on a CPU.
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  prometheus::Histogram::BucketBoundaries buckets;
+  for (double b = 50e-6; b < 15; b *= 2) buckets.push_back(b);
+  return buckets;
+}
+
+}  // namespace
+
+Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
+  using prometheus::BuildCounter;
+  using prometheus::BuildGauge;
+  using prometheus::BuildHistogram;
+  prometheus::Registry& r = *registry_;
+  rpc_duration_ = &BuildHistogram()
+                       .Name("turbokv_rpc_duration_seconds")
+                       .Help("Time to serve an RPC, or one message of an Append or Attend stream, by method and gRPC status code")
+                       .Register(r);
+  rpc_errors_ = &BuildCounter()
+                     .Name("turbokv_rpc_errors_total")
+                     .Help("RPCs and stream messages that failed, by method and gRPC status code")
+                     .Register(r);
+  appended_tokens_ = &BuildCounter()
+                          .Name("turbokv_appended_tokens_total")
+                          .Help("Token-layers newly stored by Append and Step (repeats not counted)")
+                          .Register(r)
+                          .Add({});
+  attended_queries_ = &BuildCounter()
+                           .Name("turbokv_attended_queries_total")
+                           .Help("Queries answered by Attend and Step")
+                           .Register(r)
+                           .Add({});
+  auto& kernel = BuildHistogram()
+                     .Name("turbokv_kernel_duration_seconds")
+                     .Help("Time in the compute kernels per call, by operation and device")
+                     .Register(r);
+  encode_duration_ = &kernel.Add({{"op", "encode"}, {"device", device_}}, LatencyBuckets());
+  attend_duration_ = &kernel.Add({{"op", "attend"}, {"device", device_}}, LatencyBuckets());
+  sessions_ = &BuildGauge().Name("turbokv_sessions").Help("Sessions held").Register(r).Add({});
+  tokens_ = &BuildGauge()
+                 .Name("turbokv_tokens_stored")
+                 .Help("Tokens stored, summed over sessions and layers")
+                 .Register(r)
+                 .Add({});
+  auto& memory = BuildGauge()
+                     .Name("turbokv_memory_bytes")
+                     .Help("Compressed cache memory by device: used (shared pages once), budget, and what the stored tokens would take in fp16")
+                     .Register(r);
+  bytes_used_ = &memory.Add({{"device", device_}, {"kind", "used"}});
+  budget_bytes_ = &memory.Add({{"device", device_}, {"kind", "budget"}});
+  fp16_bytes_ = &memory.Add({{"device", device_}, {"kind", "fp16_equivalent"}});
+  compression_ratio_ = &BuildGauge()
+                            .Name("turbokv_compression_ratio")
+                            .Help("fp16-equivalent bytes over bytes used")
+                            .Register(r)
+                            .Add({});
+  auto& evictions = BuildCounter()
+                        .Name("turbokv_evictions_total")
+                        .Help("Sessions removed by the daemon, by reason: lru (memory budget) or ttl (idle)")
+                        .Register(r);
+  lru_evictions_ = &evictions.Add({{"reason", "lru"}});
+  ttl_expiries_ = &evictions.Add({{"reason", "ttl"}});
+}
+
+Metrics::~Metrics() = default;
+
+void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds) {
+  const std::string code_name = absl::StatusCodeToString(code);
+  const prometheus::Labels labels = {{"method", std::string(method)}, {"code", code_name}};
+  rpc_duration_->Add(labels, LatencyBuckets()).Observe(seconds);
+  if (code != absl::StatusCode::kOk) rpc_errors_->Add(labels).Increment();
+}
+
+void Metrics::AddAppendedTokens(int64_t tokens) { appended_tokens_->Increment(static_cast<double>(tokens)); }
+
+void Metrics::AddAttendedQueries(int64_t queries) { attended_queries_->Increment(static_cast<double>(queries)); }
+
+void Metrics::ObserveKernel(KernelOp op, double seconds) {
+  (op == KernelOp::kEncode ? encode_duration_ : attend_duration_)->Observe(seconds);
+}
+
+void Metrics::SetStore(const StoreSnapshot& s) {
+  sessions_->Set(static_cast<double>(s.sessions));
+  tokens_->Set(static_cast<double>(s.tokens));
+  bytes_used_->Set(static_cast<double>(s.bytes_used));
+  budget_bytes_->Set(static_cast<double>(s.budget_bytes));
+  fp16_bytes_->Set(static_cast<double>(s.fp16_bytes));
+  compression_ratio_->Set(s.bytes_used > 0 ? static_cast<double>(s.fp16_bytes) / s.bytes_used : 0.0);
+  lru_evictions_->Increment(static_cast<double>(s.lru_evictions - lru_seen_));
+  ttl_expiries_->Increment(static_cast<double>(s.ttl_expiries - ttl_seen_));
+  lru_seen_ = s.lru_evictions;
+  ttl_seen_ = s.ttl_expiries;
+}
+
+}  // namespace turbokv

@@ -1,0 +1,67 @@
+// The daemon's Prometheus metrics: one registry, every family built once at
+// start-up (DESIGN.md section 5). Names start with turbokv_, use base units
+// (bytes, seconds) and end in _total for counters; no label carries a session
+// id. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "service/store/session_store.h"
+
+namespace prometheus {
+class Registry;
+class Counter;
+class Gauge;
+template <typename T>
+class Family;
+class Histogram;
+}  // namespace prometheus
+
+namespace turbokv {
+
+enum class KernelOp { kEncode, kAttend };
+
+class Metrics {
+ public:
+  // device: the label of the memory and kernel series, e.g. "cpu".
+  explicit Metrics(std::string device);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // One RPC, or one message of a stream, finished with `code`.
+  void ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds);
+  void AddAppendedTokens(int64_t tokens);
+  void AddAttendedQueries(int64_t queries);
+  void ObserveKernel(KernelOp op, double seconds);
+  // From one thread (the server's housekeeping loop).
+  void SetStore(const StoreSnapshot& snapshot);
+
+ private:
+  const std::string device_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Histogram>* rpc_duration_;
+  prometheus::Family<prometheus::Counter>* rpc_errors_;
+  prometheus::Counter* appended_tokens_;
+  prometheus::Counter* attended_queries_;
+  prometheus::Histogram* encode_duration_;
+  prometheus::Histogram* attend_duration_;
+  prometheus::Gauge* sessions_;
+  prometheus::Gauge* tokens_;
+  prometheus::Gauge* bytes_used_;
+  prometheus::Gauge* budget_bytes_;
+  prometheus::Gauge* fp16_bytes_;
+  prometheus::Gauge* compression_ratio_;
+  prometheus::Counter* lru_evictions_;
+  prometheus::Counter* ttl_expiries_;
+  int64_t lru_seen_ = 0;  // under SetStore's single caller
+  int64_t ttl_seen_ = 0;
+};
+
+}  // namespace turbokv
