@@ -231,7 +231,11 @@ int main(int argc, char** argv) {
   const std::unique_ptr<turbokv::Client> client =
       turbokv::Client::Connect(args.Flag("target", "unix:///tmp/turbokv.sock"), client_options);
 
-  absl::Status status;
+  // The daemon may still be starting (a sidecar next to its worker).
+  absl::Status status = client->WaitUntilServing(absl::Seconds(30));
+  if (!status.ok()) {
+    // Fall through to the command: it reports the connection error.
+  }
   if (args.command == "create") {
     status = Create(*client, args);
   } else if (args.command == "list") {

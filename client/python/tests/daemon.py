@@ -1,0 +1,35 @@
+"""Starts the real turbokvd binary ($TURBOKVD) on a private unix socket for a test."""
+
+import os
+import signal
+import subprocess
+import tempfile
+
+
+class Daemon:
+    def __init__(self, *flags: str):
+        self._dir = tempfile.TemporaryDirectory(prefix="turbokv-py-")
+        self.target = f"unix://{self._dir.name}/turbokv.sock"
+        self.log_path = os.path.join(self._dir.name, "turbokvd.log")
+        self._log = open(self.log_path, "w")
+        self._process = subprocess.Popen(
+            [os.environ["TURBOKVD"], f"--listen={self.target}", "--device=cpu", "--threads=2",
+             "--metrics-listen=127.0.0.1:0", *flags],
+            stderr=self._log)
+
+    def stop(self) -> int:
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+        code = self._process.wait(timeout=30)
+        self._log.close()
+        return code
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._dir.cleanup()

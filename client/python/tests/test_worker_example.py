@@ -1,0 +1,29 @@
+"""Runs examples/worker.py against the real turbokvd: the merged attention
+must match full attention (tightly with f16, within codec error with turbo3)."""
+
+import os
+import subprocess
+import sys
+import unittest
+
+from daemon import Daemon
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "worker.py")
+
+
+class WorkerExampleTest(unittest.TestCase):
+    def test_worker_offloads_and_merges(self):
+        daemon = Daemon()
+        try:
+            for codec in ("f16", "turbo3"):
+                run = subprocess.run([sys.executable, EXAMPLE, "--target", daemon.target, "--tokens", "320",
+                                      "--codec", codec], capture_output=True, text=True, timeout=300)
+                self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+                self.assertIn("offloaded to turbokvd", run.stdout)
+            self.assertEqual(daemon.stop(), 0)
+        finally:
+            daemon.close()
+
+
+if __name__ == "__main__":
+    unittest.main()

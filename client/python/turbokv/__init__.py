@@ -1,0 +1,19 @@
+"""Python client of turbokvd, the KV-cache compression service.
+
+    import numpy as np, turbokv
+    client = turbokv.Client("unix:///tmp/turbokv.sock")
+    session = client.create_session(layers=32, kv_heads=8, q_heads=32, head_dim=128)
+    session.append(layer=0, start=0, keys=k, values=v)        # [tokens, kv_heads, head_dim]
+    result = session.attend(layer=0, queries=q)                # [n, q_heads, head_dim]
+    result.output, result.lse
+
+Failures raise turbokv.TurbokvError carrying the gRPC status code and message.
+"""
+
+from turbokv.client import (  # noqa: F401
+    AttentionResult,
+    Client,
+    Session,
+    TurbokvError,
+    merge_attention,
+)

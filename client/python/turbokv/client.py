@@ -1,0 +1,270 @@
+"""turbokv.Client and turbokv.Session: numpy arrays in and out over gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+from google.protobuf import duration_pb2
+
+from turbokv.v1 import turbokv_pb2 as pb
+from turbokv.v1 import turbokv_pb2_grpc as pb_grpc
+
+_CODECS = {
+    "f16": pb.CODEC_F16,
+    "q8_0": pb.CODEC_Q8_0,
+    "q4_0": pb.CODEC_Q4_0,
+    "turbo2": pb.CODEC_TURBO2,
+    "turbo3": pb.CODEC_TURBO3,
+    "turbo4": pb.CODEC_TURBO4,
+}
+_DTYPES = {np.dtype(np.float32): pb.DTYPE_F32, np.dtype(np.float16): pb.DTYPE_F16}
+
+
+class TurbokvError(Exception):
+    """A failed call: `code` is the grpc.StatusCode, `message` the daemon's words."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _raise(error: grpc.RpcError) -> None:
+    raise TurbokvError(error.code(), error.details()) from None
+
+
+def _tensor(array, rank: int, name: str) -> pb.Tensor:
+    array = np.asarray(array)
+    if array.dtype not in _DTYPES:
+        array = array.astype(np.float32)
+    if array.ndim != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got shape {array.shape}")
+    array = np.ascontiguousarray(array)
+    return pb.Tensor(dtype=_DTYPES[array.dtype], shape=list(array.shape), data=array.tobytes())
+
+
+def _array(tensor: pb.Tensor) -> np.ndarray:
+    dtype = {pb.DTYPE_F32: np.float32, pb.DTYPE_F16: np.float16}.get(tensor.dtype)
+    if dtype is None:  # bf16: the high half of an f32
+        bits = np.frombuffer(tensor.data, dtype=np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(tuple(tensor.shape))
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(tuple(tensor.shape))
+
+
+@dataclasses.dataclass
+class AttentionResult:
+    output: np.ndarray  # [n, q_heads, head_dim] float32
+    lse: np.ndarray  # [n, q_heads] natural-log log-sum-exp of the logits
+    top_k_tokens: Optional[np.ndarray] = None  # [n, q_heads, k] with top_k
+    top_k_logits: Optional[np.ndarray] = None
+
+
+def _result(result: pb.AttentionResult, top_k: int) -> AttentionResult:
+    out = AttentionResult(output=_array(result.output), lse=_array(result.lse))
+    if top_k > 0:
+        n, heads = out.lse.shape
+        out.top_k_tokens = np.array(result.top_k_tokens, dtype=np.int64).reshape(n, heads, top_k)
+        out.top_k_logits = np.array(result.top_k_logits, dtype=np.float32).reshape(n, heads, top_k)
+    return out
+
+
+def merge_attention(a: AttentionResult, b: AttentionResult) -> AttentionResult:
+    """Attention over two disjoint token sets merged exactly through their log-sum-exps."""
+    m = np.maximum(a.lse, b.lse)
+    wa, wb = np.exp(a.lse - m), np.exp(b.lse - m)
+    output = (wa[..., None] * a.output + wb[..., None] * b.output) / (wa + wb)[..., None]
+    return AttentionResult(output=output.astype(np.float32), lse=(m + np.log(wa + wb)).astype(np.float32))
+
+
+class Session:
+    """One session's calls. Keys and values are [tokens, kv_heads, head_dim]
+    (float32 or float16); with layer=None, [layers, tokens, kv_heads, head_dim]."""
+
+    def __init__(self, client: "Client", session_id: str, config: pb.SessionConfig):
+        self._client = client
+        self._stub = client._stub
+        self.id = session_id
+        self.config = config
+        self.layers = config.shape.layers
+        self.kv_heads = config.shape.kv_heads
+        self.q_heads = config.shape.q_heads
+        self.head_dim = config.shape.head_dim
+
+    def _request(self, layer: Optional[int], start: int, keys, values) -> pb.AppendRequest:
+        rank = 3 if layer is not None else 4
+        request = pb.AppendRequest(
+            session_id=self.id, start=start, keys=_tensor(keys, rank, "keys"), values=_tensor(values, rank, "values")
+        )
+        if layer is None:
+            request.all_layers = True
+        else:
+            request.layer = layer
+        return request
+
+    def append(self, layer: Optional[int], start: int, keys, values) -> int:
+        """Stores tokens [start, start + n); returns the layer's new length."""
+        return self.append_stream([(layer, start, keys, values)])
+
+    def append_stream(self, chunks: Iterable[Tuple[Optional[int], int, np.ndarray, np.ndarray]]) -> int:
+        """Sends (layer, start, keys, values) chunks on one Append stream
+        without waiting for each acknowledgement; returns the length after the
+        last one. The first failing chunk raises; the ones before it stay."""
+        requests: Iterator[pb.AppendRequest] = (self._request(*chunk) for chunk in chunks)
+        tokens = 0
+        try:
+            for response in self._stub.Append(requests, timeout=self._client._timeout):
+                tokens = response.tokens
+        except grpc.RpcError as error:
+            _raise(error)
+        return tokens
+
+    def attend(self, layer: int, queries, positions: Optional[Sequence[int]] = None, softmax_scale: float = 0.0,
+               softcap: float = 0.0, window: int = 0, top_k: int = 0) -> AttentionResult:
+        """queries [n, q_heads, head_dim]; a query at position p sees tokens
+        [0, p] (no positions: every stored token)."""
+        request = pb.AttendRequest(
+            session_id=self.id, layer=layer, queries=_tensor(queries, 3, "queries"),
+            positions=list(positions) if positions is not None else [],
+            options=pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window, top_k=top_k),
+        )
+        try:
+            for response in self._stub.Attend(iter([request]), timeout=self._client._timeout):
+                return _result(response.result, top_k)
+        except grpc.RpcError as error:
+            _raise(error)
+        raise TurbokvError(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
+
+    def step(self, layer: int, position: int, key, value, query, softmax_scale: float = 0.0, softcap: float = 0.0,
+             window: int = 0, top_k: int = 0) -> Tuple[int, AttentionResult]:
+        """Appends one token ([kv_heads, head_dim] or [1, ...]) at `position`
+        and attends with its query; returns (layer length, result)."""
+        key, value, query = (np.asarray(x).reshape((1,) + np.shape(x)[-2:]) for x in (key, value, query))
+        request = pb.StepRequest(
+            session_id=self.id, layer=layer, position=position, key=_tensor(key, 3, "key"),
+            value=_tensor(value, 3, "value"), query=_tensor(query, 3, "query"),
+            options=pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window, top_k=top_k),
+        )
+        try:
+            response = self._stub.Step(request, timeout=self._client._timeout)
+        except grpc.RpcError as error:
+            _raise(error)
+        return response.tokens, _result(response.result, top_k)
+
+    def read_kv(self, layer: int, start: int = 0, end: int = 0, dtype=np.float32) -> Tuple[np.ndarray, np.ndarray]:
+        """Decoded keys and values of tokens [start, end) (end 0: to the end)."""
+        request = pb.ReadKvRequest(session_id=self.id, layers=[layer], start=start, end=end,
+                                   dtype=_DTYPES[np.dtype(dtype)])
+        keys, values = [], []
+        try:
+            for response in self._stub.ReadKv(request, timeout=self._client._timeout):
+                keys.append(_array(response.keys))
+                values.append(_array(response.values))
+        except grpc.RpcError as error:
+            _raise(error)
+        empty = np.zeros((0, self.kv_heads, self.head_dim), dtype=dtype)
+        return (np.concatenate(keys) if keys else empty), (np.concatenate(values) if values else empty)
+
+    def fork(self, prefix_tokens: int) -> "Session":
+        """A new session sharing the first prefix_tokens tokens (no copy)."""
+        try:
+            response = self._stub.ForkSession(
+                pb.ForkSessionRequest(source_session_id=self.id, prefix_tokens=prefix_tokens),
+                timeout=self._client._timeout)
+        except grpc.RpcError as error:
+            _raise(error)
+        return Session(self._client, response.session_id, response.session.config)
+
+    def truncate(self, tokens: int) -> pb.SessionInfo:
+        """Every layer keeps its first `tokens` tokens."""
+        try:
+            return self._stub.TruncateSession(pb.TruncateSessionRequest(session_id=self.id, tokens=tokens),
+                                              timeout=self._client._timeout)
+        except grpc.RpcError as error:
+            _raise(error)
+
+    def info(self) -> pb.SessionInfo:
+        return self._client.get_session(self.id)
+
+    def delete(self) -> None:
+        self._client.delete_session(self.id)
+
+
+class Client:
+    """A channel to turbokvd: unix:///path or host:port."""
+
+    def __init__(self, target: str = "unix:///tmp/turbokv.sock", max_message_bytes: int = 64 << 20,
+                 timeout: Optional[float] = None):
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+        ])
+        self._stub = pb_grpc.KvCacheServiceStub(self._channel)
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait_until_ready(self, timeout: float = 10.0) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TurbokvError(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
+
+    def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: str = "turbo3",
+                       value_codec: str = "turbo3", rotation_seed: Optional[int] = None, max_tokens: int = 0,
+                       idle_ttl: Optional[float] = None) -> Session:
+        for name in (key_codec, value_codec):
+            if name not in _CODECS:
+                raise ValueError(f"unknown codec {name!r}: use one of {', '.join(_CODECS)}")
+        config = pb.SessionConfig(
+            shape=pb.ModelShape(layers=layers, kv_heads=kv_heads, q_heads=q_heads, head_dim=head_dim),
+            key_codec=_CODECS[key_codec], value_codec=_CODECS[value_codec], max_tokens=max_tokens,
+        )
+        if rotation_seed is not None:
+            config.rotation_seed = rotation_seed
+        if idle_ttl is not None:
+            config.idle_ttl.CopyFrom(duration_pb2.Duration(seconds=int(idle_ttl), nanos=int(idle_ttl % 1 * 1e9)))
+        try:
+            response = self._stub.CreateSession(pb.CreateSessionRequest(config=config), timeout=self._timeout)
+        except grpc.RpcError as error:
+            _raise(error)
+        return Session(self, response.session_id, response.config)
+
+    def session(self, session_id: str) -> Session:
+        """A handle on an existing session."""
+        return Session(self, session_id, self.get_session(session_id).config)
+
+    def get_session(self, session_id: str) -> pb.SessionInfo:
+        try:
+            return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self._timeout)
+        except grpc.RpcError as error:
+            _raise(error)
+
+    def list_sessions(self) -> list:
+        try:
+            return list(self._stub.ListSessions(pb.ListSessionsRequest(), timeout=self._timeout).sessions)
+        except grpc.RpcError as error:
+            _raise(error)
+
+    def delete_session(self, session_id: str) -> None:
+        try:
+            self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=self._timeout)
+        except grpc.RpcError as error:
+            _raise(error)
+
+    def stats(self) -> pb.StatsResponse:
+        try:
+            return self._stub.Stats(pb.StatsRequest(), timeout=self._timeout)
+        except grpc.RpcError as error:
+            _raise(error)
