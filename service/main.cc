@@ -31,6 +31,8 @@ Flags (--name=value or --name value):
   --shutdown-deadline=DURATION  how long calls in flight get on SIGTERM (default 10s)
   --metrics-listen=HOST:PORT    Prometheus endpoint /metrics, empty = none
                            (default 127.0.0.1:9464)
+  --health-listen=HOST:PORT     a listener serving only grpc.health.v1, for
+                           Kubernetes probes (default none)
   --help
 )";
 
@@ -85,6 +87,8 @@ int main(int argc, char** argv) {
       options.max_message_bytes = static_cast<int>(*bytes);
     } else if (name == "max-tokens") {
       if (!absl::SimpleAtoi(value, &options.max_tokens) || options.max_tokens < 1) return Fail(flag + ": expected a count >= 1");
+    } else if (name == "health-listen") {
+      options.health_listen = value;
     } else if (name == "metrics-listen") {
       options.metrics_listen = value;
     } else if (name == "shutdown-deadline") {
@@ -109,13 +113,15 @@ int main(int argc, char** argv) {
   std::fprintf(stderr,
                "turbokvd: memory budget %s, eviction %s, session ttl %s, max message %s\n"
                "turbokvd: listening on %s\n"
-               "turbokvd: metrics on %s\n",
+               "turbokvd: metrics on %s\n"
+               "turbokvd: health checks only on %s\n",
                turbokv::FormatByteSize(options.memory_budget).c_str(),
                options.eviction == turbokv::EvictionPolicy::kLru ? "lru" : "reject",
                options.session_ttl == absl::ZeroDuration() ? "none" : absl::FormatDuration(options.session_ttl).c_str(),
                turbokv::FormatByteSize(options.max_message_bytes).c_str(),
                absl::StrJoin((*server)->endpoints(), ", ").c_str(),
-               (*server)->metrics_endpoint().empty() ? "(off)" : (*server)->metrics_endpoint().c_str());
+               (*server)->metrics_endpoint().empty() ? "(off)" : (*server)->metrics_endpoint().c_str(),
+               (*server)->health_endpoint().empty() ? "(off)" : (*server)->health_endpoint().c_str());
 
   int signal = 0;
   sigwait(&signals, &signal);

@@ -108,6 +108,17 @@ absl::Status Server::Start() {
     }
   }
   if (server_ == nullptr) return absl::UnavailableError("the gRPC server did not start");
+  if (!options_.health_listen.empty()) {
+    grpc::ServerBuilder health;
+    int port = 0;
+    health.AddListeningPort(options_.health_listen, grpc::InsecureServerCredentials(), &port);
+    health_server_ = health.BuildAndStart();
+    if (health_server_ == nullptr || port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.health_listen, " (--health-listen)"));
+    }
+    health_endpoint_ = absl::StrCat(options_.health_listen.substr(0, options_.health_listen.rfind(':')), ":", port);
+    health_server_->GetHealthCheckService()->SetServingStatus(true);
+  }
   server_->GetHealthCheckService()->SetServingStatus(true);
   expiry_thread_ = std::thread([this] { ExpireLoop(); });
   return absl::OkStatus();
@@ -138,11 +149,13 @@ void Server::Shutdown(absl::Duration deadline) {
   // new calls get a clear UNAVAILABLE; then cancel what is left.
   const absl::Time until = absl::Now() + deadline;
   if (service_ != nullptr) service_->StartDraining();
+  if (health_server_ != nullptr) health_server_->GetHealthCheckService()->SetServingStatus(false);
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     while (service_->active_calls() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
     server_->Shutdown(absl::ToChronoTime(absl::Now()));
   }
+  if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();
   exposer_.reset();

@@ -42,6 +42,9 @@ struct ServerOptions {
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked (and gauges refreshed)
   // host:port of the Prometheus endpoint (/metrics); port 0 picks one; empty: none.
   std::string metrics_listen = "127.0.0.1:9464";
+  // host:port serving only grpc.health.v1 (for Kubernetes probes, while the
+  // API stays on a unix socket); port 0 picks one; empty: none.
+  std::string health_listen;
 };
 
 class Server {
@@ -61,6 +64,8 @@ class Server {
 
   // The listeners as bound, with the OS-chosen TCP ports filled in.
   const std::vector<std::string>& endpoints() const { return endpoints_; }
+  // The health-only listener as bound, or empty.
+  const std::string& health_endpoint() const { return health_endpoint_; }
   // http://host:port/metrics as bound, or empty.
   const std::string& metrics_endpoint() const { return metrics_endpoint_; }
   const std::string& device() const { return device_; }
@@ -84,6 +89,8 @@ class Server {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;
+  std::string health_endpoint_;
   std::vector<std::string> endpoints_;
 
   std::mutex mutex_;

@@ -129,6 +129,20 @@ TEST(TurbokvdTest, BudgetIsEnforcedWithRejectAndWithLru) {
   }
 }
 
+TEST(TurbokvdTest, AHealthOnlyListenerAnswersProbesAndNothingElse) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--health-listen=127.0.0.1:0"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  const std::string log = daemon.Log();
+  const size_t at = log.find("health checks only on 127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string endpoint = log.substr(at + 22, log.find('\n', at) - at - 22);
+  auto probe = Client::Connect(endpoint);
+  ASSERT_TRUE(probe->WaitUntilServing(absl::Seconds(10)).ok());
+  EXPECT_EQ(probe->Stats().status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
 TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
   struct Case {
     std::vector<std::string> flags;
