@@ -117,7 +117,7 @@ int RunE2e(int argc, char** argv) {
   for (float& x : query) x = normal(rng);
   std::vector<double> step_us, attend_us, kernel_us, rtt_us;
   ThreadPool kernel_pool(static_cast<int>(threads));
-  absl::StatusOr<std::shared_ptr<SessionCache>> stored = (*server)->store().Find(session->id(), absl::Now());
+  absl::StatusOr<std::shared_ptr<SessionCache>> stored = (*server)->store().Find(session->id(), "", absl::Now());
   std::vector<float> out(query.size()), lse(q_heads);
   int64_t position = tokens;
   const int per_turn = std::max<int>(1, static_cast<int>(calls / 10));

@@ -134,16 +134,16 @@ absl::Status RunAttention(const LayerCache& layer, const AttentionParams& params
 Handler::Handler(SessionStore* store, const HandlerOptions& options)
     : store_(store), options_(options) {}
 
-absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::string& id,
-                                                             std::unique_lock<std::mutex>* lock) {
+absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::string& id, const std::string& tenant,
+                                                                  std::unique_lock<std::mutex>* lock) {
   if (id.empty()) return absl::InvalidArgumentError("session_id is empty");
-  absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Find(id, absl::Now());
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Find(id, tenant, absl::Now());
   if (!session.ok()) return session.status();
   *lock = std::unique_lock<std::mutex>((*session)->mutex());
   if ((*session)->gone()) {
     // Deleted or evicted between the lookup and the lock: the store knows why.
     lock->unlock();
-    absl::StatusOr<std::shared_ptr<SessionCache>> again = store_->Find(id, absl::Now());
+    absl::StatusOr<std::shared_ptr<SessionCache>> again = store_->Find(id, tenant, absl::Now());
     return again.ok() ? absl::NotFoundError(absl::StrCat("no session ", id)) : again.status();
   }
   return session;
@@ -162,7 +162,8 @@ v1::SessionInfo Handler::Info(const SessionCache& session) const {
   return info;
 }
 
-absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::CreateSessionRequest& request) {
+absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::CreateSessionRequest& request,
+    const std::string& tenant) {
   const v1::SessionConfig& proto = request.config();
   if (!proto.has_shape()) return absl::InvalidArgumentError("config.shape is not set");
   const v1::ModelShape& shape = proto.shape();
@@ -207,7 +208,7 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
   }
   config.idle_ttl = ttl == absl::ZeroDuration() ? options_.session_ttl : ttl;
 
-  absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Create(config, absl::Now());
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Create(config, tenant, absl::Now());
   if (!session.ok()) return session.status();
   v1::CreateSessionResponse response;
   response.set_session_id((*session)->id());
@@ -215,46 +216,52 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
   return response;
 }
 
-absl::StatusOr<v1::SessionInfo> Handler::GetSession(const v1::GetSessionRequest& request) {
+absl::StatusOr<v1::SessionInfo> Handler::GetSession(const v1::GetSessionRequest& request,
+    const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<SessionCache>> session = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = FindLocked(request.session_id(), tenant, &lock);
   if (!session.ok()) return session.status();
   return Info(**session);
 }
 
-absl::StatusOr<v1::ListSessionsResponse> Handler::ListSessions(const v1::ListSessionsRequest&) {
+absl::StatusOr<v1::ListSessionsResponse> Handler::ListSessions(const v1::ListSessionsRequest&,
+    const std::string& tenant) {
   v1::ListSessionsResponse response;
   for (const std::shared_ptr<SessionCache>& session : store_->List()) {
+    if (session->tenant() != tenant) continue;
     std::lock_guard<std::mutex> lock(session->mutex());
     if (!session->gone()) *response.add_sessions() = Info(*session);
   }
   return response;
 }
 
-absl::StatusOr<v1::DeleteSessionResponse> Handler::DeleteSession(const v1::DeleteSessionRequest& request) {
+absl::StatusOr<v1::DeleteSessionResponse> Handler::DeleteSession(const v1::DeleteSessionRequest& request,
+    const std::string& tenant) {
   if (request.session_id().empty()) return absl::InvalidArgumentError("session_id is empty");
-  absl::Status status = store_->Delete(request.session_id());
+  absl::Status status = store_->Delete(request.session_id(), tenant);
   if (!status.ok()) return status;
   return v1::DeleteSessionResponse();
 }
 
-absl::StatusOr<v1::SessionInfo> Handler::TruncateSession(const v1::TruncateSessionRequest& request) {
+absl::StatusOr<v1::SessionInfo> Handler::TruncateSession(const v1::TruncateSessionRequest& request,
+    const std::string& tenant) {
   if (request.tokens() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("tokens = ", request.tokens(), " must be >= 0"));
   }
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<SessionCache>> session = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = FindLocked(request.session_id(), tenant, &lock);
   if (!session.ok()) return session.status();
   for (LayerCache& layer : (*session)->layers()) layer.Truncate(request.tokens());
   return Info(**session);
 }
 
-absl::StatusOr<v1::ForkSessionResponse> Handler::ForkSession(const v1::ForkSessionRequest& request) {
+absl::StatusOr<v1::ForkSessionResponse> Handler::ForkSession(const v1::ForkSessionRequest& request,
+    const std::string& tenant) {
   if (request.prefix_tokens() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("prefix_tokens = ", request.prefix_tokens(), " must be >= 0"));
   }
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<SessionCache>> source = FindLocked(request.source_session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> source = FindLocked(request.source_session_id(), tenant, &lock);
   if (!source.ok()) return source.status();
   for (size_t l = 0; l < (*source)->layers().size(); ++l) {
     const int64_t tokens = (*source)->layers()[l].tokens();
@@ -306,9 +313,10 @@ absl::StatusOr<std::vector<LayerCache::PendingAppend>> Handler::PrepareAppend(
   return status;
 }
 
-absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& request) {
+absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& request,
+    const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), tenant, &lock);
   if (!found.ok()) return found.status();
   SessionCache& session = **found;
   const SessionConfig& config = session.config();
@@ -385,9 +393,10 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
   return response;
 }
 
-absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& request) {
+absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& request,
+    const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), tenant, &lock);
   if (!found.ok()) return found.status();
   SessionCache& session = **found;
   const SessionConfig& config = session.config();
@@ -431,9 +440,10 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
   return response;
 }
 
-absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request) {
+absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
+    const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), tenant, &lock);
   if (!found.ok()) return found.status();
   SessionCache& session = **found;
   const SessionConfig& config = session.config();
@@ -472,9 +482,10 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request) {
   return response;
 }
 
-absl::StatusOr<ReadKvCursor> Handler::StartReadKv(const v1::ReadKvRequest& request) {
+absl::StatusOr<ReadKvCursor> Handler::StartReadKv(const v1::ReadKvRequest& request,
+    const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), &lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> found = FindLocked(request.session_id(), tenant, &lock);
   if (!found.ok()) return found.status();
   const SessionConfig& config = (*found)->config();
   ReadKvCursor cursor;
@@ -546,7 +557,7 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
   return true;
 }
 
-absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&) {
+absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&, const std::string&) {
   const StoreSnapshot snapshot = store_->Snapshot();
   v1::StatsResponse response;
   response.set_sessions(snapshot.sessions);

@@ -48,33 +48,47 @@ struct ReadKvCursor {
   int64_t position = 0;
 };
 
+// Every call takes the caller's tenant (from its bearer token; empty when the
+// daemon runs without --auth-tokens-file) and sees only that tenant's
+// sessions.
 class Handler {
  public:
   Handler(SessionStore* store, const HandlerOptions& options);
 
-  absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& request);
-  absl::StatusOr<v1::SessionInfo> GetSession(const v1::GetSessionRequest& request);
-  absl::StatusOr<v1::ListSessionsResponse> ListSessions(const v1::ListSessionsRequest& request);
-  absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const v1::DeleteSessionRequest& request);
-  absl::StatusOr<v1::SessionInfo> TruncateSession(const v1::TruncateSessionRequest& request);
-  absl::StatusOr<v1::ForkSessionResponse> ForkSession(const v1::ForkSessionRequest& request);
+  absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& request,
+      const std::string& tenant = "");
+  absl::StatusOr<v1::SessionInfo> GetSession(const v1::GetSessionRequest& request,
+      const std::string& tenant = "");
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions(const v1::ListSessionsRequest& request,
+      const std::string& tenant = "");
+  absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const v1::DeleteSessionRequest& request,
+      const std::string& tenant = "");
+  absl::StatusOr<v1::SessionInfo> TruncateSession(const v1::TruncateSessionRequest& request,
+      const std::string& tenant = "");
+  absl::StatusOr<v1::ForkSessionResponse> ForkSession(const v1::ForkSessionRequest& request,
+      const std::string& tenant = "");
   // One message of an Append stream.
-  absl::StatusOr<v1::AppendResponse> Append(const v1::AppendRequest& request);
+  absl::StatusOr<v1::AppendResponse> Append(const v1::AppendRequest& request,
+      const std::string& tenant = "");
   // One message of an Attend stream.
-  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request);
-  absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request);
+  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
+      const std::string& tenant = "");
+  absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request,
+      const std::string& tenant = "");
   // ReadKv: StartReadKv checks the request; each NextReadKv fills the next
   // message and returns true, or returns false when the range is done.
-  absl::StatusOr<ReadKvCursor> StartReadKv(const v1::ReadKvRequest& request);
+  absl::StatusOr<ReadKvCursor> StartReadKv(const v1::ReadKvRequest& request,
+      const std::string& tenant = "");
   absl::StatusOr<bool> NextReadKv(ReadKvCursor& cursor, v1::ReadKvResponse* response);
-  absl::StatusOr<v1::StatsResponse> Stats(const v1::StatsRequest& request);
+  // Daemon-wide totals, the same for every tenant (no ids).
+  absl::StatusOr<v1::StatsResponse> Stats(const v1::StatsRequest& request, const std::string& tenant = "");
 
   SessionStore& store() { return *store_; }
 
  private:
   // The session, locked, or NOT_FOUND.
-  absl::StatusOr<std::shared_ptr<SessionCache>> FindLocked(const std::string& id,
-                                                      std::unique_lock<std::mutex>* lock);
+  absl::StatusOr<std::shared_ptr<SessionCache>> FindLocked(const std::string& id, const std::string& tenant,
+                                                           std::unique_lock<std::mutex>* lock);
   // Takes the pages of a chunk for each layer, making room first (and
   // evicting, with lru); all or none.
   absl::StatusOr<std::vector<LayerCache::PendingAppend>> PrepareAppend(SessionCache& session,

@@ -33,6 +33,10 @@ Flags (--name=value or --name value):
                            (default 127.0.0.1:9464)
   --health-listen=HOST:PORT     a listener serving only grpc.health.v1, for
                            Kubernetes probes (default none)
+  --auth-tokens-file=PATH  lines "TOKEN TENANT": calls need "authorization:
+                           Bearer TOKEN" and see only their tenant's sessions
+  --tls-cert=PEM --tls-key=PEM  TLS on TCP listeners
+  --tls-client-ca=PEM      require client certificates signed by this CA (mTLS)
   --help
 )";
 
@@ -87,6 +91,14 @@ int main(int argc, char** argv) {
       options.max_message_bytes = static_cast<int>(*bytes);
     } else if (name == "max-tokens") {
       if (!absl::SimpleAtoi(value, &options.max_tokens) || options.max_tokens < 1) return Fail(flag + ": expected a count >= 1");
+    } else if (name == "auth-tokens-file") {
+      options.auth_tokens_file = value;
+    } else if (name == "tls-cert") {
+      options.tls_cert = value;
+    } else if (name == "tls-key") {
+      options.tls_key = value;
+    } else if (name == "tls-client-ca") {
+      options.tls_client_ca = value;
     } else if (name == "health-listen") {
       options.health_listen = value;
     } else if (name == "metrics-listen") {
@@ -114,14 +126,17 @@ int main(int argc, char** argv) {
                "turbokvd: memory budget %s, eviction %s, session ttl %s, max message %s\n"
                "turbokvd: listening on %s\n"
                "turbokvd: metrics on %s\n"
-               "turbokvd: health checks only on %s\n",
+               "turbokvd: health checks only on %s\n"
+               "turbokvd: authentication %s, TCP %s\n",
                turbokv::FormatByteSize(options.memory_budget).c_str(),
                options.eviction == turbokv::EvictionPolicy::kLru ? "lru" : "reject",
                options.session_ttl == absl::ZeroDuration() ? "none" : absl::FormatDuration(options.session_ttl).c_str(),
                turbokv::FormatByteSize(options.max_message_bytes).c_str(),
                absl::StrJoin((*server)->endpoints(), ", ").c_str(),
                (*server)->metrics_endpoint().empty() ? "(off)" : (*server)->metrics_endpoint().c_str(),
-               (*server)->health_endpoint().empty() ? "(off)" : (*server)->health_endpoint().c_str());
+               (*server)->health_endpoint().empty() ? "(off)" : (*server)->health_endpoint().c_str(),
+               options.auth_tokens_file.empty() ? "off" : ("bearer tokens from " + options.auth_tokens_file).c_str(),
+               options.tls_cert.empty() ? "plaintext" : options.tls_client_ca.empty() ? "TLS" : "mTLS");
 
   int signal = 0;
   sigwait(&signals, &signal);

@@ -1,10 +1,15 @@
 #include "service/server.h"
 
+#include <sys/stat.h>
+
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -13,12 +18,49 @@
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 #include "service/metrics.h"
+#include "service/auth.h"
 #include "service/device.h"
 #include "service/executor.h"
 #include "service/handler.h"
 #include "service/rpc/kv_cache_service.h"
 
 namespace turbokv {
+
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Plaintext, TLS, or TLS requiring client certificates, from the flags.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const ServerOptions& options) {
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (options.tls_cert.empty()) {
+    if (!options.tls_client_ca.empty()) return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+    return grpc::InsecureServerCredentials();
+  }
+  absl::StatusOr<std::string> cert = ReadFile(options.tls_cert, "--tls-cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadFile(options.tls_key, "--tls-key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!options.tls_client_ca.empty()) {
+    absl::StatusOr<std::string> ca = ReadFile(options.tls_client_ca, "--tls-client-ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+}  // namespace
 
 Server::Server(const ServerOptions& options) : options_(options) {}
 
@@ -46,6 +88,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   server->device_ = device->name;
   server->device_reason_ = device->why;
   server->metrics_ = std::make_unique<Metrics>("cpu");
+  if (!options.auth_tokens_file.empty()) {
+    absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromFile(options.auth_tokens_file);
+    if (!authenticator.ok()) return authenticator.status();
+    if ((*authenticator)->tokens() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--auth-tokens-file ", options.auth_tokens_file, " holds no tokens"));
+    }
+    server->authenticator_ = *std::move(authenticator);
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TcpCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+  server->tcp_credentials_ = *std::move(credentials);
   server->kernel_pool_ = std::make_unique<ThreadPool>(threads);
   StoreOptions store;
   store.budget_bytes = options.memory_budget;
@@ -63,7 +116,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   // Enough workers that cheap calls are not queued behind kernels.
   server->executor_ = std::make_unique<Executor>(threads + 2);
   server->service_ =
-      std::make_unique<KvCacheService>(server->handler_.get(), server->executor_.get(), server->metrics_.get());
+      std::make_unique<KvCacheService>(server->handler_.get(), server->executor_.get(), server->metrics_.get(),
+                                       server->authenticator_.get());
   return server;
 }
 
@@ -87,12 +141,17 @@ absl::Status Server::Start() {
   grpc::ServerBuilder builder;
   std::vector<int> ports(options_.listen.size(), 0);
   for (size_t i = 0; i < options_.listen.size(); ++i) {
-    builder.AddListeningPort(options_.listen[i], grpc::InsecureServerCredentials(), &ports[i]);
+    const bool unix_socket = absl::StartsWith(options_.listen[i], "unix:");
+    builder.AddListeningPort(options_.listen[i], unix_socket ? grpc::InsecureServerCredentials() : tcp_credentials_,
+                             &ports[i]);
   }
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   builder.RegisterService(service_.get());
+  // Unix sockets are created 0660: the daemon's user and group only.
+  const mode_t umask_before = umask(0117);
   server_ = builder.BuildAndStart();
+  umask(umask_before);
   for (size_t i = 0; i < options_.listen.size(); ++i) {
     const std::string& address = options_.listen[i];
     if (ports[i] == 0) {
@@ -103,6 +162,10 @@ absl::Status Server::Start() {
     }
     if (absl::StartsWith(address, "unix:")) {
       endpoints_.push_back(address);
+      absl::string_view path = address;
+      absl::ConsumePrefix(&path, "unix://");
+      absl::ConsumePrefix(&path, "unix:");
+      chmod(std::string(path).c_str(), 0660);
     } else {
       endpoints_.push_back(absl::StrCat(address.substr(0, address.rfind(':')), ":", ports[i]));
     }

@@ -15,6 +15,7 @@
 
 namespace grpc {
 class Server;
+class ServerCredentials;
 }
 namespace prometheus {
 class Exposer;
@@ -22,6 +23,7 @@ class Exposer;
 
 namespace turbokv {
 
+class Authenticator;
 class Executor;
 class Handler;
 class KvCacheService;
@@ -42,6 +44,15 @@ struct ServerOptions {
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked (and gauges refreshed)
   // host:port of the Prometheus endpoint (/metrics); port 0 picks one; empty: none.
   std::string metrics_listen = "127.0.0.1:9464";
+  // "TOKEN TENANT" lines: every call needs "authorization: Bearer TOKEN" and
+  // sees only its tenant's sessions. Empty: no authentication.
+  std::string auth_tokens_file;
+  // PEM files. With a certificate and key, TCP listeners speak TLS; with a
+  // client CA too, they require client certificates it signed (mTLS). Unix
+  // sockets stay plaintext (their file mode, 0660, guards them).
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
   // host:port serving only grpc.health.v1 (for Kubernetes probes, while the
   // API stays on a unix socket); port 0 picks one; empty: none.
   std::string health_listen;
@@ -80,6 +91,8 @@ class Server {
   ServerOptions options_;
   std::string device_;
   std::string device_reason_;
+  std::unique_ptr<Authenticator> authenticator_;
+  std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string metrics_endpoint_;

@@ -12,8 +12,12 @@ namespace {
 
 size_t ValueBytes(v1::DType dtype) { return dtype == v1::DTYPE_F32 ? 4 : 2; }
 
-void SetDeadline(grpc::ClientContext* context, absl::Duration timeout) {
-  if (timeout > absl::ZeroDuration()) context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+// The deadline of a unary call (streams: with_deadline false) and the bearer token.
+void Prepare(grpc::ClientContext* context, const ClientOptions& options, bool with_deadline = true) {
+  if (with_deadline && options.timeout > absl::ZeroDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
+  }
+  if (!options.auth_token.empty()) context->AddMetadata("authorization", "Bearer " + options.auth_token);
 }
 
 // The tensor message for data holding `rows` rows of `row` values: its shape
@@ -76,8 +80,10 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-AppendStream::AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config)
+AppendStream::AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config,
+                           const ClientOptions& options)
     : session_id_(std::move(session_id)), config_(config) {
+  Prepare(&context_, options, /*with_deadline=*/false);
   stream_ = stub->Append(&context_);
   reader_ = std::thread([this] {
     v1::AppendResponse response;
@@ -119,7 +125,7 @@ absl::StatusOr<v1::AppendResponse> AppendStream::Finish() {
 }
 
 std::unique_ptr<AppendStream> Session::OpenAppendStream() const {
-  return std::unique_ptr<AppendStream>(new AppendStream(stub_.get(), id_, config_));
+  return std::unique_ptr<AppendStream>(new AppendStream(stub_.get(), id_, config_, *options_));
 }
 
 absl::StatusOr<int64_t> Session::Append(int layer, int64_t start, const TensorData& keys,
@@ -153,7 +159,7 @@ absl::StatusOr<Attention> Session::Attend(int layer, const TensorData& queries, 
   request.mutable_positions()->Assign(positions.begin(), positions.end());
   *request.mutable_options() = options;
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_);
+  Prepare(&context, *options_);
   auto stream = stub_->Attend(&context);
   v1::AttendResponse response;
   const bool exchanged = stream->Write(request) && stream->WritesDone() && stream->Read(&response);
@@ -176,7 +182,7 @@ absl::StatusOr<StepResult> Session::Step(int layer, int64_t position, const Tens
   if (!status.ok()) return status;
   *request.mutable_options() = options;
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_);
+  Prepare(&context, *options_);
   v1::StepResponse response;
   status = FromGrpcStatus(stub_->Step(&context, request, &response));
   if (!status.ok()) return status;
@@ -191,7 +197,7 @@ absl::StatusOr<KvData> Session::ReadKv(int layer, int64_t start, int64_t end) co
   request.set_end(end);
   request.set_dtype(v1::DTYPE_F32);
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_);
+  Prepare(&context, *options_);
   auto reader = stub_->ReadKv(&context, request);
   KvData data;
   v1::ReadKvResponse response;
@@ -211,11 +217,11 @@ absl::StatusOr<Session> Session::Fork(int64_t prefix_tokens) const {
   request.set_source_session_id(id_);
   request.set_prefix_tokens(prefix_tokens);
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_);
+  Prepare(&context, *options_);
   v1::ForkSessionResponse response;
   absl::Status status = FromGrpcStatus(stub_->ForkSession(&context, request, &response));
   if (!status.ok()) return status;
-  return Session(stub_, response.session_id(), response.session().config(), timeout_);
+  return Session(stub_, response.session_id(), response.session().config(), options_);
 }
 
 absl::StatusOr<v1::SessionInfo> Session::Truncate(int64_t tokens) const {
@@ -223,7 +229,7 @@ absl::StatusOr<v1::SessionInfo> Session::Truncate(int64_t tokens) const {
   request.set_session_id(id_);
   request.set_tokens(tokens);
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_);
+  Prepare(&context, *options_);
   v1::SessionInfo response;
   absl::Status status = FromGrpcStatus(stub_->TruncateSession(&context, request, &response));
   if (!status.ok()) return status;
@@ -234,7 +240,7 @@ absl::StatusOr<v1::SessionInfo> Session::Info() const {
   v1::GetSessionRequest request;
   request.set_session_id(id_);
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_);
+  Prepare(&context, *options_);
   v1::SessionInfo response;
   absl::Status status = FromGrpcStatus(stub_->GetSession(&context, request, &response));
   if (!status.ok()) return status;
@@ -245,7 +251,7 @@ absl::Status Session::Delete() const {
   v1::DeleteSessionRequest request;
   request.set_session_id(id_);
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_);
+  Prepare(&context, *options_);
   v1::DeleteSessionResponse response;
   return FromGrpcStatus(stub_->DeleteSession(&context, request, &response));
 }
@@ -260,8 +266,16 @@ std::unique_ptr<Client> Client::Connect(const std::string& target, const ClientO
   arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   std::unique_ptr<Client> client(new Client());
-  client->options_ = options;
-  client->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  client->options_ = std::make_shared<const ClientOptions>(options);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options.tls_root_certs.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs;
+    ssl.pem_cert_chain = options.tls_client_cert;
+    ssl.pem_private_key = options.tls_client_key;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  client->channel_ = grpc::CreateCustomChannel(target, credentials, arguments);
   client->stub_ = v1::KvCacheService::NewStub(client->channel_);
   client->health_ = grpc::health::v1::Health::NewStub(client->channel_);
   return client;
@@ -269,7 +283,7 @@ std::unique_ptr<Client> Client::Connect(const std::string& target, const ClientO
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health() const {
   grpc::ClientContext context;
-  SetDeadline(&context, options_.timeout);
+  Prepare(&context, *options_);
   grpc::health::v1::HealthCheckRequest request;
   grpc::health::v1::HealthCheckResponse response;
   absl::Status status = FromGrpcStatus(health_->Check(&context, request, &response));
@@ -309,24 +323,24 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
   *config->mutable_idle_ttl() =
       google::protobuf::util::TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(options.idle_ttl));
   grpc::ClientContext context;
-  SetDeadline(&context, options_.timeout);
+  Prepare(&context, *options_);
   v1::CreateSessionResponse response;
   absl::Status status = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
   if (!status.ok()) return status;
-  return Session(stub_, response.session_id(), response.config(), options_.timeout);
+  return Session(stub_, response.session_id(), response.config(), options_);
 }
 
 absl::StatusOr<Session> Client::OpenSession(const std::string& id) const {
   absl::StatusOr<v1::SessionInfo> info = GetSession(id);
   if (!info.ok()) return info.status();
-  return Session(stub_, id, info->config(), options_.timeout);
+  return Session(stub_, id, info->config(), options_);
 }
 
 absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& id) const {
   v1::GetSessionRequest request;
   request.set_session_id(id);
   grpc::ClientContext context;
-  SetDeadline(&context, options_.timeout);
+  Prepare(&context, *options_);
   v1::SessionInfo response;
   absl::Status status = FromGrpcStatus(stub_->GetSession(&context, request, &response));
   if (!status.ok()) return status;
@@ -335,7 +349,7 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& id) const 
 
 absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() const {
   grpc::ClientContext context;
-  SetDeadline(&context, options_.timeout);
+  Prepare(&context, *options_);
   v1::ListSessionsResponse response;
   absl::Status status = FromGrpcStatus(stub_->ListSessions(&context, v1::ListSessionsRequest(), &response));
   if (!status.ok()) return status;
@@ -346,14 +360,14 @@ absl::Status Client::DeleteSession(const std::string& id) const {
   v1::DeleteSessionRequest request;
   request.set_session_id(id);
   grpc::ClientContext context;
-  SetDeadline(&context, options_.timeout);
+  Prepare(&context, *options_);
   v1::DeleteSessionResponse response;
   return FromGrpcStatus(stub_->DeleteSession(&context, request, &response));
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats() const {
   grpc::ClientContext context;
-  SetDeadline(&context, options_.timeout);
+  Prepare(&context, *options_);
   v1::StatsResponse response;
   absl::Status status = FromGrpcStatus(stub_->Stats(&context, v1::StatsRequest(), &response));
   if (!status.ok()) return status;

@@ -68,6 +68,21 @@ struct KvData {
   std::vector<float> values;
 };
 
+struct ClientOptions {
+  int max_message_bytes = 64 << 20;
+  // Deadline of each unary call (streams have none); zero: none.
+  absl::Duration timeout = absl::ZeroDuration();
+  // Sent as "authorization: Bearer TOKEN" on every call (turbokvd with
+  // --auth-tokens-file); empty: none.
+  std::string auth_token;
+  // TLS to a TCP listener: the PEM of the CA that signed the daemon's
+  // certificate (empty: plaintext); for mTLS also this client's certificate
+  // and key (PEM contents).
+  std::string tls_root_certs;
+  std::string tls_client_cert;
+  std::string tls_client_key;
+};
+
 // A pipelined Append stream: Write sends chunks without waiting for their
 // acknowledgements, which a background thread collects. Finish closes the
 // stream and returns the last acknowledgement or the stream's error. Use from
@@ -86,7 +101,8 @@ class AppendStream {
 
  private:
   friend class Session;
-  AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config);
+  AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config,
+               const ClientOptions& options);
 
   std::string session_id_;
   v1::SessionConfig config_;
@@ -129,20 +145,15 @@ class Session {
  private:
   friend class Client;
   Session(std::shared_ptr<v1::KvCacheService::Stub> stub, std::string id, v1::SessionConfig config,
-          absl::Duration timeout)
-      : stub_(std::move(stub)), id_(std::move(id)), config_(std::move(config)), timeout_(timeout) {}
+          std::shared_ptr<const ClientOptions> options)
+      : stub_(std::move(stub)), id_(std::move(id)), config_(std::move(config)), options_(std::move(options)) {}
 
   std::shared_ptr<v1::KvCacheService::Stub> stub_;
   std::string id_;
   v1::SessionConfig config_;
-  absl::Duration timeout_;
+  std::shared_ptr<const ClientOptions> options_;
 };
 
-struct ClientOptions {
-  int max_message_bytes = 64 << 20;
-  // Deadline of each unary call (streams have none); zero: none.
-  absl::Duration timeout = absl::ZeroDuration();
-};
 
 class Client {
  public:
@@ -170,7 +181,7 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::KvCacheService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
-  ClientOptions options_;
+  std::shared_ptr<const ClientOptions> options_;
 };
 
 }  // namespace turbokv

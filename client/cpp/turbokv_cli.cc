@@ -1,5 +1,7 @@
 // turbokv: the command-line client of turbokvd.
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <algorithm>
 #include <map>
 #include <random>
@@ -22,6 +24,8 @@ constexpr char kUsage[] = R"(turbokv: command-line client of turbokvd
 
 usage: turbokv [--target=ADDR] COMMAND [ARGS] [--flag=value ...]
   --target=ADDR   unix:///path or host:port (default unix:///tmp/turbokv.sock)
+  --token=TOKEN   bearer token (turbokvd --auth-tokens-file)
+  --tls-ca=PEM    TLS to a TCP target, trusting this CA; --tls-cert=PEM --tls-key=PEM for mTLS
 
 commands:
   create [--layers=N --kv-heads=N --q-heads=N --head-dim=N --key-codec=C --value-codec=C
@@ -228,6 +232,21 @@ int main(int argc, char** argv) {
     return 2;
   }
   turbokv::ClientOptions client_options;
+  client_options.auth_token = args.Flag("token", "");
+  for (const auto& [flag, field] : {std::pair<const char*, std::string*>{"tls-ca", &client_options.tls_root_certs},
+                                    {"tls-cert", &client_options.tls_client_cert},
+                                    {"tls-key", &client_options.tls_client_key}}) {
+    const std::string path = args.Flag(flag, "");
+    if (path.empty()) continue;
+    std::ifstream in(path);
+    if (!in) {
+      std::fprintf(stderr, "turbokv: --%s: cannot read %s\n", flag, path.c_str());
+      return 2;
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    *field = text.str();
+  }
   const std::unique_ptr<turbokv::Client> client =
       turbokv::Client::Connect(args.Flag("target", "unix:///tmp/turbokv.sock"), client_options);
 

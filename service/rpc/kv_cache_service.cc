@@ -24,17 +24,20 @@ void Observe(Metrics* metrics, const char* method, const absl::Status& status, a
 template <typename Request, typename Response>
 class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
  public:
-  using Method = absl::StatusOr<Response> (Handler::*)(const Request&);
+  using Method = absl::StatusOr<Response> (Handler::*)(const Request&, const std::string&);
 
-  // refuse: the server is draining; the call ends at once with UNAVAILABLE.
-  // active counts the calls in flight, this one until OnDone.
-  StreamReactor(Handler* handler, Executor* executor, Method method, bool refuse, std::atomic<int>* active,
-                Metrics* metrics, const char* name)
+  // tenant: the caller's, or why the call is refused (draining,
+  // unauthenticated): then it ends at once with that status. active counts
+  // the calls in flight, this one until OnDone.
+  StreamReactor(Handler* handler, Executor* executor, Method method, absl::StatusOr<std::string> tenant,
+                std::atomic<int>* active, Metrics* metrics, const char* name)
       : handler_(handler), executor_(executor), method_(method), active_(active), metrics_(metrics), name_(name) {
     active_->fetch_add(1);
-    if (refuse) {
-      this->Finish(kDraining);
+    if (!tenant.ok()) {
+      Observe(metrics_, name_, tenant.status(), absl::Now());
+      this->Finish(ToGrpcStatus(tenant.status()));
     } else {
+      tenant_ = *std::move(tenant);
       this->StartRead(&request_);
     }
   }
@@ -46,7 +49,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
     }
     const absl::Time start = absl::Now();
     const bool queued = executor_->Submit([this, start] {
-      absl::StatusOr<Response> response = (handler_->*method_)(request_);
+      absl::StatusOr<Response> response = (handler_->*method_)(request_, tenant_);
       Observe(metrics_, name_, response.status(), start);
       if (!response.ok()) {
         this->Finish(ToGrpcStatus(response.status()));
@@ -78,6 +81,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
   std::atomic<int>* active_;
   Metrics* metrics_;
   const char* name_;
+  std::string tenant_;
   Request request_;
   Response response_;
 };
@@ -86,12 +90,17 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
 // before the next is made.
 class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> {
  public:
-  ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request, bool refuse,
-                std::atomic<int>* active, Metrics* metrics)
+  // tenant: the caller's, or why the call is refused.
+  ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request,
+                absl::StatusOr<std::string> tenant, std::atomic<int>* active, Metrics* metrics)
       : handler_(handler), executor_(executor), active_(active), metrics_(metrics), start_(absl::Now()) {
     active_->fetch_add(1);
-    if (refuse || !executor_->Submit([this, request] {
-          absl::StatusOr<ReadKvCursor> cursor = handler_->StartReadKv(*request);
+    if (!tenant.ok()) {
+      Done(tenant.status());
+      return;
+    }
+    if (!executor_->Submit([this, request, tenant = *std::move(tenant)] {
+          absl::StatusOr<ReadKvCursor> cursor = handler_->StartReadKv(*request, tenant);
           if (!cursor.ok()) {
             Done(cursor.status());
             return;
@@ -157,14 +166,17 @@ grpc::ServerUnaryReactor* KvCacheService::Unary(grpc::CallbackServerContext* con
                                                 const Request* request, Response* response,
                                                 Method method, const char* name) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (draining_.load()) {
-    reactor->Finish(kDraining);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> tenant = Tenant(context);
+  if (!tenant.ok()) {
+    Observe(metrics_, name, tenant.status(), start);
+    reactor->Finish(ToGrpcStatus(tenant.status()));
     return reactor;
   }
   active_.fetch_add(1);
-  const absl::Time start = absl::Now();
-  const bool queued = executor_->Submit([this, reactor, request, response, method, name, start] {
-    absl::StatusOr<Response> result = (handler_->*method)(*request);
+  const bool queued = executor_->Submit([this, reactor, request, response, method, name, start,
+                                         tenant = *std::move(tenant)] {
+    absl::StatusOr<Response> result = (handler_->*method)(*request, tenant);
     Observe(metrics_, name, result.status(), start);
     if (result.ok()) *response = *std::move(result);
     reactor->Finish(ToGrpcStatus(result.status()));
@@ -223,21 +235,31 @@ grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* con
   return Unary(context, request, response, &Handler::Stats, "Stats");
 }
 
+absl::StatusOr<std::string> KvCacheService::Tenant(grpc::CallbackServerContext* context) const {
+  if (draining_.load()) return absl::UnavailableError(kDraining.error_message());
+  if (authenticator_ == nullptr) return std::string();
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return authenticator_->Authenticate(nullptr);
+  const absl::string_view value(it->second.data(), it->second.size());
+  return authenticator_->Authenticate(&value);
+}
+
 grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::Append(
-    grpc::CallbackServerContext*) {
+    grpc::CallbackServerContext* context) {
   return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
-                                                                   draining_.load(), &active_, metrics_, "Append");
+                                                                   Tenant(context), &active_, metrics_, "Append");
 }
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::Attend(
-    grpc::CallbackServerContext*) {
+    grpc::CallbackServerContext* context) {
   return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
-                                                                   draining_.load(), &active_, metrics_, "Attend");
+                                                                   Tenant(context), &active_, metrics_, "Attend");
 }
 
-grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext*,
+grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext* context,
                                                                      const v1::ReadKvRequest* request) {
-  return new ReadKvReactor(handler_, executor_, request, draining_.load(), &active_, metrics_);
+  return new ReadKvReactor(handler_, executor_, request, Tenant(context), &active_, metrics_);
 }
 
 }  // namespace turbokv

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
+#include "service/auth.h"
 #include "service/executor.h"
 #include "service/handler.h"
 #include "service/metrics.h"
@@ -19,9 +20,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class KvCacheService final : public v1::KvCacheService::CallbackService {
  public:
-  // metrics: RPC durations and errors (nullptr: none).
-  KvCacheService(Handler* handler, Executor* executor, Metrics* metrics)
-      : handler_(handler), executor_(executor), metrics_(metrics) {}
+  // metrics: RPC durations and errors (nullptr: none). authenticator: every
+  // call needs a bearer token naming its tenant (nullptr: no tokens, one
+  // tenant).
+  KvCacheService(Handler* handler, Executor* executor, Metrics* metrics, const Authenticator* authenticator)
+      : handler_(handler), executor_(executor), metrics_(metrics), authenticator_(authenticator) {}
 
   // From now on new calls are refused with UNAVAILABLE; calls in flight go on.
   void StartDraining() { draining_.store(true); }
@@ -58,6 +61,9 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
                                   v1::StatsResponse* response) override;
 
  private:
+  // The caller's tenant from its metadata, or UNAUTHENTICATED.
+  absl::StatusOr<std::string> Tenant(grpc::CallbackServerContext* context) const;
+
   template <typename Request, typename Response, typename Method>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const Request* request,
                                   Response* response, Method method, const char* name);
@@ -65,6 +71,7 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
   Handler* handler_;
   Executor* executor_;
   Metrics* metrics_;
+  const Authenticator* authenticator_;
   std::atomic<bool> draining_{false};
   std::atomic<int> active_{0};
 };

@@ -27,8 +27,8 @@ std::string NewSessionId() {
   return id;
 }
 
-SessionCache::SessionCache(std::string id, const SessionConfig& config, absl::Time now)
-    : id_(std::move(id)), config_(config), created_(now), last_used_ns_(absl::ToUnixNanos(now)) {}
+SessionCache::SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now)
+    : id_(std::move(id)), tenant_(std::move(tenant)), config_(config), created_(now), last_used_ns_(absl::ToUnixNanos(now)) {}
 
 size_t SessionCache::bytes_used() const {
   size_t bytes = 0;
@@ -51,7 +51,7 @@ SessionStore::SessionStore(const StoreOptions& options)
     : options_(options), pool_(options.budget_bytes) {}
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const SessionConfig& config,
-                                                              absl::Time now) {
+                                                                   const std::string& tenant, absl::Time now) {
   const CodecSpec key_spec{config.key_codec, config.head_dim,
                            DeriveRotationSeed(config.rotation_seed, RotationStream::kKeys)};
   const CodecSpec value_spec{config.value_codec, config.head_dim,
@@ -63,7 +63,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const Session
   std::shared_ptr<const Codec> keys = *std::move(key_codec);
   std::shared_ptr<const Codec> values = *std::move(value_codec);
 
-  auto session = std::make_shared<SessionCache>(NewSessionId(), config, now);
+  auto session = std::make_shared<SessionCache>(NewSessionId(), tenant, config, now);
   session->layers_.reserve(config.layers);
   for (int l = 0; l < config.layers; ++l) {
     session->layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
@@ -73,25 +73,21 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const Session
   return session;
 }
 
-absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::string& id,
-                                                            absl::Time now) {
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::string& id, const std::string& tenant,
+                                                                 absl::Time now) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    return NotFound(id);
-  }
+  if (it == sessions_.end() || it->second->tenant() != tenant) return NotFound(id, tenant);
   it->second->Touch(now);
   return it->second;
 }
 
-absl::Status SessionStore::Delete(const std::string& id) {
+absl::Status SessionStore::Delete(const std::string& id, const std::string& tenant) {
   std::shared_ptr<SessionCache> session;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(id);
-    if (it == sessions_.end()) {
-      return NotFound(id);
-    }
+    if (it == sessions_.end() || it->second->tenant() != tenant) return NotFound(id, tenant);
     session = std::move(it->second);
     sessions_.erase(it);
   }
@@ -104,7 +100,7 @@ absl::Status SessionStore::Delete(const std::string& id) {
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(const SessionCache& source, int64_t prefix,
                                                             absl::Time now) {
-  auto fork = std::make_shared<SessionCache>(NewSessionId(), source.config(), now);
+  auto fork = std::make_shared<SessionCache>(NewSessionId(), source.tenant(), source.config(), now);
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
   std::lock_guard<std::mutex> lock(mutex_);
@@ -143,16 +139,19 @@ size_t SessionStore::session_count() const {
   return sessions_.size();
 }
 
-absl::Status SessionStore::NotFound(const std::string& id) const {
+absl::Status SessionStore::NotFound(const std::string& id, const std::string& tenant) const {
   auto gone = gone_reasons_.find(id);
-  if (gone != gone_reasons_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second));
+  if (gone != gone_reasons_.end() && gone->second.first == tenant) {
+    return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second.second));
+  }
   return absl::NotFoundError(absl::StrCat("no session ", id));
 }
 
-void SessionStore::RememberGone(const std::string& id, std::string reason, std::atomic<int64_t>* counter) {
-  sessions_.erase(id);
-  gone_reasons_[id] = std::move(reason);
+void SessionStore::RememberGone(const SessionCache& session, std::string reason, std::atomic<int64_t>* counter) {
+  const std::string& id = session.id();
+  gone_reasons_[id] = {session.tenant(), std::move(reason)};
   gone_order_.push_back(id);
+  sessions_.erase(id);
   if (gone_order_.size() > kRememberedGone) {
     gone_reasons_.erase(gone_order_.front());
     gone_order_.pop_front();
@@ -178,7 +177,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, const SessionCache* requester)
       if (!victim_lock.owns_lock()) continue;
       victim->gone_ = true;
       victim->layers_.clear();
-      RememberGone(victim->id(), "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
+      RememberGone(*victim, "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
     }
   }
   if (fits()) return absl::OkStatus();
@@ -200,7 +199,7 @@ int SessionStore::ExpireIdle(absl::Time now) {
     if (!session_lock.owns_lock()) continue;  // in use: not idle
     session->gone_ = true;
     session->layers_.clear();
-    RememberGone(session->id(), absl::StrCat("expired after ", absl::FormatDuration(session->config().idle_ttl), " idle"),
+    RememberGone(*session, absl::StrCat("expired after ", absl::FormatDuration(session->config().idle_ttl), " idle"),
                  &ttl_expiries_);
     ++count;
   }

@@ -58,9 +58,12 @@ struct StoreOptions {
 
 class SessionCache {
  public:
-  SessionCache(std::string id, const SessionConfig& config, absl::Time now);
+  // tenant: who created it (empty without --auth-tokens-file); only calls
+  // from the same tenant find it.
+  SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now);
 
   const std::string& id() const { return id_; }
+  const std::string& tenant() const { return tenant_; }
   const SessionConfig& config() const { return config_; }
   absl::Time created() const { return created_; }
   absl::Time last_used() const { return absl::FromUnixNanos(last_used_ns_.load()); }
@@ -84,6 +87,7 @@ class SessionCache {
   friend class SessionStore;
 
   const std::string id_;
+  const std::string tenant_;
   const SessionConfig config_;
   const absl::Time created_;
   std::atomic<int64_t> last_used_ns_;
@@ -100,17 +104,20 @@ class SessionStore {
 
   // A new, empty session. The config must have been checked (codecs and
   // shape valid); the caller fills defaults.
-  absl::StatusOr<std::shared_ptr<SessionCache>> Create(const SessionConfig& config, absl::Time now);
+  absl::StatusOr<std::shared_ptr<SessionCache>> Create(const SessionConfig& config, const std::string& tenant,
+                                                       absl::Time now);
 
-  // The session with this id, marked as used now. NOT_FOUND for an unknown
-  // id, saying so when it was evicted and why.
-  absl::StatusOr<std::shared_ptr<SessionCache>> Find(const std::string& id, absl::Time now);
+  // The session with this id of this tenant, marked as used now. NOT_FOUND
+  // for an unknown id, saying so when it was evicted and why; another
+  // tenant's session is an unknown id.
+  absl::StatusOr<std::shared_ptr<SessionCache>> Find(const std::string& id, const std::string& tenant,
+                                                     absl::Time now);
 
   // Removes the session; its pages go back to the pool unless a fork shares them.
-  absl::Status Delete(const std::string& id);
+  absl::Status Delete(const std::string& id, const std::string& tenant);
 
-  // A new session holding the first `prefix` tokens of every layer of
-  // `source` (whose mutex the caller holds), sharing its pages.
+  // A new session of the same tenant holding the first `prefix` tokens of
+  // every layer of `source` (whose mutex the caller holds), sharing its pages.
   absl::StatusOr<std::shared_ptr<SessionCache>> Fork(const SessionCache& source, int64_t prefix, absl::Time now);
 
   std::vector<std::shared_ptr<SessionCache>> List() const;
@@ -134,17 +141,18 @@ class SessionStore {
   StoreSnapshot Snapshot() const;
 
  private:
-  // Under mutex_: NOT_FOUND for an id not in the map, saying why when known.
-  absl::Status NotFound(const std::string& id) const;
+  // Under mutex_: NOT_FOUND for an id not in the map (or not the tenant's),
+  // saying why when known to the tenant.
+  absl::Status NotFound(const std::string& id, const std::string& tenant) const;
   // Under mutex_: drops the session from the map and remembers why.
-  void RememberGone(const std::string& id, std::string reason, std::atomic<int64_t>* counter);
+  void RememberGone(const SessionCache& session, std::string reason, std::atomic<int64_t>* counter);
 
   const StoreOptions options_;
   PagePool pool_;
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<SessionCache>> sessions_;
-  // Ids evicted or expired (the most recent kRememberedGone), with why.
-  std::unordered_map<std::string, std::string> gone_reasons_;
+  // Ids evicted or expired (the most recent kRememberedGone): tenant and why.
+  std::unordered_map<std::string, std::pair<std::string, std::string>> gone_reasons_;
   std::deque<std::string> gone_order_;
   std::atomic<int64_t> lru_evictions_{0};
   std::atomic<int64_t> ttl_expiries_{0};
