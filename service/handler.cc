@@ -557,6 +557,22 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
   return true;
 }
 
+absl::StatusOr<v1::SnapshotResponse> Handler::Snapshot(const v1::SnapshotRequest&, const std::string&) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<SnapshotReport> report = store_->SaveSnapshots();
+  if (!report.ok()) return report.status();
+  if (!report->failed.empty()) {
+    const auto& [id, status] = report->failed.front();
+    return absl::Status(status.code(), absl::StrCat(report->failed.size(), " session(s) not written; session ", id,
+                                                    ": ", status.message()));
+  }
+  v1::SnapshotResponse response;
+  response.set_sessions(report->sessions);
+  response.set_bytes(report->bytes);
+  *response.mutable_duration() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(absl::Now() - start));
+  return response;
+}
+
 absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&, const std::string&) {
   const StoreSnapshot snapshot = store_->Snapshot();
   v1::StatsResponse response;

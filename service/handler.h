@@ -83,6 +83,9 @@ class Handler {
   // Daemon-wide totals, the same for every tenant (no ids).
   absl::StatusOr<v1::StatsResponse> Stats(const v1::StatsRequest& request, const std::string& tenant = "");
 
+  // Writes every session to the snapshot dir.
+  absl::StatusOr<v1::SnapshotResponse> Snapshot(const v1::SnapshotRequest& request, const std::string& tenant = "");
+
   SessionStore& store() { return *store_; }
 
  private:

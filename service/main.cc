@@ -33,6 +33,8 @@ Flags (--name=value or --name value):
                            (default 127.0.0.1:9464)
   --health-listen=HOST:PORT     a listener serving only grpc.health.v1, for
                            Kubernetes probes (default none)
+  --snapshot-dir=DIR       load sessions from DIR at start, write them there on
+                           SIGTERM and on the Snapshot call (default none)
   --auth-tokens-file=PATH  lines "TOKEN TENANT": calls need "authorization:
                            Bearer TOKEN" and see only their tenant's sessions
   --tls-cert=PEM --tls-key=PEM  TLS on TCP listeners
@@ -91,6 +93,8 @@ int main(int argc, char** argv) {
       options.max_message_bytes = static_cast<int>(*bytes);
     } else if (name == "max-tokens") {
       if (!absl::SimpleAtoi(value, &options.max_tokens) || options.max_tokens < 1) return Fail(flag + ": expected a count >= 1");
+    } else if (name == "snapshot-dir") {
+      options.snapshot_dir = value;
     } else if (name == "auth-tokens-file") {
       options.auth_tokens_file = value;
     } else if (name == "tls-cert") {
@@ -122,6 +126,15 @@ int main(int argc, char** argv) {
   if (!server.ok()) return Fail(std::string(server.status().message()));
   std::fprintf(stderr, "turbokvd: device %s (%s)\n", (*server)->device().c_str(), (*server)->device_reason().c_str());
   if (absl::Status status = (*server)->Start(); !status.ok()) return Fail(std::string(status.message()));
+  if (!options.snapshot_dir.empty()) {
+    const turbokv::SnapshotReport& loaded = (*server)->loaded();
+    std::fprintf(stderr, "turbokvd: loaded %lld session(s), %s, from %s\n", static_cast<long long>(loaded.sessions),
+                 turbokv::FormatByteSize(static_cast<size_t>(loaded.bytes)).c_str(), options.snapshot_dir.c_str());
+    for (const auto& [id, status] : loaded.failed) {
+      std::fprintf(stderr, "turbokvd: session %s not restored (%s): %s\n", id.c_str(),
+                   absl::StatusCodeToString(status.code()).c_str(), std::string(status.message()).c_str());
+    }
+  }
   std::fprintf(stderr,
                "turbokvd: memory budget %s, eviction %s, session ttl %s, max message %s\n"
                "turbokvd: listening on %s\n"

@@ -19,6 +19,7 @@
 #include "prometheus/registry.h"
 #include "service/metrics.h"
 #include "service/auth.h"
+#include "service/byte_size.h"
 #include "service/device.h"
 #include "service/executor.h"
 #include "service/handler.h"
@@ -104,6 +105,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   store.budget_bytes = options.memory_budget;
   store.eviction = options.eviction;
   store.page_tokens = options.page_tokens;
+  store.snapshot_dir = options.snapshot_dir;
   server->store_ = std::make_unique<SessionStore>(store);
   HandlerOptions handler;
   handler.kernel_pool = server->kernel_pool_.get();
@@ -124,6 +126,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
 Server::~Server() { Shutdown(absl::ZeroDuration()); }
 
 absl::Status Server::Start() {
+  if (!options_.snapshot_dir.empty()) {
+    absl::StatusOr<SnapshotReport> loaded = store_->LoadSnapshots(absl::Now());
+    if (!loaded.ok()) return loaded.status();
+    loaded_ = *std::move(loaded);
+  }
   metrics_->SetStore(store_->Snapshot());
   if (!options_.metrics_listen.empty()) {
     try {
@@ -222,6 +229,18 @@ void Server::Shutdown(absl::Duration deadline) {
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();
   exposer_.reset();
+  if (store_ != nullptr && !options_.snapshot_dir.empty()) {
+    absl::StatusOr<SnapshotReport> saved = store_->SaveSnapshots();
+    if (!saved.ok()) {
+      std::fprintf(stderr, "turbokvd: snapshots not written: %s\n", std::string(saved.status().message()).c_str());
+    } else {
+      std::fprintf(stderr, "turbokvd: wrote %lld session(s), %s, to %s\n", static_cast<long long>(saved->sessions),
+                   FormatByteSize(static_cast<size_t>(saved->bytes)).c_str(), options_.snapshot_dir.c_str());
+      for (const auto& [id, status] : saved->failed) {
+        std::fprintf(stderr, "turbokvd: session %s not written: %s\n", id.c_str(), std::string(status.message()).c_str());
+      }
+    }
+  }
 }
 
 }  // namespace turbokv

@@ -44,6 +44,9 @@ struct ServerOptions {
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked (and gauges refreshed)
   // host:port of the Prometheus endpoint (/metrics); port 0 picks one; empty: none.
   std::string metrics_listen = "127.0.0.1:9464";
+  // Sessions are loaded from here at start and written here on Shutdown and
+  // on the Snapshot call (empty: in memory only).
+  std::string snapshot_dir;
   // "TOKEN TENANT" lines: every call needs "authorization: Bearer TOKEN" and
   // sees only its tenant's sessions. Empty: no authentication.
   std::string auth_tokens_file;
@@ -64,13 +67,17 @@ class Server {
   static absl::StatusOr<std::unique_ptr<Server>> Create(const ServerOptions& options);
   ~Server();  // Shutdown(zero deadline) if still running
 
-  // Binds every listener and starts serving. UNAVAILABLE naming the address
-  // that could not be bound.
+  // Loads the snapshots (a damaged one fails only its session), binds every
+  // listener and starts serving. UNAVAILABLE naming the address that could
+  // not be bound.
   absl::Status Start();
+  // What Start loaded from the snapshot dir.
+  const SnapshotReport& loaded() const { return loaded_; }
 
   // Health turns NOT_SERVING and new calls get UNAVAILABLE while the
   // listeners stay open; calls in flight get until `deadline` from now to
-  // finish and are cancelled after; then the workers stop. Idempotent.
+  // finish and are cancelled after; then the workers stop and, with a
+  // snapshot dir, every session is written. Idempotent.
   void Shutdown(absl::Duration deadline);
 
   // The listeners as bound, with the OS-chosen TCP ports filled in.
@@ -105,6 +112,7 @@ class Server {
   std::unique_ptr<grpc::Server> health_server_;
   std::string health_endpoint_;
   std::vector<std::string> endpoints_;
+  SnapshotReport loaded_;
 
   std::mutex mutex_;
   std::condition_variable stop_expiry_;

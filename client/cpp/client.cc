@@ -374,4 +374,13 @@ absl::StatusOr<v1::StatsResponse> Client::Stats() const {
   return response;
 }
 
+absl::StatusOr<v1::SnapshotResponse> Client::Snapshot() const {
+  grpc::ClientContext context;
+  Prepare(&context, *options_);
+  v1::SnapshotResponse response;
+  absl::Status status = FromGrpcStatus(stub_->Snapshot(&context, v1::SnapshotRequest(), &response));
+  if (!status.ok()) return status;
+  return response;
+}
+
 }  // namespace turbokv

@@ -172,6 +172,8 @@ class Client {
   absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions() const;
   absl::Status DeleteSession(const std::string& id) const;
   absl::StatusOr<v1::StatsResponse> Stats() const;
+  // Writes every session to the daemon's --snapshot-dir now.
+  absl::StatusOr<v1::SnapshotResponse> Snapshot() const;
 
   v1::KvCacheService::Stub& stub() const { return *stub_; }
 

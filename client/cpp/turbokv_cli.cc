@@ -34,6 +34,7 @@ commands:
   get ID                                      one session (JSON)
   delete ID
   stats                                       the daemon's totals (JSON)
+  snapshot                                    write every session to turbokvd's --snapshot-dir now
   append-random ID [--tokens=N --chunk=N --layer=L|all]
                                               append random fp16 keys/values
   attend-random ID [--layer=L --queries=N --calls=N]
@@ -273,6 +274,10 @@ int main(int argc, char** argv) {
     absl::StatusOr<turbokv::v1::StatsResponse> stats = client->Stats();
     status = stats.status();
     if (stats.ok()) std::printf("%s\n", Json(*stats).c_str());
+  } else if (args.command == "snapshot") {
+    absl::StatusOr<turbokv::v1::SnapshotResponse> snapshot = client->Snapshot();
+    status = snapshot.status();
+    if (snapshot.ok()) std::printf("%s\n", Json(*snapshot).c_str());
   } else if (args.command == "append-random") {
     status = AppendRandom(*client, args);
   } else if (args.command == "attend-random") {

@@ -235,6 +235,11 @@ grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* con
   return Unary(context, request, response, &Handler::Stats, "Stats");
 }
 
+grpc::ServerUnaryReactor* KvCacheService::Snapshot(grpc::CallbackServerContext* context,
+                                                   const v1::SnapshotRequest* request, v1::SnapshotResponse* response) {
+  return Unary(context, request, response, &Handler::Snapshot, "Snapshot");
+}
+
 absl::StatusOr<std::string> KvCacheService::Tenant(grpc::CallbackServerContext* context) const {
   if (draining_.load()) return absl::UnavailableError(kDraining.error_message());
   if (authenticator_ == nullptr) return std::string();

@@ -59,6 +59,8 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
                                                        const v1::ReadKvRequest* request) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context, const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
+  grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context, const v1::SnapshotRequest* request,
+                                     v1::SnapshotResponse* response) override;
 
  private:
   // The caller's tenant from its metadata, or UNAUTHENTICATED.

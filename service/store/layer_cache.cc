@@ -118,6 +118,29 @@ void LayerCache::Read(int64_t start, int64_t n, float* keys, float* values) cons
   }
 }
 
+void LayerCache::AppendPagesTo(std::string* out) const {
+  for (const std::shared_ptr<Page>& page : pages_) out->append(reinterpret_cast<const char*>(page->data), page_bytes_);
+}
+
+absl::Status LayerCache::LoadPages(int64_t tokens, absl::string_view pages) {
+  const size_t count = static_cast<size_t>((tokens + page_tokens_ - 1) / page_tokens_);
+  if (tokens < 0 || pages.size() != count * page_bytes_ || !pages_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("a layer of ", tokens, " tokens needs ", count * page_bytes_,
+                                                   " bytes of pages, got ", pages.size()));
+  }
+  std::vector<std::shared_ptr<Page>> loaded;
+  for (size_t i = 0; i < count; ++i) {
+    absl::StatusOr<std::shared_ptr<Page>> page = pool_->Allocate(page_bytes_);
+    if (!page.ok()) return page.status();
+    std::memcpy((*page)->data, pages.data() + i * page_bytes_, page_bytes_);
+    loaded.push_back(*std::move(page));
+  }
+  pages_ = std::move(loaded);
+  for (const std::shared_ptr<Page>& page : pages_) page_pointers_.push_back(page->data);
+  tokens_ = tokens;
+  return absl::OkStatus();
+}
+
 void LayerCache::Truncate(int64_t n) {
   tokens_ = std::min(tokens_, std::max<int64_t>(n, 0));
   const size_t keep = static_cast<size_t>((tokens_ + page_tokens_ - 1) / page_tokens_);

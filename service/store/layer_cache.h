@@ -5,9 +5,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "service/store/page_pool.h"
@@ -57,6 +59,14 @@ class LayerCache {
   // Decodes tokens [start, start + n) (within tokens()) into keys and values
   // [n][kv_heads][head_dim].
   void Read(int64_t start, int64_t n, float* keys, float* values) const;
+
+  // Appends the bytes of the pages holding tokens() tokens (whole pages, in
+  // order) to `out`: what a snapshot stores.
+  void AppendPagesTo(std::string* out) const;
+  // Replaces an empty layer's contents with `tokens` tokens from `pages`
+  // (what AppendPagesTo wrote), taking pages from the pool; RESOURCE_EXHAUSTED
+  // when they do not fit, INVALID_ARGUMENT when the size does not match.
+  absl::Status LoadPages(int64_t tokens, absl::string_view pages);
 
   // Keeps the first n tokens (n <= tokens()) and releases the pages past them.
   void Truncate(int64_t n);

@@ -1,10 +1,21 @@
 #include "service/store/session_store.h"
 
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <random>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "service/store/snapshot.h"
 #include "kernels/rotation.h"
 
 namespace turbokv {
@@ -50,8 +61,8 @@ size_t SessionCache::fp16_bytes() const {
 SessionStore::SessionStore(const StoreOptions& options)
     : options_(options), pool_(options.budget_bytes) {}
 
-absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const SessionConfig& config,
-                                                                   const std::string& tenant, absl::Time now) {
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Build(std::string id, std::string tenant,
+                                                                  const SessionConfig& config, absl::Time created) {
   const CodecSpec key_spec{config.key_codec, config.head_dim,
                            DeriveRotationSeed(config.rotation_seed, RotationStream::kKeys)};
   const CodecSpec value_spec{config.value_codec, config.head_dim,
@@ -62,14 +73,20 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const Session
   if (!value_codec.ok()) return value_codec.status();
   std::shared_ptr<const Codec> keys = *std::move(key_codec);
   std::shared_ptr<const Codec> values = *std::move(value_codec);
-
-  auto session = std::make_shared<SessionCache>(NewSessionId(), tenant, config, now);
+  auto session = std::make_shared<SessionCache>(std::move(id), std::move(tenant), config, created);
   session->layers_.reserve(config.layers);
   for (int l = 0; l < config.layers; ++l) {
     session->layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
   }
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const SessionConfig& config,
+                                                                   const std::string& tenant, absl::Time now) {
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = Build(NewSessionId(), tenant, config, now);
+  if (!session.ok()) return session.status();
   std::lock_guard<std::mutex> lock(mutex_);
-  sessions_.emplace(session->id(), session);
+  sessions_.emplace((*session)->id(), *session);
   return session;
 }
 
@@ -95,6 +112,7 @@ absl::Status SessionStore::Delete(const std::string& id, const std::string& tena
   std::lock_guard<std::mutex> lock(session->mutex());
   session->gone_ = true;
   session->layers_.clear();
+  RemoveSnapshot(id);
   return absl::OkStatus();
 }
 
@@ -134,12 +152,117 @@ StoreSnapshot SessionStore::Snapshot() const {
   return snapshot;
 }
 
+void SessionStore::RemoveSnapshot(const std::string& id) const {
+  if (!options_.snapshot_dir.empty()) unlink((options_.snapshot_dir + "/" + id + kSnapshotSuffix).c_str());
+}
+
+absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots() {
+  if (options_.snapshot_dir.empty()) return absl::FailedPreconditionError("turbokvd runs without --snapshot-dir");
+  SnapshotReport report;
+  std::set<std::string> written;
+  for (const std::shared_ptr<SessionCache>& session : List()) {
+    std::string bytes;
+    {
+      std::lock_guard<std::mutex> lock(session->mutex());
+      if (session->gone()) continue;
+      bytes = EncodeSnapshot(*session, options_.page_tokens);
+    }
+    absl::Status status = WriteFileAtomically(options_.snapshot_dir, session->id() + kSnapshotSuffix, bytes);
+    if (!status.ok()) {
+      report.failed.emplace_back(session->id(), status);
+      continue;
+    }
+    written.insert(session->id() + kSnapshotSuffix);
+    ++report.sessions;
+    report.bytes += static_cast<int64_t>(bytes.size());
+  }
+  // Snapshots of sessions deleted meanwhile, and leftover temp files, go;
+  // damaged snapshots stay for an operator to look at.
+  std::set<std::string> keep = written;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, why] : damaged_) keep.insert(id + kSnapshotSuffix);
+    for (const auto& [id, session] : sessions_) keep.insert(id + kSnapshotSuffix);
+  }
+  if (DIR* dir = opendir(options_.snapshot_dir.c_str())) {
+    while (dirent* entry = readdir(dir)) {
+      const std::string name = entry->d_name;
+      if ((absl::EndsWith(name, kSnapshotSuffix) || absl::EndsWith(name, std::string(kSnapshotSuffix) + ".tmp")) &&
+          keep.count(name) == 0) {
+        unlink((options_.snapshot_dir + "/" + name).c_str());
+      }
+    }
+    closedir(dir);
+  }
+  return report;
+}
+
+absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
+  if (options_.snapshot_dir.empty()) return absl::FailedPreconditionError("turbokvd runs without --snapshot-dir");
+  if (mkdir(options_.snapshot_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::InternalError(absl::StrCat("cannot create --snapshot-dir ", options_.snapshot_dir, ": ",
+                                            std::strerror(errno)));
+  }
+  DIR* dir = opendir(options_.snapshot_dir.c_str());
+  if (dir == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot read --snapshot-dir ", options_.snapshot_dir, ": ",
+                                            std::strerror(errno)));
+  }
+  std::vector<std::string> names;
+  while (dirent* entry = readdir(dir)) {
+    if (absl::EndsWith(entry->d_name, kSnapshotSuffix)) names.push_back(entry->d_name);
+  }
+  closedir(dir);
+  std::sort(names.begin(), names.end());
+  SnapshotReport report;
+  for (const std::string& name : names) {
+    const std::string id = name.substr(0, name.size() - std::strlen(kSnapshotSuffix));
+    std::ifstream in(options_.snapshot_dir + "/" + name, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string bytes = text.str();
+    absl::Status status;
+    absl::StatusOr<DecodedSnapshot> decoded = DecodeSnapshot(bytes, options_.page_tokens);
+    if (!decoded.ok()) {
+      status = decoded.status();
+    } else if (decoded->id != id) {
+      status = absl::DataLossError(absl::StrCat("the file holds session ", decoded->id));
+    }
+    std::shared_ptr<SessionCache> session;
+    if (status.ok()) {
+      absl::StatusOr<std::shared_ptr<SessionCache>> built =
+          Build(decoded->id, decoded->tenant, decoded->config, decoded->created);
+      status = built.status();
+      if (built.ok()) session = *std::move(built);
+      for (size_t l = 0; status.ok() && l < decoded->tokens.size(); ++l) {
+        status = session->layers_[l].LoadPages(decoded->tokens[l], decoded->pages[l]);
+      }
+    }
+    if (!status.ok()) {
+      report.failed.emplace_back(id, status);
+      std::lock_guard<std::mutex> lock(mutex_);
+      damaged_[id] = std::string(status.message());  // kept on disk, answered with DATA_LOSS
+      continue;
+    }
+    session->Touch(now);
+    ++report.sessions;
+    report.bytes += static_cast<int64_t>(bytes.size());
+    std::lock_guard<std::mutex> lock(mutex_);
+    sessions_.emplace(id, std::move(session));
+  }
+  return report;
+}
+
 size_t SessionStore::session_count() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return sessions_.size();
 }
 
 absl::Status SessionStore::NotFound(const std::string& id, const std::string& tenant) const {
+  auto damaged = damaged_.find(id);
+  if (damaged != damaged_.end()) {
+    return absl::DataLossError(absl::StrCat("session ", id, " could not be restored from its snapshot: ", damaged->second));
+  }
   auto gone = gone_reasons_.find(id);
   if (gone != gone_reasons_.end() && gone->second.first == tenant) {
     return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second.second));
@@ -151,6 +274,7 @@ void SessionStore::RememberGone(const SessionCache& session, std::string reason,
   const std::string& id = session.id();
   gone_reasons_[id] = {session.tenant(), std::move(reason)};
   gone_order_.push_back(id);
+  RemoveSnapshot(id);
   sessions_.erase(id);
   if (gone_order_.size() > kRememberedGone) {
     gone_reasons_.erase(gone_order_.front());

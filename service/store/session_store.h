@@ -54,6 +54,17 @@ struct StoreOptions {
   size_t budget_bytes = size_t{4} << 30;
   EvictionPolicy eviction = EvictionPolicy::kReject;
   int page_tokens = 64;
+  // Where snapshots live (empty: none). A deleted, evicted or expired
+  // session's snapshot is removed with it.
+  std::string snapshot_dir;
+};
+
+struct SnapshotReport {
+  int64_t sessions = 0;  // written, or loaded
+  int64_t bytes = 0;
+  // Sessions that failed, with why (DATA_LOSS for a damaged file,
+  // RESOURCE_EXHAUSTED when the budget could not hold it, ...).
+  std::vector<std::pair<std::string, absl::Status>> failed;
 };
 
 class SessionCache {
@@ -132,6 +143,16 @@ class SessionStore {
   // Deletes sessions idle longer than their TTL; returns how many.
   int ExpireIdle(absl::Time now);
 
+  // Writes every session to options().snapshot_dir (each atomically, under
+  // its mutex) and removes snapshots of sessions that are gone.
+  // FAILED_PRECONDITION without a snapshot dir.
+  absl::StatusOr<SnapshotReport> SaveSnapshots();
+  // Loads every snapshot in options().snapshot_dir into the (empty) store. A
+  // file that cannot be loaded (damaged, or over the budget) fails only its
+  // own session: calls on that id then answer DATA_LOSS saying why, and the
+  // file is kept. Creates the directory when missing.
+  absl::StatusOr<SnapshotReport> LoadSnapshots(absl::Time now);
+
   PagePool& pool() { return pool_; }
   const StoreOptions& options() const { return options_; }
   // Sessions evicted (lru) and expired (ttl) since start.
@@ -141,6 +162,11 @@ class SessionStore {
   StoreSnapshot Snapshot() const;
 
  private:
+  // A session with its codecs and empty layers.
+  absl::StatusOr<std::shared_ptr<SessionCache>> Build(std::string id, std::string tenant, const SessionConfig& config,
+                                                      absl::Time created);
+  // Removes a session's snapshot file, if snapshots are on.
+  void RemoveSnapshot(const std::string& id) const;
   // Under mutex_: NOT_FOUND for an id not in the map (or not the tenant's),
   // saying why when known to the tenant.
   absl::Status NotFound(const std::string& id, const std::string& tenant) const;
@@ -154,6 +180,8 @@ class SessionStore {
   // Ids evicted or expired (the most recent kRememberedGone): tenant and why.
   std::unordered_map<std::string, std::pair<std::string, std::string>> gone_reasons_;
   std::deque<std::string> gone_order_;
+  // Ids whose snapshot could not be loaded, with why: DATA_LOSS.
+  std::unordered_map<std::string, std::string> damaged_;
   std::atomic<int64_t> lru_evictions_{0};
   std::atomic<int64_t> ttl_expiries_{0};
 };

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -141,6 +142,88 @@ TEST(TurbokvdTest, AHealthOnlyListenerAnswersProbesAndNothingElse) {
   ASSERT_TRUE(probe->WaitUntilServing(absl::Seconds(10)).ok());
   EXPECT_EQ(probe->Stats().status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
+// Every decoded key and value of layer 0.
+std::vector<float> Contents(const Session& session) {
+  auto kv = session.ReadKv(0);
+  EXPECT_TRUE(kv.ok()) << kv.status();
+  if (!kv.ok()) return {};
+  std::vector<float> all = kv->keys;
+  all.insert(all.end(), kv->values.begin(), kv->values.end());
+  return all;
+}
+
+TEST(TurbokvdTest, SnapshotsSurviveRestartsAndDamageFailsOnlyItsSession) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "turbokvd-snapshots-", getpid());
+  std::system(("rm -rf " + dir).c_str());
+  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--snapshot-dir=" + dir};
+  SessionOptions options;
+  options.layers = 2;
+  options.kv_heads = 2;
+  options.q_heads = 4;
+  std::vector<std::string> ids;
+  std::vector<std::vector<float>> before;
+  {
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    for (int s = 0; s < 4; ++s) {
+      auto session = client->CreateSession(options);
+      ASSERT_TRUE(session.ok());
+      const auto k = GaussianVectors(2 * (70 + s) * 2, 128, s);
+      ASSERT_TRUE(session->AppendAllLayers(0, TensorData::F32(k), TensorData::F32(k)).ok());
+      ids.push_back(session->id());
+      before.push_back(Contents(*session));
+    }
+    ASSERT_TRUE(client->DeleteSession(ids[3]).ok());  // deleted: must not come back
+    EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+    EXPECT_THAT(daemon.Log(), HasSubstr("wrote 3 session(s)"));
+  }
+  // Damage two of the three files: one byte flipped, one cut short.
+  {
+    std::fstream flip(dir + "/" + ids[1] + ".tkvs", std::ios::in | std::ios::out | std::ios::binary);
+    flip.seekp(5000);
+    flip.put('\x5a');
+  }
+  ASSERT_EQ(truncate((dir + "/" + ids[2] + ".tkvs").c_str(), 3000), 0);
+  {
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    auto restored = client->OpenSession(ids[0]);
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    EXPECT_EQ(Contents(*restored), before[0]);  // byte-identical
+    EXPECT_EQ(restored->Info()->layer_tokens(1), 70);
+    for (int s : {1, 2}) {
+      auto damaged = client->GetSession(ids[s]);
+      EXPECT_EQ(damaged.status().code(), absl::StatusCode::kDataLoss) << s;
+      EXPECT_THAT(std::string(damaged.status().message()), HasSubstr("could not be restored from its snapshot"));
+    }
+    EXPECT_EQ(client->GetSession(ids[3]).status().code(), absl::StatusCode::kNotFound);
+    const std::string log = daemon.Log();
+    EXPECT_THAT(log, HasSubstr("loaded 1 session(s)"));
+    EXPECT_THAT(log, HasSubstr("session " + ids[1] + " not restored (DATA_LOSS): checksum mismatch"));
+
+    // A checkpoint on demand, more appends, then SIGKILL: a restart has the checkpoint.
+    auto snapshot = client->Snapshot();
+    ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+    EXPECT_EQ(snapshot->sessions(), 1);
+    const auto k = GaussianVectors(2 * 5 * 2, 128, 9);
+    ASSERT_TRUE(restored->AppendAllLayers(70, TensorData::F32(k), TensorData::F32(k)).ok());
+    EXPECT_EQ(daemon.Stop(SIGKILL), -1);
+  }
+  {
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    auto restored = client->OpenSession(ids[0]);
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    EXPECT_EQ(restored->Info()->layer_tokens(0), 70);  // the 5 tokens after the checkpoint are gone
+    EXPECT_EQ(Contents(*restored), before[0]);
+    EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+  }
+  std::system(("rm -rf " + dir).c_str());
 }
 
 TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
