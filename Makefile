@@ -3,7 +3,7 @@ BUILD_DIR ?= build
 JOBS ?= 2
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test demo bench clean
+.PHONY: all deps configure build test test-asan demo bench clean
 
 all: build
 
@@ -20,6 +20,16 @@ build: configure
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS)
+
+# The unit, integration and Python tests again under AddressSanitizer and
+# UndefinedBehaviorSanitizer (clang-14), plus a minute of libFuzzer on the
+# handler. CUDA is left out of this build.
+ASAN_DIR ?= build-asan
+test-asan: deps
+	CC=clang-14 CXX=clang++-14 cmake -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DTURBOKV_SANITIZE=ON -DTURBOKV_CUDA=OFF
+	cmake --build $(ASAN_DIR) -j$(JOBS)
+	cd $(ASAN_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j$(JOBS)
 
 demo: build
 	@scripts/demo.sh $(BUILD_DIR)

@@ -1,5 +1,7 @@
 #include "service/store/page_pool.h"
 
+#include <sys/mman.h>
+
 #include <new>
 
 #include "absl/status/status.h"
@@ -16,14 +18,28 @@ absl::StatusOr<std::shared_ptr<Page>> PagePool::Allocate(size_t bytes) {
                                                        budget_, " bytes"));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-  uint8_t* data = new (std::nothrow) uint8_t[bytes]();
+  // Large pages come straight from the kernel (zeroed) and go back to it
+  // when freed, so the process's memory follows the pool's; small ones
+  // would waste most of a 4 KiB mapping and come from the heap.
+  const bool mapped = bytes >= kMapThreshold;
+  uint8_t* data = nullptr;
+  if (mapped) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) data = static_cast<uint8_t*>(p);
+  } else {
+    data = new (std::nothrow) uint8_t[bytes]();
+  }
   if (data == nullptr) {
     used_.fetch_sub(bytes, std::memory_order_relaxed);
     return absl::ResourceExhaustedError(absl::StrCat("out of host memory allocating ", bytes, " bytes"));
   }
-  return std::shared_ptr<Page>(new Page{data, bytes}, [this](Page* page) {
+  return std::shared_ptr<Page>(new Page{data, bytes}, [this, mapped](Page* page) {
     used_.fetch_sub(page->bytes, std::memory_order_relaxed);
-    delete[] page->data;
+    if (mapped) {
+      munmap(page->data, page->bytes);
+    } else {
+      delete[] page->data;
+    }
     delete page;
   });
 }

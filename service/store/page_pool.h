@@ -28,6 +28,9 @@ class PagePool {
   // outlive its pages.
   absl::StatusOr<std::shared_ptr<Page>> Allocate(size_t bytes);
 
+  // Pages of at least this many bytes are mapped from the kernel directly.
+  static constexpr size_t kMapThreshold = size_t{32} << 10;
+
   size_t used_bytes() const { return used_.load(std::memory_order_relaxed); }
   size_t budget_bytes() const { return budget_; }
 
