@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <thread>
+#include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -338,6 +340,108 @@ TEST_F(HandlerTest, AttendChecksPositionsAndOptions) {
     EXPECT_EQ(response.status().code(), c.code) << c.expect << ": " << response.status();
     EXPECT_THAT(std::string(response.status().message()), HasSubstr(c.expect));
   }
+}
+
+// Every other request type, field by field: the status, the field named in
+// the message, and the session unchanged afterwards.
+TEST_F(HandlerTest, EveryRequestTypeRejectsBadFieldsAndChangesNothing) {
+  const std::string id = Create();
+  ASSERT_TRUE(Append(id, 0, 0, 40, 1).ok());
+  ASSERT_TRUE(Append(id, 1, 0, 30, 2).ok());
+  const size_t used = store_->pool().used_bytes();
+  auto unchanged = [&](const std::string& what) {
+    const v1::SessionInfo info = Info(id);
+    EXPECT_EQ(info.layer_tokens(0), 40) << what;
+    EXPECT_EQ(info.layer_tokens(1), 30) << what;
+    EXPECT_EQ(info.layer_tokens(2), 0) << what;
+    EXPECT_EQ(store_->pool().used_bytes(), used) << what;
+    EXPECT_EQ(store_->session_count(), 1u) << what;
+  };
+  auto expect = [&](const absl::Status& status, absl::StatusCode code, const std::string& words) {
+    EXPECT_EQ(status.code(), code) << words << ": " << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(words));
+    unchanged(words);
+  };
+
+  // Step
+  const auto k = GaussianVectors(kKv, kDim, 3), q = GaussianVectors(kQ, kDim, 4);
+  v1::StepRequest step;
+  step.set_session_id(id);
+  step.set_layer(0);
+  step.set_position(40);
+  *step.mutable_key() = MakeTensor(k, {1, kKv, kDim});
+  *step.mutable_value() = MakeTensor(k, {1, kKv, kDim});
+  *step.mutable_query() = MakeTensor(q, {1, kQ, kDim});
+  const std::vector<std::tuple<std::string, absl::StatusCode, std::function<void(v1::StepRequest&)>>> steps = {
+      {"no session", absl::StatusCode::kNotFound, [](v1::StepRequest& r) { r.set_session_id("x"); }},
+      {"layer = -1", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) { r.set_layer(-1); }},
+      {"position = -2", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) { r.set_position(-2); }},
+      {"positions 40 to 40 are missing", absl::StatusCode::kFailedPrecondition, [](v1::StepRequest& r) { r.set_position(41); }},
+      {"position = 100000 is past the session's max_tokens", absl::StatusCode::kResourceExhausted, [](v1::StepRequest& r) { r.set_position(100000); }},
+      {"key.shape is [2, 2, 128]", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) { r.mutable_key()->set_shape(0, 2); }},
+      {"value.dtype", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) { r.mutable_value()->set_dtype(static_cast<v1::DType>(9)); }},
+      {"query.shape is []", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) { r.mutable_query()->clear_shape(); }},
+      {"query.data value 1 is not finite", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) {
+         const float inf = -INFINITY;
+         std::memcpy(&(*r.mutable_query()->mutable_data())[4], &inf, 4);
+       }},
+      {"key.data value 0 is not finite", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) {
+         const float nan = NAN;
+         std::memcpy(&(*r.mutable_key()->mutable_data())[0], &nan, 4);
+       }},
+      {"options.top_k", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) { r.mutable_options()->set_top_k(-1); }},
+      {"options.softmax_scale", absl::StatusCode::kInvalidArgument, [](v1::StepRequest& r) { r.mutable_options()->set_softmax_scale(-1); }},
+  };
+  for (const auto& [words, code, edit] : steps) {
+    v1::StepRequest bad = step;
+    edit(bad);
+    expect(handler_->Step(bad).status(), code, words);
+  }
+
+  // ReadKv
+  v1::ReadKvRequest read;
+  read.set_session_id(id);
+  const std::vector<std::tuple<std::string, absl::StatusCode, std::function<void(v1::ReadKvRequest&)>>> reads = {
+      {"session_id is empty", absl::StatusCode::kInvalidArgument, [](v1::ReadKvRequest& r) { r.clear_session_id(); }},
+      {"layers[1] = 9", absl::StatusCode::kInvalidArgument, [](v1::ReadKvRequest& r) { r.add_layers(0); r.add_layers(9); }},
+      {"start = -1", absl::StatusCode::kInvalidArgument, [](v1::ReadKvRequest& r) { r.set_start(-1); }},
+      {"end = -4", absl::StatusCode::kInvalidArgument, [](v1::ReadKvRequest& r) { r.set_end(-4); }},
+      {"range [0, 35) is past the 30 tokens of layer 1", absl::StatusCode::kFailedPrecondition, [](v1::ReadKvRequest& r) { r.set_end(35); }},
+      {"range [31, 30) is past the 30 tokens of layer 1", absl::StatusCode::kFailedPrecondition, [](v1::ReadKvRequest& r) { r.set_start(31); }},
+      {"dtype = 7", absl::StatusCode::kInvalidArgument, [](v1::ReadKvRequest& r) { r.set_dtype(static_cast<v1::DType>(7)); }},
+      {"max_tokens_per_message = -1", absl::StatusCode::kInvalidArgument, [](v1::ReadKvRequest& r) { r.set_max_tokens_per_message(-1); }},
+  };
+  for (const auto& [words, code, edit] : reads) {
+    v1::ReadKvRequest bad = read;
+    edit(bad);
+    expect(handler_->StartReadKv(bad).status(), code, words);
+  }
+
+  // Fork, Truncate, Get, Delete
+  v1::ForkSessionRequest fork;
+  fork.set_source_session_id(id);
+  fork.set_prefix_tokens(-1);
+  expect(handler_->ForkSession(fork).status(), absl::StatusCode::kInvalidArgument, "prefix_tokens = -1");
+  fork.set_prefix_tokens(31);
+  expect(handler_->ForkSession(fork).status(), absl::StatusCode::kFailedPrecondition, "prefix_tokens = 31 is past the 30 tokens of layer 1");
+  fork.clear_source_session_id();
+  expect(handler_->ForkSession(fork).status(), absl::StatusCode::kInvalidArgument, "session_id is empty");
+  v1::TruncateSessionRequest truncate;
+  truncate.set_session_id(id);
+  truncate.set_tokens(-5);
+  expect(handler_->TruncateSession(truncate).status(), absl::StatusCode::kInvalidArgument, "tokens = -5");
+  truncate.set_session_id(id + "x");
+  truncate.set_tokens(0);
+  expect(handler_->TruncateSession(truncate).status(), absl::StatusCode::kNotFound, "no session");
+  v1::GetSessionRequest get;
+  expect(handler_->GetSession(get).status(), absl::StatusCode::kInvalidArgument, "session_id is empty");
+  v1::DeleteSessionRequest del;
+  expect(handler_->DeleteSession(del).status(), absl::StatusCode::kInvalidArgument, "session_id is empty");
+  del.set_session_id(std::string(1000, 'z'));
+  expect(handler_->DeleteSession(del).status(), absl::StatusCode::kNotFound, "no session");
+  // Another tenant's calls find nothing.
+  get.set_session_id(id);
+  expect(handler_->GetSession(get, "other-tenant").status(), absl::StatusCode::kNotFound, "no session " + id);
 }
 
 TEST_F(HandlerTest, StepAppendsOneTokenAndAttendsWithIt) {

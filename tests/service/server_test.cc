@@ -147,6 +147,15 @@ TEST_P(ServerTest, ErrorsKeepTheirCodesAndMessagesOverTheWire) {
   EXPECT_EQ(session.Info()->layer_tokens(0), 20);
 }
 
+TEST_P(ServerTest, AMessageOverTheSizeLimitIsRefused) {
+  Session session = NewSession();
+  // 70 MB of keys and values: over the 64 MiB limit in both directions.
+  const std::vector<float> k(35'000 * kKv * kDim / 2 * 2, 0.25f);
+  auto over = session.Append(0, 0, TensorData::F32(k), TensorData::F32(k));
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_EQ(session.Info()->layer_tokens(0), 0);
+}
+
 TEST_P(ServerTest, HalfPrecisionInputRoundTrips) {
   Session session = NewSession(v1::CODEC_F16);
   const auto x = GaussianVectors(30 * kKv, kDim, 9);
