@@ -138,5 +138,33 @@ class ClientTest(unittest.TestCase):
         s.delete()
 
 
+class AuthenticatedClientTest(unittest.TestCase):
+    def test_tokens_and_tenants(self):
+        import os
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".tokens", delete=False) as tokens:
+            tokens.write("py-alpha alpha\npy-beta beta\n")
+        daemon = Daemon(f"--auth-tokens-file={tokens.name}")
+        try:
+            alpha = turbokv.Client(daemon.target, token="py-alpha")
+            beta = turbokv.Client(daemon.target, token="py-beta")
+            nobody = turbokv.Client(daemon.target)
+            alpha.wait_until_ready(20)
+            s = alpha.create_session(1, 1, 1, 64)
+            with self.assertRaises(turbokv.TurbokvError) as missing:
+                nobody.stats()
+            self.assertEqual(missing.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+            with self.assertRaises(turbokv.TurbokvError) as other:
+                beta.session(s.id)
+            self.assertEqual(other.exception.code, grpc.StatusCode.NOT_FOUND)
+            self.assertEqual(len(alpha.list_sessions()), 1)
+            for c in (alpha, beta, nobody):
+                c.close()
+            self.assertEqual(daemon.stop(), 0)
+        finally:
+            daemon.close()
+            os.unlink(tokens.name)
+
+
 if __name__ == "__main__":
     unittest.main()

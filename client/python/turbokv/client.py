@@ -115,7 +115,7 @@ class Session:
         requests: Iterator[pb.AppendRequest] = (self._request(*chunk) for chunk in chunks)
         tokens = 0
         try:
-            for response in self._stub.Append(requests, timeout=self._client._timeout):
+            for response in self._stub.Append(requests, timeout=self._client._timeout, metadata=self._client._metadata):
                 tokens = response.tokens
         except grpc.RpcError as error:
             _raise(error)
@@ -131,7 +131,7 @@ class Session:
             options=pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window, top_k=top_k),
         )
         try:
-            for response in self._stub.Attend(iter([request]), timeout=self._client._timeout):
+            for response in self._stub.Attend(iter([request]), timeout=self._client._timeout, metadata=self._client._metadata):
                 return _result(response.result, top_k)
         except grpc.RpcError as error:
             _raise(error)
@@ -148,7 +148,7 @@ class Session:
             options=pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window, top_k=top_k),
         )
         try:
-            response = self._stub.Step(request, timeout=self._client._timeout)
+            response = self._stub.Step(request, timeout=self._client._timeout, metadata=self._client._metadata)
         except grpc.RpcError as error:
             _raise(error)
         return response.tokens, _result(response.result, top_k)
@@ -159,7 +159,7 @@ class Session:
                                    dtype=_DTYPES[np.dtype(dtype)])
         keys, values = [], []
         try:
-            for response in self._stub.ReadKv(request, timeout=self._client._timeout):
+            for response in self._stub.ReadKv(request, timeout=self._client._timeout, metadata=self._client._metadata):
                 keys.append(_array(response.keys))
                 values.append(_array(response.values))
         except grpc.RpcError as error:
@@ -172,7 +172,7 @@ class Session:
         try:
             response = self._stub.ForkSession(
                 pb.ForkSessionRequest(source_session_id=self.id, prefix_tokens=prefix_tokens),
-                timeout=self._client._timeout)
+                timeout=self._client._timeout, metadata=self._client._metadata)
         except grpc.RpcError as error:
             _raise(error)
         return Session(self._client, response.session_id, response.session.config)
@@ -181,7 +181,7 @@ class Session:
         """Every layer keeps its first `tokens` tokens."""
         try:
             return self._stub.TruncateSession(pb.TruncateSessionRequest(session_id=self.id, tokens=tokens),
-                                              timeout=self._client._timeout)
+                                              timeout=self._client._timeout, metadata=self._client._metadata)
         except grpc.RpcError as error:
             _raise(error)
 
@@ -193,18 +193,31 @@ class Session:
 
 
 class Client:
-    """A channel to turbokvd: unix:///path or host:port."""
+    """A channel to turbokvd: unix:///path or host:port.
+
+    token: sent as "authorization: Bearer TOKEN" (turbokvd --auth-tokens-file).
+    root_certificates: PEM bytes of the CA that signed turbokvd's certificate,
+    for TLS to a TCP listener; private_key and certificate_chain: this
+    client's, for mTLS."""
 
     def __init__(self, target: str = "unix:///tmp/turbokv.sock", max_message_bytes: int = 64 << 20,
-                 timeout: Optional[float] = None):
-        self._channel = grpc.insecure_channel(target, options=[
+                 timeout: Optional[float] = None, token: Optional[str] = None,
+                 root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
+                 certificate_chain: Optional[bytes] = None):
+        options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
-        ])
+        ]
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.KvCacheServiceStub(self._channel)
         self._timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def close(self) -> None:
         self._channel.close()
@@ -236,7 +249,7 @@ class Client:
         if idle_ttl is not None:
             config.idle_ttl.CopyFrom(duration_pb2.Duration(seconds=int(idle_ttl), nanos=int(idle_ttl % 1 * 1e9)))
         try:
-            response = self._stub.CreateSession(pb.CreateSessionRequest(config=config), timeout=self._timeout)
+            response = self._stub.CreateSession(pb.CreateSessionRequest(config=config), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             _raise(error)
         return Session(self, response.session_id, response.config)
@@ -247,24 +260,31 @@ class Client:
 
     def get_session(self, session_id: str) -> pb.SessionInfo:
         try:
-            return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self._timeout)
+            return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             _raise(error)
 
     def list_sessions(self) -> list:
         try:
-            return list(self._stub.ListSessions(pb.ListSessionsRequest(), timeout=self._timeout).sessions)
+            return list(self._stub.ListSessions(pb.ListSessionsRequest(), timeout=self._timeout, metadata=self._metadata).sessions)
         except grpc.RpcError as error:
             _raise(error)
 
     def delete_session(self, session_id: str) -> None:
         try:
-            self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=self._timeout)
+            self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            _raise(error)
+
+    def snapshot(self) -> pb.SnapshotResponse:
+        """Writes every session to turbokvd's --snapshot-dir now."""
+        try:
+            return self._stub.Snapshot(pb.SnapshotRequest(), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             _raise(error)
 
     def stats(self) -> pb.StatsResponse:
         try:
-            return self._stub.Stats(pb.StatsRequest(), timeout=self._timeout)
+            return self._stub.Stats(pb.StatsRequest(), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             _raise(error)
