@@ -18,8 +18,6 @@ namespace {
 
 using google::protobuf::util::TimeUtil;
 
-constexpr int kMaxLayers = 1024;
-constexpr int kMaxHeads = 1024;
 constexpr int kMaxTopK = 1024;
 constexpr int64_t kMaxQueriesPerCall = 4096;
 
@@ -100,6 +98,19 @@ absl::StatusOr<AttentionParams> CheckLayerAndOptions(const SessionConfig& config
   return params;
 }
 
+// RESOURCE_EXHAUSTED when the result of n queries would not fit in a reply.
+absl::Status CheckResultSize(int64_t n, const SessionConfig& config, const AttentionParams& params,
+                             size_t max_bytes) {
+  const double bytes = static_cast<double>(n) * config.q_heads * (4.0 * config.head_dim + 4 + 12.0 * params.top_k);
+  if (bytes > static_cast<double>(max_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat("the result of ", n, " queries x ", config.q_heads,
+                                                     " heads (top_k ", params.top_k, ") would take ",
+                                                     static_cast<int64_t>(bytes), " bytes, over the ", max_bytes,
+                                                     "-byte message limit: send fewer queries a call"));
+  }
+  return absl::OkStatus();
+}
+
 // Attention of n queries at `positions` (checked) over one stored layer.
 absl::Status RunAttention(const LayerCache& layer, const AttentionParams& params, int64_t n,
                           const std::vector<float>& queries, const std::vector<int64_t>& positions,
@@ -175,10 +186,10 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
     return absl::InvalidArgumentError(absl::StrCat("config.shape.kv_heads = ", shape.kv_heads(), " must be in [1, ", kMaxHeads, "]"));
   }
   if (shape.q_heads() < shape.kv_heads() || shape.q_heads() % shape.kv_heads() != 0 ||
-      shape.q_heads() / shape.kv_heads() > kMaxHeads) {
+      shape.q_heads() > kMaxHeads) {
     return absl::InvalidArgumentError(absl::StrCat("config.shape.q_heads = ", shape.q_heads(),
                                                    " must be a multiple of kv_heads = ", shape.kv_heads(),
-                                                   " (at most ", kMaxHeads, " times it)"));
+                                                   " and at most ", kMaxHeads));
   }
   config.layers = shape.layers();
   config.kv_heads = shape.kv_heads();
@@ -410,6 +421,7 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
   if (n < 1 || n > kMaxQueriesPerCall) {
     return absl::InvalidArgumentError(absl::StrCat("queries.shape gives ", n, " queries, expected 1 to ", kMaxQueriesPerCall));
   }
+  if (absl::Status size = CheckResultSize(n, config, *params, options_.max_message_bytes); !size.ok()) return size;
   absl::StatusOr<std::vector<float>> queries =
       TensorToFloats(request.queries(), {n, config.q_heads, config.head_dim}, "queries");
   if (!queries.ok()) return queries.status();
@@ -456,6 +468,7 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
     return absl::ResourceExhaustedError(absl::StrCat("position = ", request.position(),
                                                      " is past the session's max_tokens = ", config.max_tokens));
   }
+  if (absl::Status size = CheckResultSize(1, config, *params, options_.max_message_bytes); !size.ok()) return size;
   absl::StatusOr<std::vector<float>> key = TensorToFloats(request.key(), {1, config.kv_heads, config.head_dim}, "key");
   if (!key.ok()) return key.status();
   absl::StatusOr<std::vector<float>> value = TensorToFloats(request.value(), {1, config.kv_heads, config.head_dim}, "value");
@@ -477,7 +490,10 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   }
   const absl::Status status = RunAttention(layer, *params, 1, *query, {request.position()}, options_.kernel_pool,
                                            options_.metrics, response.mutable_result());
-  if (!status.ok()) return status;
+  if (!status.ok()) {
+    layer.Truncate(before);  // a failed call changes nothing
+    return status;
+  }
   session.Touch(absl::Now());
   return response;
 }

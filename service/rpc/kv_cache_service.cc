@@ -28,11 +28,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
 
   // tenant: the caller's, or why the call is refused (draining,
   // unauthenticated): then it ends at once with that status. active counts
-  // the calls in flight, this one until OnDone.
+  // the calls in flight; the caller has counted this one, OnDone uncounts it.
   StreamReactor(Handler* handler, Executor* executor, Method method, absl::StatusOr<std::string> tenant,
                 std::atomic<int>* active, Metrics* metrics, const char* name)
       : handler_(handler), executor_(executor), method_(method), active_(active), metrics_(metrics), name_(name) {
-    active_->fetch_add(1);
     if (!tenant.ok()) {
       Observe(metrics_, name_, tenant.status(), absl::Now());
       this->Finish(ToGrpcStatus(tenant.status()));
@@ -90,11 +89,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
 // before the next is made.
 class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> {
  public:
-  // tenant: the caller's, or why the call is refused.
+  // tenant: the caller's, or why the call is refused. The caller has
+  // counted this call in `active`; OnDone uncounts it.
   ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request,
                 absl::StatusOr<std::string> tenant, std::atomic<int>* active, Metrics* metrics)
       : handler_(handler), executor_(executor), active_(active), metrics_(metrics), start_(absl::Now()) {
-    active_->fetch_add(1);
     if (!tenant.ok()) {
       Done(tenant.status());
       return;
@@ -167,13 +166,16 @@ grpc::ServerUnaryReactor* KvCacheService::Unary(grpc::CallbackServerContext* con
                                                 Method method, const char* name) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time start = absl::Now();
+  // Counted before the draining check inside Tenant(), so that a drain that
+  // sees no call in flight also sees every later call refused.
+  active_.fetch_add(1);
   absl::StatusOr<std::string> tenant = Tenant(context);
   if (!tenant.ok()) {
     Observe(metrics_, name, tenant.status(), start);
     reactor->Finish(ToGrpcStatus(tenant.status()));
+    active_.fetch_sub(1);
     return reactor;
   }
-  active_.fetch_add(1);
   const bool queued = executor_->Submit([this, reactor, request, response, method, name, start,
                                          tenant = *std::move(tenant)] {
     absl::StatusOr<Response> result = (handler_->*method)(*request, tenant);
@@ -252,18 +254,21 @@ absl::StatusOr<std::string> KvCacheService::Tenant(grpc::CallbackServerContext* 
 
 grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::Append(
     grpc::CallbackServerContext* context) {
+  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
                                                                    Tenant(context), &active_, metrics_, "Append");
 }
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::Attend(
     grpc::CallbackServerContext* context) {
+  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
                                                                    Tenant(context), &active_, metrics_, "Attend");
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext* context,
                                                                      const v1::ReadKvRequest* request) {
+  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new ReadKvReactor(handler_, executor_, request, Tenant(context), &active_, metrics_);
 }
 

@@ -123,8 +123,8 @@ void LayerCache::AppendPagesTo(std::string* out) const {
 }
 
 absl::Status LayerCache::LoadPages(int64_t tokens, absl::string_view pages) {
-  const size_t count = static_cast<size_t>((tokens + page_tokens_ - 1) / page_tokens_);
-  if (tokens < 0 || pages.size() != count * page_bytes_ || !pages_.empty()) {
+  const size_t count = tokens < 0 ? 0 : static_cast<size_t>(tokens / page_tokens_ + (tokens % page_tokens_ != 0));
+  if (tokens < 0 || count > pages.size() / page_bytes_ || pages.size() != count * page_bytes_ || !pages_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("a layer of ", tokens, " tokens needs ", count * page_bytes_,
                                                    " bytes of pages, got ", pages.size()));
   }

@@ -158,6 +158,7 @@ void SessionStore::RemoveSnapshot(const std::string& id) const {
 
 absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots() {
   if (options_.snapshot_dir.empty()) return absl::FailedPreconditionError("turbokvd runs without --snapshot-dir");
+  std::lock_guard<std::mutex> saving(save_mutex_);
   SnapshotReport report;
   std::set<std::string> written;
   for (const std::shared_ptr<SessionCache>& session : List()) {
@@ -171,6 +172,15 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots() {
     if (!status.ok()) {
       report.failed.emplace_back(session->id(), status);
       continue;
+    }
+    {
+      // Deleted or evicted while its file was being written: it must not
+      // come back at the next start.
+      std::lock_guard<std::mutex> lock(session->mutex());
+      if (session->gone()) {
+        RemoveSnapshot(session->id());
+        continue;
+      }
     }
     written.insert(session->id() + kSnapshotSuffix);
     ++report.sessions;

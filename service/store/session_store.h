@@ -21,6 +21,10 @@
 
 namespace turbokv {
 
+// Limits of a session's shape (CreateSession and snapshots enforce them).
+constexpr int kMaxLayers = 1024;
+constexpr int kMaxHeads = 1024;  // kv heads, and query heads
+
 // A session's configuration, checked and with every default filled in.
 struct SessionConfig {
   int layers = 0;
@@ -182,6 +186,7 @@ class SessionStore {
   std::deque<std::string> gone_order_;
   // Ids whose snapshot could not be loaded, with why: DATA_LOSS.
   std::unordered_map<std::string, std::string> damaged_;
+  std::mutex save_mutex_;  // one SaveSnapshots at a time; never under mutex_
   std::atomic<int64_t> lru_evictions_{0};
   std::atomic<int64_t> ttl_expiries_{0};
 };

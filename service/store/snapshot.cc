@@ -139,7 +139,9 @@ absl::StatusOr<DecodedSnapshot> DecodeSnapshot(absl::string_view bytes, int page
   c.idle_ttl = absl::Nanoseconds(header.Get<int64_t>());
   s.created = absl::FromUnixNanos(header.Get<int64_t>());
   const int32_t stored_page_tokens = header.Get<int32_t>();
-  if (header.short_read() || c.layers < 1 || c.layers > 65536 || c.kv_heads < 1 || c.q_heads < 1) {
+  // The limits CreateSession enforces: nothing sized from a bad header.
+  if (header.short_read() || c.layers < 1 || c.layers > kMaxLayers || c.kv_heads < 1 || c.kv_heads > kMaxHeads ||
+      c.q_heads < c.kv_heads || c.q_heads > kMaxHeads || c.q_heads % c.kv_heads != 0 || c.max_tokens < 1) {
     return absl::DataLossError("the snapshot header is malformed");
   }
   if (stored_page_tokens != page_tokens) {
@@ -154,7 +156,8 @@ absl::StatusOr<DecodedSnapshot> DecodeSnapshot(absl::string_view bytes, int page
   const size_t page_bytes = static_cast<size_t>(c.kv_heads) * page_tokens * (key->code_size() + value->code_size());
   for (int64_t tokens : s.tokens) {
     if (tokens < 0 || tokens > c.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
-    const size_t pages = static_cast<size_t>((tokens + page_tokens - 1) / page_tokens);
+    const size_t pages = static_cast<size_t>(tokens / page_tokens + (tokens % page_tokens != 0));
+    if (pages > reader.left() / page_bytes) return absl::DataLossError("the snapshot's pages do not match its header");
     s.pages.push_back(reader.Take(pages * page_bytes));
   }
   if (reader.short_read() || reader.left() != 0) {

@@ -332,6 +332,11 @@ TEST_F(HandlerTest, AttendChecksPositionsAndOptions) {
          std::memcpy(&(*r.mutable_queries()->mutable_data())[0], &nan, 4);
        }},
       {"layer = 3", absl::StatusCode::kInvalidArgument, [](v1::AttendRequest& r) { r.set_layer(3); }},
+      {"over the 67108864-byte message limit", absl::StatusCode::kResourceExhausted, [](v1::AttendRequest& r) {
+         // 1000 queries with top_k 1024: about 100 MB of results.
+         *r.mutable_queries() = MakeTensor(std::vector<float>(1000 * kQ * kDim, 0.5f), {1000, kQ, kDim});
+         r.mutable_options()->set_top_k(1024);
+       }},
   };
   for (const Case& c : cases) {
     v1::AttendRequest bad = request;

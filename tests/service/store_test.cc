@@ -8,6 +8,8 @@
 #include "kernels/paged_cache.h"
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
+#include "service/store/session_store.h"
+#include "service/store/snapshot.h"
 #include "tests/kernels/codec_testing.h"
 
 namespace turbokv {
@@ -167,6 +169,57 @@ TEST(LayerCacheTest, KernelsReadTheStoredPages) {
                   .ok());
   EXPECT_EQ(out_a, out_b);
   EXPECT_EQ(lse_a, lse_b);
+}
+
+TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
+  StoreOptions options;
+  options.page_tokens = kPage;
+  SessionStore store(options);
+  SessionConfig config;
+  config.layers = 2;
+  config.kv_heads = kHeads;
+  config.q_heads = 2 * kHeads;
+  config.head_dim = kDim;
+  config.key_codec = CodecKind::kF16;
+  config.value_codec = CodecKind::kTurbo3;
+  config.rotation_seed = 7;
+  config.max_tokens = 1000;
+  auto session = store.Create(config, "tenant", absl::Now());
+  ASSERT_TRUE(session.ok());
+  Tokens data(100, 1);
+  ASSERT_TRUE((*session)->layers()[1].Append(0, 100, data.key(0), data.value(0)).ok());
+  const std::string bytes = EncodeSnapshot(**session, kPage);
+  auto decoded = DecodeSnapshot(bytes, kPage);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->id, (*session)->id());
+  EXPECT_EQ(decoded->tenant, "tenant");
+  EXPECT_EQ(decoded->tokens, (std::vector<int64_t>{0, 100}));
+  EXPECT_EQ(decoded->config.rotation_seed, 7u);
+
+  // Every single-byte change and every truncation is caught.
+  for (size_t at : {size_t{0}, size_t{9}, size_t{20}, bytes.size() / 2, bytes.size() - 1}) {
+    std::string bad = bytes;
+    bad[at] ^= 0x40;
+    EXPECT_EQ(DecodeSnapshot(bad, kPage).status().code(), absl::StatusCode::kDataLoss) << at;
+  }
+  for (size_t keep : {size_t{0}, size_t{10}, bytes.size() - 5}) {
+    EXPECT_EQ(DecodeSnapshot(bytes.substr(0, keep), kPage).status().code(), absl::StatusCode::kDataLoss) << keep;
+  }
+  EXPECT_EQ(DecodeSnapshot(bytes, kPage * 2).status().code(), absl::StatusCode::kDataLoss);
+
+  // A forged header with a valid checksum: token counts whose page bytes
+  // would wrap around size_t, and a huge max_tokens. Refused, nothing read.
+  const size_t header = 16;
+  const size_t max_tokens_at = header + 2 + (*session)->id().size() + 2 + 6 + 16 + 2 + 8;
+  const size_t tokens_at = max_tokens_at + 8 + 8 + 8 + 4 + 8;  // layer 1's count
+  std::string forged = bytes.substr(0, bytes.size() - 4);
+  const int64_t huge_max = INT64_MAX, huge_tokens = (int64_t{1} << 50) * kPage + 1;
+  std::memcpy(&forged[max_tokens_at], &huge_max, 8);
+  std::memcpy(&forged[tokens_at], &huge_tokens, 8);
+  const uint32_t crc = Crc32c(forged);
+  forged.append(reinterpret_cast<const char*>(&crc), 4);
+  auto refused = DecodeSnapshot(forged, kPage);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
 }
 
 }  // namespace
