@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -28,6 +29,8 @@
 namespace turbokv {
 
 namespace {
+
+constexpr absl::Duration kRefusalWindow = absl::Milliseconds(200);
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
   std::ifstream in(path);
@@ -223,6 +226,10 @@ void Server::Shutdown(absl::Duration deadline) {
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     while (service_->active_calls() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+    // Keep answering UNAVAILABLE a moment longer, so that a client that sent
+    // its next call just as the last one finished gets that answer rather
+    // than a call cancelled by the closing listener.
+    absl::SleepFor(std::min(kRefusalWindow, std::max(until - absl::Now(), absl::ZeroDuration())));
     server_->Shutdown(absl::ToChronoTime(absl::Now()));
   }
   if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));

@@ -20,6 +20,19 @@ void Prepare(grpc::ClientContext* context, const ClientOptions& options, bool wi
   if (!options.auth_token.empty()) context->AddMetadata("authorization", "Bearer " + options.auth_token);
 }
 
+// One unary call with the deadline and token of `options`, its status converted.
+template <typename Request, typename Response>
+absl::StatusOr<Response> Call(grpc::Status (v1::KvCacheService::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                                                Response*),
+                              v1::KvCacheService::Stub& stub, const ClientOptions& options, const Request& request) {
+  grpc::ClientContext context;
+  Prepare(&context, options);
+  Response response;
+  absl::Status status = FromGrpcStatus((stub.*method)(&context, request, &response));
+  if (!status.ok()) return status;
+  return response;
+}
+
 // The tensor message for data holding `rows` rows of `row` values: its shape
 // is `prefix` followed by [rows][...row shape]. INVALID_ARGUMENT when the
 // count is not a whole number of rows.
@@ -181,12 +194,9 @@ absl::StatusOr<StepResult> Session::Step(int layer, int64_t position, const Tens
   if (status.ok()) status = ToTensor(query, {}, {q, d}, "query", request.mutable_query());
   if (!status.ok()) return status;
   *request.mutable_options() = options;
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::StepResponse response;
-  status = FromGrpcStatus(stub_->Step(&context, request, &response));
-  if (!status.ok()) return status;
-  return StepResult{response.tokens(), FromResult(response.result())};
+  absl::StatusOr<v1::StepResponse> response = Call(&v1::KvCacheService::Stub::Step, *stub_, *options_, request);
+  if (!response.ok()) return response.status();
+  return StepResult{response->tokens(), FromResult(response->result())};
 }
 
 absl::StatusOr<KvData> Session::ReadKv(int layer, int64_t start, int64_t end) const {
@@ -216,44 +226,29 @@ absl::StatusOr<Session> Session::Fork(int64_t prefix_tokens) const {
   v1::ForkSessionRequest request;
   request.set_source_session_id(id_);
   request.set_prefix_tokens(prefix_tokens);
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::ForkSessionResponse response;
-  absl::Status status = FromGrpcStatus(stub_->ForkSession(&context, request, &response));
-  if (!status.ok()) return status;
-  return Session(stub_, response.session_id(), response.session().config(), options_);
+  absl::StatusOr<v1::ForkSessionResponse> response =
+      Call(&v1::KvCacheService::Stub::ForkSession, *stub_, *options_, request);
+  if (!response.ok()) return response.status();
+  return Session(stub_, response->session_id(), response->session().config(), options_);
 }
 
 absl::StatusOr<v1::SessionInfo> Session::Truncate(int64_t tokens) const {
   v1::TruncateSessionRequest request;
   request.set_session_id(id_);
   request.set_tokens(tokens);
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::SessionInfo response;
-  absl::Status status = FromGrpcStatus(stub_->TruncateSession(&context, request, &response));
-  if (!status.ok()) return status;
-  return response;
+  return Call(&v1::KvCacheService::Stub::TruncateSession, *stub_, *options_, request);
 }
 
 absl::StatusOr<v1::SessionInfo> Session::Info() const {
   v1::GetSessionRequest request;
   request.set_session_id(id_);
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::SessionInfo response;
-  absl::Status status = FromGrpcStatus(stub_->GetSession(&context, request, &response));
-  if (!status.ok()) return status;
-  return response;
+  return Call(&v1::KvCacheService::Stub::GetSession, *stub_, *options_, request);
 }
 
 absl::Status Session::Delete() const {
   v1::DeleteSessionRequest request;
   request.set_session_id(id_);
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::DeleteSessionResponse response;
-  return FromGrpcStatus(stub_->DeleteSession(&context, request, &response));
+  return Call(&v1::KvCacheService::Stub::DeleteSession, *stub_, *options_, request).status();
 }
 
 std::unique_ptr<Client> Client::Connect(const std::string& target, const ClientOptions& options) {
@@ -322,12 +317,10 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
   config->set_max_tokens(options.max_tokens);
   *config->mutable_idle_ttl() =
       google::protobuf::util::TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(options.idle_ttl));
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::CreateSessionResponse response;
-  absl::Status status = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
-  if (!status.ok()) return status;
-  return Session(stub_, response.session_id(), response.config(), options_);
+  absl::StatusOr<v1::CreateSessionResponse> response =
+      Call(&v1::KvCacheService::Stub::CreateSession, *stub_, *options_, request);
+  if (!response.ok()) return response.status();
+  return Session(stub_, response->session_id(), response->config(), options_);
 }
 
 absl::StatusOr<Session> Client::OpenSession(const std::string& id) const {
@@ -339,48 +332,28 @@ absl::StatusOr<Session> Client::OpenSession(const std::string& id) const {
 absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& id) const {
   v1::GetSessionRequest request;
   request.set_session_id(id);
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::SessionInfo response;
-  absl::Status status = FromGrpcStatus(stub_->GetSession(&context, request, &response));
-  if (!status.ok()) return status;
-  return response;
+  return Call(&v1::KvCacheService::Stub::GetSession, *stub_, *options_, request);
 }
 
 absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() const {
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::ListSessionsResponse response;
-  absl::Status status = FromGrpcStatus(stub_->ListSessions(&context, v1::ListSessionsRequest(), &response));
-  if (!status.ok()) return status;
-  return std::vector<v1::SessionInfo>(response.sessions().begin(), response.sessions().end());
+  absl::StatusOr<v1::ListSessionsResponse> response =
+      Call(&v1::KvCacheService::Stub::ListSessions, *stub_, *options_, v1::ListSessionsRequest());
+  if (!response.ok()) return response.status();
+  return std::vector<v1::SessionInfo>(response->sessions().begin(), response->sessions().end());
 }
 
 absl::Status Client::DeleteSession(const std::string& id) const {
   v1::DeleteSessionRequest request;
   request.set_session_id(id);
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::DeleteSessionResponse response;
-  return FromGrpcStatus(stub_->DeleteSession(&context, request, &response));
+  return Call(&v1::KvCacheService::Stub::DeleteSession, *stub_, *options_, request).status();
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats() const {
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::StatsResponse response;
-  absl::Status status = FromGrpcStatus(stub_->Stats(&context, v1::StatsRequest(), &response));
-  if (!status.ok()) return status;
-  return response;
+  return Call(&v1::KvCacheService::Stub::Stats, *stub_, *options_, v1::StatsRequest());
 }
 
 absl::StatusOr<v1::SnapshotResponse> Client::Snapshot() const {
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  v1::SnapshotResponse response;
-  absl::Status status = FromGrpcStatus(stub_->Snapshot(&context, v1::SnapshotRequest(), &response));
-  if (!status.ok()) return status;
-  return response;
+  return Call(&v1::KvCacheService::Stub::Snapshot, *stub_, *options_, v1::SnapshotRequest());
 }
 
 }  // namespace turbokv
