@@ -1,9 +1,10 @@
 # turbokv: the whole set-up on a fresh machine is `make demo` and `make test`.
 BUILD_DIR ?= build
+ASAN_DIR ?= build-asan
 JOBS ?= 2
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test test-asan demo bench clean
+.PHONY: all deps configure build test fuzz asan-configure test-asan demo bench clean
 
 all: build
 
@@ -18,18 +19,26 @@ configure: deps $(BUILD_DIR)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
+# Every test, then a minute of libFuzzer on the request handler.
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS)
+	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS) -E '^handler_fuzz$$'
+	$(MAKE) fuzz
 
-# The unit, integration and Python tests again under AddressSanitizer and
-# UndefinedBehaviorSanitizer (clang-14), plus a minute of libFuzzer on the
-# handler. CUDA is left out of this build.
-ASAN_DIR ?= build-asan
-test-asan: deps
+# The sanitizer build (clang-14, AddressSanitizer + UndefinedBehaviorSanitizer,
+# no CUDA) holds the fuzzer too.
+asan-configure: deps
 	CC=clang-14 CXX=clang++-14 cmake -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DTURBOKV_SANITIZE=ON -DTURBOKV_CUDA=OFF
+
+fuzz: asan-configure
+	cmake --build $(ASAN_DIR) -j$(JOBS) --target handler_fuzz
+	cd $(ASAN_DIR) && ctest --output-on-failure -R '^handler_fuzz$$'
+
+# The unit, integration and Python tests again, under the sanitizers.
+test-asan: asan-configure
 	cmake --build $(ASAN_DIR) -j$(JOBS)
-	cd $(ASAN_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j$(JOBS)
+	cd $(ASAN_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j$(JOBS) -E '^handler_fuzz$$'
 
 demo: build
 	@scripts/demo.sh $(BUILD_DIR)
@@ -38,4 +47,4 @@ bench: build
 	$(BUILD_DIR)/bench/codec_bench
 
 clean:
-	rm -rf $(BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR)
