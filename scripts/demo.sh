@@ -31,7 +31,7 @@ kill -TERM "$daemon_pid"
 status=0
 wait "$daemon_pid" || status=$?
 daemon_pid=""
-tail -n +4 "$dir/turbokvd.log" | sed 's/^/   /'
+sed -n "/SIGTERM/,\$p" "$dir/turbokvd.log" | sed "s/^/   /"
 if [ "$status" -ne 0 ]; then
   echo "turbokvd exited with status $status" >&2
   exit 1
