@@ -372,16 +372,19 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
   const size_t layer_values = static_cast<size_t>(n) * config.kv_heads * config.head_dim;
   v1::AppendResponse response;
   response.set_start(request.start());
-  // Layers encode independently: spread them over the kernel threads.
+  // Layers encode independently: spread them over the kernel threads (one
+  // layer spreads its heads and pages instead).
+  const bool by_layer = layers.size() > 1;
   std::vector<int64_t> before(layers.size()), after(layers.size());
   auto commit = [&](int64_t i) {
     LayerCache& layer = session.layers()[layers[i]];
     const size_t offset = i * layer_values;
     before[i] = layer.tokens();
-    after[i] = layer.Commit(std::move((*pending)[i]), keys->data() + offset, values->data() + offset);
+    after[i] = layer.Commit(std::move((*pending)[i]), keys->data() + offset, values->data() + offset,
+                            by_layer ? nullptr : options_.kernel_pool);
   };
   const absl::Time encode_start = absl::Now();
-  if (options_.kernel_pool != nullptr && layers.size() > 1) {
+  if (options_.kernel_pool != nullptr && by_layer) {
     options_.kernel_pool->ParallelFor(static_cast<int64_t>(layers.size()), commit);
   } else {
     for (size_t i = 0; i < layers.size(); ++i) commit(static_cast<int64_t>(i));

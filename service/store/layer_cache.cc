@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace turbokv {
 
@@ -54,7 +55,7 @@ absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float
   return Commit(*std::move(pending), keys, values);
 }
 
-int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float* values) {
+int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool) {
   const int64_t start = pending.start;
   const int64_t end = pending.end;
   if (end <= tokens_) return tokens_;
@@ -70,27 +71,38 @@ int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float
     page_pointers_.push_back(pages_.back()->data);
   }
 
-  // Encode the new tokens, one run of consecutive slots per page and head.
-  const PagedKvCache d = Descriptor();
-  const int dim = key_codec_->layout().head_dim;
-  std::vector<float> k_run, v_run;
+  // Encode the new tokens: one work item per run of consecutive slots in a
+  // page and kv head; items write disjoint bytes, so they run in parallel.
+  struct Run {
+    int64_t first;  // token
+    int64_t page, slot, length;
+    int head;
+  };
+  std::vector<Run> runs;
   for (int64_t t = tokens_; t < end;) {
-    const int64_t page = t / page_tokens_;
     const int64_t slot = t % page_tokens_;
-    const int64_t run = std::min<int64_t>(end - t, page_tokens_ - slot);
-    k_run.resize(static_cast<size_t>(run) * dim);
-    v_run.resize(k_run.size());
-    for (int h = 0; h < kv_heads_; ++h) {
-      for (int64_t i = 0; i < run; ++i) {
-        const size_t src = (static_cast<size_t>(t - start + i) * kv_heads_ + h) * dim;
-        std::memcpy(&k_run[i * dim], keys + src, dim * sizeof(float));
-        std::memcpy(&v_run[i * dim], values + src, dim * sizeof(float));
-      }
-      uint8_t* base = pages_[page]->data;
-      key_codec_->Encode(run, k_run.data(), base + d.key_offset(h, slot));
-      value_codec_->Encode(run, v_run.data(), base + d.value_offset(h, slot));
+    const int64_t length = std::min<int64_t>(end - t, page_tokens_ - slot);
+    for (int h = 0; h < kv_heads_; ++h) runs.push_back(Run{t, t / page_tokens_, slot, length, h});
+    t += length;
+  }
+  const PagedKvCache d = Descriptor();
+  const size_t dim = static_cast<size_t>(key_codec_->layout().head_dim);
+  auto encode = [&](int64_t i) {
+    const Run& r = runs[static_cast<size_t>(i)];
+    std::vector<float> k_run(static_cast<size_t>(r.length) * dim), v_run(k_run.size());
+    for (int64_t j = 0; j < r.length; ++j) {
+      const size_t src = (static_cast<size_t>(r.first - start + j) * kv_heads_ + r.head) * dim;
+      std::memcpy(&k_run[j * dim], keys + src, dim * sizeof(float));
+      std::memcpy(&v_run[j * dim], values + src, dim * sizeof(float));
     }
-    t += run;
+    uint8_t* base = pages_[r.page]->data;
+    key_codec_->Encode(r.length, k_run.data(), base + d.key_offset(r.head, r.slot));
+    value_codec_->Encode(r.length, v_run.data(), base + d.value_offset(r.head, r.slot));
+  };
+  if (pool != nullptr && runs.size() > 1) {
+    pool->ParallelFor(static_cast<int64_t>(runs.size()), encode);
+  } else {
+    for (size_t i = 0; i < runs.size(); ++i) encode(static_cast<int64_t>(i));
   }
   tokens_ = end;
   return tokens_;

@@ -16,6 +16,8 @@
 
 namespace turbokv {
 
+class ThreadPool;
+
 class LayerCache {
  public:
   // key_codec and value_codec share head_dim; page_tokens > 0, kv_heads > 0.
@@ -50,8 +52,9 @@ class LayerCache {
   // Stores the chunk Prepare checked (no change to the layer in between):
   // keys and values [n][kv_heads][head_dim], n = pending.end - pending.start.
   // Idempotent by position: tokens already stored are acknowledged, not stored
-  // again. Returns the new token count.
-  int64_t Commit(PendingAppend pending, const float* keys, const float* values);
+  // again. Encodes on `pool` when given (not from inside its own ParallelFor).
+  // Returns the new token count.
+  int64_t Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool = nullptr);
 
   // Prepare then Commit: the chunk is applied whole or not at all.
   absl::StatusOr<int64_t> Append(int64_t start, int64_t n, const float* keys, const float* values);
