@@ -155,6 +155,8 @@ class Session:
 
     def read_kv(self, layer: int, start: int = 0, end: int = 0, dtype=np.float32) -> Tuple[np.ndarray, np.ndarray]:
         """Decoded keys and values of tokens [start, end) (end 0: to the end)."""
+        if np.dtype(dtype) not in _DTYPES:
+            raise ValueError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
         request = pb.ReadKvRequest(session_id=self.id, layers=[layer], start=start, end=end,
                                    dtype=_DTYPES[np.dtype(dtype)])
         keys, values = [], []
