@@ -324,6 +324,41 @@ absl::StatusOr<std::vector<LayerCache::PendingAppend>> Handler::PrepareAppend(
   return status;
 }
 
+absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, const std::vector<int>& layers,
+                                                        int64_t start, int64_t n, const float* keys,
+                                                        const float* values) {
+  absl::StatusOr<std::vector<LayerCache::PendingAppend>> pending = PrepareAppend(session, layers, start, n);
+  if (!pending.ok()) return pending.status();
+  const SessionConfig& config = session.config();
+  const size_t layer_values = static_cast<size_t>(n) * config.kv_heads * config.head_dim;
+  // Layers encode independently: spread them over the kernel threads (one
+  // layer spreads its heads and pages instead).
+  const bool by_layer = layers.size() > 1;
+  StoredChunk chunk;
+  chunk.before.resize(layers.size());
+  chunk.after.resize(layers.size());
+  auto commit = [&](int64_t i) {
+    LayerCache& layer = session.layers()[layers[i]];
+    const size_t offset = i * layer_values;
+    chunk.before[i] = layer.tokens();
+    chunk.after[i] = layer.Commit(std::move((*pending)[i]), keys + offset, values + offset,
+                                  by_layer ? nullptr : options_.kernel_pool);
+  };
+  const absl::Time encode_start = absl::Now();
+  if (options_.kernel_pool != nullptr && by_layer) {
+    options_.kernel_pool->ParallelFor(static_cast<int64_t>(layers.size()), commit);
+  } else {
+    for (size_t i = 0; i < layers.size(); ++i) commit(static_cast<int64_t>(i));
+  }
+  if (options_.metrics != nullptr) {
+    int64_t new_token_layers = 0;
+    for (size_t i = 0; i < layers.size(); ++i) new_token_layers += chunk.after[i] - chunk.before[i];
+    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
+    options_.metrics->AddAppendedTokens(new_token_layers);
+  }
+  return chunk;
+}
+
 absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& request,
     const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
@@ -366,40 +401,16 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
   absl::StatusOr<std::vector<float>> values = TensorToFloats(request.values(), shape, "values");
   if (!values.ok()) return values.status();
 
-  absl::StatusOr<std::vector<LayerCache::PendingAppend>> pending =
-      PrepareAppend(session, layers, request.start(), n);
-  if (!pending.ok()) return pending.status();
-  const size_t layer_values = static_cast<size_t>(n) * config.kv_heads * config.head_dim;
+  absl::StatusOr<StoredChunk> chunk =
+      StoreChunk(session, layers, request.start(), n, keys->data(), values->data());
+  if (!chunk.ok()) return chunk.status();
   v1::AppendResponse response;
   response.set_start(request.start());
-  // Layers encode independently: spread them over the kernel threads (one
-  // layer spreads its heads and pages instead).
-  const bool by_layer = layers.size() > 1;
-  std::vector<int64_t> before(layers.size()), after(layers.size());
-  auto commit = [&](int64_t i) {
-    LayerCache& layer = session.layers()[layers[i]];
-    const size_t offset = i * layer_values;
-    before[i] = layer.tokens();
-    after[i] = layer.Commit(std::move((*pending)[i]), keys->data() + offset, values->data() + offset,
-                            by_layer ? nullptr : options_.kernel_pool);
-  };
-  const absl::Time encode_start = absl::Now();
-  if (options_.kernel_pool != nullptr && by_layer) {
-    options_.kernel_pool->ParallelFor(static_cast<int64_t>(layers.size()), commit);
-  } else {
-    for (size_t i = 0; i < layers.size(); ++i) commit(static_cast<int64_t>(i));
-  }
-  int64_t new_token_layers = 0;
-  for (size_t i = 0; i < layers.size(); ++i) new_token_layers += after[i] - before[i];
-  if (options_.metrics != nullptr) {
-    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
-    options_.metrics->AddAppendedTokens(new_token_layers);
-  }
   int64_t tokens = INT64_MAX;
   int64_t stored = 0;
   for (size_t i = 0; i < layers.size(); ++i) {
-    tokens = std::min(tokens, after[i]);
-    stored = std::max(stored, after[i] - before[i]);
+    tokens = std::min(tokens, chunk->after[i]);
+    stored = std::max(stored, chunk->after[i] - chunk->before[i]);
   }
   response.set_tokens(tokens);
   response.set_stored(stored);
@@ -479,18 +490,13 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   absl::StatusOr<std::vector<float>> query = TensorToFloats(request.query(), {1, config.q_heads, config.head_dim}, "query");
   if (!query.ok()) return query.status();
 
-  absl::StatusOr<std::vector<LayerCache::PendingAppend>> pending =
-      PrepareAppend(session, {request.layer()}, request.position(), 1);
-  if (!pending.ok()) return pending.status();
+  absl::StatusOr<StoredChunk> chunk =
+      StoreChunk(session, {request.layer()}, request.position(), 1, key->data(), value->data());
+  if (!chunk.ok()) return chunk.status();
   LayerCache& layer = session.layers()[request.layer()];
+  const int64_t before = chunk->before[0];
   v1::StepResponse response;
-  const int64_t before = layer.tokens();
-  const absl::Time encode_start = absl::Now();
-  response.set_tokens(layer.Commit(std::move(pending->front()), key->data(), value->data()));
-  if (options_.metrics != nullptr) {
-    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
-    options_.metrics->AddAppendedTokens(response.tokens() - before);
-  }
+  response.set_tokens(chunk->after[0]);
   const absl::Status status = RunAttention(layer, *params, 1, *query, {request.position()}, options_.kernel_pool,
                                            options_.metrics, response.mutable_result());
   if (!status.ok()) {

@@ -97,6 +97,15 @@ class Handler {
   absl::StatusOr<std::vector<LayerCache::PendingAppend>> PrepareAppend(SessionCache& session,
                                                                        const std::vector<int>& layers,
                                                                        int64_t start, int64_t n);
+  // Each layer's length before and after a stored chunk.
+  struct StoredChunk {
+    std::vector<int64_t> before;
+    std::vector<int64_t> after;
+  };
+  // PrepareAppend, then encodes keys and values ([layers.size()][n][kv_heads]
+  // [head_dim]) into each layer and counts them in the metrics.
+  absl::StatusOr<StoredChunk> StoreChunk(SessionCache& session, const std::vector<int>& layers, int64_t start,
+                                         int64_t n, const float* keys, const float* values);
   v1::SessionInfo Info(const SessionCache& session) const;  // session locked
 
   SessionStore* store_;
