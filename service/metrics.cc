@@ -77,10 +77,19 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
 Metrics::~Metrics() = default;
 
 void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds) {
-  const std::string code_name = absl::StatusCodeToString(code);
-  const prometheus::Labels labels = {{"method", std::string(method)}, {"code", code_name}};
-  rpc_duration_->Add(labels, LatencyBuckets()).Observe(seconds);
-  if (code != absl::StatusCode::kOk) rpc_errors_->Add(labels).Increment();
+  RpcSeries series;
+  {
+    std::lock_guard<std::mutex> lock(rpc_mutex_);
+    RpcSeries& slot = rpc_series_[{std::string(method), code}];
+    if (slot.duration == nullptr) {
+      const prometheus::Labels labels = {{"method", std::string(method)}, {"code", absl::StatusCodeToString(code)}};
+      slot.duration = &rpc_duration_->Add(labels, LatencyBuckets());
+      if (code != absl::StatusCode::kOk) slot.errors = &rpc_errors_->Add(labels);
+    }
+    series = slot;
+  }
+  series.duration->Observe(seconds);
+  if (series.errors != nullptr) series.errors->Increment();
 }
 
 void Metrics::AddAppendedTokens(int64_t tokens) { appended_tokens_->Increment(static_cast<double>(tokens)); }

@@ -5,8 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -48,6 +51,14 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Histogram>* rpc_duration_;
   prometheus::Family<prometheus::Counter>* rpc_errors_;
+  // The series of each (method, code) seen, made once: a family's Add builds
+  // a new metric object before it looks the labels up.
+  struct RpcSeries {
+    prometheus::Histogram* duration = nullptr;
+    prometheus::Counter* errors = nullptr;  // only for codes other than OK
+  };
+  std::mutex rpc_mutex_;
+  std::map<std::pair<std::string, absl::StatusCode>, RpcSeries> rpc_series_;
   prometheus::Counter* appended_tokens_;
   prometheus::Counter* attended_queries_;
   prometheus::Histogram* encode_duration_;
