@@ -199,8 +199,7 @@ absl::Status Server::Start() {
 
 void Server::ExpireLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
-  while (!stop_expiry_.wait_for(lock, absl::ToChronoSeconds(options_.expiry_interval) +
-                                          absl::ToChronoNanoseconds(options_.expiry_interval % absl::Seconds(1)),
+  while (!stop_expiry_.wait_for(lock, absl::ToChronoNanoseconds(options_.expiry_interval),
                                 [this] { return stopping_; })) {
     lock.unlock();
     const int expired = store_->ExpireIdle(absl::Now());

@@ -64,14 +64,16 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
   size_t count = 1;
   bool too_large = false;
   for (int64_t d : shape) {
-    if (d < 0 || (d > 0 && count > tensor.data().size() / static_cast<size_t>(d))) too_large = true;
-    count *= static_cast<size_t>(d < 0 ? 0 : d);
+    if (d < 0 || (d > 0 && count > tensor.data().size() / static_cast<size_t>(d))) {
+      too_large = true;
+      break;
+    }
+    count *= static_cast<size_t>(d);
   }
   if (too_large || tensor.data().size() != count * value_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data holds ", tensor.data().size(),
-                                                   " bytes, shape ", ShapeString(shape), " of ",
-                                                   v1::DType_Name(tensor.dtype()), " needs ",
-                                                   count * value_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data holds ", tensor.data().size(), " bytes, shape ", ShapeString(shape), " of ",
+        v1::DType_Name(tensor.dtype()), " needs ", too_large ? "more" : absl::StrCat(count * value_bytes)));
   }
   std::vector<float> values(count);
   const char* data = tensor.data().data();

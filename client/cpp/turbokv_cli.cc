@@ -123,7 +123,13 @@ absl::Status AppendRandom(const turbokv::Client& client, Args& args) {
     return absl::InvalidArgumentError("--layer: expected a layer number or all");
   }
   const auto& shape = session->config().shape();
-  const int64_t start = layer < 0 ? session->Info()->layer_tokens(0) : session->Info()->layer_tokens(layer);
+  absl::StatusOr<turbokv::v1::SessionInfo> info = session->Info();
+  if (!info.ok()) return info.status();
+  if (layer >= info->layer_tokens_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("--layer=", layer, ": the session has ", info->layer_tokens_size(),
+                                                   " layers"));
+  }
+  const int64_t start = info->layer_tokens(layer < 0 ? 0 : layer);
   const size_t row = static_cast<size_t>(shape.kv_heads()) * shape.head_dim() * (layer < 0 ? shape.layers() : 1);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
@@ -251,11 +257,10 @@ int main(int argc, char** argv) {
   const std::unique_ptr<turbokv::Client> client =
       turbokv::Client::Connect(args.Flag("target", "unix:///tmp/turbokv.sock"), client_options);
 
-  // The daemon may still be starting (a sidecar next to its worker).
-  absl::Status status = client->WaitUntilServing(absl::Seconds(30));
-  if (!status.ok()) {
-    // Fall through to the command: it reports the connection error.
-  }
+  // The daemon may still be starting (a sidecar next to its worker); if it
+  // does not come up, the command itself reports the connection error.
+  client->WaitUntilServing(absl::Seconds(30)).IgnoreError();
+  absl::Status status;
   if (args.command == "create") {
     status = Create(*client, args);
   } else if (args.command == "list") {
