@@ -111,15 +111,40 @@ struct AttentionOptions {
   bool integer_dot_products = true;
 };
 
+// One problem of a batch: queries against one layer of one session's cache,
+// and where their results go.
+struct AttentionProblem {
+  PagedKvCache cache;
+  AttentionQueries queries;
+  AttentionOutput output;
+};
+
+// Problems [count] sharing one AttentionParams (q_heads, scale, softcap,
+// window, top_k): a decode step of every session of a batch for one layer.
+// A single session's call is a batch of one.
+struct AttentionBatch {
+  const AttentionProblem* problems = nullptr;
+  int64_t count = 0;
+};
+
 // Checks the descriptor, parameters and positions; INVALID_ARGUMENT naming
 // the field otherwise.
 absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& params,
                             const AttentionQueries& queries, const AttentionOutput& output);
 
-// Attention on the CPU.
-absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
-                       const AttentionQueries& queries, const AttentionOutput& output,
+// Attention on the CPU over a whole batch: every problem is checked first
+// (INVALID_ARGUMENT naming the problem and field, nothing computed), then the
+// work items of all problems (kv head x token chunk) run as one parallel job.
+absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
                        const AttentionOptions& options = {});
+
+// A batch of one.
+inline absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
+                              const AttentionQueries& queries, const AttentionOutput& output,
+                              const AttentionOptions& options = {}) {
+  const AttentionProblem problem{cache, queries, output};
+  return AttendCpu(AttentionBatch{&problem, 1}, params, options);
+}
 
 // Merges two results computed over disjoint token sets of the same queries
 // (count = n * q_heads outputs of head_dim values): a becomes the result over

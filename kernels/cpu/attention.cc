@@ -159,41 +159,56 @@ namespace {
 // for every kv head x chunk) during long prefills.
 constexpr int64_t kQueriesPerPass = 32;
 
-// One pass over the cache for queries that CheckAttention accepted.
-void AttendPass(const PagedKvCache& cache, const AttentionParams& params,
-                const AttentionQueries& queries, const AttentionOutput& output,
-                const AttentionOptions& options) {
+// Up to kQueriesPerPass queries of one problem, scanned together: each kv
+// head's tokens are cut into chunks, one work item per (head, chunk).
+struct Pass {
+  const PagedKvCache* cache = nullptr;
+  AttentionQueries queries;  // this pass's queries
+  AttentionOutput output;    // and their rows of the problem's output
+  int rows = 0;              // queries.n * group
+  std::vector<int64_t> first, last;  // visible range of each query
+  int64_t begin = 0, end = 0;        // the span any query sees
+  int64_t chunk = 0, chunks = 0;
+  int64_t first_item = 0;            // index of its first work item in the batch
+  std::vector<float> q;              // [kv_heads][rows][head_dim], in the key domain
+  std::unique_ptr<HadamardRotation> value_rotation;
+  std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
+};
+
+// Visible ranges of the pass's queries, and its queries rotated into the key
+// domain, per kv head.
+void PreparePass(const AttentionParams& params, Pass* pass) {
+  const PagedKvCache& cache = *pass->cache;
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
-  const int64_t n = queries.n;
-  const int rows = static_cast<int>(n) * group;  // n <= kQueriesPerPass
-
-  // Visible ranges and the span of tokens any query sees.
-  std::vector<int64_t> first(n), last(n);
-  int64_t begin = cache.tokens, end = 0;
+  const int64_t n = pass->queries.n;
+  pass->rows = static_cast<int>(n) * group;
+  pass->first.resize(n);
+  pass->last.resize(n);
+  pass->begin = cache.tokens;
+  pass->end = 0;
   for (int64_t i = 0; i < n; ++i) {
-    last[i] = queries.positions[i];
-    first[i] = params.window > 0 ? std::max<int64_t>(0, last[i] - params.window + 1) : 0;
-    begin = std::min(begin, first[i]);
-    end = std::max(end, last[i] + 1);
+    pass->last[i] = pass->queries.positions[i];
+    pass->first[i] = params.window > 0 ? std::max<int64_t>(0, pass->last[i] - params.window + 1) : 0;
+    pass->begin = std::min(pass->begin, pass->first[i]);
+    pass->end = std::max(pass->end, pass->last[i] + 1);
   }
-
-  // Queries in the key domain, per kv head: [head][row][d].
-  std::vector<float> q(static_cast<size_t>(cache.kv_heads) * rows * d);
-  std::unique_ptr<HadamardRotation> key_rotation, value_rotation;
+  std::unique_ptr<HadamardRotation> key_rotation;
   if (TurboBits(cache.key_layout.kind) != 0) {
     key_rotation = std::make_unique<HadamardRotation>(d, cache.key_layout.block_values, cache.key_seed);
   }
   if (TurboBits(cache.value_layout.kind) != 0) {
-    value_rotation =
+    pass->value_rotation =
         std::make_unique<HadamardRotation>(d, cache.value_layout.block_values, cache.value_seed);
   }
+  const int rows = pass->rows;
+  pass->q.resize(static_cast<size_t>(cache.kv_heads) * rows * d);
   for (int h = 0; h < cache.kv_heads; ++h) {
     for (int r = 0; r < rows; ++r) {
       const int64_t query = r / group;
       const int q_head = h * group + r % group;
-      float* dst = q.data() + (static_cast<size_t>(h) * rows + r) * d;
-      std::memcpy(dst, queries.q + (query * params.q_heads + q_head) * static_cast<size_t>(d),
+      float* dst = pass->q.data() + (static_cast<size_t>(h) * rows + r) * d;
+      std::memcpy(dst, pass->queries.q + (query * params.q_heads + q_head) * static_cast<size_t>(d),
                   d * sizeof(float));
       if (key_rotation) {
         for (int b = 0; b < cache.key_layout.blocks; ++b) {
@@ -202,98 +217,141 @@ void AttendPass(const PagedKvCache& cache, const AttentionParams& params,
       }
     }
   }
+}
 
-  // Work items: kv head x chunk of the span.
-  const int threads = options.pool ? options.pool->size() : 1;
-  const int64_t span = end - begin;
-  int64_t chunk = options.chunk_tokens;
-  if (chunk <= 0) {
-    const int64_t wanted = (4 * threads + cache.kv_heads - 1) / cache.kv_heads;  // chunks per head
-    chunk = threads == 1 ? span : std::max<int64_t>(1024, (span + wanted - 1) / wanted);
-  }
-  const int64_t chunks = (span + chunk - 1) / chunk;
-  const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
-                                                  : 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<std::unique_ptr<ScanState>> states(static_cast<size_t>(cache.kv_heads) * chunks);
-  auto run_item = [&](int64_t item) {
-    ScanTask task;
-    task.cache = &cache;
-    task.head = static_cast<int>(item / chunks);
-    task.begin = begin + (item % chunks) * chunk;
-    task.end = std::min(end, task.begin + chunk);
-    task.rows = rows;
-    task.group = group;
-    task.q = q.data() + static_cast<size_t>(task.head) * rows * d;
-    task.first = first.data();
-    task.last = last.data();
-    task.scale = scale;
-    task.softcap = params.softcap;
-    task.top_k = params.top_k;
-    task.integer_dot_products = options.integer_dot_products;
-    auto state = std::make_unique<ScanState>(rows, d, params.top_k);
-    if (options.path == AttentionPath::kScalar) {
-      ScanScalar(task, state.get());
-    } else {
-      ScanSimd(task, state.get());
-    }
-    states[item] = std::move(state);
-  };
-  const int64_t items = static_cast<int64_t>(cache.kv_heads) * chunks;
-  if (options.pool) {
-    options.pool->ParallelFor(items, run_item);
-  } else {
-    for (int64_t i = 0; i < items; ++i) run_item(i);
-  }
-
-  // Merge chunks in order, normalize, rotate values back.
-  for (int h = 0; h < cache.kv_heads; ++h) {
-    ScanState& total = *states[static_cast<size_t>(h) * chunks];
-    for (int64_t c = 1; c < chunks; ++c) MergeState(*states[h * chunks + c], d, &total);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t query = r / group;
-      const int q_head = h * group + r % group;
-      const size_t o = static_cast<size_t>(query) * params.q_heads + q_head;
-      float* out = output.out + o * d;
-      const float* acc = total.acc.data() + static_cast<size_t>(r) * d;
-      const float inv = total.l[r] > 0.0f ? 1.0f / total.l[r] : 0.0f;
-      for (int i = 0; i < d; ++i) out[i] = acc[i] * inv;
-      if (value_rotation) {
-        for (int b = 0; b < cache.value_layout.blocks; ++b) {
-          value_rotation->Inverse(b, out + b * cache.value_layout.block_values);
-        }
+// Merges kv head h's chunks in order, normalizes, rotates the values back and
+// writes the pass's output rows of that head.
+void FinishHead(const AttentionParams& params, Pass& pass, int h) {
+  const PagedKvCache& cache = *pass.cache;
+  const int d = cache.key_layout.head_dim;
+  const int group = params.q_heads / cache.kv_heads;
+  ScanState& total = *pass.states[static_cast<size_t>(h) * pass.chunks];
+  for (int64_t c = 1; c < pass.chunks; ++c) MergeState(*pass.states[h * pass.chunks + c], d, &total);
+  for (int r = 0; r < pass.rows; ++r) {
+    const int64_t query = r / group;
+    const int q_head = h * group + r % group;
+    const size_t o = static_cast<size_t>(query) * params.q_heads + q_head;
+    float* out = pass.output.out + o * d;
+    const float* acc = total.acc.data() + static_cast<size_t>(r) * d;
+    const float inv = total.l[r] > 0.0f ? 1.0f / total.l[r] : 0.0f;
+    for (int i = 0; i < d; ++i) out[i] = acc[i] * inv;
+    if (pass.value_rotation) {
+      for (int b = 0; b < cache.value_layout.blocks; ++b) {
+        pass.value_rotation->Inverse(b, out + b * cache.value_layout.block_values);
       }
-      output.lse[o] = total.l[r] > 0.0f ? total.m[r] + std::log(total.l[r]) : -INFINITY;
-      if (params.top_k > 0) {
-        std::vector<TopEntry> top = total.top[r].entries();
-        std::sort(top.begin(), top.end(), Ranks);
-        for (int k = 0; k < params.top_k; ++k) {
-          const bool have = k < static_cast<int>(top.size());
-          output.topk_tokens[o * params.top_k + k] = have ? top[k].token : -1;
-          output.topk_logits[o * params.top_k + k] = have ? top[k].logit : -INFINITY;
-        }
+    }
+    pass.output.lse[o] = total.l[r] > 0.0f ? total.m[r] + std::log(total.l[r]) : -INFINITY;
+    if (params.top_k > 0) {
+      std::vector<TopEntry> top = total.top[r].entries();
+      std::sort(top.begin(), top.end(), Ranks);
+      for (int k = 0; k < params.top_k; ++k) {
+        const bool have = k < static_cast<int>(top.size());
+        pass.output.topk_tokens[o * params.top_k + k] = have ? top[k].token : -1;
+        pass.output.topk_logits[o * params.top_k + k] = have ? top[k].logit : -INFINITY;
       }
     }
   }
 }
 
+// fn(i) for i in [0, n), on the pool when there is one.
+void ForEach(ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& fn) {
+  if (pool != nullptr) {
+    pool->ParallelFor(n, fn);
+  } else {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  }
+}
+
 }  // namespace
 
-absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,
-                       const AttentionQueries& queries, const AttentionOutput& output,
+absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
                        const AttentionOptions& options) {
-  if (absl::Status s = CheckAttention(cache, params, queries, output); !s.ok()) return s;
-  const size_t d = cache.key_layout.head_dim;
-  const size_t heads = params.q_heads;
-  const size_t k = params.top_k;
-  for (int64_t first = 0; first < queries.n; first += kQueriesPerPass) {
-    const int64_t n = std::min(kQueriesPerPass, queries.n - first);
-    const size_t row = static_cast<size_t>(first) * heads;
-    const AttentionQueries part{n, queries.q + row * d, queries.positions + first};
-    const AttentionOutput out{output.out + row * d, output.lse + row,
-                              k ? output.topk_tokens + row * k : nullptr,
-                              k ? output.topk_logits + row * k : nullptr};
-    AttendPass(cache, params, part, out, options);
+  if (batch.count < 0 || (batch.count > 0 && batch.problems == nullptr)) {
+    return Invalid("batch", "missing problems");
   }
+  for (int64_t i = 0; i < batch.count; ++i) {
+    const AttentionProblem& p = batch.problems[i];
+    if (absl::Status s = CheckAttention(p.cache, params, p.queries, p.output); !s.ok()) {
+      return batch.count == 1 ? s : absl::Status(s.code(), absl::StrCat("problem ", i, ": ", s.message()));
+    }
+  }
+
+  // Every problem cut into passes of at most kQueriesPerPass queries.
+  std::vector<Pass> passes;
+  int64_t heads = 0;
+  for (int64_t i = 0; i < batch.count; ++i) {
+    const AttentionProblem& p = batch.problems[i];
+    const size_t d = p.cache.key_layout.head_dim;
+    const size_t q_heads = params.q_heads;
+    const size_t k = params.top_k;
+    for (int64_t first = 0; first < p.queries.n; first += kQueriesPerPass) {
+      Pass pass;
+      pass.cache = &p.cache;
+      const size_t row = static_cast<size_t>(first) * q_heads;
+      pass.queries = {std::min(kQueriesPerPass, p.queries.n - first), p.queries.q + row * d,
+                      p.queries.positions + first};
+      pass.output = {p.output.out + row * d, p.output.lse + row, k ? p.output.topk_tokens + row * k : nullptr,
+                     k ? p.output.topk_logits + row * k : nullptr};
+      heads += p.cache.kv_heads;
+      passes.push_back(std::move(pass));
+    }
+  }
+  ForEach(options.pool, static_cast<int64_t>(passes.size()),
+          [&](int64_t i) { PreparePass(params, &passes[static_cast<size_t>(i)]); });
+
+  // Work items: (pass, kv head, chunk of the pass's span). Heads are cut into
+  // chunks only when the batch has too few heads to keep every thread busy.
+  const int threads = options.pool ? options.pool->size() : 1;
+  const int64_t wanted = (4 * threads + heads - 1) / std::max<int64_t>(heads, 1);  // chunks per head
+  int64_t items = 0;
+  for (Pass& pass : passes) {
+    const int64_t span = pass.end - pass.begin;
+    pass.chunk = options.chunk_tokens;
+    if (pass.chunk <= 0) {
+      pass.chunk = threads == 1 ? span : std::max<int64_t>(1024, (span + wanted - 1) / wanted);
+    }
+    pass.chunks = (span + pass.chunk - 1) / pass.chunk;
+    pass.states.resize(static_cast<size_t>(pass.cache->kv_heads) * pass.chunks);
+    pass.first_item = items;
+    items += static_cast<int64_t>(pass.cache->kv_heads) * pass.chunks;
+  }
+  ForEach(options.pool, items, [&](int64_t item) {
+    auto next = std::upper_bound(passes.begin(), passes.end(), item,
+                                 [](int64_t i, const Pass& p) { return i < p.first_item; });
+    Pass& pass = *std::prev(next);
+    const int64_t local = item - pass.first_item;
+    const int d = pass.cache->key_layout.head_dim;
+    ScanTask task;
+    task.cache = pass.cache;
+    task.head = static_cast<int>(local / pass.chunks);
+    task.begin = pass.begin + (local % pass.chunks) * pass.chunk;
+    task.end = std::min(pass.end, task.begin + pass.chunk);
+    task.rows = pass.rows;
+    task.group = params.q_heads / pass.cache->kv_heads;
+    task.q = pass.q.data() + static_cast<size_t>(task.head) * pass.rows * d;
+    task.first = pass.first.data();
+    task.last = pass.last.data();
+    task.scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+    task.softcap = params.softcap;
+    task.top_k = params.top_k;
+    task.integer_dot_products = options.integer_dot_products;
+    auto state = std::make_unique<ScanState>(pass.rows, d, params.top_k);
+    if (options.path == AttentionPath::kScalar) {
+      ScanScalar(task, state.get());
+    } else {
+      ScanSimd(task, state.get());
+    }
+    pass.states[local] = std::move(state);
+  });
+
+  // Merge, normalize and rotate back: one task per (pass, kv head).
+  std::vector<std::pair<size_t, int>> finishing;
+  for (size_t i = 0; i < passes.size(); ++i) {
+    for (int h = 0; h < passes[i].cache->kv_heads; ++h) finishing.emplace_back(i, h);
+  }
+  ForEach(options.pool, static_cast<int64_t>(finishing.size()), [&](int64_t i) {
+    FinishHead(params, passes[finishing[static_cast<size_t>(i)].first], finishing[static_cast<size_t>(i)].second);
+  });
   return absl::OkStatus();
 }
 
