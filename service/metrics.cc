@@ -26,7 +26,7 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
   prometheus::Registry& r = *registry_;
   rpc_duration_ = &BuildHistogram()
                        .Name("turbokv_rpc_duration_seconds")
-                       .Help("Time to serve an RPC, or one message of an Append or Attend stream, by method and gRPC status code")
+                       .Help("Time to serve an RPC, or one message of an Append, Attend or Decode stream, by method and gRPC status code")
                        .Register(r);
   rpc_errors_ = &BuildCounter()
                      .Name("turbokv_rpc_errors_total")
@@ -34,12 +34,12 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
                      .Register(r);
   appended_tokens_ = &BuildCounter()
                           .Name("turbokv_appended_tokens_total")
-                          .Help("Token-layers newly stored by Append and Step (repeats not counted)")
+                          .Help("Token-layers newly stored by Append, Step and Decode (repeats not counted)")
                           .Register(r)
                           .Add({});
   attended_queries_ = &BuildCounter()
                            .Name("turbokv_attended_queries_total")
-                           .Help("Queries answered by Attend and Step")
+                           .Help("Queries answered by Attend, Step and Decode")
                            .Register(r)
                            .Add({});
   auto& kernel = BuildHistogram()
@@ -48,6 +48,17 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
                      .Register(r);
   encode_duration_ = &kernel.Add({{"op", "encode"}, {"device", device_}}, LatencyBuckets());
   attend_duration_ = &kernel.Add({{"op", "attend"}, {"device", device_}}, LatencyBuckets());
+  prometheus::Histogram::BucketBoundaries batch_buckets;
+  for (double b = 1; b <= 4096; b *= 2) batch_buckets.push_back(b);
+  decode_batch_size_ = &BuildHistogram()
+                            .Name("turbokv_decode_batch_sessions")
+                            .Help("Sessions per Decode message")
+                            .Register(r)
+                            .Add({}, batch_buckets);
+  decode_item_failures_ = &BuildCounter()
+                               .Name("turbokv_decode_item_failures_total")
+                               .Help("Items of Decode messages that failed alone, by gRPC status code")
+                               .Register(r);
   sessions_ = &BuildGauge().Name("turbokv_sessions").Help("Sessions held").Register(r).Add({});
   tokens_ = &BuildGauge()
                  .Name("turbokv_tokens_stored")
@@ -98,6 +109,19 @@ void Metrics::AddAttendedQueries(int64_t queries) { attended_queries_->Increment
 
 void Metrics::ObserveKernel(KernelOp op, double seconds) {
   (op == KernelOp::kEncode ? encode_duration_ : attend_duration_)->Observe(seconds);
+}
+
+void Metrics::ObserveDecodeBatch(int64_t items) { decode_batch_size_->Observe(static_cast<double>(items)); }
+
+void Metrics::AddDecodeItemFailure(absl::StatusCode code) {
+  prometheus::Counter* counter;
+  {
+    std::lock_guard<std::mutex> lock(decode_mutex_);
+    prometheus::Counter*& slot = decode_failure_series_[code];
+    if (slot == nullptr) slot = &decode_item_failures_->Add({{"code", absl::StatusCodeToString(code)}});
+    counter = slot;
+  }
+  counter->Increment();
 }
 
 void Metrics::SetStore(const StoreSnapshot& s) {

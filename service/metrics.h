@@ -43,6 +43,9 @@ class Metrics {
   void AddAppendedTokens(int64_t tokens);
   void AddAttendedQueries(int64_t queries);
   void ObserveKernel(KernelOp op, double seconds);
+  // One Decode message of `items` sessions, and each item of one that failed.
+  void ObserveDecodeBatch(int64_t items);
+  void AddDecodeItemFailure(absl::StatusCode code);
   // From one thread (the server's housekeeping loop).
   void SetStore(const StoreSnapshot& snapshot);
 
@@ -63,6 +66,10 @@ class Metrics {
   prometheus::Counter* attended_queries_;
   prometheus::Histogram* encode_duration_;
   prometheus::Histogram* attend_duration_;
+  prometheus::Histogram* decode_batch_size_;
+  prometheus::Family<prometheus::Counter>* decode_item_failures_;
+  std::mutex decode_mutex_;
+  std::map<absl::StatusCode, prometheus::Counter*> decode_failure_series_;
   prometheus::Gauge* sessions_;
   prometheus::Gauge* tokens_;
   prometheus::Gauge* bytes_used_;

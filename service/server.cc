@@ -23,7 +23,7 @@
 #include "service/byte_size.h"
 #include "service/device.h"
 #include "service/executor.h"
-#include "service/handler.h"
+#include "service/handler/handler.h"
 #include "service/rpc/kv_cache_service.h"
 
 namespace turbokv {

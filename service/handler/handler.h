@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "absl/time/time.h"
+#include "kernels/attention.h"
 #include "service/metrics.h"
 #include "service/store/session_store.h"
 #include "turbokv/v1/turbokv.pb.h"
@@ -75,6 +77,13 @@ class Handler {
       const std::string& tenant = "");
   absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request,
       const std::string& tenant = "");
+  // One message of a Decode stream: one layer's step for a batch of
+  // sessions. A malformed message (tensors that do not match the batch, bad
+  // options) is an error; a bad item (unknown session, wrong position or
+  // shape, budget) fails alone in the response's per-item status and changes
+  // nothing of its session, while the other items are applied.
+  absl::StatusOr<v1::DecodeResponse> Decode(const v1::DecodeRequest& request,
+      const std::string& tenant = "");
   // ReadKv: StartReadKv checks the request; each NextReadKv fills the next
   // message and returns true, or returns false when the range is done.
   absl::StatusOr<ReadKvCursor> StartReadKv(const v1::ReadKvRequest& request,
@@ -92,20 +101,56 @@ class Handler {
   // The session, locked, or NOT_FOUND.
   absl::StatusOr<std::shared_ptr<SessionCache>> FindLocked(const std::string& id, const std::string& tenant,
                                                            std::unique_lock<std::mutex>* lock);
-  // Takes the pages of a chunk for each layer, making room first (and
-  // evicting, with lru); all or none.
+  // The sessions of a batch, each found once and locked in one global order
+  // (by id), so that batches sharing sessions cannot deadlock.
+  struct LockedBatch {
+    std::vector<absl::Status> status;                     // per item
+    std::vector<std::shared_ptr<SessionCache>> sessions;  // per item; null where status is not OK
+    std::vector<std::unique_lock<std::mutex>> locks;
+    std::vector<const SessionCache*> held;                // the sessions locked
+  };
+  LockedBatch FindLockedBatch(const google::protobuf::RepeatedPtrField<std::string>& ids, const std::string& tenant);
+  // Why a session found and then seen gone() under its lock is gone.
+  absl::Status GoneStatus(const std::string& id, const std::string& tenant);
+
+  // Takes the pages of a chunk for each layer of `session`, making room
+  // first (with lru, evicting idle sessions other than those in `held`,
+  // whose mutexes the caller holds); all or none.
   absl::StatusOr<std::vector<LayerCache::PendingAppend>> PrepareAppend(SessionCache& session,
                                                                        const std::vector<int>& layers,
-                                                                       int64_t start, int64_t n);
+                                                                       int64_t start, int64_t n,
+                                                                       absl::Span<const SessionCache* const> held);
+  // A prepared chunk of one layer and where its keys and values
+  // ([n][kv_heads][head_dim]) are; CommitChunks fills before and after, the
+  // layer's length around the commit.
+  struct ChunkWrite {
+    LayerCache* layer = nullptr;
+    LayerCache::PendingAppend pending;
+    const float* keys = nullptr;
+    const float* values = nullptr;
+    int64_t before = 0;
+    int64_t after = 0;
+  };
+  // Encodes every chunk: spread over the kernel threads by chunk when there
+  // are several, by head and page within one otherwise; counts them in the
+  // metrics.
+  void CommitChunks(std::vector<ChunkWrite>& writes);
   // Each layer's length before and after a stored chunk.
   struct StoredChunk {
     std::vector<int64_t> before;
     std::vector<int64_t> after;
   };
   // PrepareAppend, then encodes keys and values ([layers.size()][n][kv_heads]
-  // [head_dim]) into each layer and counts them in the metrics.
+  // [head_dim]) into each layer.
   absl::StatusOr<StoredChunk> StoreChunk(SessionCache& session, const std::vector<int>& layers, int64_t start,
                                          int64_t n, const float* keys, const float* values);
+  // The problems as one batch on the kernel pool, timed in the metrics.
+  absl::Status RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
+                        int64_t queries);
+  // Attention of n queries at `positions` (checked) over one stored layer.
+  absl::Status RunAttention(const LayerCache& layer, const AttentionParams& params, int64_t n,
+                            const std::vector<float>& queries, const std::vector<int64_t>& positions,
+                            v1::AttentionResult* result);
   v1::SessionInfo Info(const SessionCache& session) const;  // session locked
 
   SessionStore* store_;

@@ -1,6 +1,8 @@
 #include "service/rpc/kv_cache_service.h"
 
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -18,11 +20,42 @@ void Observe(Metrics* metrics, const char* method, const absl::Status& status, a
   if (metrics != nullptr) metrics->ObserveRpc(method, status.code(), Since(start));
 }
 
+}  // namespace
+
+// A stream that a drain can end: the open streams are kept here so that
+// StartDraining reaches those waiting for their client's next message. Each
+// is reference counted (gRPC's hold until OnDone, and a drain's while it
+// calls Drain) and deletes itself when the last goes.
+class DrainableStream {
+ public:
+  virtual ~DrainableStream() = default;
+  // Ends the stream with UNAVAILABLE once the message in flight, if any, is
+  // answered; messages not yet read are never applied.
+  virtual void Drain() = 0;
+  void Ref() { refs_.fetch_add(1); }
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+ private:
+  std::atomic<int> refs_{1};
+};
+
+struct KvCacheService::OpenStreams {
+  std::mutex mutex;
+  std::set<DrainableStream*> streams;
+};
+
+namespace {
+
 // One message in, one message out, until the client closes its side: each
 // request goes to the executor, its response is written, then the next read
-// starts. The first error ends the stream with its status.
+// starts. The first error ends the stream with its status. A stream that
+// ends_on_drain (Decode: held open for a worker's whole life) is ended by a
+// drain with UNAVAILABLE once the message in flight is answered; the others
+// (Append, Attend) go on within the shutdown deadline.
 template <typename Request, typename Response>
-class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
+class StreamReactor final : public grpc::ServerBidiReactor<Request, Response>, public DrainableStream {
  public:
   using Method = absl::StatusOr<Response> (Handler::*)(const Request&, const std::string&);
 
@@ -30,20 +63,42 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
   // unauthenticated): then it ends at once with that status. active counts
   // the calls in flight; the caller has counted this one, OnDone uncounts it.
   StreamReactor(Handler* handler, Executor* executor, Method method, absl::StatusOr<std::string> tenant,
-                std::atomic<int>* active, Metrics* metrics, const char* name)
-      : handler_(handler), executor_(executor), method_(method), active_(active), metrics_(metrics), name_(name) {
+                std::atomic<int>* active, KvCacheService::OpenStreams* open, bool ends_on_drain, Metrics* metrics,
+                const char* name)
+      : handler_(handler),
+        executor_(executor),
+        method_(method),
+        active_(active),
+        open_(ends_on_drain ? open : nullptr),
+        metrics_(metrics),
+        name_(name) {
+    if (open_ != nullptr) {
+      std::lock_guard<std::mutex> lock(open_->mutex);
+      open_->streams.insert(this);
+    }
     if (!tenant.ok()) {
       Observe(metrics_, name_, tenant.status(), absl::Now());
-      this->Finish(ToGrpcStatus(tenant.status()));
+      FinishOnce(ToGrpcStatus(tenant.status()));
     } else {
       tenant_ = *std::move(tenant);
-      this->StartRead(&request_);
+      StartNextRead();
     }
   }
 
   void OnReadDone(bool ok) override {
+    bool draining;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      reading_ = false;
+      if (finished_) return;  // drained while waiting: the message, if any, is not applied
+      draining = draining_;
+    }
     if (!ok) {  // the client finished writing (or went away)
-      this->Finish(grpc::Status::OK);
+      FinishOnce(grpc::Status::OK);
+      return;
+    }
+    if (draining) {
+      FinishOnce(kDraining);
       return;
     }
     const absl::Time start = absl::Now();
@@ -51,38 +106,86 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response> {
       absl::StatusOr<Response> response = (handler_->*method_)(request_, tenant_);
       Observe(metrics_, name_, response.status(), start);
       if (!response.ok()) {
-        this->Finish(ToGrpcStatus(response.status()));
+        FinishOnce(ToGrpcStatus(response.status()));
         return;
       }
       response_ = *std::move(response);
       this->StartWrite(&response_);
     });
-    if (!queued) this->Finish(kDraining);
+    if (!queued) FinishOnce(kDraining);
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      this->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
+    }
+    bool draining;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      draining = draining_;
+    }
+    if (draining) {
+      FinishOnce(kDraining);
+    } else {
+      StartNextRead();
+    }
+  }
+
+  void Drain() override {
+    bool idle;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      draining_ = true;
+      idle = reading_;
+    }
+    if (idle) FinishOnce(kDraining);
+  }
+
+  void OnDone() override {
+    if (open_ != nullptr) {
+      std::lock_guard<std::mutex> lock(open_->mutex);
+      open_->streams.erase(this);
+    }
+    active_->fetch_sub(1);
+    Unref();
+  }
+
+ private:
+  void StartNextRead() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_) return;
+      reading_ = true;
     }
     this->StartRead(&request_);
   }
 
-  void OnDone() override {
-    active_->fetch_sub(1);
-    delete this;
+  // Finish at most once, whoever gets there first (the stream's own flow or
+  // a drain).
+  void FinishOnce(const grpc::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    this->Finish(status);
   }
 
- private:
   Handler* handler_;
   Executor* executor_;
   Method method_;
   std::atomic<int>* active_;
+  KvCacheService::OpenStreams* open_;  // where it is registered; nullptr: not ended by a drain
   Metrics* metrics_;
   const char* name_;
   std::string tenant_;
   Request request_;
   Response response_;
+  std::mutex mutex_;
+  bool reading_ = false;   // a read is outstanding and no message is in flight
+  bool draining_ = false;
+  bool finished_ = false;
 };
 
 // ReadKv: messages produced one at a time on the executor, each written
@@ -153,6 +256,32 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
 };
 
 }  // namespace
+
+KvCacheService::KvCacheService(Handler* handler, Executor* executor, Metrics* metrics,
+                               const Authenticator* authenticator)
+    : handler_(handler),
+      executor_(executor),
+      metrics_(metrics),
+      authenticator_(authenticator),
+      open_(std::make_unique<OpenStreams>()) {}
+
+KvCacheService::~KvCacheService() = default;
+
+void KvCacheService::StartDraining() {
+  draining_.store(true);
+  std::vector<DrainableStream*> streams;
+  {
+    std::lock_guard<std::mutex> lock(open_->mutex);
+    for (DrainableStream* stream : open_->streams) {
+      stream->Ref();
+      streams.push_back(stream);
+    }
+  }
+  for (DrainableStream* stream : streams) {
+    stream->Drain();
+    stream->Unref();
+  }
+}
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
@@ -256,14 +385,24 @@ grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::
     grpc::CallbackServerContext* context) {
   active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
-                                                                   Tenant(context), &active_, metrics_, "Append");
+                                                                   Tenant(context), &active_, open_.get(), false, metrics_,
+                                                                   "Append");
 }
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::Attend(
     grpc::CallbackServerContext* context) {
   active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
-                                                                   Tenant(context), &active_, metrics_, "Attend");
+                                                                   Tenant(context), &active_, open_.get(), false, metrics_,
+                                                                   "Attend");
+}
+
+grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* KvCacheService::Decode(
+    grpc::CallbackServerContext* context) {
+  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
+  return new StreamReactor<v1::DecodeRequest, v1::DecodeResponse>(handler_, executor_, &Handler::Decode,
+                                                                   Tenant(context), &active_, open_.get(), true, metrics_,
+                                                                   "Decode");
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext* context,

@@ -4,12 +4,13 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
 #include "service/auth.h"
 #include "service/executor.h"
-#include "service/handler.h"
+#include "service/handler/handler.h"
 #include "service/metrics.h"
 #include "turbokv/v1/turbokv.grpc.pb.h"
 
@@ -23,11 +24,13 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
   // metrics: RPC durations and errors (nullptr: none). authenticator: every
   // call needs a bearer token naming its tenant (nullptr: no tokens, one
   // tenant).
-  KvCacheService(Handler* handler, Executor* executor, Metrics* metrics, const Authenticator* authenticator)
-      : handler_(handler), executor_(executor), metrics_(metrics), authenticator_(authenticator) {}
+  KvCacheService(Handler* handler, Executor* executor, Metrics* metrics, const Authenticator* authenticator);
+  ~KvCacheService() override;
 
-  // From now on new calls are refused with UNAVAILABLE; calls in flight go on.
-  void StartDraining() { draining_.store(true); }
+  // From now on new calls are refused with UNAVAILABLE; calls in flight go
+  // on. A Decode stream waiting for its client's next message ends at once
+  // with UNAVAILABLE; one with a message in flight, once that is answered.
+  void StartDraining();
   // Calls started and not yet finished.
   int active_calls() const { return active_.load(); }
 
@@ -55,12 +58,17 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context, const v1::StepRequest* request,
                                  v1::StepResponse* response) override;
+  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* Decode(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadKv(grpc::CallbackServerContext* context,
                                                        const v1::ReadKvRequest* request) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context, const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
   grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context, const v1::SnapshotRequest* request,
                                      v1::SnapshotResponse* response) override;
+
+  // The bidirectional streams open now (rpc/kv_cache_service.cc).
+  struct OpenStreams;
 
  private:
   // The caller's tenant from its metadata, or UNAUTHENTICATED.
@@ -76,6 +84,7 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
   const Authenticator* authenticator_;
   std::atomic<bool> draining_{false};
   std::atomic<int> active_{0};
+  std::unique_ptr<OpenStreams> open_;
 };
 
 }  // namespace turbokv

@@ -293,14 +293,14 @@ void SessionStore::RememberGone(const SessionCache& session, std::string reason,
   counter->fetch_add(1);
 }
 
-absl::Status SessionStore::MakeRoom(size_t bytes, const SessionCache* requester) {
+absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held) {
   auto fits = [&] { return bytes <= pool_.budget_bytes() && pool_.used_bytes() <= pool_.budget_bytes() - bytes; };
   if (fits()) return absl::OkStatus();
   if (options_.eviction == EvictionPolicy::kLru) {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<std::shared_ptr<SessionCache>> candidates;
     for (const auto& [id, session] : sessions_) {
-      if (session.get() != requester) candidates.push_back(session);
+      if (std::find(held.begin(), held.end(), session.get()) == held.end()) candidates.push_back(session);
     }
     std::sort(candidates.begin(), candidates.end(),
               [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });

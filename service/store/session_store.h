@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "kernels/codec.h"
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
@@ -138,11 +139,11 @@ class SessionStore {
   std::vector<std::shared_ptr<SessionCache>> List() const;
 
   // Makes room for `bytes` more: with kLru, evicts least recently used idle
-  // sessions other than `requester` (whose mutex the caller holds) until
-  // they fit. Returns RESOURCE_EXHAUSTED naming used, needed and budget bytes
+  // sessions other than those in `held` (whose mutexes the caller holds)
+  // until they fit. Returns RESOURCE_EXHAUSTED naming used, needed and budget bytes
   // when they still do not fit. A later allocation can still lose a race to
   // another session; callers retry.
-  absl::Status MakeRoom(size_t bytes, const SessionCache* requester);
+  absl::Status MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held);
 
   // Deletes sessions idle longer than their TTL; returns how many.
   int ExpireIdle(absl::Time now);

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/stubs/logging.h"
 #include "kernels/cpu/thread_pool.h"
-#include "service/handler.h"
+#include "service/handler/handler.h"
 
 namespace turbokv {
 namespace {

@@ -1,7 +1,7 @@
 // The handler without a network: every documented status, all-or-nothing
 // writes, idempotent appends, eviction, fork/truncate/read-back, attention
 // against a float reference, and concurrent use.
-#include "service/handler.h"
+#include "service/handler/handler.h"
 
 #include <cmath>
 #include <cstring>

@@ -1,0 +1,152 @@
+// Append: chunks of tokens stored whole or not at all, and the chunk
+// storage that Step and Decode share.
+#include "service/handler/handler.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kernels/cpu/thread_pool.h"
+#include "service/handler/common.h"
+#include "service/status_macros.h"
+#include "service/tensor.h"
+
+namespace turbokv {
+
+absl::StatusOr<std::vector<LayerCache::PendingAppend>> Handler::PrepareAppend(
+    SessionCache& session, const std::vector<int>& layers, int64_t start, int64_t n,
+    absl::Span<const SessionCache* const> held) {
+  for (int l : layers) {
+    const int64_t tokens = session.layers()[l].tokens();
+    if (start > tokens) {
+      return absl::FailedPreconditionError(absl::StrCat("start = ", start, " but layer ", l, " holds ", tokens,
+                                                        " tokens: positions ", tokens, " to ", start - 1,
+                                                        " are missing"));
+    }
+  }
+  // Another session can take the room MakeRoom made before our pages are
+  // taken; try a few times before giving up.
+  absl::Status status;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    size_t bytes = 0;
+    for (int l : layers) bytes += session.layers()[l].BytesToAppend(start, n);
+    TURBOKV_RETURN_IF_ERROR(store_->MakeRoom(bytes, held));
+    std::vector<LayerCache::PendingAppend> pending;
+    for (int l : layers) {
+      absl::StatusOr<LayerCache::PendingAppend> one = session.layers()[l].Prepare(start, n);
+      if (!one.ok()) {
+        status = one.status();
+        break;
+      }
+      pending.push_back(*std::move(one));
+    }
+    if (status.ok()) return pending;
+    if (!absl::IsResourceExhausted(status)) return status;
+  }
+  return status;
+}
+
+void Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
+  // Chunks encode independently: spread them over the kernel threads (a
+  // single chunk spreads its heads and pages instead).
+  const bool by_chunk = writes.size() > 1;
+  auto commit = [&](int64_t i) {
+    ChunkWrite& write = writes[static_cast<size_t>(i)];
+    write.before = write.layer->tokens();
+    write.after = write.layer->Commit(std::move(write.pending), write.keys, write.values,
+                                      by_chunk ? nullptr : options_.kernel_pool);
+  };
+  const absl::Time encode_start = absl::Now();
+  if (options_.kernel_pool != nullptr && by_chunk) {
+    options_.kernel_pool->ParallelFor(static_cast<int64_t>(writes.size()), commit);
+  } else {
+    for (size_t i = 0; i < writes.size(); ++i) commit(static_cast<int64_t>(i));
+  }
+  if (options_.metrics != nullptr) {
+    int64_t new_token_layers = 0;
+    for (const ChunkWrite& write : writes) new_token_layers += write.after - write.before;
+    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
+    options_.metrics->AddAppendedTokens(new_token_layers);
+  }
+}
+
+absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, const std::vector<int>& layers,
+                                                        int64_t start, int64_t n, const float* keys,
+                                                        const float* values) {
+  const SessionCache* held[] = {&session};
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<LayerCache::PendingAppend> pending,
+                           PrepareAppend(session, layers, start, n, held));
+  const SessionConfig& config = session.config();
+  const size_t layer_values = static_cast<size_t>(n) * config.kv_heads * config.head_dim;
+  std::vector<ChunkWrite> writes(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    writes[i].layer = &session.layers()[layers[i]];
+    writes[i].pending = std::move(pending[i]);
+    writes[i].keys = keys + i * layer_values;
+    writes[i].values = values + i * layer_values;
+  }
+  CommitChunks(writes);
+  StoredChunk chunk;
+  for (const ChunkWrite& write : writes) {
+    chunk.before.push_back(write.before);
+    chunk.after.push_back(write.after);
+  }
+  return chunk;
+}
+
+absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& request,
+    const std::string& tenant) {
+  std::unique_lock<std::mutex> lock;
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> found, FindLocked(request.session_id(), tenant, &lock));
+  SessionCache& session = *found;
+  const SessionConfig& config = session.config();
+  std::vector<int> layers;
+  int rank = 3;
+  switch (request.target_case()) {
+    case v1::AppendRequest::kLayer: {
+      TURBOKV_RETURN_IF_ERROR(CheckLayer(config, request.layer(), "layer"));
+      layers.push_back(request.layer());
+      break;
+    }
+    case v1::AppendRequest::kAllLayers:
+      if (!request.all_layers()) return absl::InvalidArgumentError("all_layers is set to false: set layer or all_layers = true");
+      for (int l = 0; l < config.layers; ++l) layers.push_back(l);
+      rank = 4;
+      break;
+    default: return absl::InvalidArgumentError("neither layer nor all_layers is set");
+  }
+  if (request.start() < 0) return absl::InvalidArgumentError(absl::StrCat("start = ", request.start(), " must be >= 0"));
+  if (request.keys().shape_size() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat("keys.shape has ", request.keys().shape_size(), " dimensions, expected ", rank,
+                                                   rank == 3 ? ": [tokens][kv_heads][head_dim]"
+                                                             : ": [layers][tokens][kv_heads][head_dim]"));
+  }
+  const int64_t n = request.keys().shape(rank - 3);
+  if (n < 1) return absl::InvalidArgumentError(absl::StrCat("keys.shape gives ", n, " tokens, expected at least 1"));
+  if (n > config.max_tokens || request.start() > config.max_tokens - n) {
+    return absl::ResourceExhaustedError(absl::StrCat("chunk [", request.start(), ", ", request.start() + n,
+                                                     ") is past the session's max_tokens = ", config.max_tokens));
+  }
+  std::vector<int64_t> shape = {n, config.kv_heads, config.head_dim};
+  if (rank == 4) shape.insert(shape.begin(), config.layers);
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> keys, TensorToFloats(request.keys(), shape, "keys"));
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> values, TensorToFloats(request.values(), shape, "values"));
+
+  TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk, StoreChunk(session, layers, request.start(), n, keys.data(), values.data()));
+  v1::AppendResponse response;
+  response.set_start(request.start());
+  int64_t tokens = INT64_MAX;
+  int64_t stored = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    tokens = std::min(tokens, chunk.after[i]);
+    stored = std::max(stored, chunk.after[i] - chunk.before[i]);
+  }
+  response.set_tokens(tokens);
+  response.set_stored(stored);
+  session.Touch(absl::Now());
+  return response;
+}
+
+}  // namespace turbokv

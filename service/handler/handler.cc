@@ -1,0 +1,98 @@
+#include "service/handler/handler.h"
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "google/protobuf/util/time_util.h"
+#include "service/handler/common.h"
+
+namespace turbokv {
+
+using google::protobuf::util::TimeUtil;
+
+Handler::Handler(SessionStore* store, const HandlerOptions& options)
+    : store_(store), options_(options) {}
+
+absl::Status Handler::GoneStatus(const std::string& id, const std::string& tenant) {
+  // Deleted or evicted between the lookup and the lock: the store knows why.
+  absl::StatusOr<std::shared_ptr<SessionCache>> again = store_->Find(id, tenant, absl::Now());
+  return again.ok() ? absl::NotFoundError(absl::StrCat("no session ", id)) : again.status();
+}
+
+absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::string& id, const std::string& tenant,
+                                                                  std::unique_lock<std::mutex>* lock) {
+  if (id.empty()) return absl::InvalidArgumentError("session_id is empty");
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Find(id, tenant, absl::Now());
+  if (!session.ok()) return session.status();
+  *lock = std::unique_lock<std::mutex>((*session)->mutex());
+  if ((*session)->gone()) {
+    lock->unlock();
+    return GoneStatus(id, tenant);
+  }
+  return session;
+}
+
+Handler::LockedBatch Handler::FindLockedBatch(const google::protobuf::RepeatedPtrField<std::string>& ids,
+                                              const std::string& tenant) {
+  LockedBatch batch;
+  const size_t n = static_cast<size_t>(ids.size());
+  batch.status.resize(n);
+  batch.sessions.resize(n);
+  std::unordered_map<std::string, size_t> first;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& id = ids[static_cast<int>(i)];
+    if (id.empty()) {
+      batch.status[i] = absl::InvalidArgumentError(absl::StrCat("session_ids[", i, "] is empty"));
+      continue;
+    }
+    auto [seen, inserted] = first.emplace(id, i);
+    if (!inserted) {
+      batch.status[i] = absl::InvalidArgumentError(absl::StrCat(
+          "session_ids[", i, "] repeats session_ids[", seen->second, "]: a session appears once per message"));
+      continue;
+    }
+    absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Find(id, tenant, absl::Now());
+    if (session.ok()) {
+      batch.sessions[i] = *std::move(session);
+    } else {
+      batch.status[i] = session.status();
+    }
+  }
+  std::vector<size_t> order;
+  for (size_t i = 0; i < n; ++i) {
+    if (batch.sessions[i] != nullptr) order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return batch.sessions[a]->id() < batch.sessions[b]->id(); });
+  for (size_t i : order) {
+    std::unique_lock<std::mutex> lock(batch.sessions[i]->mutex());
+    if (batch.sessions[i]->gone()) {
+      lock.unlock();
+      batch.status[i] = GoneStatus(batch.sessions[i]->id(), tenant);
+      batch.sessions[i].reset();
+      continue;
+    }
+    batch.held.push_back(batch.sessions[i].get());
+    batch.locks.push_back(std::move(lock));
+  }
+  return batch;
+}
+
+v1::SessionInfo Handler::Info(const SessionCache& session) const {
+  v1::SessionInfo info;
+  info.set_session_id(session.id());
+  ConfigToProto(session.config(), info.mutable_config());
+  for (const LayerCache& layer : session.layers()) info.add_layer_tokens(layer.tokens());
+  info.set_bytes_used(static_cast<int64_t>(session.bytes_used()));
+  info.set_fp16_bytes(static_cast<int64_t>(session.fp16_bytes()));
+  const absl::Time now = absl::Now();
+  *info.mutable_age() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(now - session.created()));
+  *info.mutable_idle() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(now - session.last_used()));
+  return info;
+}
+
+}  // namespace turbokv

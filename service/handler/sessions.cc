@@ -1,0 +1,159 @@
+// Session calls: create, get, list, delete, truncate, fork; and the
+// daemon-wide Stats and Snapshot.
+#include "service/handler/handler.h"
+
+#include <mutex>
+#include <random>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "google/protobuf/util/time_util.h"
+#include "service/handler/common.h"
+#include "service/status_macros.h"
+
+namespace turbokv {
+
+using google::protobuf::util::TimeUtil;
+
+absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::CreateSessionRequest& request,
+    const std::string& tenant) {
+  const v1::SessionConfig& proto = request.config();
+  if (!proto.has_shape()) return absl::InvalidArgumentError("config.shape is not set");
+  const v1::ModelShape& shape = proto.shape();
+  SessionConfig config;
+  if (shape.layers() < 1 || shape.layers() > kMaxLayers) {
+    return absl::InvalidArgumentError(absl::StrCat("config.shape.layers = ", shape.layers(), " must be in [1, ", kMaxLayers, "]"));
+  }
+  if (shape.kv_heads() < 1 || shape.kv_heads() > kMaxHeads) {
+    return absl::InvalidArgumentError(absl::StrCat("config.shape.kv_heads = ", shape.kv_heads(), " must be in [1, ", kMaxHeads, "]"));
+  }
+  if (shape.q_heads() < shape.kv_heads() || shape.q_heads() % shape.kv_heads() != 0 ||
+      shape.q_heads() > kMaxHeads) {
+    return absl::InvalidArgumentError(absl::StrCat("config.shape.q_heads = ", shape.q_heads(),
+                                                   " must be a multiple of kv_heads = ", shape.kv_heads(),
+                                                   " and at most ", kMaxHeads));
+  }
+  config.layers = shape.layers();
+  config.kv_heads = shape.kv_heads();
+  config.q_heads = shape.q_heads();
+  config.head_dim = shape.head_dim();
+  TURBOKV_ASSIGN_OR_RETURN(CodecKind key_codec, FromProtoCodec(proto.key_codec(), "config.key_codec"));
+  TURBOKV_ASSIGN_OR_RETURN(CodecKind value_codec, FromProtoCodec(proto.value_codec(), "config.value_codec"));
+  config.key_codec = key_codec;
+  config.value_codec = value_codec;
+  const absl::StatusOr<CodecLayout> layout = CheckCodecSpec(CodecSpec{config.key_codec, config.head_dim, 0});
+  if (!layout.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("config.shape.head_dim: ", layout.status().message()));
+  }
+  config.rotation_seed =
+      proto.has_rotation_seed() ? proto.rotation_seed() : (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  if (proto.max_tokens() < 0 || proto.max_tokens() > options_.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("config.max_tokens = ", proto.max_tokens(), " must be in [0, ",
+                                                   options_.max_tokens, "] (0: the daemon's limit, ",
+                                                   options_.max_tokens, ")"));
+  }
+  config.max_tokens = proto.max_tokens() == 0 ? options_.max_tokens : proto.max_tokens();
+  const absl::Duration ttl = absl::Seconds(proto.idle_ttl().seconds()) + absl::Nanoseconds(proto.idle_ttl().nanos());
+  if (ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("config.idle_ttl = ", absl::FormatDuration(ttl), " must not be negative"));
+  }
+  config.idle_ttl = ttl == absl::ZeroDuration() ? options_.session_ttl : ttl;
+
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, store_->Create(config, tenant, absl::Now()));
+  v1::CreateSessionResponse response;
+  response.set_session_id(session->id());
+  ConfigToProto(config, response.mutable_config());
+  return response;
+}
+
+absl::StatusOr<v1::SessionInfo> Handler::GetSession(const v1::GetSessionRequest& request,
+    const std::string& tenant) {
+  std::unique_lock<std::mutex> lock;
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
+  return Info(*session);
+}
+
+absl::StatusOr<v1::ListSessionsResponse> Handler::ListSessions(const v1::ListSessionsRequest&,
+    const std::string& tenant) {
+  v1::ListSessionsResponse response;
+  for (const std::shared_ptr<SessionCache>& session : store_->List()) {
+    if (session->tenant() != tenant) continue;
+    std::lock_guard<std::mutex> lock(session->mutex());
+    if (!session->gone()) *response.add_sessions() = Info(*session);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::DeleteSessionResponse> Handler::DeleteSession(const v1::DeleteSessionRequest& request,
+    const std::string& tenant) {
+  if (request.session_id().empty()) return absl::InvalidArgumentError("session_id is empty");
+  TURBOKV_RETURN_IF_ERROR(store_->Delete(request.session_id(), tenant));
+  return v1::DeleteSessionResponse();
+}
+
+absl::StatusOr<v1::SessionInfo> Handler::TruncateSession(const v1::TruncateSessionRequest& request,
+    const std::string& tenant) {
+  if (request.tokens() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens = ", request.tokens(), " must be >= 0"));
+  }
+  std::unique_lock<std::mutex> lock;
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
+  for (LayerCache& layer : session->layers()) layer.Truncate(request.tokens());
+  return Info(*session);
+}
+
+absl::StatusOr<v1::ForkSessionResponse> Handler::ForkSession(const v1::ForkSessionRequest& request,
+    const std::string& tenant) {
+  if (request.prefix_tokens() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("prefix_tokens = ", request.prefix_tokens(), " must be >= 0"));
+  }
+  std::unique_lock<std::mutex> lock;
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> source, FindLocked(request.source_session_id(), tenant, &lock));
+  for (size_t l = 0; l < source->layers().size(); ++l) {
+    const int64_t tokens = source->layers()[l].tokens();
+    if (request.prefix_tokens() > tokens) {
+      return absl::FailedPreconditionError(absl::StrCat("prefix_tokens = ", request.prefix_tokens(),
+                                                        " is past the ", tokens, " tokens of layer ", l));
+    }
+  }
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> fork, store_->Fork(*source, request.prefix_tokens(), absl::Now()));
+  lock.unlock();
+  v1::ForkSessionResponse response;
+  response.set_session_id(fork->id());
+  std::lock_guard<std::mutex> fork_lock(fork->mutex());
+  *response.mutable_session() = Info(*fork);
+  return response;
+}
+
+absl::StatusOr<v1::SnapshotResponse> Handler::Snapshot(const v1::SnapshotRequest&, const std::string&) {
+  const absl::Time start = absl::Now();
+  TURBOKV_ASSIGN_OR_RETURN(SnapshotReport report, store_->SaveSnapshots());
+  if (!report.failed.empty()) {
+    const auto& [id, status] = report.failed.front();
+    return absl::Status(status.code(), absl::StrCat(report.failed.size(), " session(s) not written; session ", id,
+                                                    ": ", status.message()));
+  }
+  v1::SnapshotResponse response;
+  response.set_sessions(report.sessions);
+  response.set_bytes(report.bytes);
+  *response.mutable_duration() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(absl::Now() - start));
+  return response;
+}
+
+absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&, const std::string&) {
+  const StoreSnapshot snapshot = store_->Snapshot();
+  v1::StatsResponse response;
+  response.set_sessions(snapshot.sessions);
+  response.set_tokens(snapshot.tokens);
+  response.set_bytes_used(snapshot.bytes_used);
+  response.set_budget_bytes(snapshot.budget_bytes);
+  response.set_fp16_bytes(snapshot.fp16_bytes);
+  response.set_compression_ratio(snapshot.bytes_used > 0 ? static_cast<double>(snapshot.fp16_bytes) / snapshot.bytes_used
+                                                         : 0.0);
+  response.set_device(options_.device);
+  response.set_evictions(snapshot.lru_evictions + snapshot.ttl_expiries);
+  return response;
+}
+
+}  // namespace turbokv
