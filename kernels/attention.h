@@ -102,8 +102,9 @@ struct AttentionOptions {
   // Work is split over kv heads and token chunks and runs here; nullptr runs
   // everything on the calling thread.
   ThreadPool* pool = nullptr;
-  // Tokens per work item when splitting a head's tokens (0: chosen from the
-  // pool size and the cache length).
+  // Tokens per work item: a head's tokens are cut on a grid of this many
+  // (0: 1024), fixed by position, so that results do not depend on the pool
+  // size or on the other problems and queries of the batch.
   int64_t chunk_tokens = 0;
   // On CPUs with AVX-512 VNNI and VBMI, caches with turbo keys and values are
   // scored and accumulated with int16 dot products: several times faster,

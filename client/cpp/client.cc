@@ -137,6 +137,114 @@ absl::StatusOr<v1::AppendResponse> AppendStream::Finish() {
   return last_;
 }
 
+DecodeStream::DecodeStream(v1::KvCacheService::Stub* stub, const ClientOptions& options) {
+  Prepare(&context_, options, /*with_deadline=*/false);
+  stream_ = stub->Decode(&context_);
+  reader_ = std::thread([this] {
+    v1::DecodeResponse response;
+    while (stream_->Read(&response)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      responses_.push_back(std::move(response));
+      response = v1::DecodeResponse();
+      ready_.notify_all();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    reader_done_ = true;
+    ready_.notify_all();
+  });
+}
+
+DecodeStream::~DecodeStream() {
+  if (!finished_) {
+    context_.TryCancel();
+    reader_.join();
+    stream_->Finish().IgnoreError();
+  }
+}
+
+absl::Status DecodeStream::Write(const DecodeBatch& batch) {
+  if (finished_) return absl::FailedPreconditionError("the decode stream is finished");
+  const int64_t items = static_cast<int64_t>(batch.session_ids.size());
+  v1::DecodeRequest request;
+  request.set_layer(batch.layer);
+  for (const std::string& id : batch.session_ids) request.add_session_ids(id);
+  request.mutable_positions()->Assign(batch.positions.begin(), batch.positions.end());
+  // Rank 3 ([B][heads][head_dim]) for one query per item, rank 4 with k.
+  auto shaped = [&](const TensorData& data, int heads, absl::string_view what, v1::Tensor* tensor) {
+    std::vector<int64_t> shape = {items, heads, batch.head_dim};
+    if (batch.k > 1) shape.insert(shape.begin() + 1, batch.k);
+    return ToTensor(data, {}, {shape.begin() + 1, shape.end()}, what, tensor).ok() && tensor->shape(0) == items
+               ? absl::OkStatus()
+               : absl::InvalidArgumentError(absl::StrCat(what, " holds ", data.count, " values, expected ",
+                                                         items * (batch.k > 1 ? batch.k : 1) * heads * batch.head_dim,
+                                                         " for ", items, " items"));
+  };
+  absl::Status status = shaped(batch.queries, batch.q_heads, "queries", request.mutable_queries());
+  if (status.ok() && (batch.keys.count > 0 || batch.values.count > 0)) {
+    status = shaped(batch.keys, batch.kv_heads, "keys", request.mutable_keys());
+    if (status.ok()) status = shaped(batch.values, batch.kv_heads, "values", request.mutable_values());
+  }
+  if (!status.ok()) return status;
+  *request.mutable_options() = batch.options;
+  if (broken_ || !stream_->Write(request)) {
+    broken_ = true;
+    return absl::FailedPreconditionError("the decode stream has failed: Read() or Finish() says why");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++pending_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeResult> DecodeStream::Read() {
+  v1::DecodeResponse response;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (pending_ == 0) return absl::FailedPreconditionError("no batch written whose result is not read");
+    ready_.wait(lock, [&] { return !responses_.empty() || reader_done_; });
+    if (responses_.empty()) {
+      lock.unlock();
+      absl::Status status = Finish();
+      return status.ok() ? absl::InternalError("the decode stream ended without an answer") : status;
+    }
+    response = std::move(responses_.front());
+    responses_.pop_front();
+    --pending_;
+  }
+  DecodeResult result;
+  result.batch = response.status_size();
+  const int64_t lse_dims = response.lse().shape_size();
+  result.k = lse_dims == 3 ? static_cast<int>(response.lse().shape(1)) : 1;
+  result.output = Floats(response.output());
+  result.lse = Floats(response.lse());
+  result.tokens.assign(response.tokens().begin(), response.tokens().end());
+  for (const v1::ItemStatus& item : response.status()) {
+    result.status.emplace_back(static_cast<absl::StatusCode>(item.code()), item.message());
+  }
+  result.top_k_tokens.assign(response.top_k_tokens().begin(), response.top_k_tokens().end());
+  result.top_k_logits.assign(response.top_k_logits().begin(), response.top_k_logits().end());
+  result.failed = response.failed();
+  return result;
+}
+
+absl::StatusOr<DecodeResult> DecodeStream::Step(const DecodeBatch& batch) {
+  absl::Status status = Write(batch);
+  if (!status.ok() && !absl::IsFailedPrecondition(status)) return status;
+  return Read();
+}
+
+absl::Status DecodeStream::Finish() {
+  if (finished_) return finish_status_;
+  finished_ = true;
+  stream_->WritesDone();
+  reader_.join();
+  finish_status_ = FromGrpcStatus(stream_->Finish());
+  return finish_status_;
+}
+
+std::unique_ptr<DecodeStream> Client::OpenDecodeStream() const {
+  return std::unique_ptr<DecodeStream>(new DecodeStream(stub_.get(), *options_));
+}
+
 std::unique_ptr<AppendStream> Session::OpenAppendStream() const {
   return std::unique_ptr<AppendStream>(new AppendStream(stub_.get(), id_, config_, *options_));
 }

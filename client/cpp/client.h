@@ -8,8 +8,11 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -115,6 +118,72 @@ class AppendStream {
   bool broken_ = false;
 };
 
+// One message of a Decode stream: one layer's step for a batch of B
+// sessions with k queries each (k > 1: draft tokens verified at once).
+struct DecodeBatch {
+  int layer = 0;
+  std::vector<std::string> session_ids;  // [B], each once
+  // [B][k]: query j of item i at positions[i * k + j]; with keys, item i's
+  // tokens go at positions[i * k] + 0 .. k - 1.
+  std::vector<int64_t> positions;
+  int k = 1;
+  int q_heads = 0;
+  int kv_heads = 0;  // with keys
+  int head_dim = 0;
+  TensorData queries;  // [B][k][q_heads][head_dim]
+  TensorData keys;     // [B][k][kv_heads][head_dim]; empty (count 0) with values: attention only
+  TensorData values;
+  v1::AttentionOptions options;
+};
+
+struct DecodeResult {
+  int64_t batch = 0;
+  int k = 1;
+  std::vector<float> output;          // [B][k][q_heads][head_dim]; zeros for a failed item
+  std::vector<float> lse;             // [B][k][q_heads]; -inf for a failed item
+  std::vector<int64_t> tokens;        // [B] the layer's length after the step
+  std::vector<absl::Status> status;   // [B] each item's outcome
+  std::vector<int64_t> top_k_tokens;  // [B][k][q_heads][top_k] when asked for
+  std::vector<float> top_k_logits;
+  int failed = 0;                     // items whose status is not OK
+};
+
+// A Decode stream, held open for many steps: Write sends a batch without
+// waiting, Read returns the results in the order written (a background
+// thread collects them, so any number may be in flight). A bad item fails
+// alone, in DecodeResult::status; a malformed message ends the stream, and
+// Read and Finish then return why. Use from one thread.
+class DecodeStream {
+ public:
+  ~DecodeStream();  // cancels the stream if Finish was not called
+  DecodeStream(const DecodeStream&) = delete;
+  DecodeStream& operator=(const DecodeStream&) = delete;
+
+  absl::Status Write(const DecodeBatch& batch);
+  // The result of the oldest batch written and not yet read.
+  absl::StatusOr<DecodeResult> Read();
+  // Write, then Read.
+  absl::StatusOr<DecodeResult> Step(const DecodeBatch& batch);
+  // Closes the stream: OK, or why it ended.
+  absl::Status Finish();
+
+ private:
+  friend class Client;
+  DecodeStream(v1::KvCacheService::Stub* stub, const ClientOptions& options);
+
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+  std::thread reader_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<v1::DecodeResponse> responses_;  // read, not yet returned
+  bool reader_done_ = false;
+  int64_t pending_ = 0;  // written, not yet returned
+  absl::Status finish_status_;  // the stream's status once the reader is done and Finish ran
+  bool finished_ = false;
+  bool broken_ = false;
+};
+
 class Session {
  public:
   const std::string& id() const { return id_; }
@@ -174,6 +243,8 @@ class Client {
   absl::StatusOr<v1::StatsResponse> Stats() const;
   // Writes every session to the daemon's --snapshot-dir now.
   absl::StatusOr<v1::SnapshotResponse> Snapshot() const;
+  // A Decode stream: batched decode steps over many sessions.
+  std::unique_ptr<DecodeStream> OpenDecodeStream() const;
 
   v1::KvCacheService::Stub& stub() const { return *stub_; }
 

@@ -159,8 +159,12 @@ namespace {
 // for every kv head x chunk) during long prefills.
 constexpr int64_t kQueriesPerPass = 32;
 
+// Tokens per work item by default: large enough that the per-item setup and
+// the merge are noise, small enough to spread one long head over the threads.
+constexpr int64_t kChunkTokens = 1024;
+
 // Up to kQueriesPerPass queries of one problem, scanned together: each kv
-// head's tokens are cut into chunks, one work item per (head, chunk).
+// head's span is cut into chunks, one work item per (head, chunk).
 struct Pass {
   const PagedKvCache* cache = nullptr;
   AttentionQueries queries;  // this pass's queries
@@ -168,7 +172,8 @@ struct Pass {
   int rows = 0;              // queries.n * group
   std::vector<int64_t> first, last;  // visible range of each query
   int64_t begin = 0, end = 0;        // the span any query sees
-  int64_t chunk = 0, chunks = 0;
+  int64_t chunk = 0;                 // tokens per chunk; chunk c covers [c * chunk, (c + 1) * chunk)
+  int64_t first_chunk = 0, chunks = 0;
   int64_t first_item = 0;            // index of its first work item in the batch
   std::vector<float> q;              // [kv_heads][rows][head_dim], in the key domain
   std::unique_ptr<HadamardRotation> value_rotation;
@@ -193,6 +198,11 @@ void PreparePass(const AttentionParams& params, Pass* pass) {
     pass->begin = std::min(pass->begin, pass->first[i]);
     pass->end = std::max(pass->end, pass->last[i] + 1);
   }
+  // Scan from the start of a page, so that the scan's tiles (which never
+  // cross a page) sit at the same positions whatever the other queries of
+  // the pass see: each query's result is then the same, to the bit, alone or
+  // batched with others. Tokens before a query's range are masked.
+  pass->begin = pass->begin / cache.page_tokens * cache.page_tokens;
   std::unique_ptr<HadamardRotation> key_rotation;
   if (TurboBits(cache.key_layout.kind) != 0) {
     key_rotation = std::make_unique<HadamardRotation>(d, cache.key_layout.block_values, cache.key_seed);
@@ -278,7 +288,6 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
 
   // Every problem cut into passes of at most kQueriesPerPass queries.
   std::vector<Pass> passes;
-  int64_t heads = 0;
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
     const size_t d = p.cache.key_layout.head_dim;
@@ -292,25 +301,21 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
                       p.queries.positions + first};
       pass.output = {p.output.out + row * d, p.output.lse + row, k ? p.output.topk_tokens + row * k : nullptr,
                      k ? p.output.topk_logits + row * k : nullptr};
-      heads += p.cache.kv_heads;
       passes.push_back(std::move(pass));
     }
   }
   ForEach(options.pool, static_cast<int64_t>(passes.size()),
           [&](int64_t i) { PreparePass(params, &passes[static_cast<size_t>(i)]); });
 
-  // Work items: (pass, kv head, chunk of the pass's span). Heads are cut into
-  // chunks only when the batch has too few heads to keep every thread busy.
-  const int threads = options.pool ? options.pool->size() : 1;
-  const int64_t wanted = (4 * threads + heads - 1) / std::max<int64_t>(heads, 1);  // chunks per head
+  // Work items: (pass, kv head, chunk). Chunks sit on a grid fixed by
+  // position, so that how a query's tokens are cut (and merged) depends on
+  // neither the pool size nor the other queries of the batch.
+  const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : kChunkTokens;
   int64_t items = 0;
   for (Pass& pass : passes) {
-    const int64_t span = pass.end - pass.begin;
-    pass.chunk = options.chunk_tokens;
-    if (pass.chunk <= 0) {
-      pass.chunk = threads == 1 ? span : std::max<int64_t>(1024, (span + wanted - 1) / wanted);
-    }
-    pass.chunks = (span + pass.chunk - 1) / pass.chunk;
+    pass.chunk = chunk;
+    pass.first_chunk = pass.begin / chunk;
+    pass.chunks = (pass.end - 1) / chunk - pass.first_chunk + 1;
     pass.states.resize(static_cast<size_t>(pass.cache->kv_heads) * pass.chunks);
     pass.first_item = items;
     items += static_cast<int64_t>(pass.cache->kv_heads) * pass.chunks;
@@ -324,8 +329,9 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
     ScanTask task;
     task.cache = pass.cache;
     task.head = static_cast<int>(local / pass.chunks);
-    task.begin = pass.begin + (local % pass.chunks) * pass.chunk;
-    task.end = std::min(pass.end, task.begin + pass.chunk);
+    const int64_t grid = (pass.first_chunk + local % pass.chunks) * pass.chunk;
+    task.begin = std::max(pass.begin, grid);
+    task.end = std::min(pass.end, grid + pass.chunk);
     task.rows = pass.rows;
     task.group = params.q_heads / pass.cache->kv_heads;
     task.q = pass.q.data() + static_cast<size_t>(task.head) * pass.rows * d;

@@ -1,0 +1,341 @@
+// The handler's Decode without a network: a batch equals the same work done
+// session by session with Step (to the bit), bad items fail alone and change
+// nothing, malformed messages are refused whole, and concurrent batches that
+// share sessions in opposite orders do not deadlock.
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <tuple>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/thread_pool.h"
+#include "service/handler/handler.h"
+#include "tests/kernels/codec_testing.h"
+#include "tests/service/service_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::testing::HasSubstr;
+using ::turbokv::testing::GaussianVectors;
+using ::turbokv::testing::MakeAppend;
+using ::turbokv::testing::MakeCreate;
+using ::turbokv::testing::MakeTensor;
+using ::turbokv::testing::TensorFloats;
+
+constexpr int kLayers = 2, kKv = 4, kQ = 8, kDim = 128, kLayer = 1;
+
+class DecodeTest : public ::testing::Test {
+ protected:
+  void Init(size_t budget, EvictionPolicy eviction = EvictionPolicy::kReject) {
+    StoreOptions store_options;
+    store_options.budget_bytes = budget;
+    store_options.eviction = eviction;
+    store_options.page_tokens = 16;
+    store_ = std::make_unique<SessionStore>(store_options);
+    HandlerOptions options;
+    options.kernel_pool = &pool_;
+    options.max_tokens = 100000;
+    handler_ = std::make_unique<Handler>(store_.get(), options);
+  }
+  void SetUp() override { Init(size_t{1} << 30); }
+
+  // A session (rotation seed 42) with `tokens` tokens in layer kLayer.
+  std::string Create(int64_t tokens, uint64_t seed, const std::string& tenant = "") {
+    auto created = handler_->CreateSession(MakeCreate(kLayers, kKv, kQ, kDim), tenant);
+    EXPECT_TRUE(created.ok()) << created.status();
+    const std::string id = created->session_id();
+    if (tokens > 0) {
+      const auto k = GaussianVectors(tokens * kKv, kDim, seed), v = GaussianVectors(tokens * kKv, kDim, seed + 1);
+      EXPECT_TRUE(handler_->Append(MakeAppend(id, kLayer, 0, k, v, {tokens, kKv, kDim}), tenant).ok());
+    }
+    return id;
+  }
+
+  int64_t Tokens(const std::string& id) {
+    v1::GetSessionRequest request;
+    request.set_session_id(id);
+    auto info = handler_->GetSession(request);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info->layer_tokens(kLayer);
+  }
+
+  // A Decode message for `ids` with k queries each at positions[i][j];
+  // with_keys adds k tokens per item. Inputs drawn from `seed`.
+  static v1::DecodeRequest MakeDecode(const std::vector<std::string>& ids, int k,
+                                      const std::vector<std::vector<int64_t>>& positions, bool with_keys,
+                                      uint64_t seed) {
+    v1::DecodeRequest request;
+    request.set_layer(kLayer);
+    const int64_t b = static_cast<int64_t>(ids.size());
+    for (const std::string& id : ids) request.add_session_ids(id);
+    for (const auto& item : positions) {
+      for (int64_t p : item) request.add_positions(p);
+    }
+    auto shape = [&](int heads) {
+      return k == 1 ? std::vector<int64_t>{b, heads, kDim} : std::vector<int64_t>{b, k, heads, kDim};
+    };
+    *request.mutable_queries() = MakeTensor(GaussianVectors(b * k * kQ, kDim, seed), shape(kQ));
+    if (with_keys) {
+      *request.mutable_keys() = MakeTensor(GaussianVectors(b * k * kKv, kDim, seed + 1), shape(kKv));
+      *request.mutable_values() = MakeTensor(GaussianVectors(b * k * kKv, kDim, seed + 2), shape(kKv));
+    }
+    return request;
+  }
+
+  ThreadPool pool_{2};
+  std::unique_ptr<SessionStore> store_;
+  std::unique_ptr<Handler> handler_;
+};
+
+// The rows of item i, query j of a Decode message, as a Step request.
+v1::StepRequest StepOf(const v1::DecodeRequest& decode, const std::string& id, int64_t i, int64_t j, int k) {
+  const auto q = TensorFloats(decode.queries()), keys = TensorFloats(decode.keys()),
+             values = TensorFloats(decode.values());
+  const size_t row = static_cast<size_t>(i * k + j);
+  v1::StepRequest step;
+  step.set_session_id(id);
+  step.set_layer(decode.layer());
+  step.set_position(decode.positions(static_cast<int>(row)));
+  auto slice = [&](const std::vector<float>& all, int heads) {
+    const size_t n = static_cast<size_t>(heads) * kDim;
+    return MakeTensor(std::vector<float>(all.begin() + row * n, all.begin() + (row + 1) * n), {1, heads, kDim});
+  };
+  *step.mutable_key() = slice(keys, kKv);
+  *step.mutable_value() = slice(values, kKv);
+  *step.mutable_query() = slice(q, kQ);
+  *step.mutable_options() = decode.options();
+  return step;
+}
+
+// B sessions, k draft tokens per item, with and without window/softcap.
+class DecodeEqualsStepTest : public DecodeTest, public ::testing::WithParamInterface<std::tuple<int, int, bool>> {};
+
+TEST_P(DecodeEqualsStepTest, BitForBit) {
+  const auto [b, k, shaped] = GetParam();
+  // Two identical groups of sessions of different lengths (across page
+  // boundaries): one goes through Decode, the other through Step.
+  std::vector<std::string> batched, stepped;
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < b; ++i) {
+    lengths.push_back(13 + 11 * i % 70);
+    batched.push_back(Create(lengths.back(), 100 + i));
+    stepped.push_back(Create(lengths.back(), 100 + i));
+  }
+  for (int step = 0; step < 3; ++step) {
+    std::vector<std::vector<int64_t>> positions(b);
+    for (int i = 0; i < b; ++i) {
+      for (int j = 0; j < k; ++j) positions[i].push_back(lengths[i] + j);
+    }
+    v1::DecodeRequest decode = MakeDecode(batched, k, positions, /*with_keys=*/true, 1000 + step);
+    if (shaped) {
+      decode.mutable_options()->set_window(20);
+      decode.mutable_options()->set_softcap(30.0f);
+      decode.mutable_options()->set_top_k(3);
+    }
+    auto result = handler_->Decode(decode);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->failed(), 0);
+    const auto out = TensorFloats(result->output()), lse = TensorFloats(result->lse());
+    for (int i = 0; i < b; ++i) {
+      for (int j = 0; j < k; ++j) {
+        auto single = handler_->Step(StepOf(decode, stepped[i], i, j, k));
+        ASSERT_TRUE(single.ok()) << single.status();
+        const auto step_out = TensorFloats(single->result().output()), step_lse = TensorFloats(single->result().lse());
+        const size_t row = static_cast<size_t>(i * k + j);
+        ASSERT_EQ(0, std::memcmp(step_out.data(), out.data() + row * kQ * kDim, step_out.size() * 4))
+            << "item " << i << " query " << j << " step " << step;
+        ASSERT_EQ(0, std::memcmp(step_lse.data(), lse.data() + row * kQ, step_lse.size() * 4));
+        if (shaped) {
+          const auto& tokens = single->result().top_k_tokens();
+          for (int t = 0; t < tokens.size(); ++t) {
+            EXPECT_EQ(tokens[t], result->top_k_tokens(static_cast<int>(row * kQ * 3) + t));
+          }
+        }
+      }
+      EXPECT_EQ(result->tokens(i), lengths[i] + k);
+      EXPECT_EQ(result->status(i).code(), 0);
+      lengths[i] += k;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Batches, DecodeEqualsStepTest,
+                         ::testing::Combine(::testing::Values(1, 3, 32), ::testing::Values(1, 4), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "b" + std::to_string(std::get<0>(info.param)) + "_k" +
+                                  std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_window_softcap" : "");
+                         });
+
+TEST_F(DecodeTest, AttentionOnlyMessagesLeaveTheSessionsAsTheyAre) {
+  const std::vector<std::string> ids = {Create(40, 1), Create(75, 2)};
+  v1::DecodeRequest decode = MakeDecode(ids, 2, {{10, 39}, {0, 74}}, /*with_keys=*/false, 5);
+  auto result = handler_->Decode(decode);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->failed(), 0);
+  EXPECT_THAT(result->tokens(), ::testing::ElementsAre(40, 75));
+  EXPECT_THAT(result->output().shape(), ::testing::ElementsAre(2, 2, kQ, kDim));
+  EXPECT_THAT(result->lse().shape(), ::testing::ElementsAre(2, 2, kQ));
+  // The same as Attend on each session.
+  const auto out = TensorFloats(result->output());
+  for (int i = 0; i < 2; ++i) {
+    v1::AttendRequest attend;
+    attend.set_session_id(ids[i]);
+    attend.set_layer(kLayer);
+    const auto q = TensorFloats(decode.queries());
+    *attend.mutable_queries() =
+        MakeTensor(std::vector<float>(q.begin() + i * 2 * kQ * kDim, q.begin() + (i + 1) * 2 * kQ * kDim), {2, kQ, kDim});
+    attend.add_positions(decode.positions(2 * i));
+    attend.add_positions(decode.positions(2 * i + 1));
+    auto attended = handler_->Attend(attend);
+    ASSERT_TRUE(attended.ok()) << attended.status();
+    const auto expected = TensorFloats(attended->result().output());
+    EXPECT_EQ(0, std::memcmp(expected.data(), out.data() + i * 2 * kQ * kDim, expected.size() * 4));
+  }
+  EXPECT_EQ(Tokens(ids[0]), 40);
+  EXPECT_EQ(Tokens(ids[1]), 75);
+}
+
+TEST_F(DecodeTest, BadItemsFailAloneAndChangeNothing) {
+  const std::string good_a = Create(30, 1), good_b = Create(50, 2), gap = Create(20, 3), repeat = Create(20, 4),
+                    other_tenant = Create(20, 5, "tenant-b");
+  // A session of another shape.
+  auto odd = handler_->CreateSession(MakeCreate(kLayers, 2, kQ, kDim));
+  ASSERT_TRUE(odd.ok());
+  const std::vector<std::string> ids = {good_a,   "no-such-session", gap,   other_tenant,
+                                        good_b,   odd->session_id(), good_a, repeat};
+  // positions: the gap item starts past its layer's end; the repeat item
+  // repeats stored position 10.
+  v1::DecodeRequest decode =
+      MakeDecode(ids, 1, {{30}, {0}, {25}, {20}, {50}, {0}, {31}, {10}}, /*with_keys=*/true, 9);
+  auto result = handler_->Decode(decode);
+  ASSERT_TRUE(result.ok()) << result.status();
+  auto code = [&](int i) { return static_cast<absl::StatusCode>(result->status(i).code()); };
+  EXPECT_EQ(code(0), absl::StatusCode::kOk);
+  EXPECT_EQ(code(1), absl::StatusCode::kNotFound);
+  EXPECT_EQ(code(2), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(result->status(2).message(), HasSubstr("missing"));
+  EXPECT_EQ(code(3), absl::StatusCode::kNotFound);  // another tenant's session is unknown here
+  EXPECT_EQ(code(4), absl::StatusCode::kOk);
+  EXPECT_EQ(code(5), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(result->status(5).message(), HasSubstr("share their shape"));
+  EXPECT_EQ(code(6), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(result->status(6).message(), HasSubstr("repeats session_ids[0]"));
+  EXPECT_EQ(code(7), absl::StatusCode::kOk);  // a repeat is acknowledged, not stored twice
+  EXPECT_EQ(result->failed(), 5);
+  EXPECT_THAT(result->tokens(), ::testing::ElementsAre(31, 0, 20, 0, 51, 0, 0, 20));
+  // Failed items left their sessions unchanged; their outputs are zeros.
+  EXPECT_EQ(Tokens(gap), 20);
+  EXPECT_EQ(Tokens(repeat), 20);
+  v1::GetSessionRequest get;
+  get.set_session_id(other_tenant);
+  EXPECT_EQ(handler_->GetSession(get, "tenant-b")->layer_tokens(kLayer), 20);
+  const auto out = TensorFloats(result->output()), lse = TensorFloats(result->lse());
+  for (int i : {1, 2, 3, 5, 6}) {
+    for (int x = 0; x < kQ * kDim; ++x) ASSERT_EQ(out[i * kQ * kDim + x], 0.0f);
+    EXPECT_EQ(lse[i * kQ], -INFINITY);
+  }
+
+  // The good items equal a run without the bad ones, on twin sessions.
+  const std::string twin_a = Create(30, 1), twin_b = Create(50, 2), twin_repeat = Create(20, 4);
+  v1::DecodeRequest clean = MakeDecode({twin_a, twin_b, twin_repeat}, 1, {{30}, {50}, {10}}, true, 9);
+  // The same inputs as items 0, 4 and 7 of the first message.
+  const auto q = TensorFloats(decode.queries()), k = TensorFloats(decode.keys()), v = TensorFloats(decode.values());
+  auto pick = [](const std::vector<float>& all, int heads, std::initializer_list<int> items) {
+    std::vector<float> picked;
+    for (int i : items) picked.insert(picked.end(), all.begin() + i * heads * kDim, all.begin() + (i + 1) * heads * kDim);
+    return picked;
+  };
+  *clean.mutable_queries() = MakeTensor(pick(q, kQ, {0, 4, 7}), {3, kQ, kDim});
+  *clean.mutable_keys() = MakeTensor(pick(k, kKv, {0, 4, 7}), {3, kKv, kDim});
+  *clean.mutable_values() = MakeTensor(pick(v, kKv, {0, 4, 7}), {3, kKv, kDim});
+  auto expected = handler_->Decode(clean);
+  ASSERT_TRUE(expected.ok());
+  const auto clean_out = TensorFloats(expected->output());
+  const int kept[] = {0, 4, 7};
+  for (int c = 0; c < 3; ++c) {
+    EXPECT_EQ(0, std::memcmp(clean_out.data() + c * kQ * kDim, out.data() + kept[c] * kQ * kDim, kQ * kDim * 4));
+  }
+}
+
+TEST_F(DecodeTest, AnItemPastTheBudgetFailsAloneWithResourceExhausted) {
+  // Pages of 16 tokens x 4 kv heads x (50 + 50) bytes (turbo3, d 128): the
+  // budget holds exactly two.
+  Init(2 * 16 * kKv * 100);
+  const std::string full = Create(16, 1);     // its last page is full: the next token needs a new one
+  const std::string partial = Create(10, 2);  // room left in its last page
+  auto result = handler_->Decode(MakeDecode({full, partial}, 1, {{16}, {10}}, true, 3));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->failed(), 1);
+  EXPECT_EQ(static_cast<absl::StatusCode>(result->status(0).code()), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(result->status(0).message(), HasSubstr("budget"));
+  EXPECT_EQ(result->status(1).code(), 0);
+  EXPECT_EQ(Tokens(full), 16);
+  EXPECT_EQ(Tokens(partial), 11);
+}
+
+TEST_F(DecodeTest, MalformedMessagesAreRefusedWhole) {
+  const std::vector<std::string> ids = {Create(20, 1), Create(20, 2)};
+  auto refused = [&](v1::DecodeRequest request, const std::string& what) {
+    auto result = handler_->Decode(request);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << what << ": " << result.status();
+    EXPECT_THAT(std::string(result.status().message()), HasSubstr(what));
+  };
+  v1::DecodeRequest good = MakeDecode(ids, 1, {{20}, {20}}, true, 4);
+  v1::DecodeRequest r = good;
+  r.clear_session_ids();
+  refused(r, "session_ids");
+  r = good;
+  r.mutable_queries()->set_shape(0, 3);
+  refused(r, "queries.shape");
+  r = good;
+  r.add_positions(21);
+  refused(r, "positions");
+  r = good;
+  r.clear_values();
+  refused(r, "keys are set without values");
+  r = good;
+  r.mutable_keys()->set_shape(0, 1);
+  refused(r, "keys.shape");
+  r = good;
+  r.mutable_options()->set_softcap(-1);
+  refused(r, "options.softcap");
+  r = good;
+  r.mutable_queries()->mutable_data()->resize(8);
+  refused(r, "queries");
+  r = good;
+  r.set_layer(-1);
+  refused(r, "layer");
+  EXPECT_EQ(Tokens(ids[0]), 20);
+  EXPECT_EQ(Tokens(ids[1]), 20);
+  // A layer past a session's layers fails that item only.
+  r = good;
+  r.set_layer(kLayers);
+  auto result = handler_->Decode(r);
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->failed(), 2);
+  EXPECT_THAT(result->status(0).message(), HasSubstr("layer"));
+}
+
+TEST_F(DecodeTest, ConcurrentBatchesSharingSessionsInOppositeOrdersDoNotDeadlock) {
+  std::vector<std::string> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(Create(20, i));
+  const std::vector<std::string> reversed(ids.rbegin(), ids.rend());
+  std::atomic<int> failures{0};
+  auto run = [&](const std::vector<std::string>& order, uint64_t seed) {
+    for (int step = 0; step < 40; ++step) {
+      std::vector<std::vector<int64_t>> positions(order.size(), {5});
+      auto result = handler_->Decode(MakeDecode(order, 1, positions, /*with_keys=*/false, seed + step));
+      if (!result.ok() || result->failed() != 0) failures.fetch_add(1);
+    }
+  };
+  std::thread a(run, ids, 1), b(run, reversed, 2);
+  a.join();
+  b.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+}  // namespace
+}  // namespace turbokv
