@@ -1,7 +1,10 @@
 // turbokv-bench e2e: the service over a unix socket, next to what it is built
 // from, measured in one run: append throughput, Step and Attend latency, the
 // in-process attention kernel on the same stored layer, and an empty gRPC
-// round trip (a health check) on the same channel.
+// round trip (a health check) on the same channel. With --batch B: one decode
+// step over every layer for B sessions through a Decode stream, the same work
+// as B x L unary Step calls, and the kernels alone on the same batches,
+// interleaved.
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,20 +38,212 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
 }
 
+// Prefill chunk: 512 tokens, or fewer when every layer's fp16 keys and
+// values of 512 would not fit in a 32 MiB message.
+long long DefaultChunk(long long layers, long long kv_heads, long long head_dim) {
+  const long long token_bytes = std::max(1LL, layers * kv_heads * head_dim * 2 * 2);
+  return std::max(1LL, std::min(512LL, (32LL << 20) / token_bytes));
+}
+
+struct Shape {
+  long long tokens, kv_heads, q_heads, head_dim, layers, threads, chunk;
+};
+
+// Appends `tokens` tokens to every layer of `session` in chunks, fp16 in,
+// from windows of `pool`. Returns the seconds it took, or < 0 on error.
+double Prefill(const Session& session, const Shape& shape, const std::vector<uint16_t>& pool, size_t slack,
+               uint64_t salt) {
+  const size_t token_values = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
+  auto slice = [&](int64_t start, uint64_t which, size_t values) {
+    const size_t at = static_cast<size_t>(start * 7919 + (salt * 2 + which) * 104729) % slack;
+    return absl::Span<const uint16_t>(pool.data() + at, values);
+  };
+  const auto start_time = Clock::now();
+  std::unique_ptr<AppendStream> stream = session.OpenAppendStream();
+  for (int64_t start = 0; start < shape.tokens; start += shape.chunk) {
+    const int64_t n = std::min<int64_t>(shape.chunk, shape.tokens - start);
+    const size_t values = static_cast<size_t>(shape.layers) * n * token_values;
+    if (!stream->Write(-1, start, TensorData::F16(slice(start, 1, values)), TensorData::F16(slice(start, 2, values)))
+             .ok()) {
+      break;
+    }
+  }
+  absl::StatusOr<v1::AppendResponse> appended = stream->Finish();
+  if (!appended.ok()) {
+    std::fprintf(stderr, "turbokv-bench e2e: append: %s\n", std::string(appended.status().message()).c_str());
+    return -1;
+  }
+  return Micros(start_time) / 1e6;
+}
+
+// --batch B: (a) Decode stream, (b) B x L unary Steps, (c) the kernels alone,
+// one whole decode step (every layer) of each in turn.
+int RunBatch(const Shape& shape, long long batch, long long steps, Client& client, Server& server,
+             const SessionOptions& session_options, bool json) {
+  const size_t token_values = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
+  constexpr size_t kSlack = size_t{1} << 20;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> pool(static_cast<size_t>(shape.layers) * shape.chunk * token_values + kSlack);
+  for (uint16_t& b : pool) b = FloatToHalfBits(normal(rng));
+  std::vector<Session> sessions;
+  std::vector<std::string> ids;
+  double prefill_seconds = 0;
+  for (long long i = 0; i < batch; ++i) {
+    absl::StatusOr<Session> session = client.CreateSession(session_options);
+    if (!session.ok()) {
+      std::fprintf(stderr, "turbokv-bench e2e: %s\n", std::string(session.status().message()).c_str());
+      return 1;
+    }
+    const double seconds = Prefill(*session, shape, pool, kSlack, static_cast<uint64_t>(i));
+    if (seconds < 0) return 1;
+    prefill_seconds += seconds;
+    ids.push_back(session->id());
+    sessions.push_back(*std::move(session));
+  }
+  // The stored sessions, in id order (the order the daemon locks them in).
+  std::vector<std::shared_ptr<SessionCache>> stored;
+  for (const std::string& id : ids) stored.push_back(*server.store().Find(id, "", absl::Now()));
+  std::sort(stored.begin(), stored.end(), [](const auto& a, const auto& b) { return a->id() < b->id(); });
+
+  const size_t q_values = static_cast<size_t>(shape.q_heads) * shape.head_dim;
+  std::vector<float> keys(batch * token_values), values(keys.size()), queries(batch * q_values);
+  auto draw = [&] {
+    for (float& x : keys) x = normal(rng);
+    for (float& x : values) x = normal(rng);
+    for (float& x : queries) x = normal(rng);
+  };
+  std::unique_ptr<DecodeStream> decode = client.OpenDecodeStream();
+  ThreadPool kernel_pool(static_cast<int>(shape.threads));
+  std::vector<double> decode_us, unary_us, kernel_us;  // per layer-step
+  int64_t position = shape.tokens;
+  for (long long step = 0; step < steps; ++step) {
+    // (a) one Decode message per layer, each answered before the next (the
+    // next layer's query depends on this one's output).
+    for (long long l = 0; l < shape.layers; ++l, draw()) {
+      DecodeBatch message;
+      message.layer = static_cast<int>(l);
+      message.session_ids = ids;
+      message.positions.assign(batch, position);
+      message.q_heads = static_cast<int>(shape.q_heads);
+      message.kv_heads = static_cast<int>(shape.kv_heads);
+      message.head_dim = static_cast<int>(shape.head_dim);
+      message.queries = TensorData::F32(queries);
+      message.keys = TensorData::F32(keys);
+      message.values = TensorData::F32(values);
+      const auto start = Clock::now();
+      absl::StatusOr<DecodeResult> result = decode->Step(message);
+      decode_us.push_back(Micros(start));
+      if (!result.ok() || result->failed != 0) {
+        std::fprintf(stderr, "turbokv-bench e2e: decode: %s\n",
+                     std::string(result.ok() ? result->status[0].message() : result.status().message()).c_str());
+        return 1;
+      }
+    }
+    ++position;
+    // (b) the same work as B x L unary Step calls from one thread.
+    for (long long l = 0; l < shape.layers; ++l, draw()) {
+      const auto start = Clock::now();
+      for (long long i = 0; i < batch; ++i) {
+        absl::StatusOr<StepResult> result = sessions[i].Step(
+            static_cast<int>(l), position, TensorData::F32(absl::MakeSpan(keys).subspan(i * token_values, token_values)),
+            TensorData::F32(absl::MakeSpan(values).subspan(i * token_values, token_values)),
+            TensorData::F32(absl::MakeSpan(queries).subspan(i * q_values, q_values)));
+        if (!result.ok()) {
+          std::fprintf(stderr, "turbokv-bench e2e: step: %s\n", std::string(result.status().message()).c_str());
+          return 1;
+        }
+      }
+      unary_us.push_back(Micros(start));
+    }
+    ++position;
+    // (c) the kernels alone: each layer's attention for the B sessions as one
+    // batch, in process, on as many threads.
+    std::vector<float> out(batch * q_values), lse(batch * shape.q_heads);
+    std::vector<int64_t> last(batch);
+    for (long long l = 0; l < shape.layers; ++l) {
+      std::vector<std::unique_lock<std::mutex>> locks;
+      std::vector<AttentionProblem> problems;
+      for (long long i = 0; i < batch; ++i) {
+        locks.emplace_back(stored[i]->mutex());
+        const PagedKvCache cache = stored[i]->layers()[l].Descriptor();
+        last[i] = cache.tokens - 1;
+        problems.push_back(AttentionProblem{cache, {1, queries.data() + i * q_values, &last[i]},
+                                            {out.data() + i * q_values, lse.data() + i * shape.q_heads}});
+      }
+      AttentionParams params;
+      params.q_heads = static_cast<int>(shape.q_heads);
+      AttentionOptions attention_options;
+      attention_options.pool = &kernel_pool;
+      const auto start = Clock::now();
+      const absl::Status status =
+          AttendCpu(AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params, attention_options);
+      kernel_us.push_back(Micros(start));
+      if (!status.ok()) return 1;
+    }
+  }
+  const absl::Status closed = decode->Finish();
+  if (!closed.ok()) return 1;
+  auto mean = [](const std::vector<double>& v) {
+    double sum = 0;
+    for (double x : v) sum += x;
+    return sum / v.size();
+  };
+  // Tokens per second: B tokens per whole step of L layer-steps.
+  auto tokens_per_s = [&](const std::vector<double>& v) { return batch * 1e6 / (mean(v) * shape.layers); };
+  const double decode_p50 = Percentile(decode_us, 0.5), unary_p50 = Percentile(unary_us, 0.5),
+               kernel_p50 = Percentile(kernel_us, 0.5);
+  const double speedup = unary_p50 / decode_p50;
+  const double overhead = (decode_p50 - kernel_p50) / decode_p50;
+  if (json) {
+    std::printf(
+        "{\"batch\": %lld, \"tokens\": %lld, \"layers\": %lld, \"kv_heads\": %lld, \"q_heads\": %lld, "
+        "\"head_dim\": %lld, \"codec\": \"%s\", \"threads\": %lld, \"steps\": %lld, \"prefill_s\": %.2f, "
+        "\"decode_layer_step_p50_us\": %.1f, \"decode_layer_step_p99_us\": %.1f, \"decode_tokens_per_s\": %.1f, "
+        "\"unary_layer_step_p50_us\": %.1f, \"unary_layer_step_p99_us\": %.1f, \"unary_tokens_per_s\": %.1f, "
+        "\"kernel_layer_step_p50_us\": %.1f, \"kernel_layer_step_p99_us\": %.1f, \"kernel_tokens_per_s\": %.1f, "
+        "\"decode_speedup_over_unary\": %.2f, \"service_overhead\": %.3f}\n",
+        batch, shape.tokens, shape.layers, shape.kv_heads, shape.q_heads, shape.head_dim,
+        v1::Codec_Name(session_options.key_codec).c_str(), shape.threads, steps, prefill_seconds, decode_p50,
+        Percentile(decode_us, 0.99), tokens_per_s(decode_us), unary_p50, Percentile(unary_us, 0.99),
+        tokens_per_s(unary_us), kernel_p50, Percentile(kernel_us, 0.99), tokens_per_s(kernel_us), speedup, overhead);
+    return 0;
+  }
+  std::printf("turbokvd over a unix socket: %lld sessions x %lld tokens, %lld layers, %s keys and values, %lld kv heads, "
+              "%lld q heads, d %lld, %lld threads, %lld steps\n\n",
+              batch, shape.tokens, shape.layers, v1::Codec_Name(session_options.key_codec).c_str(), shape.kv_heads,
+              shape.q_heads, shape.head_dim, shape.threads, steps);
+  std::printf("| path (one layer-step = %lld sessions, 1 token each) | p50 | p99 | tokens/s |\n|---|---:|---:|---:|\n",
+              batch);
+  std::printf("| (a) Decode stream, one message per layer | %.0f us | %.0f us | %.0f |\n", decode_p50,
+              Percentile(decode_us, 0.99), tokens_per_s(decode_us));
+  std::printf("| (b) %lld unary Step calls per layer, one thread | %.0f us | %.0f us | %.0f |\n", batch, unary_p50,
+              Percentile(unary_us, 0.99), tokens_per_s(unary_us));
+  std::printf("| (c) the attention kernel alone, same batch | %.0f us | %.0f us | %.0f |\n", kernel_p50,
+              Percentile(kernel_us, 0.99), tokens_per_s(kernel_us));
+  std::printf("\n(a) is %.1fx faster than (b); service overhead ((a) - (c)) / (a) = %.0f%%\n", speedup, 100 * overhead);
+  return 0;
+}
+
 }  // namespace
 
 int RunE2e(int argc, char** argv) {
   Options options;
   std::string error;
-  if (!options.Parse(argc, argv, {"tokens", "kv-heads", "q-heads", "head-dim", "layers", "threads", "chunk", "calls", "codec"},
+  if (!options.Parse(argc, argv,
+                     {"tokens", "kv-heads", "q-heads", "head-dim", "layers", "threads", "chunk", "calls", "codec",
+                      "batch", "steps"},
                      {"json"}, &error)) {
     return UsageError(error);
   }
-  long long tokens, kv_heads, q_heads, head_dim, layers, threads, chunk, calls;
+  long long tokens, kv_heads, q_heads, head_dim, layers, threads, chunk, calls, batch = 0, steps;
   if (!options.GetInt("tokens", 32768, &tokens, &error) || !options.GetInt("kv-heads", 8, &kv_heads, &error) ||
       !options.GetInt("q-heads", 32, &q_heads, &error) || !options.GetInt("head-dim", 128, &head_dim, &error) ||
       !options.GetInt("layers", 1, &layers, &error) || !options.GetInt("threads", 2, &threads, &error) ||
-      !options.GetInt("chunk", 512, &chunk, &error) || !options.GetInt("calls", 200, &calls, &error)) {
+      !options.GetInt("chunk", DefaultChunk(layers, kv_heads, head_dim), &chunk, &error) ||
+      !options.GetInt("calls", 200, &calls, &error) ||
+      (options.Has("batch") && !options.GetInt("batch", 1, &batch, &error)) ||
+      !options.GetInt("steps", 4, &steps, &error)) {
     return UsageError(error);
   }
   v1::Codec codec = v1::CODEC_UNSPECIFIED;
@@ -75,39 +270,30 @@ int RunE2e(int argc, char** argv) {
   session_options.q_heads = static_cast<int>(q_heads);
   session_options.head_dim = static_cast<int>(head_dim);
   session_options.key_codec = session_options.value_codec = codec;
+  if (batch > 0) {
+    if (!client->WaitUntilServing(absl::Seconds(10)).ok()) return 1;
+    const int rc = RunBatch(Shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk}, batch, steps,
+                            *client, **server, session_options, options.Has("json"));
+    (*server)->Shutdown(absl::Seconds(1));
+    return rc;
+  }
   absl::StatusOr<Session> session = client->CreateSession(session_options);
   if (!client->WaitUntilServing(absl::Seconds(10)).ok() || !session.ok()) {
     std::fprintf(stderr, "turbokv-bench e2e: %s\n", std::string(session.status().message()).c_str());
     return 1;
   }
 
-  // fp16 input, made before the clock starts.
+  // fp16 input, made before the clock starts: chunks are windows at
+  // pseudo-random offsets into a pool one chunk plus kSlack values long.
   const size_t token_values = static_cast<size_t>(kv_heads) * head_dim;
+  constexpr size_t kSlack = size_t{1} << 20;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  std::vector<uint16_t> pool_bits(size_t{1} << 22);
+  std::vector<uint16_t> pool_bits(static_cast<size_t>(layers) * chunk * token_values + kSlack);
   for (uint16_t& b : pool_bits) b = FloatToHalfBits(normal(rng));
-  const size_t chunk_values = static_cast<size_t>(layers) * chunk * token_values;
-  auto slice = [&](int64_t start, uint64_t salt) {
-    const size_t at = ((start * 7919 + salt * 104729) % (pool_bits.size() - chunk_values));
-    return absl::Span<const uint16_t>(pool_bits.data() + at, chunk_values);
-  };
-  const auto append_start = Clock::now();
-  std::unique_ptr<AppendStream> stream = session->OpenAppendStream();
-  for (int64_t start = 0; start < tokens; start += chunk) {
-    const int64_t n = std::min<int64_t>(chunk, tokens - start);
-    const size_t values = static_cast<size_t>(layers) * n * token_values;
-    if (!stream->Write(-1, start, TensorData::F16(slice(start, 1).subspan(0, values)),
-                       TensorData::F16(slice(start, 2).subspan(0, values))).ok()) {
-      break;
-    }
-  }
-  absl::StatusOr<v1::AppendResponse> appended = stream->Finish();
-  const double append_seconds = Micros(append_start) / 1e6;
-  if (!appended.ok()) {
-    std::fprintf(stderr, "turbokv-bench e2e: append: %s\n", std::string(appended.status().message()).c_str());
-    return 1;
-  }
+  const double append_seconds =
+      Prefill(*session, Shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk}, pool_bits, kSlack, 0);
+  if (append_seconds < 0) return 1;
   const double token_layers_per_s = tokens * layers / append_seconds;
   const double input_mb_per_s = tokens * layers * token_values * 2 * 2 / append_seconds / 1e6;
 

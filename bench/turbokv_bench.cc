@@ -22,7 +22,7 @@ constexpr char kUsage[] =
     "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
     "                            [--impl cpu|cuda] [--json]\n"
     "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
-    "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--json]\n";
+    "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]] [--json]\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);

@@ -1,5 +1,7 @@
 #include "service/tensor.h"
 
+#include "service/status_macros.h"
+
 #include <cmath>
 #include <cstring>
 
@@ -50,7 +52,7 @@ size_t DTypeSize(int dtype) {
 
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
                                                   absl::Span<const int64_t> shape,
-                                                  absl::string_view field) {
+                                                  absl::string_view field, bool check_finite) {
   const size_t value_bytes = DTypeSize(tensor.dtype());
   if (value_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16 (got ", tensor.dtype(), ")"));
@@ -88,19 +90,22 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
       for (size_t i = 0; i < count; ++i) values[i] = BitsToFloat(uint32_t{Load16(data + 2 * i)} << 16);
       break;
   }
+  if (check_finite) TURBOKV_RETURN_IF_ERROR(CheckFinite(values, absl::StrCat(field, ".data")));
+  return values;
+}
+
+absl::Status CheckFinite(absl::Span<const float> values, absl::string_view what) {
   // Inf and NaN are the f32 patterns with every exponent bit set; one
   // branch-free pass finds whether there is any.
   bool all_finite = true;
-  for (size_t i = 0; i < count; ++i) all_finite &= (FloatBits(values[i]) & 0x7f800000u) != 0x7f800000u;
-  if (!all_finite) {
-    for (size_t i = 0; i < count; ++i) {
-      if (!std::isfinite(values[i])) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".data value ", i, " is not finite (",
-                                                       values[i], ")"));
-      }
+  for (float v : values) all_finite &= (FloatBits(v) & 0x7f800000u) != 0x7f800000u;
+  if (all_finite) return absl::OkStatus();
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " value ", i, " is not finite (", values[i], ")"));
     }
   }
-  return values;
+  return absl::OkStatus();
 }
 
 void FloatsToTensor(absl::Span<const float> values, absl::Span<const int64_t> shape, v1::DType dtype,

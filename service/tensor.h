@@ -16,11 +16,15 @@ namespace turbokv {
 size_t DTypeSize(int dtype);
 
 // The tensor as f32, after checking that it is set, that its dtype is known,
-// that its shape equals `shape`, that its byte length matches, and that every
-// value is finite. INVALID_ARGUMENT naming `field` otherwise.
+// that its shape equals `shape`, that its byte length matches, and (with
+// check_finite) that every value is finite. INVALID_ARGUMENT naming `field`
+// otherwise.
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
                                                   absl::Span<const int64_t> shape,
-                                                  absl::string_view field);
+                                                  absl::string_view field, bool check_finite = true);
+
+// INVALID_ARGUMENT naming `what` and the first value that is Inf or NaN.
+absl::Status CheckFinite(absl::Span<const float> values, absl::string_view what);
 
 // Writes values of `shape` into tensor as dtype (f32, f16 round to nearest
 // even, bf16 round to nearest even).

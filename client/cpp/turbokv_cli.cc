@@ -39,6 +39,10 @@ commands:
                                               append random fp16 keys/values
   attend-random ID [--layer=L --queries=N --calls=N]
                                               random queries, print latency
+  decode-random [--batch=B --layers=L --steps=S --kv-heads=N --q-heads=N --head-dim=N --codec=C]
+                                              B new sessions decoded together through one
+                                              Decode stream (a message per layer and step),
+                                              print throughput and latency, delete them
   demo [--layers=32 --kv-heads=8 --q-heads=32 --head-dim=128 --tokens=8192 --chunk=128
         --steps=32 --codec=turbo3]            a model-shaped workload, checked
                                               against float attention
@@ -176,6 +180,75 @@ absl::Status AttendRandom(const turbokv::Client& client, Args& args) {
   return absl::OkStatus();
 }
 
+absl::Status DecodeRandom(const turbokv::Client& client, Args& args) {
+  TRY_INT(batch, args, "batch", 8);
+  TRY_INT(layers, args, "layers", 4);
+  TRY_INT(steps, args, "steps", 16);
+  TRY_INT(kv_heads, args, "kv-heads", 8);
+  TRY_INT(q_heads, args, "q-heads", 32);
+  TRY_INT(head_dim, args, "head-dim", 128);
+  if (batch < 1 || layers < 1 || steps < 1) return absl::InvalidArgumentError("--batch, --layers and --steps must be >= 1");
+  turbokv::SessionOptions options;
+  options.layers = static_cast<int>(layers);
+  options.kv_heads = static_cast<int>(kv_heads);
+  options.q_heads = static_cast<int>(q_heads);
+  options.head_dim = static_cast<int>(head_dim);
+  absl::StatusOr<turbokv::v1::Codec> codec = ParseCodec(args.Flag("codec", "turbo3"));
+  if (!codec.ok()) return codec.status();
+  options.key_codec = options.value_codec = *codec;
+  std::vector<turbokv::Session> sessions;
+  turbokv::DecodeBatch message;
+  for (int64_t i = 0; i < batch; ++i) {
+    absl::StatusOr<turbokv::Session> session = client.CreateSession(options);
+    if (!session.ok()) return session.status();
+    message.session_ids.push_back(session->id());
+    sessions.push_back(*std::move(session));
+  }
+  message.q_heads = options.q_heads;
+  message.kv_heads = options.kv_heads;
+  message.head_dim = options.head_dim;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal;
+  std::vector<float> keys(static_cast<size_t>(batch) * kv_heads * head_dim), values(keys.size()),
+      queries(static_cast<size_t>(batch) * q_heads * head_dim);
+  std::unique_ptr<turbokv::DecodeStream> stream = client.OpenDecodeStream();
+  std::vector<double> us;
+  absl::Status status;
+  const absl::Time begin = absl::Now();
+  for (int64_t step = 0; step < steps && status.ok(); ++step) {
+    message.positions.assign(batch, step);
+    for (int64_t l = 0; l < layers && status.ok(); ++l) {
+      for (std::vector<float>* v : {&keys, &values, &queries}) {
+        for (float& x : *v) x = normal(rng);
+      }
+      message.layer = static_cast<int>(l);
+      message.keys = turbokv::TensorData::F32(keys);
+      message.values = turbokv::TensorData::F32(values);
+      message.queries = turbokv::TensorData::F32(queries);
+      const absl::Time start = absl::Now();
+      absl::StatusOr<turbokv::DecodeResult> result = stream->Step(message);
+      us.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+      if (!result.ok()) {
+        status = result.status();
+      } else if (result->failed > 0) {
+        for (const absl::Status& item : result->status) {
+          if (!item.ok()) status = item;
+        }
+      }
+    }
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+  if (status.ok()) status = stream->Finish();
+  for (const turbokv::Session& session : sessions) session.Delete().IgnoreError();
+  if (!status.ok()) return status;
+  std::sort(us.begin(), us.end());
+  std::printf("decode: %lld sessions x %lld layers x %lld steps through one Decode stream: %.0f tokens/s, "
+              "per layer-step p50 %.0f us, p99 %.0f us\n",
+              static_cast<long long>(batch), static_cast<long long>(layers), static_cast<long long>(steps),
+              batch * steps / seconds, us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]);
+  return absl::OkStatus();
+}
+
 absl::Status Demo(const turbokv::Client& client, Args& args) {
   turbokv::DemoOptions options;
   TRY_INT(layers, args, "layers", options.layers);
@@ -287,6 +360,8 @@ int main(int argc, char** argv) {
     status = AppendRandom(*client, args);
   } else if (args.command == "attend-random") {
     status = AttendRandom(*client, args);
+  } else if (args.command == "decode-random") {
+    status = DecodeRandom(*client, args);
   } else if (args.command == "demo") {
     status = Demo(*client, args);
   } else {

@@ -274,26 +274,38 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   const int64_t queries_total = shape.batch * shape.k;
   TURBOKV_RETURN_IF_ERROR(
       CheckResultSize(queries_total, shape.q_heads, shape.head_dim, params, options_.max_message_bytes));
+  // Non-finite values fail their own item (below), not the message.
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> queries,
-                           TensorToFloats(request.queries(), Dims(request.queries()), "queries"));
+                           TensorToFloats(request.queries(), Dims(request.queries()), "queries", false));
   std::vector<float> keys, values;
   if (shape.kv_heads != 0) {
-    TURBOKV_ASSIGN_OR_RETURN(keys, TensorToFloats(request.keys(), Dims(request.keys()), "keys"));
-    TURBOKV_ASSIGN_OR_RETURN(values, TensorToFloats(request.values(), Dims(request.keys()), "values"));
+    TURBOKV_ASSIGN_OR_RETURN(keys, TensorToFloats(request.keys(), Dims(request.keys()), "keys", false));
+    TURBOKV_ASSIGN_OR_RETURN(values, TensorToFloats(request.values(), Dims(request.keys()), "values", false));
   }
+  const size_t batch = static_cast<size_t>(shape.batch);
+  const size_t item_queries = static_cast<size_t>(shape.k) * shape.q_heads * shape.head_dim;
+  const size_t item_values = static_cast<size_t>(shape.k) * shape.kv_heads * shape.head_dim;
+  auto check_item_values = [&](size_t i) -> absl::Status {
+    TURBOKV_RETURN_IF_ERROR(
+        CheckFinite(absl::MakeConstSpan(queries).subspan(i * item_queries, item_queries), absl::StrCat("queries[", i, "]")));
+    if (shape.kv_heads == 0) return absl::OkStatus();
+    TURBOKV_RETURN_IF_ERROR(
+        CheckFinite(absl::MakeConstSpan(keys).subspan(i * item_values, item_values), absl::StrCat("keys[", i, "]")));
+    return CheckFinite(absl::MakeConstSpan(values).subspan(i * item_values, item_values),
+                       absl::StrCat("values[", i, "]"));
+  };
 
   LockedBatch locked = FindLockedBatch(request.session_ids(), tenant);
   std::vector<absl::Status>& status = locked.status;
-  const size_t batch = static_cast<size_t>(shape.batch);
   for (size_t i = 0; i < batch; ++i) {
     if (status[i].ok()) status[i] = CheckDecodeItem(*locked.sessions[i], request, shape, i);
+    if (status[i].ok()) status[i] = check_item_values(i);
   }
 
   // Appends: each item's pages taken first (an item the budget cannot hold
   // fails alone), then every item's tokens encoded in one parallel job.
   std::vector<ChunkWrite> writes;
   if (shape.kv_heads != 0) {
-    const size_t item_values = static_cast<size_t>(shape.k) * shape.kv_heads * shape.head_dim;
     for (size_t i = 0; i < batch; ++i) {
       if (!status[i].ok()) continue;
       SessionCache& session = *locked.sessions[i];

@@ -4,6 +4,7 @@
 // call deletes one), so the fuzzer reaches appends, attention, forks and
 // reads rather than stopping at NOT_FOUND. Every call must return a status,
 // never crash, and a failed call must leave the session's lengths unchanged.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -80,7 +81,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace turbokv;
   static World* world = new World();
   if (size < 1) return 0;
-  const uint8_t kind = data[0] % 12;
+  const uint8_t kind = data[0] % 13;
   ++data;
   --size;
   switch (kind) {
@@ -174,6 +175,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     case 10: {
       world->handler->Stats(v1::StatsRequest()).IgnoreError();
+      return 0;
+    }
+    case 11: {
+      // A Decode batch: a failed message changes no session, and an item
+      // that failed changes nothing of its own session.
+      v1::DecodeRequest r;
+      if (!Parse(data, size, &r) || r.session_ids_size() > 8) return 0;
+      std::vector<std::vector<int64_t>> before;
+      for (std::string& id : *r.mutable_session_ids()) {
+        id = world->Resolve(id);
+        before.push_back(world->Lengths(id));
+      }
+      auto decoded = world->handler->Decode(r);
+      for (int i = 0; i < r.session_ids_size(); ++i) {
+        const bool item_failed = !decoded.ok() || decoded->status(i).code() != 0;
+        const bool repeated = std::count(r.session_ids().begin(), r.session_ids().begin() + i, r.session_ids(i)) > 0;
+        if (item_failed && !repeated && world->Lengths(r.session_ids(i)) != before[i]) abort();
+      }
       return 0;
     }
     default: {

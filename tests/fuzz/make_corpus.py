@@ -44,7 +44,12 @@ def main():
     write("get", 8, pb.GetSessionRequest(session_id="3"))
     write("list", 9, pb.ListSessionsRequest())
     write("stats", 10, pb.StatsRequest())
-    write("expire", 11, pb.StatsRequest())
+    # Sessions "0" and "2" both have 1 kv head and 2 q heads: one batch.
+    write("decode", 11, pb.DecodeRequest(layer=0, session_ids=["0", "2"], positions=[0, 0],
+                                         queries=tensor((2, 2, 64)), keys=tensor((2, 1, 64), seed=2),
+                                         values=tensor((2, 1, 64), seed=3),
+                                         options=pb.AttentionOptions(window=4)))
+    write("expire", 12, pb.StatsRequest())
 
 
 if __name__ == "__main__":

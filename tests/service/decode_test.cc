@@ -260,6 +260,25 @@ TEST_F(DecodeTest, BadItemsFailAloneAndChangeNothing) {
   }
 }
 
+TEST_F(DecodeTest, NonFiniteValuesFailTheirItemAlone) {
+  const std::vector<std::string> ids = {Create(20, 1), Create(20, 2), Create(20, 3)};
+  v1::DecodeRequest decode = MakeDecode(ids, 1, {{20}, {20}, {20}}, true, 4);
+  std::vector<float> keys = TensorFloats(decode.keys());
+  keys[kKv * kDim + 5] = NAN;  // item 1
+  *decode.mutable_keys() = MakeTensor(keys, {3, kKv, kDim});
+  std::vector<float> queries = TensorFloats(decode.queries());
+  queries[2 * kQ * kDim] = INFINITY;  // item 2
+  *decode.mutable_queries() = MakeTensor(queries, {3, kQ, kDim});
+  auto result = handler_->Decode(decode);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->status(0).code(), 0);
+  EXPECT_THAT(result->status(1).message(), HasSubstr("keys[1] value 5 is not finite"));
+  EXPECT_THAT(result->status(2).message(), HasSubstr("queries[2] value 0 is not finite"));
+  EXPECT_EQ(Tokens(ids[0]), 21);
+  EXPECT_EQ(Tokens(ids[1]), 20);
+  EXPECT_EQ(Tokens(ids[2]), 20);
+}
+
 TEST_F(DecodeTest, AnItemPastTheBudgetFailsAloneWithResourceExhausted) {
   // Pages of 16 tokens x 4 kv heads x (50 + 50) bytes (turbo3, d 128): the
   // budget holds exactly two.

@@ -1,5 +1,6 @@
 """Runs examples/worker.py against the real turbokvd: the merged attention
-must match full attention (tightly with f16, within codec error with turbo3)."""
+must match full attention (tightly with f16, within codec error with turbo3),
+for one sequence and for a batch through one Decode stream."""
 
 import os
 import subprocess
@@ -20,6 +21,20 @@ class WorkerExampleTest(unittest.TestCase):
                                       "--codec", codec], capture_output=True, text=True, timeout=300)
                 self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
                 self.assertIn("offloaded to turbokvd", run.stdout)
+            self.assertEqual(daemon.stop(), 0)
+        finally:
+            daemon.close()
+
+    def test_worker_batch_mode_through_one_decode_stream(self):
+        daemon = Daemon()
+        try:
+            for codec in ("f16", "turbo3"):  # the worker fails past the same bounds as above
+                run = subprocess.run([sys.executable, EXAMPLE, "--target", daemon.target, "--tokens", "160",
+                                      "--local", "32", "--chunk", "32", "--batch", "3", "--codec", codec],
+                                     capture_output=True, text=True, timeout=300)
+                self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+                self.assertIn("3 sequences in one Decode stream", run.stdout)
+                self.assertIn("x 3 sequences", run.stdout)
             self.assertEqual(daemon.stop(), 0)
         finally:
             daemon.close()

@@ -7,12 +7,18 @@
     result = session.attend(layer=0, queries=q)                # [n, q_heads, head_dim]
     result.output, result.lse
 
+    with client.decode_stream() as stream:  # one layer's step for a batch of sessions
+        batch = stream.step(0, [session, other], k, v, q, positions)  # k, v, q: [B, heads, head_dim]
+        batch.raise_for_status().output                            # [B, 1, q_heads, head_dim]
+
 Failures raise turbokv.TurbokvError carrying the gRPC status code and message.
 """
 
 from turbokv.client import (  # noqa: F401
     AttentionResult,
     Client,
+    DecodeResult,
+    DecodeStream,
     Session,
     TurbokvError,
     merge_attention,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Iterable, Iterator, Optional, Sequence, Tuple
+import queue
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -21,6 +23,7 @@ _CODECS = {
     "turbo4": pb.CODEC_TURBO4,
 }
 _DTYPES = {np.dtype(np.float32): pb.DTYPE_F32, np.dtype(np.float16): pb.DTYPE_F16}
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class TurbokvError(Exception):
@@ -62,12 +65,14 @@ class AttentionResult:
     top_k_logits: Optional[np.ndarray] = None
 
 
-def _result(result: pb.AttentionResult, top_k: int) -> AttentionResult:
-    out = AttentionResult(output=_array(result.output), lse=_array(result.lse))
+def _result(result, top_k: int, cls=AttentionResult, **fields) -> AttentionResult:
+    """A pb.AttentionResult (or a pb.DecodeResponse: the same fields, a batch
+    dimension more) as a `cls` with numpy arrays; fields: cls's others."""
+    out = cls(output=_array(result.output), lse=_array(result.lse), **fields)
     if top_k > 0:
-        n, heads = out.lse.shape
-        out.top_k_tokens = np.array(result.top_k_tokens, dtype=np.int64).reshape(n, heads, top_k)
-        out.top_k_logits = np.array(result.top_k_logits, dtype=np.float32).reshape(n, heads, top_k)
+        shape = out.lse.shape + (top_k,)
+        out.top_k_tokens = np.array(result.top_k_tokens, dtype=np.int64).reshape(shape)
+        out.top_k_logits = np.array(result.top_k_logits, dtype=np.float32).reshape(shape)
     return out
 
 
@@ -194,6 +199,205 @@ class Session:
         self._client.delete_session(self.id)
 
 
+@dataclasses.dataclass
+class DecodeResult(AttentionResult):
+    """One Decode message's results: AttentionResult's arrays with a batch
+    dimension first (B items of k queries each), so merge_attention takes a
+    DecodeResult as it is, plus each item's outcome.
+
+    output [B, k, q_heads, head_dim] float32, lse [B, k, q_heads] and, with
+    top_k, top_k_tokens / top_k_logits [B, k, q_heads, top_k]. tokens [B]: the
+    layer's length after the step (a failed item: its length as it stands, 0
+    when its session was not found). errors [B]: None for an item that
+    succeeded, else a TurbokvError with the item's gRPC code and message. A
+    failed item changed nothing of its session; its output is zeros and its
+    lse -inf."""
+
+    session_ids: List[str] = dataclasses.field(default_factory=list)
+    tokens: Optional[np.ndarray] = None
+    errors: List[Optional[TurbokvError]] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every item succeeded."""
+        return all(error is None for error in self.errors)
+
+    @property
+    def failed(self) -> int:
+        """How many items failed."""
+        return sum(error is not None for error in self.errors)
+
+    def raise_for_status(self) -> "DecodeResult":
+        """Raises the first failed item's TurbokvError; returns self when all succeeded."""
+        for error in self.errors:
+            if error is not None:
+                raise error
+        return self
+
+    def item(self, i: int) -> AttentionResult:
+        """Item i's k queries as an AttentionResult: output [k, q_heads, head_dim]."""
+        return AttentionResult(output=self.output[i], lse=self.lse[i],
+                               top_k_tokens=None if self.top_k_tokens is None else self.top_k_tokens[i],
+                               top_k_logits=None if self.top_k_logits is None else self.top_k_logits[i])
+
+
+class DecodeStream:
+    """One Decode stream (Client.decode_stream()): each call is one layer's
+    decode step for a batch of B sessions, sent as one message and answered in
+    order. Items fail alone (DecodeResult.errors); a malformed message ends the
+    stream, raising TurbokvError from that call and every later one. Arguments
+    the daemon would refuse for their shapes raise ValueError here, before
+    anything is sent, and leave the stream open.
+
+    step() and attend() send one message and wait for its result. To keep
+    several messages in flight, send() each and receive() their results in
+    the same order. One thread at a time; close() it (or use `with`)."""
+
+    def __init__(self, client: "Client", timeout: Optional[float] = None):
+        self._requests: "queue.SimpleQueue[Optional[pb.DecodeRequest]]" = queue.SimpleQueue()
+        self._responses = client._stub.Decode(iter(self._requests.get, None), timeout=timeout,
+                                              metadata=client._metadata)
+        self._pending = collections.deque()  # (session ids, top_k) of messages sent and not received
+        self._error: Optional[TurbokvError] = None
+        self._closed = False
+
+    def step(self, layer: int, sessions: Sequence[Union[Session, str]], keys, values, queries, positions, *,
+             softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0, top_k: int = 0) -> DecodeResult:
+        """Stores each item's k new tokens and attends with its k queries.
+
+        sessions: B Session objects or session ids, each once, all of one
+        shape. keys, values [B, kv_heads, head_dim] (k = 1) or
+        [B, k, kv_heads, head_dim], float32 or float16; queries the same rank:
+        [B, q_heads, head_dim] or [B, k, q_heads, head_dim]. positions [B, k]:
+        query j of item i is at positions[i][j] and sees tokens [0, position];
+        item i's tokens go to positions[i][0] + 0 .. k - 1 (consecutive, the
+        first at most the layer's length; positions already stored are
+        acknowledged, not stored twice). positions [B] means each item's
+        first position, the others following it. Options as in Session.attend."""
+        if keys is None or values is None:
+            raise ValueError("step needs keys and values; attend() sends queries alone")
+        return self._call(layer, sessions, queries, positions, keys, values, softmax_scale, softcap, window, top_k)
+
+    def attend(self, layer: int, sessions: Sequence[Union[Session, str]], queries, positions,
+               **options) -> DecodeResult:
+        """Attention only: as step() without keys and values; every position
+        must be stored already, and positions [B, k] need not be consecutive."""
+        return self._call(layer, sessions, queries, positions, None, None, **options)
+
+    def send(self, layer: int, sessions: Sequence[Union[Session, str]], queries, positions, keys=None,
+             values=None, *, softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0,
+             top_k: int = 0) -> None:
+        """Sends a message without waiting for its result: receive() it
+        later. With keys and values (both or neither) it is a step(), without
+        them an attend(); the arguments mean what they mean there."""
+        request = self._request(layer, sessions, queries, positions, keys, values,
+                                pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window,
+                                                    top_k=top_k))
+        self._check_open()
+        self._pending.append((list(request.session_ids), top_k))
+        self._requests.put(request)
+
+    def receive(self) -> DecodeResult:
+        """The result of the oldest message sent and not yet received."""
+        self._check_open()
+        if not self._pending:
+            raise RuntimeError("receive() with no message awaiting its result")
+        session_ids, top_k = self._pending.popleft()
+        try:
+            response = next(self._responses)
+        except grpc.RpcError as error:
+            self._fail(TurbokvError(error.code(), error.details()))
+        except StopIteration:
+            self._fail(TurbokvError(grpc.StatusCode.UNAVAILABLE, "the Decode stream ended without a response"))
+        errors = [None if item.code == 0 else TurbokvError(_STATUS_CODES.get(item.code, grpc.StatusCode.UNKNOWN),
+                                                           item.message)
+                  for item in response.status]
+        return _result(response, top_k, DecodeResult, session_ids=session_ids,
+                       tokens=np.array(response.tokens, dtype=np.int64), errors=errors)
+
+    @property
+    def pending(self) -> int:
+        """Messages sent whose results are not received yet."""
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Ends the stream once the daemon has answered what was sent; results
+        not received are dropped, and so is an error ending the stream."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        self._requests.put(None)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def __enter__(self) -> "DecodeStream":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self._responses.cancel()  # no need to wait for what was sent
+        self.close()
+
+    def _call(self, layer, sessions, queries, positions, keys, values, softmax_scale: float = 0.0,
+              softcap: float = 0.0, window: int = 0, top_k: int = 0) -> DecodeResult:
+        if self._pending:
+            raise RuntimeError(f"{len(self._pending)} results of send() are not received yet: receive() them first")
+        self.send(layer, sessions, queries, positions, keys, values, softmax_scale=softmax_scale, softcap=softcap,
+                  window=window, top_k=top_k)
+        return self.receive()
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise RuntimeError("the Decode stream is closed")
+
+    def _fail(self, error: TurbokvError) -> None:
+        self._error = error
+        self._pending.clear()
+        raise error
+
+    @staticmethod
+    def _request(layer, sessions, queries, positions, keys, values, options) -> pb.DecodeRequest:
+        if layer < 0:
+            raise ValueError(f"layer must be >= 0, got {layer}")
+        ids = [s.id if isinstance(s, Session) else s for s in sessions]
+        if not ids or not all(isinstance(i, str) and i for i in ids):
+            raise ValueError("sessions must be one or more Session objects or session ids")
+        b = len(ids)
+        queries = np.asarray(queries)
+        if queries.ndim not in (3, 4) or queries.shape[0] != b:
+            raise ValueError(f"queries must be [{b}, q_heads, head_dim] or [{b}, k, q_heads, head_dim] for "
+                             f"{b} sessions, got shape {queries.shape}")
+        k = queries.shape[1] if queries.ndim == 4 else 1
+        positions = np.asarray(positions)
+        if positions.dtype.kind not in "iu":
+            raise ValueError(f"positions must be integers, got {positions.dtype}")
+        if positions.shape == (b,):
+            positions = positions[:, None] + np.arange(k)
+        if positions.shape != (b, k):
+            raise ValueError(f"positions must be [{b}] or [{b}, {k}] for queries {queries.shape}, "
+                             f"got shape {positions.shape}")
+        request = pb.DecodeRequest(layer=layer, session_ids=ids, positions=positions.astype(np.int64).ravel().tolist(),
+                                   queries=_tensor(queries, queries.ndim, "queries"), options=options)
+        if (keys is None) != (values is None):
+            raise ValueError("keys and values: send both or neither")
+        if keys is not None:
+            keys, values = np.asarray(keys), np.asarray(values)
+            if (keys.shape != values.shape or keys.shape[:-2] != queries.shape[:-2]
+                    or keys.shape[-1:] != queries.shape[-1:]):
+                expected = "[B, kv_heads, head_dim]" if queries.ndim == 3 else "[B, k, kv_heads, head_dim]"
+                raise ValueError(f"keys and values must both be {expected} like queries {queries.shape}, "
+                                 f"got {keys.shape} and {values.shape}")
+            request.keys.CopyFrom(_tensor(keys, queries.ndim, "keys"))
+            request.values.CopyFrom(_tensor(values, queries.ndim, "values"))
+        return request
+
+
 class Client:
     """A channel to turbokvd: unix:///path or host:port.
 
@@ -277,6 +481,16 @@ class Client:
             self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             _raise(error)
+
+    def decode_stream(self, timeout: Optional[float] = None) -> DecodeStream:
+        """A Decode stream for batched decoding, held open across steps:
+
+            with client.decode_stream() as stream:
+                result = stream.step(layer, sessions, keys, values, queries, positions)
+
+        timeout: a deadline for the whole stream in seconds (the client's
+        timeout is for single calls and does not apply); None: no deadline."""
+        return DecodeStream(self, timeout)
 
     def snapshot(self) -> pb.SnapshotResponse:
         """Writes every session to turbokvd's --snapshot-dir now."""
