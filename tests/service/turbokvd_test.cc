@@ -54,6 +54,57 @@ TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
   EXPECT_THAT(log, HasSubstr("stopped"));
 }
 
+// A worker holds its Decode stream open for its whole life: SIGTERM ends it
+// with UNAVAILABLE once the message in flight is answered, well within the
+// shutdown deadline, and what was answered stays stored.
+TEST(TurbokvdTest, SigtermEndsAnOpenDecodeStreamWithUnavailableAfterItsMessage) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--threads=2", "--shutdown-deadline=30s",
+                 "--snapshot-dir=" + absl::StrCat(::testing::TempDir(), "decode-drain-", getpid())});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  SessionOptions options;
+  options.layers = 2;
+  options.kv_heads = 2;
+  options.q_heads = 4;
+  DecodeBatch batch;
+  for (int i = 0; i < 3; ++i) batch.session_ids.push_back(client->CreateSession(options)->id());
+  batch.q_heads = 4;
+  batch.kv_heads = 2;
+  batch.head_dim = 128;
+  const auto kv = GaussianVectors(3 * 2, 128, 1), q = GaussianVectors(3 * 4, 128, 2);
+  batch.keys = batch.values = TensorData::F32(kv);
+  batch.queries = TensorData::F32(q);
+  auto stream = client->OpenDecodeStream();
+  for (int64_t position = 0; position < 4; ++position) {
+    batch.positions.assign(3, position);
+    for (int layer = 0; layer < 2; ++layer) {
+      batch.layer = layer;
+      auto result = stream->Step(batch);
+      ASSERT_TRUE(result.ok()) << result.status();
+      ASSERT_EQ(result->failed, 0);
+    }
+  }
+  // One more message in flight as the signal arrives, then the stream idles.
+  batch.positions.assign(3, 4);
+  batch.layer = 0;
+  ASSERT_TRUE(stream->Write(batch).ok());
+  const absl::Time signalled = absl::Now();
+  kill(daemon.pid(), SIGTERM);
+  auto last = stream->Read();
+  if (last.ok()) {
+    EXPECT_EQ(last->failed, 0);
+    EXPECT_EQ(last->tokens[0], 5);
+  } else {
+    EXPECT_EQ(last.status().code(), absl::StatusCode::kUnavailable) << last.status();
+  }
+  const absl::Status ended = stream->Finish();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
+  EXPECT_THAT(std::string(ended.message()), HasSubstr("shutting down"));
+  EXPECT_EQ(daemon.Wait(), 0);
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(15)) << "the drain waited on the idle stream";
+  EXPECT_THAT(daemon.Log(), HasSubstr("wrote 3 session(s)"));
+}
+
 TEST(TurbokvdTest, BudgetIsEnforcedWithRejectAndWithLru) {
   // turbo3, 1 layer, 8 kv heads, d 128, pages of 64 tokens: 51,200 bytes a page.
   for (const char* eviction : {"reject", "lru"}) {
