@@ -61,9 +61,9 @@ absl::Status Handler::RunAttention(const LayerCache& layer, const AttentionParam
 absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& request,
     const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session,
+                           FindLockedLayer(request.session_id(), tenant, request.layer(), &lock));
   const SessionConfig& config = session->config();
-  TURBOKV_RETURN_IF_ERROR(CheckLayer(config, request.layer(), "layer"));
   TURBOKV_ASSIGN_OR_RETURN(AttentionParams params, CheckOptions(config.q_heads, request.options()));
   if (request.queries().shape_size() != 3) {
     return absl::InvalidArgumentError(absl::StrCat("queries.shape has ", request.queries().shape_size(),
@@ -104,9 +104,9 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
 absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
     const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session,
+                           FindLockedLayer(request.session_id(), tenant, request.layer(), &lock));
   const SessionConfig& config = session->config();
-  TURBOKV_RETURN_IF_ERROR(CheckLayer(config, request.layer(), "layer"));
   TURBOKV_ASSIGN_OR_RETURN(AttentionParams params, CheckOptions(config.q_heads, request.options()));
   if (request.position() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("position = ", request.position(), " must be >= 0"));

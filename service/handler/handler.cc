@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "google/protobuf/util/time_util.h"
 #include "service/handler/common.h"
+#include "service/status_macros.h"
 
 namespace turbokv {
 
@@ -33,6 +34,14 @@ absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::str
     lock->unlock();
     return GoneStatus(id, tenant);
   }
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLockedLayer(const std::string& id,
+                                                                       const std::string& tenant, int layer,
+                                                                       std::unique_lock<std::mutex>* lock) {
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(id, tenant, lock));
+  TURBOKV_RETURN_IF_ERROR(CheckLayer(session->config(), layer, "layer"));
   return session;
 }
 

@@ -101,6 +101,9 @@ class Handler {
   // The session, locked, or NOT_FOUND.
   absl::StatusOr<std::shared_ptr<SessionCache>> FindLocked(const std::string& id, const std::string& tenant,
                                                            std::unique_lock<std::mutex>* lock);
+  // FindLocked, then INVALID_ARGUMENT unless `layer` is one of the session's.
+  absl::StatusOr<std::shared_ptr<SessionCache>> FindLockedLayer(const std::string& id, const std::string& tenant,
+                                                                int layer, std::unique_lock<std::mutex>* lock);
   // The sessions of a batch, each found once and locked in one global order
   // (by id), so that batches sharing sessions cannot deadlock.
   struct LockedBatch {

@@ -4,6 +4,9 @@ import os
 import signal
 import subprocess
 import tempfile
+import unittest
+
+import turbokv
 
 
 class Daemon:
@@ -33,3 +36,20 @@ class Daemon:
             self._process.kill()
             self._process.wait()
         self._dir.cleanup()
+
+
+class DaemonTestCase(unittest.TestCase):
+    """A test class sharing one daemon (--memory-budget=256MiB) and one
+    client, started once for the class and stopped cleanly after it."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon("--memory-budget=256MiB")
+        cls.client = turbokv.Client(cls.daemon.target)
+        cls.client.wait_until_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        assert cls.daemon.stop() == 0
+        cls.daemon.close()

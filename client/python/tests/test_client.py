@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 
 import turbokv
-from daemon import Daemon
+from daemon import Daemon, DaemonTestCase
 
 LAYERS, KV, Q, D = 2, 2, 8, 128
 
@@ -33,19 +33,7 @@ def rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-class ClientTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon("--memory-budget=256MiB")
-        cls.client = turbokv.Client(cls.daemon.target)
-        cls.client.wait_until_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.daemon.stop() == 0
-        cls.daemon.close()
-
+class ClientTest(DaemonTestCase):
     def setUp(self):
         self.rng = np.random.default_rng(7)
 

@@ -9,24 +9,12 @@ import grpc
 import numpy as np
 
 import turbokv
-from daemon import Daemon
+from daemon import DaemonTestCase
 
 LAYERS, KV, Q, D = 2, 2, 8, 128
 
 
-class DecodeStreamTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon("--memory-budget=256MiB")
-        cls.client = turbokv.Client(cls.daemon.target)
-        cls.client.wait_until_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.daemon.stop() == 0
-        cls.daemon.close()
-
+class DecodeStreamTest(DaemonTestCase):
     def setUp(self):
         self.rng = np.random.default_rng(11)
         self.stream = self.client.decode_stream()
