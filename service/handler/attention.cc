@@ -182,9 +182,9 @@ absl::StatusOr<DecodeShape> CheckDecodeShape(const v1::DecodeRequest& request) {
   }
   const int64_t q_heads = queries.shape(shape.rank - 2);
   const int64_t head_dim = queries.shape(shape.rank - 1);
-  if (q_heads < 1 || q_heads > kMaxHeads || head_dim < 1 || head_dim > 4096) {
+  if (q_heads < 1 || q_heads > kMaxHeads || head_dim < 1 || head_dim > kMaxHeadDim) {
     return absl::InvalidArgumentError(absl::StrCat("queries.shape ", ShapeText(queries), ": q_heads must be in [1, ",
-                                                   kMaxHeads, "] and head_dim in [1, 4096]"));
+                                                   kMaxHeads, "] and head_dim in [1, ", kMaxHeadDim, "]"));
   }
   shape.q_heads = static_cast<int>(q_heads);
   shape.head_dim = static_cast<int>(head_dim);

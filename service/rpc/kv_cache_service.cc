@@ -50,10 +50,10 @@ namespace {
 
 // One message in, one message out, until the client closes its side: each
 // request goes to the executor, its response is written, then the next read
-// starts. The first error ends the stream with its status. A stream that
-// ends_on_drain (Decode: held open for a worker's whole life) is ended by a
-// drain with UNAVAILABLE once the message in flight is answered; the others
-// (Append, Attend) go on within the shutdown deadline.
+// starts. The first error ends the stream with its status. A stream
+// registered in `open` (Decode: held open for a worker's whole life) is ended
+// by a drain with UNAVAILABLE once the message in flight is answered; the
+// others (Append, Attend: open nullptr) go on within the shutdown deadline.
 template <typename Request, typename Response>
 class StreamReactor final : public grpc::ServerBidiReactor<Request, Response>, public DrainableStream {
  public:
@@ -63,13 +63,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response>, p
   // unauthenticated): then it ends at once with that status. active counts
   // the calls in flight; the caller has counted this one, OnDone uncounts it.
   StreamReactor(Handler* handler, Executor* executor, Method method, absl::StatusOr<std::string> tenant,
-                std::atomic<int>* active, KvCacheService::OpenStreams* open, bool ends_on_drain, Metrics* metrics,
-                const char* name)
+                std::atomic<int>* active, KvCacheService::OpenStreams* open, Metrics* metrics, const char* name)
       : handler_(handler),
         executor_(executor),
         method_(method),
         active_(active),
-        open_(ends_on_drain ? open : nullptr),
+        open_(open),
         metrics_(metrics),
         name_(name) {
     if (open_ != nullptr) {
@@ -385,7 +384,7 @@ grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::
     grpc::CallbackServerContext* context) {
   active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
-                                                                   Tenant(context), &active_, open_.get(), false, metrics_,
+                                                                   Tenant(context), &active_, /*open=*/nullptr, metrics_,
                                                                    "Append");
 }
 
@@ -393,7 +392,7 @@ grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::
     grpc::CallbackServerContext* context) {
   active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
-                                                                   Tenant(context), &active_, open_.get(), false, metrics_,
+                                                                   Tenant(context), &active_, /*open=*/nullptr, metrics_,
                                                                    "Attend");
 }
 
@@ -401,7 +400,7 @@ grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* KvCacheService::
     grpc::CallbackServerContext* context) {
   active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
   return new StreamReactor<v1::DecodeRequest, v1::DecodeResponse>(handler_, executor_, &Handler::Decode,
-                                                                   Tenant(context), &active_, open_.get(), true, metrics_,
+                                                                   Tenant(context), &active_, open_.get(), metrics_,
                                                                    "Decode");
 }
 

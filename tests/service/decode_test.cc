@@ -4,14 +4,14 @@
 // share sessions in opposite orders do not deadlock.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/thread_pool.h"
-#include "service/handler/handler.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/service/handler_testing.h"
 #include "tests/service/service_testing.h"
 
 namespace turbokv {
@@ -26,21 +26,8 @@ using ::turbokv::testing::TensorFloats;
 
 constexpr int kLayers = 2, kKv = 4, kQ = 8, kDim = 128, kLayer = 1;
 
-class DecodeTest : public ::testing::Test {
+class DecodeTest : public ::turbokv::testing::HandlerFixture {
  protected:
-  void Init(size_t budget, EvictionPolicy eviction = EvictionPolicy::kReject) {
-    StoreOptions store_options;
-    store_options.budget_bytes = budget;
-    store_options.eviction = eviction;
-    store_options.page_tokens = 16;
-    store_ = std::make_unique<SessionStore>(store_options);
-    HandlerOptions options;
-    options.kernel_pool = &pool_;
-    options.max_tokens = 100000;
-    handler_ = std::make_unique<Handler>(store_.get(), options);
-  }
-  void SetUp() override { Init(size_t{1} << 30); }
-
   // A session (rotation seed 42) with `tokens` tokens in layer kLayer.
   std::string Create(int64_t tokens, uint64_t seed, const std::string& tenant = "") {
     auto created = handler_->CreateSession(MakeCreate(kLayers, kKv, kQ, kDim), tenant);
@@ -84,9 +71,6 @@ class DecodeTest : public ::testing::Test {
     return request;
   }
 
-  ThreadPool pool_{2};
-  std::unique_ptr<SessionStore> store_;
-  std::unique_ptr<Handler> handler_;
 };
 
 // The rows of item i, query j of a Decode message, as a Step request.
@@ -302,37 +286,28 @@ TEST_F(DecodeTest, MalformedMessagesAreRefusedWhole) {
     EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << what << ": " << result.status();
     EXPECT_THAT(std::string(result.status().message()), HasSubstr(what));
   };
-  v1::DecodeRequest good = MakeDecode(ids, 1, {{20}, {20}}, true, 4);
-  v1::DecodeRequest r = good;
-  r.clear_session_ids();
-  refused(r, "session_ids");
-  r = good;
-  r.mutable_queries()->set_shape(0, 3);
-  refused(r, "queries.shape");
-  r = good;
-  r.add_positions(21);
-  refused(r, "positions");
-  r = good;
-  r.clear_values();
-  refused(r, "keys are set without values");
-  r = good;
-  r.mutable_keys()->set_shape(0, 1);
-  refused(r, "keys.shape");
-  r = good;
-  r.mutable_options()->set_softcap(-1);
-  refused(r, "options.softcap");
-  r = good;
-  r.mutable_queries()->mutable_data()->resize(8);
-  refused(r, "queries");
-  r = good;
-  r.set_layer(-1);
-  refused(r, "layer");
+  const v1::DecodeRequest good = MakeDecode(ids, 1, {{20}, {20}}, true, 4);
+  const std::vector<std::pair<std::function<void(v1::DecodeRequest*)>, std::string>> cases = {
+      {[](v1::DecodeRequest* r) { r->clear_session_ids(); }, "session_ids"},
+      {[](v1::DecodeRequest* r) { r->mutable_queries()->set_shape(0, 3); }, "queries.shape"},
+      {[](v1::DecodeRequest* r) { r->add_positions(21); }, "positions"},
+      {[](v1::DecodeRequest* r) { r->clear_values(); }, "keys are set without values"},
+      {[](v1::DecodeRequest* r) { r->mutable_keys()->set_shape(0, 1); }, "keys.shape"},
+      {[](v1::DecodeRequest* r) { r->mutable_options()->set_softcap(-1); }, "options.softcap"},
+      {[](v1::DecodeRequest* r) { r->mutable_queries()->mutable_data()->resize(8); }, "queries"},
+      {[](v1::DecodeRequest* r) { r->set_layer(-1); }, "layer"},
+  };
+  for (const auto& [mutate, what] : cases) {
+    v1::DecodeRequest request = good;
+    mutate(&request);
+    refused(request, what);
+  }
   EXPECT_EQ(Tokens(ids[0]), 20);
   EXPECT_EQ(Tokens(ids[1]), 20);
   // A layer past a session's layers fails that item only.
-  r = good;
-  r.set_layer(kLayers);
-  auto result = handler_->Decode(r);
+  v1::DecodeRequest past = good;
+  past.set_layer(kLayers);
+  auto result = handler_->Decode(past);
   ASSERT_TRUE(result.ok());
   EXPECT_EQ(result->failed(), 2);
   EXPECT_THAT(result->status(0).message(), HasSubstr("layer"));

@@ -14,6 +14,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/service/handler_testing.h"
 #include "tests/service/service_testing.h"
 
 namespace turbokv {
@@ -28,22 +29,8 @@ using ::testing::HasSubstr;
 
 constexpr int kLayers = 3, kKv = 2, kQ = 8, kDim = 128;
 
-class HandlerTest : public ::testing::Test {
+class HandlerTest : public ::turbokv::testing::HandlerFixture {
  protected:
-  void Init(size_t budget, EvictionPolicy eviction = EvictionPolicy::kReject) {
-    StoreOptions store_options;
-    store_options.budget_bytes = budget;
-    store_options.eviction = eviction;
-    store_options.page_tokens = 16;
-    store_ = std::make_unique<SessionStore>(store_options);
-    HandlerOptions options;
-    options.kernel_pool = &pool_;
-    options.max_tokens = 100000;
-    options.session_ttl = absl::Hours(1);
-    handler_ = std::make_unique<Handler>(store_.get(), options);
-  }
-  void SetUp() override { Init(size_t{1} << 30); }
-
   std::string Create(v1::Codec key = v1::CODEC_TURBO3, v1::Codec value = v1::CODEC_TURBO3) {
     auto response = handler_->CreateSession(MakeCreate(kLayers, kKv, kQ, kDim, key, value));
     EXPECT_TRUE(response.ok()) << response.status();
@@ -80,9 +67,6 @@ class HandlerTest : public ::testing::Test {
     }
   }
 
-  ThreadPool pool_{2};
-  std::unique_ptr<SessionStore> store_;
-  std::unique_ptr<Handler> handler_;
 };
 
 TEST_F(HandlerTest, CreateFillsDefaultsAndGivesUnguessableIds) {

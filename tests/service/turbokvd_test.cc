@@ -27,15 +27,20 @@ using ::turbokv::testing::GaussianVectors;
 
 std::string Socket() { return absl::StrCat("unix:///tmp/turbokvd-test-", getpid(), ".sock"); }
 
-TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
-  Daemon daemon({"--listen=" + Socket(), "--device", "cpu", "--threads=2", "--memory-budget=64MiB"});
-  auto client = Client::Connect(Socket());
-  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+// 2 layers, 2 kv heads, 4 q heads, d = 128, turbo3.
+SessionOptions SmallSession() {
   SessionOptions options;
   options.layers = 2;
   options.kv_heads = 2;
   options.q_heads = 4;
-  auto session = client->CreateSession(options);
+  return options;
+}
+
+TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
+  Daemon daemon({"--listen=" + Socket(), "--device", "cpu", "--threads=2", "--memory-budget=64MiB"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  auto session = client->CreateSession(SmallSession());
   ASSERT_TRUE(session.ok()) << session.status();
   const auto k = GaussianVectors(2 * 100 * 2, 128, 1);
   ASSERT_EQ(*session->AppendAllLayers(0, TensorData::F32(k), TensorData::F32(k)), 100);
@@ -56,53 +61,68 @@ TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
 
 // A worker holds its Decode stream open for its whole life: SIGTERM ends it
 // with UNAVAILABLE once the message in flight is answered, well within the
-// shutdown deadline, and what was answered stays stored.
+// shutdown deadline. The message sent as the signal arrives is either answered
+// and stored or refused and not stored, never half-applied: a restart from the
+// snapshots holds exactly what was answered.
 TEST(TurbokvdTest, SigtermEndsAnOpenDecodeStreamWithUnavailableAfterItsMessage) {
-  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--threads=2", "--shutdown-deadline=30s",
-                 "--snapshot-dir=" + absl::StrCat(::testing::TempDir(), "decode-drain-", getpid())});
-  auto client = Client::Connect(Socket());
-  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
-  SessionOptions options;
-  options.layers = 2;
-  options.kv_heads = 2;
-  options.q_heads = 4;
+  const std::string dir = absl::StrCat(::testing::TempDir(), "turbokvd-decode-drain-", getpid());
+  std::system(("rm -rf " + dir).c_str());
+  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--threads=2",
+                                          "--shutdown-deadline=30s", "--snapshot-dir=" + dir};
   DecodeBatch batch;
-  for (int i = 0; i < 3; ++i) batch.session_ids.push_back(client->CreateSession(options)->id());
-  batch.q_heads = 4;
-  batch.kv_heads = 2;
-  batch.head_dim = 128;
-  const auto kv = GaussianVectors(3 * 2, 128, 1), q = GaussianVectors(3 * 4, 128, 2);
-  batch.keys = batch.values = TensorData::F32(kv);
-  batch.queries = TensorData::F32(q);
-  auto stream = client->OpenDecodeStream();
-  for (int64_t position = 0; position < 4; ++position) {
-    batch.positions.assign(3, position);
-    for (int layer = 0; layer < 2; ++layer) {
-      batch.layer = layer;
-      auto result = stream->Step(batch);
-      ASSERT_TRUE(result.ok()) << result.status();
-      ASSERT_EQ(result->failed, 0);
+  bool last_answered = false;
+  {
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    for (int i = 0; i < 3; ++i) batch.session_ids.push_back(client->CreateSession(SmallSession())->id());
+    batch.q_heads = 4;
+    batch.kv_heads = 2;
+    batch.head_dim = 128;
+    const auto kv = GaussianVectors(3 * 2, 128, 1), q = GaussianVectors(3 * 4, 128, 2);
+    batch.keys = batch.values = TensorData::F32(kv);
+    batch.queries = TensorData::F32(q);
+    auto stream = client->OpenDecodeStream();
+    for (int64_t position = 0; position < 4; ++position) {
+      batch.positions.assign(3, position);
+      for (int layer = 0; layer < 2; ++layer) {
+        batch.layer = layer;
+        auto result = stream->Step(batch);
+        ASSERT_TRUE(result.ok()) << result.status();
+        ASSERT_EQ(result->failed, 0);
+      }
     }
+    // One more message (layer 0, position 4) as the signal arrives.
+    batch.positions.assign(3, 4);
+    batch.layer = 0;
+    ASSERT_TRUE(stream->Write(batch).ok());
+    const absl::Time signalled = absl::Now();
+    kill(daemon.pid(), SIGTERM);
+    auto last = stream->Read();
+    last_answered = last.ok();
+    if (last_answered) {
+      EXPECT_EQ(last->failed, 0);
+      EXPECT_EQ(last->tokens[0], 5);
+    } else {
+      EXPECT_EQ(last.status().code(), absl::StatusCode::kUnavailable) << last.status();
+    }
+    const absl::Status ended = stream->Finish();
+    EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
+    EXPECT_THAT(std::string(ended.message()), HasSubstr("shutting down"));
+    EXPECT_EQ(daemon.Wait(), 0);
+    EXPECT_LT(absl::Now() - signalled, absl::Seconds(15)) << "the drain waited on the idle stream";
+    EXPECT_THAT(daemon.Log(), HasSubstr("wrote 3 session(s)"));
   }
-  // One more message in flight as the signal arrives, then the stream idles.
-  batch.positions.assign(3, 4);
-  batch.layer = 0;
-  ASSERT_TRUE(stream->Write(batch).ok());
-  const absl::Time signalled = absl::Now();
-  kill(daemon.pid(), SIGTERM);
-  auto last = stream->Read();
-  if (last.ok()) {
-    EXPECT_EQ(last->failed, 0);
-    EXPECT_EQ(last->tokens[0], 5);
-  } else {
-    EXPECT_EQ(last.status().code(), absl::StatusCode::kUnavailable) << last.status();
+  Daemon restarted(flags);
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << restarted.Log();
+  for (const std::string& id : batch.session_ids) {
+    auto info = client->GetSession(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->layer_tokens(0), last_answered ? 5 : 4) << id;
+    EXPECT_EQ(info->layer_tokens(1), 4) << id;
   }
-  const absl::Status ended = stream->Finish();
-  EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
-  EXPECT_THAT(std::string(ended.message()), HasSubstr("shutting down"));
-  EXPECT_EQ(daemon.Wait(), 0);
-  EXPECT_LT(absl::Now() - signalled, absl::Seconds(15)) << "the drain waited on the idle stream";
-  EXPECT_THAT(daemon.Log(), HasSubstr("wrote 3 session(s)"));
+  EXPECT_EQ(restarted.Stop(SIGTERM), 0);
 }
 
 TEST(TurbokvdTest, BudgetIsEnforcedWithRejectAndWithLru) {
@@ -164,10 +184,7 @@ TEST(TurbokvdTest, SnapshotsSurviveRestartsAndDamageFailsOnlyItsSession) {
   const std::string dir = absl::StrCat(::testing::TempDir(), "turbokvd-snapshots-", getpid());
   std::system(("rm -rf " + dir).c_str());
   const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--snapshot-dir=" + dir};
-  SessionOptions options;
-  options.layers = 2;
-  options.kv_heads = 2;
-  options.q_heads = 4;
+  const SessionOptions options = SmallSession();
   std::vector<std::string> ids;
   std::vector<std::vector<float>> before;
   {
