@@ -110,19 +110,24 @@ int RunAttend(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"k-codec", "v-codec", "tokens", "kv-heads", "q-heads", "head-dim", "queries",
-                      "threads", "page-tokens", "impl"},
+                      "threads", "page-tokens", "impl", "simd", "chunk-tokens"},
                      {"json"}, &error)) {
     return UsageError(error);
   }
-  long long tokens, kv_heads, q_heads, head_dim, n_queries, threads, page_tokens;
+  long long tokens, kv_heads, q_heads, head_dim, n_queries, threads, page_tokens, chunk_tokens = 0;
   if (!options.GetInt("tokens", 16384, &tokens, &error) ||
       !options.GetInt("kv-heads", 8, &kv_heads, &error) ||
       !options.GetInt("q-heads", 32, &q_heads, &error) ||
       !options.GetInt("head-dim", 128, &head_dim, &error) ||
       !options.GetInt("queries", 1, &n_queries, &error) ||
       !options.GetInt("threads", 1, &threads, &error) ||
-      !options.GetInt("page-tokens", 256, &page_tokens, &error)) {
+      !options.GetInt("page-tokens", 256, &page_tokens, &error) ||
+      (options.Has("chunk-tokens") && !options.GetInt("chunk-tokens", 1024, &chunk_tokens, &error))) {
     return UsageError(error);
+  }
+  if (options.Has("simd")) {
+    const absl::Status forced = ForceSimdTarget(options.Get("simd", ""));
+    if (!forced.ok()) return UsageError(std::string(forced.message()));
   }
   const auto k_codec = ParseCodecKind(options.Get("k-codec", "turbo3"));
   if (!k_codec.ok()) return UsageError(std::string(k_codec.status().message()));
@@ -164,7 +169,8 @@ int RunAttend(int argc, char** argv) {
 #endif
   if (impl != "cpu") return UsageError("--impl must be cpu or cuda (when built with CUDA)");
   ThreadPool pool(static_cast<int>(threads));
-  const AttentionOptions attend_options{AttentionPath::kSimd, &pool};
+  AttentionOptions attend_options{AttentionPath::kSimd, &pool};
+  attend_options.chunk_tokens = chunk_tokens;
 
   auto attend = [&](const Cache& cache) {
     return [&] {

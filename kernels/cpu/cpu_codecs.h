@@ -3,6 +3,8 @@
 
 #include <memory>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/codec.h"
 
 namespace turbokv {
@@ -14,5 +16,10 @@ std::unique_ptr<Codec> NewSimdCodec(const CodecSpec& spec, const CodecLayout& la
 
 // Name of the SIMD target the dispatcher picks on this CPU, e.g. "AVX3".
 const char* ChosenSimdTarget();
+
+// Restricts dispatch to the target named `name` (as ChosenSimdTarget spells
+// it, any case), so that a benchmark can measure a lower target than this
+// CPU's best. INVALID_ARGUMENT listing the targets this CPU has otherwise.
+absl::Status ForceSimdTarget(absl::string_view name);
 
 }  // namespace turbokv

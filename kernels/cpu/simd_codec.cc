@@ -180,7 +180,10 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include <memory>
+#include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "hwy/targets.h"
 #include "kernels/cpu/cpu_codecs.h"
 
@@ -194,6 +197,19 @@ HWY_EXPORT(DecodeF16);
 const char* ChosenSimdTarget() {
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   return hwy::TargetName(targets & -targets);
+}
+
+absl::Status ForceSimdTarget(absl::string_view name) {
+  std::string names;
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    if (absl::EqualsIgnoreCase(name, hwy::TargetName(target))) {
+      hwy::SetSupportedTargetsForTest(target);
+      return absl::OkStatus();
+    }
+    absl::StrAppend(&names, names.empty() ? "" : ", ", hwy::TargetName(target));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("no SIMD target '", name, "' on this CPU: it has ", names));
 }
 
 namespace {
