@@ -15,6 +15,7 @@
 #include "kernels/codec.h"
 #include "kernels/codebooks.h"
 #include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/cpu_codecs.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/rotation.h"
 
@@ -180,9 +181,25 @@ struct Pass {
   std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
 };
 
+// rotation.Forward (inverse: Inverse) of `rows` vectors at x: SIMD, or the
+// plain HadamardRotation on the reference path (the same bits either way).
+void Rotate(const HadamardRotation& rotation, AttentionPath path, bool inverse, float* x, int64_t rows) {
+  if (path == AttentionPath::kSimd) {
+    RotateRowsSimd(rotation, inverse, x, rows);
+    return;
+  }
+  const int b = rotation.block_values();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int block = 0; block < rotation.head_dim() / b; ++block) {
+      float* v = x + r * rotation.head_dim() + block * b;
+      inverse ? rotation.Inverse(block, v) : rotation.Forward(block, v);
+    }
+  }
+}
+
 // Visible ranges of the pass's queries, and its queries rotated into the key
 // domain, per kv head.
-void PreparePass(const AttentionParams& params, Pass* pass) {
+void PreparePass(const AttentionParams& params, AttentionPath path, Pass* pass) {
   const PagedKvCache& cache = *pass->cache;
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
@@ -220,18 +237,14 @@ void PreparePass(const AttentionParams& params, Pass* pass) {
       float* dst = pass->q.data() + (static_cast<size_t>(h) * rows + r) * d;
       std::memcpy(dst, pass->queries.q + (query * params.q_heads + q_head) * static_cast<size_t>(d),
                   d * sizeof(float));
-      if (key_rotation) {
-        for (int b = 0; b < cache.key_layout.blocks; ++b) {
-          key_rotation->Forward(b, dst + b * cache.key_layout.block_values);
-        }
-      }
     }
   }
+  if (key_rotation) Rotate(*key_rotation, path, /*inverse=*/false, pass->q.data(), int64_t{cache.kv_heads} * rows);
 }
 
 // Merges kv head h's chunks in order, normalizes, rotates the values back and
 // writes the pass's output rows of that head.
-void FinishHead(const AttentionParams& params, Pass& pass, int h) {
+void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, int h) {
   const PagedKvCache& cache = *pass.cache;
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
@@ -245,11 +258,7 @@ void FinishHead(const AttentionParams& params, Pass& pass, int h) {
     const float* acc = total.acc.data() + static_cast<size_t>(r) * d;
     const float inv = total.l[r] > 0.0f ? 1.0f / total.l[r] : 0.0f;
     for (int i = 0; i < d; ++i) out[i] = acc[i] * inv;
-    if (pass.value_rotation) {
-      for (int b = 0; b < cache.value_layout.blocks; ++b) {
-        pass.value_rotation->Inverse(b, out + b * cache.value_layout.block_values);
-      }
-    }
+    if (pass.value_rotation) Rotate(*pass.value_rotation, path, /*inverse=*/true, out, 1);
     pass.output.lse[o] = total.l[r] > 0.0f ? total.m[r] + std::log(total.l[r]) : -INFINITY;
     if (params.top_k > 0) {
       std::vector<TopEntry> top = total.top[r].entries();
@@ -305,7 +314,7 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
     }
   }
   ForEach(options.pool, static_cast<int64_t>(passes.size()),
-          [&](int64_t i) { PreparePass(params, &passes[static_cast<size_t>(i)]); });
+          [&](int64_t i) { PreparePass(params, options.path, &passes[static_cast<size_t>(i)]); });
 
   // Work items: (pass, kv head, chunk). Chunks sit on a grid fixed by
   // position, so that how a query's tokens are cut (and merged) depends on
@@ -356,7 +365,8 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
     for (int h = 0; h < passes[i].cache->kv_heads; ++h) finishing.emplace_back(i, h);
   }
   ForEach(options.pool, static_cast<int64_t>(finishing.size()), [&](int64_t i) {
-    FinishHead(params, passes[finishing[static_cast<size_t>(i)].first], finishing[static_cast<size_t>(i)].second);
+    FinishHead(params, options.path, passes[finishing[static_cast<size_t>(i)].first],
+               finishing[static_cast<size_t>(i)].second);
   });
   return absl::OkStatus();
 }

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "kernels/codec.h"
+#include "kernels/rotation.h"
 
 namespace turbokv {
 
@@ -13,6 +14,11 @@ namespace turbokv {
 std::unique_ptr<Codec> NewScalarCodec(const CodecSpec& spec, const CodecLayout& layout);
 // Highway SIMD with run-time dispatch to the best target of this CPU.
 std::unique_ptr<Codec> NewSimdCodec(const CodecSpec& spec, const CodecLayout& layout);
+
+// rotation.Forward (inverse: Inverse) of every block of `rows` vectors of
+// head_dim values at x, in place, with SIMD; the same bits as the scalar
+// HadamardRotation.
+void RotateRowsSimd(const HadamardRotation& rotation, bool inverse, float* x, int64_t rows);
 
 // Name of the SIMD target the dispatcher picks on this CPU, e.g. "AVX3".
 const char* ChosenSimdTarget();

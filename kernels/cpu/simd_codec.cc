@@ -151,6 +151,39 @@ void DecodeTurbo(const TurboArgs& args, size_t n, const uint8_t* codes, float* x
                 [&](auto b, auto bits) { DecodeTurboT<b.value, bits.value>(args, n, codes, x); });
 }
 
+// HadamardRotation::Forward (signs, then H) or Inverse (H, then signs) of
+// every block of `rows` vectors of head_dim values, in place: the same
+// operations in the same order, so the same bits.
+template <int kB>
+void RotateRowsT(const float* HWY_RESTRICT signs, int head_dim, bool inverse, float* HWY_RESTRICT x, int64_t rows) {
+  const BlockTag<kB> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  HWY_ALIGN float z[kB];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int blk = 0; blk < head_dim / kB; ++blk) {
+      float* block = x + r * head_dim + blk * kB;
+      const float* s = signs + blk * kB;
+      for (int j = 0; j < kB; j += lanes) {
+        const auto v = hn::LoadU(d, block + j);
+        hn::Store(inverse ? v : hn::Mul(v, hn::LoadU(d, s + j)), d, z + j);
+      }
+      Fwht<kB>(z);
+      for (int j = 0; j < kB; j += lanes) {
+        const auto v = hn::Load(d, z + j);
+        hn::StoreU(inverse ? hn::Mul(v, hn::LoadU(d, s + j)) : v, d, block + j);
+      }
+    }
+  }
+}
+
+void RotateRows(const float* signs, int head_dim, int block_values, bool inverse, float* x, int64_t rows) {
+  if (block_values == 128) {
+    RotateRowsT<128>(signs, head_dim, inverse, x, rows);
+  } else {
+    RotateRowsT<64>(signs, head_dim, inverse, x, rows);
+  }
+}
+
 // fp16 values: the F16C conversion where the target has it (round to nearest
 // even, after clamping to the finite range, as FloatToHalfBits does),
 // the scalar conversion elsewhere.
@@ -192,11 +225,16 @@ namespace turbokv {
 HWY_EXPORT(EncodeTurbo);
 HWY_EXPORT(DecodeTurbo);
 HWY_EXPORT(EncodeF16);
+HWY_EXPORT(RotateRows);
 HWY_EXPORT(DecodeF16);
 
 const char* ChosenSimdTarget() {
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   return hwy::TargetName(targets & -targets);
+}
+
+void RotateRowsSimd(const HadamardRotation& rotation, bool inverse, float* x, int64_t rows) {
+  HWY_DYNAMIC_DISPATCH(RotateRows)(rotation.signs(), rotation.head_dim(), rotation.block_values(), inverse, x, rows);
 }
 
 absl::Status ForceSimdTarget(absl::string_view name) {

@@ -222,6 +222,33 @@ TEST(SimdTargetsTest, EveryTargetMatchesTheReference) {
   EXPECT_GE(tested, 2);
 }
 
+// The SIMD rotation of whole rows (the attention's query and output
+// rotations) against HadamardRotation, to the bit, on every target.
+TEST(SimdTargetsTest, RowRotationsMatchHadamardRotationOnEveryTarget) {
+  const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
+  for (int64_t bits = targets; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    for (const auto& [d, b] : {std::make_pair(64, 64), std::make_pair(128, 128), std::make_pair(192, 64),
+                               std::make_pair(576, 64)}) {
+      const HadamardRotation rotation(d, b, 1234);
+      for (const bool inverse : {false, true}) {
+        std::vector<float> expected = GaussianVectors(5, d, 3), got = expected;
+        for (int r = 0; r < 5; ++r) {
+          for (int block = 0; block < d / b; ++block) {
+            float* v = expected.data() + r * d + block * b;
+            inverse ? rotation.Inverse(block, v) : rotation.Forward(block, v);
+          }
+        }
+        RotateRowsSimd(rotation, inverse, got.data(), 5);
+        EXPECT_EQ(std::memcmp(expected.data(), got.data(), got.size() * sizeof(float)), 0)
+            << hwy::TargetName(target) << " d=" << d << (inverse ? " inverse" : " forward");
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 // DecodeValueAt, the per-coordinate decode the CUDA attention uses, agrees
 // with the codecs: plain values equal, turbo values equal after the inverse
 // rotation.
