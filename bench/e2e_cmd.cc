@@ -22,7 +22,9 @@
 #include "kernels/attention.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/half.h"
+#include "service/handler/handler.h"
 #include "service/server.h"
+#include "service/tensor.h"
 
 namespace turbokv::bench {
 namespace {
@@ -77,7 +79,8 @@ double Prefill(const Session& session, const Shape& shape, const std::vector<uin
 }
 
 // --batch B: (a) Decode stream, (b) B x L unary Steps, (c) the kernels alone,
-// one whole decode step (every layer) of each in turn.
+// (d) the handler's Decode in process (no gRPC, no client), one whole decode
+// step (every layer) of each in turn.
 int RunBatch(const Shape& shape, long long batch, long long steps, Client& client, Server& server,
              const SessionOptions& session_options, bool json) {
   const size_t token_values = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
@@ -115,7 +118,7 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
   };
   std::unique_ptr<DecodeStream> decode = client.OpenDecodeStream();
   ThreadPool kernel_pool(static_cast<int>(shape.threads));
-  std::vector<double> decode_us, unary_us, kernel_us;  // per layer-step
+  std::vector<double> decode_us, unary_us, kernel_us, handler_us;  // per layer-step
   int64_t position = shape.tokens;
   for (long long step = 0; step < steps; ++step) {
     // (a) one Decode message per layer, each answered before the next (the
@@ -157,6 +160,25 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
       unary_us.push_back(Micros(start));
     }
     ++position;
+    // (d) the same messages straight into the handler: what the service adds
+    // around the kernels without the transport.
+    for (long long l = 0; l < shape.layers; ++l, draw()) {
+      v1::DecodeRequest request;
+      request.set_layer(static_cast<int>(l));
+      for (const std::string& id : ids) request.add_session_ids(id);
+      for (long long i = 0; i < batch; ++i) request.add_positions(position);
+      FloatsToTensor(queries, {batch, shape.q_heads, shape.head_dim}, v1::DTYPE_F32, request.mutable_queries());
+      FloatsToTensor(keys, {batch, shape.kv_heads, shape.head_dim}, v1::DTYPE_F32, request.mutable_keys());
+      FloatsToTensor(values, {batch, shape.kv_heads, shape.head_dim}, v1::DTYPE_F32, request.mutable_values());
+      const auto start = Clock::now();
+      absl::StatusOr<v1::DecodeResponse> result = server.handler().Decode(request, "");
+      handler_us.push_back(Micros(start));
+      if (!result.ok() || result->failed() != 0) {
+        std::fprintf(stderr, "turbokv-bench e2e: handler decode failed\n");
+        return 1;
+      }
+    }
+    ++position;
     // (c) the kernels alone: each layer's attention for the B sessions as one
     // batch, in process, on as many threads.
     std::vector<float> out(batch * q_values), lse(batch * shape.q_heads);
@@ -192,7 +214,7 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
   // Tokens per second: B tokens per whole step of L layer-steps.
   auto tokens_per_s = [&](const std::vector<double>& v) { return batch * 1e6 / (mean(v) * shape.layers); };
   const double decode_p50 = Percentile(decode_us, 0.5), unary_p50 = Percentile(unary_us, 0.5),
-               kernel_p50 = Percentile(kernel_us, 0.5);
+               kernel_p50 = Percentile(kernel_us, 0.5), handler_p50 = Percentile(handler_us, 0.5);
   const double speedup = unary_p50 / decode_p50;
   const double overhead = (decode_p50 - kernel_p50) / decode_p50;
   if (json) {
@@ -202,11 +224,13 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
         "\"decode_layer_step_p50_us\": %.1f, \"decode_layer_step_p99_us\": %.1f, \"decode_tokens_per_s\": %.1f, "
         "\"unary_layer_step_p50_us\": %.1f, \"unary_layer_step_p99_us\": %.1f, \"unary_tokens_per_s\": %.1f, "
         "\"kernel_layer_step_p50_us\": %.1f, \"kernel_layer_step_p99_us\": %.1f, \"kernel_tokens_per_s\": %.1f, "
+        "\"handler_layer_step_p50_us\": %.1f, \"handler_layer_step_p99_us\": %.1f, "
         "\"decode_speedup_over_unary\": %.2f, \"service_overhead\": %.3f}\n",
         batch, shape.tokens, shape.layers, shape.kv_heads, shape.q_heads, shape.head_dim,
         v1::Codec_Name(session_options.key_codec).c_str(), shape.threads, steps, prefill_seconds, decode_p50,
         Percentile(decode_us, 0.99), tokens_per_s(decode_us), unary_p50, Percentile(unary_us, 0.99),
-        tokens_per_s(unary_us), kernel_p50, Percentile(kernel_us, 0.99), tokens_per_s(kernel_us), speedup, overhead);
+        tokens_per_s(unary_us), kernel_p50, Percentile(kernel_us, 0.99), tokens_per_s(kernel_us), handler_p50,
+        Percentile(handler_us, 0.99), speedup, overhead);
     return 0;
   }
   std::printf("turbokvd over a unix socket: %lld sessions x %lld tokens, %lld layers, %s keys and values, %lld kv heads, "
@@ -221,7 +245,12 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
               Percentile(unary_us, 0.99), tokens_per_s(unary_us));
   std::printf("| (c) the attention kernel alone, same batch | %.0f us | %.0f us | %.0f |\n", kernel_p50,
               Percentile(kernel_us, 0.99), tokens_per_s(kernel_us));
-  std::printf("\n(a) is %.1fx faster than (b); service overhead ((a) - (c)) / (a) = %.0f%%\n", speedup, 100 * overhead);
+  std::printf("| (d) the handler's Decode in process, same messages | %.0f us | %.0f us | %.0f |\n", handler_p50,
+              Percentile(handler_us, 0.99), tokens_per_s(handler_us));
+  std::printf("\n(a) is %.1fx faster than (b); service overhead ((a) - (c)) / (a) = %.0f%%, of which the handler "
+              "((d) - (c)) %.0f%% and transport and client ((a) - (d)) %.0f%%\n",
+              speedup, 100 * overhead, 100 * (handler_p50 - kernel_p50) / decode_p50,
+              100 * (decode_p50 - handler_p50) / decode_p50);
   return 0;
 }
 
