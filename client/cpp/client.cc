@@ -169,15 +169,19 @@ absl::Status DecodeStream::Write(const DecodeBatch& batch) {
   request.set_layer(batch.layer);
   for (const std::string& id : batch.session_ids) request.add_session_ids(id);
   request.mutable_positions()->Assign(batch.positions.begin(), batch.positions.end());
-  // Rank 3 ([B][heads][head_dim]) for one query per item, rank 4 with k.
+  // Rank 3 ([B][heads][head_dim]) for one query per item, rank 4
+  // ([B][k][heads][head_dim]) with k; ToTensor derives the dimension after
+  // the prefix from the count, which must then be B (or k).
+  const std::vector<int64_t> prefix = batch.k > 1 ? std::vector<int64_t>{items} : std::vector<int64_t>{};
+  const int64_t derived = batch.k > 1 ? batch.k : items;
   auto shaped = [&](const TensorData& data, int heads, absl::string_view what, v1::Tensor* tensor) {
-    std::vector<int64_t> shape = {items, heads, batch.head_dim};
-    if (batch.k > 1) shape.insert(shape.begin() + 1, batch.k);
-    return ToTensor(data, {}, {shape.begin() + 1, shape.end()}, what, tensor).ok() && tensor->shape(0) == items
-               ? absl::OkStatus()
-               : absl::InvalidArgumentError(absl::StrCat(what, " holds ", data.count, " values, expected ",
-                                                         items * (batch.k > 1 ? batch.k : 1) * heads * batch.head_dim,
-                                                         " for ", items, " items"));
+    absl::Status status = ToTensor(data, prefix, {heads, batch.head_dim}, what, tensor);
+    if (status.ok() && tensor->shape(static_cast<int>(prefix.size())) != derived) {
+      status = absl::InvalidArgumentError(absl::StrCat(what, " holds ", data.count, " values, expected ",
+                                                       items * (batch.k > 1 ? batch.k : 1) * heads * batch.head_dim,
+                                                       " for ", items, " items"));
+    }
+    return status;
   };
   absl::Status status = shaped(batch.queries, batch.q_heads, "queries", request.mutable_queries());
   if (status.ok() && (batch.keys.count > 0 || batch.values.count > 0)) {

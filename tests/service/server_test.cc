@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -215,6 +216,99 @@ TEST_P(ServerTest, ManyClientsAtOnce) {
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(client_->Stats()->sessions(), 0);
+}
+
+// The Decode stream through the client: k = 2 queries per session, two
+// messages in flight, each item equal to the same work done with Step on a
+// twin session (same rotation seed), to the bit.
+TEST_P(ServerTest, DecodeStreamEqualsStepsOnTwinSessions) {
+  SessionOptions options;
+  options.layers = kLayers;
+  options.kv_heads = kKv;
+  options.q_heads = kQ;
+  options.head_dim = kDim;
+  std::vector<Session> batched, stepped;
+  for (uint64_t seed : {1, 2}) {
+    options.rotation_seed = seed;
+    batched.push_back(*client_->CreateSession(options));
+    stepped.push_back(*client_->CreateSession(options));
+  }
+  auto stream = client_->OpenDecodeStream();
+  DecodeBatch batch;
+  batch.session_ids = {batched[0].id(), batched[1].id()};
+  batch.k = 2;
+  batch.q_heads = kQ;
+  batch.kv_heads = kKv;
+  batch.head_dim = kDim;
+  const auto q = GaussianVectors(2 * 2 * kQ, kDim, 5), kv = GaussianVectors(2 * 2 * kKv, kDim, 6);
+  batch.queries = TensorData::F32(q);
+  batch.keys = batch.values = TensorData::F32(kv);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    batch.layer = layer;
+    batch.positions = {0, 1, 0, 1};
+    ASSERT_TRUE(stream->Write(batch).ok());
+  }
+  // A tensor of the wrong size is refused before it is sent.
+  DecodeBatch wrong = batch;
+  wrong.queries = TensorData::F32(absl::MakeConstSpan(q).subspan(0, q.size() / 2));
+  EXPECT_EQ(stream->Write(wrong).code(), absl::StatusCode::kInvalidArgument);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    auto result = stream->Read();
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->failed, 0);
+    EXPECT_EQ(result->k, 2);
+    EXPECT_THAT(result->tokens, ::testing::ElementsAre(2, 2));
+    for (int i = 0; i < 2; ++i) {
+      for (int j = 0; j < 2; ++j) {
+        const size_t row = static_cast<size_t>(i * 2 + j);
+        auto slice = [&](const std::vector<float>& all, int heads) {
+          return TensorData::F32(absl::MakeConstSpan(all).subspan(row * heads * kDim, heads * kDim));
+        };
+        auto step = stepped[i].Step(layer, j, slice(kv, kKv), slice(kv, kKv), slice(q, kQ));
+        ASSERT_TRUE(step.ok()) << step.status();
+        EXPECT_EQ(0, std::memcmp(step->attention.output.data(), result->output.data() + row * kQ * kDim,
+                                 kQ * kDim * sizeof(float)))
+            << "layer " << layer << " item " << i << " query " << j;
+        EXPECT_EQ(0, std::memcmp(step->attention.lse.data(), result->lse.data() + row * kQ, kQ * sizeof(float)));
+      }
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// Two clients, each with its own connection and Decode stream, batch the
+// same sessions in opposite orders for two seconds: no deadlock, no failure.
+TEST_P(ServerTest, DecodeStreamsSharingSessionsInOppositeOrdersDoNotDeadlock) {
+  std::vector<std::string> ids;
+  const auto kv = GaussianVectors(kKv, kDim, 1);
+  for (int i = 0; i < 6; ++i) {
+    Session session = NewSession();
+    ASSERT_TRUE(session.Append(0, 0, TensorData::F32(kv), TensorData::F32(kv)).ok());
+    ids.push_back(session.id());
+  }
+  const auto q = GaussianVectors(ids.size() * kQ, kDim, 2);
+  std::atomic<int> failures{0}, messages{0};
+  auto run = [&](std::vector<std::string> order) {
+    auto client = Client::Connect(GetParam() ? server_->endpoints()[1] : server_->endpoints()[0]);
+    auto stream = client->OpenDecodeStream();
+    DecodeBatch batch;
+    batch.session_ids = order;
+    batch.positions.assign(order.size(), 0);
+    batch.q_heads = kQ;
+    batch.head_dim = kDim;
+    batch.queries = TensorData::F32(q);
+    for (const absl::Time end = absl::Now() + absl::Seconds(2); absl::Now() < end;) {
+      auto result = stream->Step(batch);
+      if (!result.ok() || result->failed != 0) failures.fetch_add(1);
+      messages.fetch_add(1);
+    }
+    if (!stream->Finish().ok()) failures.fetch_add(1);
+  };
+  std::thread a(run, ids), b(run, std::vector<std::string>(ids.rbegin(), ids.rend()));
+  a.join();
+  b.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(messages.load(), 10);
 }
 
 TEST_P(ServerTest, ShutdownLetsStreamsFinishAndRefusesNewCalls) {
