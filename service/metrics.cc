@@ -55,10 +55,16 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
                             .Help("Sessions per Decode message")
                             .Register(r)
                             .Add({}, batch_buckets);
-  decode_item_failures_ = &BuildCounter()
-                               .Name("turbokv_decode_item_failures_total")
-                               .Help("Items of Decode messages that failed alone, by gRPC status code")
-                               .Register(r);
+  // Every code's series exists from the start (at 0), so rates and alerts
+  // see them before the first failure.
+  auto& decode_failures = BuildCounter()
+                              .Name("turbokv_decode_item_failures_total")
+                              .Help("Items of Decode messages that failed alone, by gRPC status code")
+                              .Register(r);
+  for (int code = 1; code < kStatusCodes; ++code) {
+    decode_item_failures_[code] =
+        &decode_failures.Add({{"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
+  }
   sessions_ = &BuildGauge().Name("turbokv_sessions").Help("Sessions held").Register(r).Add({});
   tokens_ = &BuildGauge()
                  .Name("turbokv_tokens_stored")
@@ -114,14 +120,9 @@ void Metrics::ObserveKernel(KernelOp op, double seconds) {
 void Metrics::ObserveDecodeBatch(int64_t items) { decode_batch_size_->Observe(static_cast<double>(items)); }
 
 void Metrics::AddDecodeItemFailure(absl::StatusCode code) {
-  prometheus::Counter* counter;
-  {
-    std::lock_guard<std::mutex> lock(decode_mutex_);
-    prometheus::Counter*& slot = decode_failure_series_[code];
-    if (slot == nullptr) slot = &decode_item_failures_->Add({{"code", absl::StatusCodeToString(code)}});
-    counter = slot;
-  }
-  counter->Increment();
+  const int index = static_cast<int>(code);
+  decode_item_failures_[index > 0 && index < kStatusCodes ? index : static_cast<int>(absl::StatusCode::kUnknown)]
+      ->Increment();
 }
 
 void Metrics::SetStore(const StoreSnapshot& s) {

@@ -67,9 +67,9 @@ class Metrics {
   prometheus::Histogram* encode_duration_;
   prometheus::Histogram* attend_duration_;
   prometheus::Histogram* decode_batch_size_;
-  prometheus::Family<prometheus::Counter>* decode_item_failures_;
-  std::mutex decode_mutex_;
-  std::map<absl::StatusCode, prometheus::Counter*> decode_failure_series_;
+  // The canonical codes, OK (0) to UNAUTHENTICATED (16); index 0 unused.
+  static constexpr int kStatusCodes = 17;
+  prometheus::Counter* decode_item_failures_[kStatusCodes] = {};
   prometheus::Gauge* sessions_;
   prometheus::Gauge* tokens_;
   prometheus::Gauge* bytes_used_;

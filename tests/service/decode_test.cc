@@ -10,6 +10,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "service/metrics.h"
 #include "tests/kernels/codec_testing.h"
 #include "tests/service/handler_testing.h"
 #include "tests/service/service_testing.h"
@@ -311,6 +313,28 @@ TEST_F(DecodeTest, MalformedMessagesAreRefusedWhole) {
   ASSERT_TRUE(result.ok());
   EXPECT_EQ(result->failed(), 2);
   EXPECT_THAT(result->status(0).message(), HasSubstr("layer"));
+}
+
+TEST_F(DecodeTest, MetricsCountTheBatchAndEachFailedItemByCode) {
+  Metrics metrics("cpu");
+  HandlerOptions options;
+  options.kernel_pool = &pool_;
+  options.metrics = &metrics;
+  Handler handler(store_.get(), options);
+  const std::string id = Create(20, 1);
+  ASSERT_TRUE(handler.Decode(MakeDecode({id, "no-such-session", "other"}, 1, {{20}, {0}, {0}}, true, 2)).ok());
+  double batches = -1, not_found = -1, invalid = -1;
+  for (const prometheus::MetricFamily& family : metrics.registry()->Collect()) {
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      if (family.name == "turbokv_decode_batch_sessions") batches = metric.histogram.sample_count;
+      if (family.name != "turbokv_decode_item_failures_total") continue;
+      if (metric.label[0].value == "NOT_FOUND") not_found = metric.counter.value;
+      if (metric.label[0].value == "INVALID_ARGUMENT") invalid = metric.counter.value;
+    }
+  }
+  EXPECT_EQ(batches, 1);
+  EXPECT_EQ(not_found, 2);
+  EXPECT_EQ(invalid, 0);
 }
 
 TEST_F(DecodeTest, ConcurrentBatchesSharingSessionsInOppositeOrdersDoNotDeadlock) {
