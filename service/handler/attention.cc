@@ -333,13 +333,12 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   std::vector<float> lse(batch * row, -INFINITY);
   std::vector<int64_t> top_tokens(batch * row * top, -1);
   std::vector<float> top_logits(batch * row * top, -INFINITY);
-  std::vector<int64_t> positions(request.positions().begin(), request.positions().end());
   std::vector<AttentionProblem> problems;
   for (size_t i = 0; i < batch; ++i) {
     if (!status[i].ok()) continue;
     AttentionProblem problem;
     problem.cache = locked.sessions[i]->layers()[request.layer()].Descriptor();
-    problem.queries = {shape.k, queries.data() + i * row * shape.head_dim, positions.data() + i * shape.k};
+    problem.queries = {shape.k, queries.data() + i * row * shape.head_dim, request.positions().data() + i * shape.k};
     problem.output = {out.data() + i * row * shape.head_dim, lse.data() + i * row,
                       top ? top_tokens.data() + i * row * top : nullptr,
                       top ? top_logits.data() + i * row * top : nullptr};
