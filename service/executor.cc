@@ -1,5 +1,8 @@
 #include "service/executor.h"
 
+#include <algorithm>
+#include <limits>
+
 namespace turbokv {
 
 Executor::Executor(int threads) {
@@ -8,11 +11,13 @@ Executor::Executor(int threads) {
 
 Executor::~Executor() { Shutdown(); }
 
-bool Executor::Submit(std::function<void()> fn) {
+bool Executor::Submit(Work work) {
+  std::sort(work.keys.begin(), work.keys.end());
+  work.keys.erase(std::unique(work.keys.begin(), work.keys.end()), work.keys.end());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) return false;
-    queue_.push_back(std::move(fn));
+    queue_.push_back(std::move(work));
   }
   wake_.notify_one();
   return true;
@@ -29,17 +34,54 @@ void Executor::Shutdown() {
   }
 }
 
-void Executor::Loop() {
-  for (;;) {
-    std::function<void()> fn;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      fn = std::move(queue_.front());
-      queue_.pop_front();
+size_t Executor::queued() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return queue_.size();
+}
+
+std::list<Executor::Work>::iterator Executor::Next() {
+  // Keys of earlier work, runnable or not: later work on them must not
+  // overtake it.
+  std::unordered_set<std::string> earlier;
+  auto best = queue_.end();
+  uint64_t best_served = std::numeric_limits<uint64_t>::max();
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    const bool free = std::none_of(it->keys.begin(), it->keys.end(), [&](const std::string& key) {
+      return busy_.count(key) != 0 || earlier.count(key) != 0;
+    });
+    earlier.insert(it->keys.begin(), it->keys.end());
+    if (!free) continue;
+    auto served = served_.find(it->tenant);
+    const uint64_t when = served == served_.end() ? 0 : served->second;
+    if (when < best_served) {
+      best = it;
+      best_served = when;
+      if (when == 0) break;  // a tenant never served goes first
     }
-    fn();
+  }
+  return best;
+}
+
+void Executor::Loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    auto next = queue_.end();
+    wake_.wait(lock, [&] {
+      next = Next();
+      return next != queue_.end() || (stopping_ && queue_.empty());
+    });
+    if (next == queue_.end()) return;
+    Work work = std::move(*next);
+    queue_.erase(next);
+    busy_.insert(work.keys.begin(), work.keys.end());
+    served_[work.tenant] = ++serves_;
+    lock.unlock();
+    work.run();
+    work.run = nullptr;  // whatever it captured goes before the keys are free
+    lock.lock();
+    for (const std::string& key : work.keys) busy_.erase(key);
+    // Work waiting on these keys may run now, on any worker.
+    if (!work.keys.empty()) wake_.notify_all();
   }
 }
 

@@ -4,25 +4,130 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/descriptor.h"
 
 namespace turbokv {
 namespace {
 
 const grpc::Status kDraining(grpc::StatusCode::UNAVAILABLE, "turbokvd is shutting down");
 
-// Seconds since `start`, for the RPC duration metrics.
-double Since(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
+absl::Status Draining() { return absl::UnavailableError(kDraining.error_message()); }
 
-void Observe(Metrics* metrics, const char* method, const absl::Status& status, absl::Time start) {
-  if (metrics != nullptr) metrics->ObserveRpc(method, status.code(), Since(start));
+absl::Status CancelledBeforeRun() {
+  return absl::CancelledError("the client cancelled the call (or went away) before it ran; nothing was applied");
 }
 
-}  // namespace
+void Observe(Metrics* metrics, const char* method, const absl::Status& status, absl::Time start) {
+  if (metrics != nullptr) metrics->ObserveRpc(method, status.code(), absl::ToDoubleSeconds(absl::Now() - start));
+}
 
-// A stream that a drain can end: the open streams are kept here so that
+// The method's index in the service, as the generated code numbers them.
+int MethodIndex(const char* name) {
+  return v1::CreateSessionRequest::descriptor()->file()->FindServiceByName("KvCacheService")->FindMethodByName(name)->index();
+}
+
+// Parses (and empties) `buffer`; false when it is not a valid message.
+template <typename Message>
+bool Parse(grpc::ByteBuffer* buffer, Message* message) {
+  return grpc::SerializationTraits<Message>::Deserialize(buffer, message).ok();
+}
+
+template <typename Message>
+absl::Status Serialize(const Message& message, grpc::ByteBuffer* out) {
+  bool own = false;
+  const grpc::Status status = grpc::SerializationTraits<Message>::Serialize(message, out, &own);
+  if (!status.ok()) return absl::InternalError(absl::StrCat("cannot serialize the reply: ", status.error_message()));
+  return absl::OkStatus();
+}
+
+absl::Status Malformed(const std::string& type, int64_t message) {
+  if (message == 0) return absl::InvalidArgumentError(absl::StrCat("the request is not a valid ", type, " (it does not parse)"));
+  return absl::InvalidArgumentError(absl::StrCat("message ", message, " of this stream is not a valid ", type,
+                                                 " (it does not parse); the stream ends here, the messages before "
+                                                 "it were answered"));
+}
+
+// The sessions a request touches: work on them runs one at a time.
+template <typename Request>
+std::vector<std::string> Keys(const Request& request) {
+  return {request.session_id()};
+}
+template <>
+std::vector<std::string> Keys(const v1::CreateSessionRequest&) {
+  return {};
+}
+template <>
+std::vector<std::string> Keys(const v1::ListSessionsRequest&) {
+  return {};
+}
+template <>
+std::vector<std::string> Keys(const v1::StatsRequest&) {
+  return {};
+}
+template <>
+std::vector<std::string> Keys(const v1::SnapshotRequest&) {
+  return {};
+}
+template <>
+std::vector<std::string> Keys(const v1::ForkSessionRequest& request) {
+  return {request.source_session_id()};
+}
+template <>
+std::vector<std::string> Keys(const v1::DecodeRequest& request) {
+  return {request.session_ids().begin(), request.session_ids().end()};
+}
+
+// Calls and request bytes in flight per tenant.
+class InFlight {
+ public:
+  explicit InFlight(const ServiceLimits& limits) : limits_(limits) {}
+
+  // Counts a call of `bytes`, or RESOURCE_EXHAUSTED naming the limit it
+  // would pass. One call is always let in, however large (the message size
+  // limit bounds it).
+  absl::Status Admit(const std::string& tenant, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Use& use = use_[tenant];
+    const std::string who = tenant.empty() ? std::string("the daemon's callers") : absl::StrCat("tenant '", tenant, "'");
+    if (use.calls + 1 > limits_.tenant_calls) {
+      return absl::ResourceExhaustedError(absl::StrCat(who, " already have ", use.calls,
+                                                       " calls in flight, the most allowed (--tenant-max-calls); "
+                                                       "retry when some have finished"));
+    }
+    if (use.calls > 0 && use.bytes + bytes > limits_.tenant_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(who, " already have ", use.bytes, " request bytes in ",
+                                                       use.calls, " calls in flight; ", bytes, " more would pass ",
+                                                       limits_.tenant_bytes, " (--tenant-max-inflight-bytes)"));
+    }
+    ++use.calls;
+    use.bytes += bytes;
+    return absl::OkStatus();
+  }
+
+  void Release(const std::string& tenant, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Use& use = use_[tenant];
+    --use.calls;
+    use.bytes -= bytes;
+  }
+
+ private:
+  struct Use {
+    int64_t calls = 0;
+    int64_t bytes = 0;
+  };
+  const ServiceLimits limits_;
+  std::mutex mutex_;
+  std::unordered_map<std::string, Use> use_;
+};
+
+// A stream that a drain can end: the open streams are kept in Parts so that
 // StartDraining reaches those waiting for their client's next message. Each
 // is reference counted (gRPC's hold until OnDone, and a drain's while it
 // calls Drain) and deletes itself when the last goes.
@@ -41,42 +146,122 @@ class DrainableStream {
   std::atomic<int> refs_{1};
 };
 
-struct KvCacheService::OpenStreams {
-  std::mutex mutex;
-  std::set<DrainableStream*> streams;
+}  // namespace
+
+struct KvCacheService::Parts {
+  Parts(Handler* handler, Executor* executor, Metrics* metrics, const ServiceLimits& limits)
+      : handler(handler), executor(executor), metrics(metrics), in_flight(limits) {}
+
+  Handler* const handler;
+  Executor* const executor;
+  Metrics* const metrics;
+  std::atomic<int> active{0};
+  InFlight in_flight;
+  std::mutex open_mutex;
+  std::set<DrainableStream*> open;  // the streams a drain ends (Decode)
 };
 
 namespace {
 
-// One message in, one message out, until the client closes its side: each
-// request goes to the executor, its response is written, then the next read
-// starts. The first error ends the stream with its status. A stream
-// registered in `open` (Decode: held open for a worker's whole life) is ended
-// by a drain with UNAVAILABLE once the message in flight is answered; the
-// others (Append, Attend: open nullptr) go on within the shutdown deadline.
+using Parts = KvCacheService::Parts;
+
+// One unary call: admitted, parsed on the executor, then run as work keyed
+// by its sessions. Deletes itself when finished.
 template <typename Request, typename Response>
-class StreamReactor final : public grpc::ServerBidiReactor<Request, Response>, public DrainableStream {
+class UnaryCall {
+ public:
+  using Method = absl::StatusOr<Response> (Handler::*)(const Request&, const std::string&);
+
+  // The caller has counted the call in parts->active; Done uncounts it.
+  UnaryCall(Parts* parts, grpc::CallbackServerContext* context, const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
+            Method method, const char* name)
+      : parts_(parts),
+        context_(context),
+        reactor_(context->DefaultReactor()),
+        in_(*in),
+        out_(out),
+        method_(method),
+        name_(name),
+        start_(absl::Now()) {}
+
+  grpc::ServerUnaryReactor* Start(absl::StatusOr<std::string> tenant) {
+    grpc::ServerUnaryReactor* reactor = reactor_;
+    if (!tenant.ok()) {
+      Done(tenant.status());
+      return reactor;
+    }
+    tenant_ = *std::move(tenant);
+    const int64_t bytes = static_cast<int64_t>(in_.Length());
+    if (absl::Status admitted = parts_->in_flight.Admit(tenant_, bytes); !admitted.ok()) {
+      Done(admitted);
+      return reactor;
+    }
+    admitted_bytes_ = bytes;
+    if (!parts_->executor->Submit({tenant_, {}, [this] { ParseAndQueue(); }})) Done(Draining());
+    return reactor;
+  }
+
+ private:
+  void ParseAndQueue() {
+    if (context_->IsCancelled()) return Done(CancelledBeforeRun());
+    if (!Parse(&in_, &request_)) return Done(Malformed(Request::descriptor()->full_name(), 0));
+    if (!parts_->executor->Submit({tenant_, Keys(request_), [this] { Run(); }})) Done(Draining());
+  }
+
+  void Run() {
+    if (context_->IsCancelled()) return Done(CancelledBeforeRun());
+    absl::StatusOr<Response> result = (parts_->handler->*method_)(request_, tenant_);
+    if (!result.ok()) return Done(result.status());
+    Done(Serialize(*result, out_));
+  }
+
+  void Done(const absl::Status& status) {
+    Observe(parts_->metrics, name_, status, start_);
+    if (admitted_bytes_ >= 0) parts_->in_flight.Release(tenant_, admitted_bytes_);
+    Parts* parts = parts_;
+    grpc::ServerUnaryReactor* reactor = reactor_;
+    delete this;
+    reactor->Finish(ToGrpcStatus(status));
+    parts->active.fetch_sub(1);
+  }
+
+  Parts* const parts_;
+  grpc::CallbackServerContext* const context_;
+  grpc::ServerUnaryReactor* const reactor_;
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer* const out_;
+  const Method method_;
+  const char* const name_;
+  const absl::Time start_;
+  std::string tenant_;
+  int64_t admitted_bytes_ = -1;  // -1: not admitted
+  Request request_;
+};
+
+// One message in, one message out, until the client closes its side: each
+// message is admitted, parsed and run on the executor as a unary call is,
+// its response written, then the next read starts. The first error ends
+// the stream with its status. A drainable stream (Decode: held open for a
+// worker's whole life) is ended by a drain with UNAVAILABLE once the message
+// in flight is answered; the others (Append, Attend) go on within the
+// shutdown deadline.
+template <typename Request, typename Response>
+class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>, public DrainableStream {
  public:
   using Method = absl::StatusOr<Response> (Handler::*)(const Request&, const std::string&);
 
   // tenant: the caller's, or why the call is refused (draining,
-  // unauthenticated): then it ends at once with that status. active counts
-  // the calls in flight; the caller has counted this one, OnDone uncounts it.
-  StreamReactor(Handler* handler, Executor* executor, Method method, absl::StatusOr<std::string> tenant,
-                std::atomic<int>* active, KvCacheService::OpenStreams* open, Metrics* metrics, const char* name)
-      : handler_(handler),
-        executor_(executor),
-        method_(method),
-        active_(active),
-        open_(open),
-        metrics_(metrics),
-        name_(name) {
-    if (open_ != nullptr) {
-      std::lock_guard<std::mutex> lock(open_->mutex);
-      open_->streams.insert(this);
+  // unauthenticated): then it ends at once with that status. The caller has
+  // counted the call in parts->active; OnDone uncounts it.
+  StreamCall(Parts* parts, grpc::CallbackServerContext* context, Method method, absl::StatusOr<std::string> tenant,
+             bool drainable, const char* name)
+      : parts_(parts), context_(context), method_(method), drainable_(drainable), name_(name) {
+    if (drainable_) {
+      std::lock_guard<std::mutex> lock(parts_->open_mutex);
+      parts_->open.insert(this);
     }
     if (!tenant.ok()) {
-      Observe(metrics_, name_, tenant.status(), absl::Now());
+      Observe(parts_->metrics, name_, tenant.status(), absl::Now());
       FinishOnce(ToGrpcStatus(tenant.status()));
     } else {
       tenant_ = *std::move(tenant);
@@ -100,21 +285,23 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response>, p
       FinishOnce(kDraining);
       return;
     }
-    const absl::Time start = absl::Now();
-    const bool queued = executor_->Submit([this, start] {
-      absl::StatusOr<Response> response = (handler_->*method_)(request_, tenant_);
-      Observe(metrics_, name_, response.status(), start);
-      if (!response.ok()) {
-        FinishOnce(ToGrpcStatus(response.status()));
-        return;
-      }
-      response_ = *std::move(response);
-      this->StartWrite(&response_);
-    });
-    if (!queued) FinishOnce(kDraining);
+    ++messages_;
+    start_ = absl::Now();
+    const int64_t bytes = static_cast<int64_t>(in_.Length());
+    if (absl::Status admitted = parts_->in_flight.Admit(tenant_, bytes); !admitted.ok()) {
+      Fail(admitted);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_bytes_ = bytes;
+    }
+    if (!parts_->executor->Submit({tenant_, {}, [this] { ParseAndQueue(); }})) Fail(Draining());
   }
 
   void OnWriteDone(bool ok) override {
+    out_.Clear();
+    ReleaseHeld();
     if (!ok) {
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
@@ -142,22 +329,60 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response>, p
   }
 
   void OnDone() override {
-    if (open_ != nullptr) {
-      std::lock_guard<std::mutex> lock(open_->mutex);
-      open_->streams.erase(this);
+    if (drainable_) {
+      std::lock_guard<std::mutex> lock(parts_->open_mutex);
+      parts_->open.erase(this);
     }
-    active_->fetch_sub(1);
+    ReleaseHeld();
+    parts_->active.fetch_sub(1);
     Unref();
   }
 
  private:
+  void ParseAndQueue() {
+    if (context_->IsCancelled()) return Fail(CancelledBeforeRun());
+    if (!Parse(&in_, &request_)) return Fail(Malformed(Request::descriptor()->full_name(), messages_));
+    if (!parts_->executor->Submit({tenant_, Keys(request_), [this] { Run(); }})) Fail(Draining());
+  }
+
+  void Run() {
+    if (context_->IsCancelled()) return Fail(CancelledBeforeRun());
+    absl::StatusOr<Response> response = (parts_->handler->*method_)(request_, tenant_);
+    request_.Clear();
+    absl::Status status = response.status();
+    if (status.ok()) status = Serialize(*response, &out_);
+    Observe(parts_->metrics, name_, status, start_);
+    if (!status.ok()) {
+      FinishOnce(ToGrpcStatus(status));
+      return;
+    }
+    StartWrite(&out_);
+  }
+
+  // Ends the stream because of the message in flight.
+  void Fail(const absl::Status& status) {
+    Observe(parts_->metrics, name_, status, start_);
+    FinishOnce(ToGrpcStatus(status));
+  }
+
   void StartNextRead() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (finished_) return;
       reading_ = true;
     }
-    this->StartRead(&request_);
+    StartRead(&in_);
+  }
+
+  // The message in flight stops counting against its tenant.
+  void ReleaseHeld() {
+    int64_t bytes;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      bytes = held_bytes_;
+      held_bytes_ = -1;
+    }
+    if (bytes >= 0) parts_->in_flight.Release(tenant_, bytes);
   }
 
   // Finish at most once, whoever gets there first (the stream's own flow or
@@ -168,49 +393,49 @@ class StreamReactor final : public grpc::ServerBidiReactor<Request, Response>, p
       if (finished_) return;
       finished_ = true;
     }
-    this->Finish(status);
+    ReleaseHeld();
+    Finish(status);
   }
 
-  Handler* handler_;
-  Executor* executor_;
-  Method method_;
-  std::atomic<int>* active_;
-  KvCacheService::OpenStreams* open_;  // where it is registered; nullptr: not ended by a drain
-  Metrics* metrics_;
-  const char* name_;
+  Parts* const parts_;
+  grpc::CallbackServerContext* const context_;
+  const Method method_;
+  const bool drainable_;
+  const char* const name_;
   std::string tenant_;
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;
   Request request_;
-  Response response_;
+  int64_t messages_ = 0;  // read so far
+  absl::Time start_;      // of the message in flight
   std::mutex mutex_;
-  bool reading_ = false;   // a read is outstanding and no message is in flight
+  int64_t held_bytes_ = -1;  // of the admitted message in flight; -1: none
+  bool reading_ = false;     // a read is outstanding and no message is in flight
   bool draining_ = false;
   bool finished_ = false;
 };
 
-// ReadKv: messages produced one at a time on the executor, each written
-// before the next is made.
-class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> {
+// ReadKv: messages produced one at a time on the executor (as work keyed by
+// the session), each written before the next is made.
+class ReadKvCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // tenant: the caller's, or why the call is refused. The caller has
-  // counted this call in `active`; OnDone uncounts it.
-  ReadKvReactor(Handler* handler, Executor* executor, const v1::ReadKvRequest* request,
-                absl::StatusOr<std::string> tenant, std::atomic<int>* active, Metrics* metrics)
-      : handler_(handler), executor_(executor), active_(active), metrics_(metrics), start_(absl::Now()) {
+  // counted this call in parts->active; OnDone uncounts it.
+  ReadKvCall(Parts* parts, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+             absl::StatusOr<std::string> tenant)
+      : parts_(parts), context_(context), in_(*request), start_(absl::Now()) {
     if (!tenant.ok()) {
       Done(tenant.status());
       return;
     }
-    if (!executor_->Submit([this, request, tenant = *std::move(tenant)] {
-          absl::StatusOr<ReadKvCursor> cursor = handler_->StartReadKv(*request, tenant);
-          if (!cursor.ok()) {
-            Done(cursor.status());
-            return;
-          }
-          cursor_ = *std::move(cursor);
-          Next();
-        })) {
-      Finish(kDraining);
+    tenant_ = *std::move(tenant);
+    const int64_t bytes = static_cast<int64_t>(in_.Length());
+    if (absl::Status admitted = parts_->in_flight.Admit(tenant_, bytes); !admitted.ok()) {
+      Done(admitted);
+      return;
     }
+    admitted_bytes_ = bytes;
+    if (!parts_->executor->Submit({tenant_, {}, [this] { ParseAndStart(); }})) Done(Draining());
   }
 
   void OnWriteDone(bool ok) override {
@@ -218,60 +443,128 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
       Done(absl::CancelledError("the client went away"));
       return;
     }
-    if (!executor_->Submit([this] { Next(); })) Finish(kDraining);
+    if (!parts_->executor->Submit({tenant_, {request_.session_id()}, [this] { Next(); }})) Done(Draining());
   }
 
   void OnDone() override {
-    active_->fetch_sub(1);
+    if (admitted_bytes_ >= 0) parts_->in_flight.Release(tenant_, admitted_bytes_);
+    parts_->active.fetch_sub(1);
     delete this;
   }
 
  private:
+  void ParseAndStart() {
+    if (context_->IsCancelled()) return Done(CancelledBeforeRun());
+    if (!Parse(&in_, &request_)) return Done(Malformed(v1::ReadKvRequest::descriptor()->full_name(), 0));
+    if (!parts_->executor->Submit({tenant_, {request_.session_id()}, [this] { StartCursor(); }})) Done(Draining());
+  }
+
+  void StartCursor() {
+    if (context_->IsCancelled()) return Done(CancelledBeforeRun());
+    absl::StatusOr<ReadKvCursor> cursor = parts_->handler->StartReadKv(request_, tenant_);
+    if (!cursor.ok()) return Done(cursor.status());
+    cursor_ = *std::move(cursor);
+    Next();
+  }
+
   // On the executor.
   void Next() {
+    if (context_->IsCancelled()) return Done(absl::CancelledError("the client went away"));
     response_.Clear();
-    absl::StatusOr<bool> more = handler_->NextReadKv(cursor_, &response_);
-    if (!more.ok()) {
-      Done(more.status());
-    } else if (!*more) {
-      Done(absl::OkStatus());
-    } else {
-      StartWrite(&response_);
-    }
+    out_.Clear();
+    absl::StatusOr<bool> more = parts_->handler->NextReadKv(cursor_, &response_);
+    if (!more.ok()) return Done(more.status());
+    if (!*more) return Done(absl::OkStatus());
+    if (absl::Status status = Serialize(response_, &out_); !status.ok()) return Done(status);
+    StartWrite(&out_);
   }
 
   void Done(const absl::Status& status) {
-    Observe(metrics_, "ReadKv", status, start_);
+    Observe(parts_->metrics, "ReadKv", status, start_);
     Finish(ToGrpcStatus(status));
   }
 
-  Handler* handler_;
-  Executor* executor_;
-  std::atomic<int>* active_;
-  Metrics* metrics_;
+  Parts* const parts_;
+  grpc::CallbackServerContext* const context_;
+  grpc::ByteBuffer in_;
   const absl::Time start_;
+  std::string tenant_;
+  int64_t admitted_bytes_ = -1;
+  v1::ReadKvRequest request_;
   ReadKvCursor cursor_;
   v1::ReadKvResponse response_;
+  grpc::ByteBuffer out_;
 };
 
 }  // namespace
 
 KvCacheService::KvCacheService(Handler* handler, Executor* executor, Metrics* metrics,
-                               const Authenticator* authenticator)
-    : handler_(handler),
-      executor_(executor),
-      metrics_(metrics),
-      authenticator_(authenticator),
-      open_(std::make_unique<OpenStreams>()) {}
+                               const Authenticator* authenticator, const ServiceLimits& limits)
+    : authenticator_(authenticator), parts_(std::make_unique<Parts>(handler, executor, metrics, limits)) {
+  RegisterUnary("CreateSession", &Handler::CreateSession);
+  RegisterUnary("GetSession", &Handler::GetSession);
+  RegisterUnary("ListSessions", &Handler::ListSessions);
+  RegisterUnary("DeleteSession", &Handler::DeleteSession);
+  RegisterUnary("TruncateSession", &Handler::TruncateSession);
+  RegisterUnary("ForkSession", &Handler::ForkSession);
+  RegisterStream("Append", &Handler::Append, /*drainable=*/false);
+  RegisterStream("Attend", &Handler::Attend, /*drainable=*/false);
+  RegisterUnary("Step", &Handler::Step);
+  RegisterStream("Decode", &Handler::Decode, /*drainable=*/true);
+  RegisterReadKv();
+  RegisterUnary("Stats", &Handler::Stats);
+  RegisterUnary("Snapshot", &Handler::Snapshot);
+}
 
 KvCacheService::~KvCacheService() = default;
+
+int KvCacheService::active_calls() const { return parts_->active.load(); }
+
+template <typename Request, typename Response>
+void KvCacheService::RegisterUnary(const char* name,
+                                   absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&)) {
+  MarkMethodRawCallback(
+      MethodIndex(name),
+      new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+          [this, name, method](grpc::CallbackServerContext* context, const grpc::ByteBuffer* in,
+                               grpc::ByteBuffer* out) {
+            // Counted before the draining check inside Tenant(), so that a
+            // drain that sees no call in flight also sees every later call
+            // refused.
+            parts_->active.fetch_add(1);
+            auto* call = new UnaryCall<Request, Response>(parts_.get(), context, in, out, method, name);
+            return call->Start(Tenant(context));
+          }));
+}
+
+template <typename Request, typename Response>
+void KvCacheService::RegisterStream(const char* name,
+                                    absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&),
+                                    bool drainable) {
+  MarkMethodRawCallback(MethodIndex(name),
+                        new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                            [this, name, method, drainable](grpc::CallbackServerContext* context) {
+                              parts_->active.fetch_add(1);  // before Tenant()'s draining check
+                              return new StreamCall<Request, Response>(parts_.get(), context, method, Tenant(context),
+                                                                       drainable, name);
+                            }));
+}
+
+void KvCacheService::RegisterReadKv() {
+  MarkMethodRawCallback(MethodIndex("ReadKv"),
+                        new grpc::internal::CallbackServerStreamingHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                            [this](grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+                              parts_->active.fetch_add(1);  // before Tenant()'s draining check
+                              return new ReadKvCall(parts_.get(), context, request, Tenant(context));
+                            }));
+}
 
 void KvCacheService::StartDraining() {
   draining_.store(true);
   std::vector<DrainableStream*> streams;
   {
-    std::lock_guard<std::mutex> lock(open_->mutex);
-    for (DrainableStream* stream : open_->streams) {
+    std::lock_guard<std::mutex> lock(parts_->open_mutex);
+    for (DrainableStream* stream : parts_->open) {
       stream->Ref();
       streams.push_back(stream);
     }
@@ -288,126 +581,14 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-template <typename Request, typename Response, typename Method>
-grpc::ServerUnaryReactor* KvCacheService::Unary(grpc::CallbackServerContext* context,
-                                                const Request* request, Response* response,
-                                                Method method, const char* name) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Time start = absl::Now();
-  // Counted before the draining check inside Tenant(), so that a drain that
-  // sees no call in flight also sees every later call refused.
-  active_.fetch_add(1);
-  absl::StatusOr<std::string> tenant = Tenant(context);
-  if (!tenant.ok()) {
-    Observe(metrics_, name, tenant.status(), start);
-    reactor->Finish(ToGrpcStatus(tenant.status()));
-    active_.fetch_sub(1);
-    return reactor;
-  }
-  const bool queued = executor_->Submit([this, reactor, request, response, method, name, start,
-                                         tenant = *std::move(tenant)] {
-    absl::StatusOr<Response> result = (handler_->*method)(*request, tenant);
-    Observe(metrics_, name, result.status(), start);
-    if (result.ok()) *response = *std::move(result);
-    reactor->Finish(ToGrpcStatus(result.status()));
-    active_.fetch_sub(1);
-  });
-  if (!queued) {
-    reactor->Finish(kDraining);
-    active_.fetch_sub(1);
-  }
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* KvCacheService::CreateSession(grpc::CallbackServerContext* context,
-                                                        const v1::CreateSessionRequest* request,
-                                                        v1::CreateSessionResponse* response) {
-  return Unary(context, request, response, &Handler::CreateSession, "CreateSession");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::GetSession(grpc::CallbackServerContext* context,
-                                                     const v1::GetSessionRequest* request,
-                                                     v1::SessionInfo* response) {
-  return Unary(context, request, response, &Handler::GetSession, "GetSession");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::ListSessions(grpc::CallbackServerContext* context,
-                                                       const v1::ListSessionsRequest* request,
-                                                       v1::ListSessionsResponse* response) {
-  return Unary(context, request, response, &Handler::ListSessions, "ListSessions");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::DeleteSession(grpc::CallbackServerContext* context,
-                                                        const v1::DeleteSessionRequest* request,
-                                                        v1::DeleteSessionResponse* response) {
-  return Unary(context, request, response, &Handler::DeleteSession, "DeleteSession");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::TruncateSession(grpc::CallbackServerContext* context,
-                                                          const v1::TruncateSessionRequest* request,
-                                                          v1::SessionInfo* response) {
-  return Unary(context, request, response, &Handler::TruncateSession, "TruncateSession");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::ForkSession(grpc::CallbackServerContext* context,
-                                                      const v1::ForkSessionRequest* request,
-                                                      v1::ForkSessionResponse* response) {
-  return Unary(context, request, response, &Handler::ForkSession, "ForkSession");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context,
-                                               const v1::StepRequest* request, v1::StepResponse* response) {
-  return Unary(context, request, response, &Handler::Step, "Step");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* context,
-                                                const v1::StatsRequest* request, v1::StatsResponse* response) {
-  return Unary(context, request, response, &Handler::Stats, "Stats");
-}
-
-grpc::ServerUnaryReactor* KvCacheService::Snapshot(grpc::CallbackServerContext* context,
-                                                   const v1::SnapshotRequest* request, v1::SnapshotResponse* response) {
-  return Unary(context, request, response, &Handler::Snapshot, "Snapshot");
-}
-
 absl::StatusOr<std::string> KvCacheService::Tenant(grpc::CallbackServerContext* context) const {
-  if (draining_.load()) return absl::UnavailableError(kDraining.error_message());
+  if (draining_.load()) return Draining();
   if (authenticator_ == nullptr) return std::string();
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) return authenticator_->Authenticate(nullptr);
   const absl::string_view value(it->second.data(), it->second.size());
   return authenticator_->Authenticate(&value);
-}
-
-grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* KvCacheService::Append(
-    grpc::CallbackServerContext* context) {
-  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
-  return new StreamReactor<v1::AppendRequest, v1::AppendResponse>(handler_, executor_, &Handler::Append,
-                                                                   Tenant(context), &active_, /*open=*/nullptr, metrics_,
-                                                                   "Append");
-}
-
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvCacheService::Attend(
-    grpc::CallbackServerContext* context) {
-  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
-  return new StreamReactor<v1::AttendRequest, v1::AttendResponse>(handler_, executor_, &Handler::Attend,
-                                                                   Tenant(context), &active_, /*open=*/nullptr, metrics_,
-                                                                   "Attend");
-}
-
-grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* KvCacheService::Decode(
-    grpc::CallbackServerContext* context) {
-  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
-  return new StreamReactor<v1::DecodeRequest, v1::DecodeResponse>(handler_, executor_, &Handler::Decode,
-                                                                   Tenant(context), &active_, open_.get(), metrics_,
-                                                                   "Decode");
-}
-
-grpc::ServerWriteReactor<v1::ReadKvResponse>* KvCacheService::ReadKv(grpc::CallbackServerContext* context,
-                                                                     const v1::ReadKvRequest* request) {
-  active_.fetch_add(1);  // before Tenant()'s draining check; the reactor's OnDone uncounts it
-  return new ReadKvReactor(handler_, executor_, request, Tenant(context), &active_, metrics_);
 }
 
 }  // namespace turbokv

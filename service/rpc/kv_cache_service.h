@@ -1,10 +1,17 @@
 // gRPC transport of KvCacheService: callback reactors that move messages
 // between gRPC and the Handler. They hold no logic and never block: each
 // request is handed to the Executor, and the reactor is resumed from there.
+//
+// Every method is registered raw (bytes in, bytes out): requests are parsed
+// on the executor, so that a message that does not parse is answered
+// INVALID_ARGUMENT naming the method (and, in a stream, which message), and
+// counted, instead of gRPC's bare UNIMPLEMENTED or a stream ending OK.
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
@@ -19,12 +26,21 @@ namespace turbokv {
 // The one conversion from absl::Status to grpc::Status.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-class KvCacheService final : public v1::KvCacheService::CallbackService {
+struct ServiceLimits {
+  // Per tenant: calls (a stream counts once per message being processed)
+  // and request bytes in flight. Past either, a call is refused at once
+  // with RESOURCE_EXHAUSTED naming the limit.
+  int64_t tenant_calls = 128;
+  int64_t tenant_bytes = int64_t{1} << 30;
+};
+
+class KvCacheService final : public v1::KvCacheService::Service {
  public:
   // metrics: RPC durations and errors (nullptr: none). authenticator: every
   // call needs a bearer token naming its tenant (nullptr: no tokens, one
   // tenant).
-  KvCacheService(Handler* handler, Executor* executor, Metrics* metrics, const Authenticator* authenticator);
+  KvCacheService(Handler* handler, Executor* executor, Metrics* metrics, const Authenticator* authenticator,
+                 const ServiceLimits& limits);
   ~KvCacheService() override;
 
   // From now on new calls are refused with UNAVAILABLE; calls in flight go
@@ -32,59 +48,28 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
   // with UNAVAILABLE; one with a message in flight, once that is answered.
   void StartDraining();
   // Calls started and not yet finished.
-  int active_calls() const { return active_.load(); }
+  int active_calls() const;
 
-  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
-                                          const v1::CreateSessionRequest* request,
-                                          v1::CreateSessionResponse* response) override;
-  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
-                                       const v1::GetSessionRequest* request,
-                                       v1::SessionInfo* response) override;
-  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
-                                         const v1::ListSessionsRequest* request,
-                                         v1::ListSessionsResponse* response) override;
-  grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context,
-                                          const v1::DeleteSessionRequest* request,
-                                          v1::DeleteSessionResponse* response) override;
-  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* context,
-                                            const v1::TruncateSessionRequest* request,
-                                            v1::SessionInfo* response) override;
-  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context,
-                                        const v1::ForkSessionRequest* request,
-                                        v1::ForkSessionResponse* response) override;
-  grpc::ServerBidiReactor<v1::AppendRequest, v1::AppendResponse>* Append(
-      grpc::CallbackServerContext* context) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* Attend(
-      grpc::CallbackServerContext* context) override;
-  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context, const v1::StepRequest* request,
-                                 v1::StepResponse* response) override;
-  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* Decode(
-      grpc::CallbackServerContext* context) override;
-  grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadKv(grpc::CallbackServerContext* context,
-                                                       const v1::ReadKvRequest* request) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context, const v1::StatsRequest* request,
-                                  v1::StatsResponse* response) override;
-  grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context, const v1::SnapshotRequest* request,
-                                     v1::SnapshotResponse* response) override;
-
-  // The bidirectional streams open now (rpc/kv_cache_service.cc).
-  struct OpenStreams;
+  // What the calls share: the handler, the executor, the open streams and
+  // the calls and bytes in flight per tenant (rpc/kv_cache_service.cc).
+  struct Parts;
 
  private:
   // The caller's tenant from its metadata, or UNAUTHENTICATED.
   absl::StatusOr<std::string> Tenant(grpc::CallbackServerContext* context) const;
 
-  template <typename Request, typename Response, typename Method>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const Request* request,
-                                  Response* response, Method method, const char* name);
+  template <typename Request, typename Response>
+  void RegisterUnary(const char* name,
+                     absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&));
+  template <typename Request, typename Response>
+  void RegisterStream(const char* name,
+                      absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&),
+                      bool drainable);
+  void RegisterReadKv();
 
-  Handler* handler_;
-  Executor* executor_;
-  Metrics* metrics_;
   const Authenticator* authenticator_;
   std::atomic<bool> draining_{false};
-  std::atomic<int> active_{0};
-  std::unique_ptr<OpenStreams> open_;
+  std::unique_ptr<Parts> parts_;
 };
 
 }  // namespace turbokv
