@@ -130,21 +130,15 @@ void LayerCache::Read(int64_t start, int64_t n, float* keys, float* values) cons
   }
 }
 
-void LayerCache::AppendPagesTo(std::string* out) const {
-  for (const std::shared_ptr<Page>& page : pages_) out->append(reinterpret_cast<const char*>(page->data), page_bytes_);
-}
-
-absl::Status LayerCache::LoadPages(int64_t tokens, absl::string_view pages) {
-  const size_t count = tokens < 0 ? 0 : static_cast<size_t>(tokens / page_tokens_ + (tokens % page_tokens_ != 0));
-  if (tokens < 0 || count > pages.size() / page_bytes_ || pages.size() != count * page_bytes_ || !pages_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("a layer of ", tokens, " tokens needs ", count * page_bytes_,
-                                                   " bytes of pages, got ", pages.size()));
-  }
+absl::Status LayerCache::LoadPages(int64_t tokens, const std::function<absl::Status(uint8_t*, size_t)>& fill) {
+  if (tokens < 0 || !pages_.empty()) return absl::InvalidArgumentError("LoadPages needs an empty layer and tokens >= 0");
+  const size_t count = static_cast<size_t>(tokens / page_tokens_ + (tokens % page_tokens_ != 0));
   std::vector<std::shared_ptr<Page>> loaded;
+  loaded.reserve(count);
   for (size_t i = 0; i < count; ++i) {
     absl::StatusOr<std::shared_ptr<Page>> page = pool_->Allocate(page_bytes_);
     if (!page.ok()) return page.status();
-    std::memcpy((*page)->data, pages.data() + i * page_bytes_, page_bytes_);
+    if (absl::Status filled = fill((*page)->data, page_bytes_); !filled.ok()) return filled;
     loaded.push_back(*std::move(page));
   }
   pages_ = std::move(loaded);

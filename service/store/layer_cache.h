@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,13 +64,14 @@ class LayerCache {
   // [n][kv_heads][head_dim].
   void Read(int64_t start, int64_t n, float* keys, float* values) const;
 
-  // Appends the bytes of the pages holding tokens() tokens (whole pages, in
-  // order) to `out`: what a snapshot stores.
-  void AppendPagesTo(std::string* out) const;
-  // Replaces an empty layer's contents with `tokens` tokens from `pages`
-  // (what AppendPagesTo wrote), taking pages from the pool; RESOURCE_EXHAUSTED
-  // when they do not fit, INVALID_ARGUMENT when the size does not match.
-  absl::Status LoadPages(int64_t tokens, absl::string_view pages);
+  // The pages holding tokens() tokens, in order (what a snapshot stores:
+  // each whole). A page's use_count() is its holders: this layer and forks.
+  const std::vector<std::shared_ptr<Page>>& pages() const { return pages_; }
+  // Fills an empty layer with `tokens` tokens: takes their pages from the
+  // pool and has fill(data, page_bytes()) write each in order (what
+  // pages() held). RESOURCE_EXHAUSTED when they do not fit; fill's error
+  // stops it. On error the layer stays empty.
+  absl::Status LoadPages(int64_t tokens, const std::function<absl::Status(uint8_t*, size_t)>& fill);
 
   // Keeps the first n tokens (n <= tokens()) and releases the pages past them.
   void Truncate(int64_t n);

@@ -1,21 +1,29 @@
 #include "service/store/snapshot.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "kernels/codec.h"
+#include "service/status_macros.h"
 
 namespace turbokv {
 namespace {
 
 constexpr char kMagic[8] = {'T', 'K', 'V', 'S', 'N', 'A', 'P', '\n'};
 constexpr uint32_t kVersion = 1;
+constexpr char kManifestMagic[] = "turbokv snapshot manifest 1";
 
 template <typename T>
 void Put(std::string* out, T value) {
@@ -68,7 +76,7 @@ absl::Status Errno(absl::string_view what, const std::string& path) {
 
 }  // namespace
 
-uint32_t Crc32c(absl::string_view bytes) {
+uint32_t Crc32c(absl::string_view bytes, uint32_t crc) {
   static const std::array<uint32_t, 256> table = [] {
     std::array<uint32_t, 256> t{};
     for (uint32_t i = 0; i < 256; ++i) {
@@ -78,12 +86,142 @@ uint32_t Crc32c(absl::string_view bytes) {
     }
     return t;
   }();
-  uint32_t crc = 0xFFFFFFFFu;
+  crc ^= 0xFFFFFFFFu;
   for (unsigned char b : bytes) crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8);
   return crc ^ 0xFFFFFFFFu;
 }
 
-std::string EncodeSnapshot(const SessionCache& session, int page_tokens) {
+namespace {
+
+constexpr size_t kIoBuffer = size_t{1} << 20;
+
+// Writes through a buffer to a file, keeping the CRC of what it wrote and
+// the first error.
+class FileWriter {
+ public:
+  FileWriter(int fd, std::string path) : fd_(fd), path_(std::move(path)) { buffer_.reserve(kIoBuffer); }
+
+  void Append(const void* data, size_t n) {
+    const absl::string_view bytes(static_cast<const char*>(data), n);
+    crc_ = Crc32c(bytes, crc_);
+    if (buffer_.size() + n > kIoBuffer) Flush();
+    if (n >= kIoBuffer) {
+      WriteAll(bytes);
+    } else {
+      buffer_.append(bytes.data(), bytes.size());
+    }
+  }
+  void Flush() {
+    WriteAll(buffer_);
+    buffer_.clear();
+  }
+  uint32_t crc() const { return crc_; }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  void WriteAll(absl::string_view bytes) {
+    for (size_t done = 0; status_.ok() && done < bytes.size();) {
+      const ssize_t n = write(fd_, bytes.data() + done, bytes.size() - done);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        status_ = Errno("cannot write", path_);
+        return;
+      }
+      done += static_cast<size_t>(n);
+    }
+  }
+
+  const int fd_;
+  const std::string path_;
+  std::string buffer_;
+  uint32_t crc_ = 0;
+  absl::Status status_;
+};
+
+// Writes `write`'s bytes to dir/name through dir/name.tmp, fsync and rename,
+// then fsyncs the directory. Returns the CRC of what `write` wrote.
+absl::StatusOr<uint32_t> WriteAtomically(const std::string& dir, const std::string& name,
+                                         const std::function<void(FileWriter*)>& write) {
+  const std::string path = dir + "/" + name;
+  const std::string temp = path + ".tmp";
+  const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return Errno("cannot create", temp);
+  FileWriter writer(fd, temp);
+  write(&writer);
+  writer.Flush();
+  absl::Status status = writer.status();
+  if (status.ok() && fsync(fd) != 0) status = Errno("cannot fsync", temp);
+  close(fd);
+  if (status.ok() && rename(temp.c_str(), path.c_str()) != 0) status = Errno("cannot rename", temp);
+  if (!status.ok()) {
+    unlink(temp.c_str());
+    return status;
+  }
+  const int dir_fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    fsync(dir_fd);
+    close(dir_fd);
+  }
+  return writer.crc();
+}
+
+// Reads a file through a buffer, keeping the CRC of what it read.
+class FileReader {
+ public:
+  explicit FileReader(FILE* file) : file_(file) {}
+  bool Read(void* out, size_t n) {
+    if (std::fread(out, 1, n, file_) != n) return false;
+    crc_ = Crc32c(absl::string_view(static_cast<const char*>(out), n), crc_);
+    return true;
+  }
+  uint32_t crc() const { return crc_; }
+
+ private:
+  FILE* file_;
+  uint32_t crc_ = 0;
+};
+
+constexpr uint32_t kMaxHeaderBytes = 1 << 20;
+
+// The header's fields, checked against the limits CreateSession enforces:
+// nothing is sized from a bad header.
+absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tokens) {
+  Reader header(bytes);
+  SnapshotHeader s;
+  s.id = header.GetString();
+  s.tenant = header.GetString();
+  SessionConfig& c = s.config;
+  c.layers = header.Get<int32_t>();
+  c.kv_heads = header.Get<int32_t>();
+  c.q_heads = header.Get<int32_t>();
+  c.head_dim = header.Get<int32_t>();
+  c.key_codec = static_cast<CodecKind>(header.Get<uint8_t>());
+  c.value_codec = static_cast<CodecKind>(header.Get<uint8_t>());
+  c.rotation_seed = header.Get<uint64_t>();
+  c.max_tokens = header.Get<int64_t>();
+  c.idle_ttl = absl::Nanoseconds(header.Get<int64_t>());
+  s.created = absl::FromUnixNanos(header.Get<int64_t>());
+  const int32_t stored_page_tokens = header.Get<int32_t>();
+  if (header.short_read() || c.layers < 1 || c.layers > kMaxLayers || c.kv_heads < 1 || c.kv_heads > kMaxHeads ||
+      c.q_heads < c.kv_heads || c.q_heads > kMaxHeads || c.q_heads % c.kv_heads != 0 || c.max_tokens < 1) {
+    return absl::DataLossError("the snapshot header is malformed");
+  }
+  if (stored_page_tokens != page_tokens) {
+    return absl::DataLossError(absl::StrCat("the snapshot has pages of ", stored_page_tokens,
+                                            " tokens, this turbokvd uses ", page_tokens));
+  }
+  for (int l = 0; l < c.layers; ++l) s.tokens.push_back(header.Get<int64_t>());
+  if (header.short_read() || header.left() != 0) return absl::DataLossError("the snapshot header is malformed");
+  for (int64_t tokens : s.tokens) {
+    if (tokens < 0 || tokens > c.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
+  }
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCache& session,
+                                       const std::vector<LayerCache>& layers, int page_tokens) {
   const SessionConfig& c = session.config();
   std::string header;
   PutString(&header, session.id());
@@ -99,107 +237,108 @@ std::string EncodeSnapshot(const SessionCache& session, int page_tokens) {
   Put<int64_t>(&header, absl::ToInt64Nanoseconds(c.idle_ttl));
   Put<int64_t>(&header, absl::ToUnixNanos(session.created()));
   Put<int32_t>(&header, page_tokens);
-  for (const LayerCache& layer : session.layers()) Put<int64_t>(&header, layer.tokens());
-
-  std::string out(kMagic, sizeof(kMagic));
-  Put<uint32_t>(&out, kVersion);
-  Put<uint32_t>(&out, static_cast<uint32_t>(header.size()));
-  out += header;
-  for (const LayerCache& layer : session.layers()) layer.AppendPagesTo(&out);
-  Put<uint32_t>(&out, Crc32c(out));
-  return out;
+  for (const LayerCache& layer : layers) Put<int64_t>(&header, layer.tokens());
+  std::string start(kMagic, sizeof(kMagic));
+  Put<uint32_t>(&start, kVersion);
+  Put<uint32_t>(&start, static_cast<uint32_t>(header.size()));
+  start += header;
+  uint32_t crc = 0;
+  absl::StatusOr<uint32_t> written =
+      WriteAtomically(dir, session.id() + kSnapshotSuffix, [&](FileWriter* out) {
+        out->Append(start.data(), start.size());
+        for (const LayerCache& layer : layers) {
+          for (const std::shared_ptr<Page>& page : layer.pages()) out->Append(page->data, layer.page_bytes());
+        }
+        crc = out->crc();
+        out->Append(&crc, sizeof(crc));  // little-endian hosts only, as the wire format
+      });
+  if (!written.ok()) return written.status();
+  return crc;
 }
 
-absl::StatusOr<DecodedSnapshot> DecodeSnapshot(absl::string_view bytes, int page_tokens) {
-  if (bytes.size() < sizeof(kMagic) + 12 || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+absl::StatusOr<std::shared_ptr<SessionCache>> ReadSnapshot(const std::string& path, int page_tokens,
+                                                           const MakeSession& make, uint32_t* crc) {
+  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rbe"), &std::fclose);
+  if (file == nullptr) return Errno("cannot open", path);
+  std::vector<char> buffer(kIoBuffer);
+  std::setvbuf(file.get(), buffer.data(), _IOFBF, buffer.size());
+  struct stat st;
+  if (fstat(fileno(file.get()), &st) != 0) return Errno("cannot stat", path);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  FileReader in(file.get());
+  char magic[sizeof(kMagic)];
+  uint32_t version = 0, header_bytes = 0;
+  if (!in.Read(magic, sizeof(magic)) || std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
     return absl::DataLossError("not a turbokv snapshot (bad magic or too short)");
   }
-  uint32_t stored_crc;
-  std::memcpy(&stored_crc, bytes.data() + bytes.size() - 4, 4);
-  const absl::string_view body = bytes.substr(0, bytes.size() - 4);
-  if (Crc32c(body) != stored_crc) return absl::DataLossError("checksum mismatch: the file is corrupt or truncated");
-  Reader reader(body.substr(sizeof(kMagic)));
-  const uint32_t version = reader.Get<uint32_t>();
+  if (!in.Read(&version, 4) || !in.Read(&header_bytes, 4)) return absl::DataLossError("the snapshot is truncated");
   if (version != kVersion) {
     return absl::DataLossError(absl::StrCat("snapshot format version ", version, ", this turbokvd reads ", kVersion));
   }
-  Reader header(reader.Take(reader.Get<uint32_t>()));
-  DecodedSnapshot s;
-  s.id = header.GetString();
-  s.tenant = header.GetString();
-  SessionConfig& c = s.config;
-  c.layers = header.Get<int32_t>();
-  c.kv_heads = header.Get<int32_t>();
-  c.q_heads = header.Get<int32_t>();
-  c.head_dim = header.Get<int32_t>();
-  c.key_codec = static_cast<CodecKind>(header.Get<uint8_t>());
-  c.value_codec = static_cast<CodecKind>(header.Get<uint8_t>());
-  c.rotation_seed = header.Get<uint64_t>();
-  c.max_tokens = header.Get<int64_t>();
-  c.idle_ttl = absl::Nanoseconds(header.Get<int64_t>());
-  s.created = absl::FromUnixNanos(header.Get<int64_t>());
-  const int32_t stored_page_tokens = header.Get<int32_t>();
-  // The limits CreateSession enforces: nothing sized from a bad header.
-  if (header.short_read() || c.layers < 1 || c.layers > kMaxLayers || c.kv_heads < 1 || c.kv_heads > kMaxHeads ||
-      c.q_heads < c.kv_heads || c.q_heads > kMaxHeads || c.q_heads % c.kv_heads != 0 || c.max_tokens < 1) {
+  if (header_bytes > kMaxHeaderBytes || 16 + uint64_t{header_bytes} + 4 > size) {
     return absl::DataLossError("the snapshot header is malformed");
   }
-  if (stored_page_tokens != page_tokens) {
-    return absl::DataLossError(absl::StrCat("the snapshot has pages of ", stored_page_tokens,
-                                            " tokens, this turbokvd uses ", page_tokens));
-  }
-  for (int l = 0; l < c.layers; ++l) s.tokens.push_back(header.Get<int64_t>());
-  if (header.short_read() || header.left() != 0) return absl::DataLossError("the snapshot header is malformed");
-  absl::StatusOr<CodecLayout> key = CheckCodecSpec(CodecSpec{c.key_codec, c.head_dim, 0});
-  absl::StatusOr<CodecLayout> value = CheckCodecSpec(CodecSpec{c.value_codec, c.head_dim, 0});
+  std::string header_text(header_bytes, '\0');
+  if (!in.Read(header_text.data(), header_bytes)) return absl::DataLossError("the snapshot is truncated");
+  TURBOKV_ASSIGN_OR_RETURN(SnapshotHeader header, ParseHeader(header_text, page_tokens));
+  absl::StatusOr<CodecLayout> key = CheckCodecSpec(CodecSpec{header.config.key_codec, header.config.head_dim, 0});
+  absl::StatusOr<CodecLayout> value = CheckCodecSpec(CodecSpec{header.config.value_codec, header.config.head_dim, 0});
   if (!key.ok() || !value.ok()) return absl::DataLossError("the snapshot names an unknown codec or head_dim");
-  const size_t page_bytes = static_cast<size_t>(c.kv_heads) * page_tokens * (key->code_size() + value->code_size());
-  for (int64_t tokens : s.tokens) {
-    if (tokens < 0 || tokens > c.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
-    const size_t pages = static_cast<size_t>(tokens / page_tokens + (tokens % page_tokens != 0));
-    if (pages > reader.left() / page_bytes) return absl::DataLossError("the snapshot's pages do not match its header");
-    s.pages.push_back(reader.Take(pages * page_bytes));
+  // The pages the header promises must be exactly what the file holds.
+  const uint64_t page_bytes =
+      static_cast<uint64_t>(header.config.kv_heads) * page_tokens * (key->code_size() + value->code_size());
+  uint64_t left = size - 16 - header_bytes - 4;
+  for (int64_t tokens : header.tokens) {
+    const uint64_t pages = static_cast<uint64_t>(tokens / page_tokens + (tokens % page_tokens != 0));
+    if (pages > left / page_bytes) return absl::DataLossError("the snapshot's pages do not match its header (truncated?)");
+    left -= pages * page_bytes;
   }
-  if (reader.short_read() || reader.left() != 0) {
-    return absl::DataLossError("the snapshot's pages do not match its header");
+  if (left != 0) return absl::DataLossError("the snapshot's pages do not match its header");
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, make(header));
+  for (size_t l = 0; l < header.tokens.size(); ++l) {
+    TURBOKV_RETURN_IF_ERROR(session->layers()[l].LoadPages(header.tokens[l], [&](uint8_t* data, size_t bytes) {
+      return in.Read(data, bytes) ? absl::OkStatus() : absl::DataLossError("the snapshot is truncated");
+    }));
   }
-  return s;
+  const uint32_t computed = in.crc();
+  uint32_t stored = 0;
+  if (std::fread(&stored, 1, 4, file.get()) != 4) return absl::DataLossError("the snapshot is truncated");
+  if (stored != computed) return absl::DataLossError("checksum mismatch: the file is corrupt or truncated");
+  *crc = stored;
+  return session;
+}
+
+absl::Status WriteManifest(const std::string& dir, const SnapshotManifest& manifest) {
+  std::vector<std::string> lines;
+  for (const auto& [id, crc] : manifest) lines.push_back(absl::StrCat(id, " ", absl::Hex(crc, absl::kZeroPad8), "\n"));
+  std::sort(lines.begin(), lines.end());
+  std::string text = absl::StrCat(kManifestMagic, "\n");
+  for (const std::string& line : lines) text += line;
+  return WriteFileAtomically(dir, kManifestName, text);
+}
+
+absl::StatusOr<SnapshotManifest> ReadManifest(const std::string& dir) {
+  const std::string path = dir + "/" + kManifestName;
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("no ", path));
+  std::string line;
+  if (!std::getline(in, line) || line != kManifestMagic) {
+    return absl::DataLossError(absl::StrCat(path, " is not a turbokv snapshot manifest"));
+  }
+  SnapshotManifest manifest;
+  while (std::getline(in, line)) {
+    const std::vector<absl::string_view> fields = absl::StrSplit(line, ' ');
+    uint32_t crc = 0;
+    if (fields.size() != 2 || !absl::SimpleHexAtoi(fields[1], &crc)) {
+      return absl::DataLossError(absl::StrCat(path, " is malformed: '", line.substr(0, 80), "'"));
+    }
+    manifest[std::string(fields[0])] = crc;
+  }
+  return manifest;
 }
 
 absl::Status WriteFileAtomically(const std::string& dir, const std::string& name, absl::string_view bytes) {
-  const std::string path = dir + "/" + name;
-  const std::string temp = path + ".tmp";
-  const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return Errno("cannot create", temp);
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const absl::Status status = Errno("cannot write", temp);
-      close(fd);
-      unlink(temp.c_str());
-      return status;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (fsync(fd) != 0) {
-    const absl::Status status = Errno("cannot fsync", temp);
-    close(fd);
-    unlink(temp.c_str());
-    return status;
-  }
-  close(fd);
-  if (rename(temp.c_str(), path.c_str()) != 0) {
-    const absl::Status status = Errno("cannot rename", temp);
-    unlink(temp.c_str());
-    return status;
-  }
-  const int dir_fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    fsync(dir_fd);
-    close(dir_fd);
-  }
-  return absl::OkStatus();
+  return WriteAtomically(dir, name, [&](FileWriter* out) { out->Append(bytes.data(), bytes.size()); }).status();
 }
 
 }  // namespace turbokv

@@ -1,4 +1,6 @@
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -171,6 +173,17 @@ TEST(LayerCacheTest, KernelsReadTheStoredPages) {
   EXPECT_EQ(lse_a, lse_b);
 }
 
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void WriteAll(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
 TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
   StoreOptions options;
   options.page_tokens = kPage;
@@ -188,27 +201,48 @@ TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
   ASSERT_TRUE(session.ok());
   Tokens data(100, 1);
   ASSERT_TRUE((*session)->layers()[1].Append(0, 100, data.key(0), data.value(0)).ok());
-  const std::string bytes = EncodeSnapshot(**session, kPage);
-  auto decoded = DecodeSnapshot(bytes, kPage);
-  ASSERT_TRUE(decoded.ok()) << decoded.status();
-  EXPECT_EQ(decoded->id, (*session)->id());
-  EXPECT_EQ(decoded->tenant, "tenant");
-  EXPECT_EQ(decoded->tokens, (std::vector<int64_t>{0, 100}));
-  EXPECT_EQ(decoded->config.rotation_seed, 7u);
+  const std::string dir = ::testing::TempDir();
+  auto written = WriteSnapshot(dir, **session, (*session)->layers(), kPage);
+  ASSERT_TRUE(written.ok()) << written.status();
+  const std::string path = dir + "/" + (*session)->id() + kSnapshotSuffix;
+  const std::string bytes = ReadAll(path);
+
+  // Read back into a second store: the header and every record.
+  SessionStore other(options);
+  SnapshotHeader seen;
+  auto make = [&](const SnapshotHeader& header) -> absl::StatusOr<std::shared_ptr<SessionCache>> {
+    seen = header;
+    auto built = other.Create(header.config, header.tenant, header.created);
+    if (!built.ok()) return built.status();
+    return *built;
+  };
+  uint32_t crc = 0;
+  auto loaded = ReadSnapshot(path, kPage, make, &crc);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(crc, *written);
+  EXPECT_EQ(seen.id, (*session)->id());
+  EXPECT_EQ(seen.tenant, "tenant");
+  EXPECT_EQ(seen.tokens, (std::vector<int64_t>{0, 100}));
+  EXPECT_EQ(seen.config.rotation_seed, 7u);
+  EXPECT_EQ(Records((*loaded)->layers()[1]), Records((*session)->layers()[1]));
 
   // Every single-byte change and every truncation is caught.
+  const std::string damaged = dir + "/damaged" + kSnapshotSuffix;
   for (size_t at : {size_t{0}, size_t{9}, size_t{20}, bytes.size() / 2, bytes.size() - 1}) {
     std::string bad = bytes;
     bad[at] ^= 0x40;
-    EXPECT_EQ(DecodeSnapshot(bad, kPage).status().code(), absl::StatusCode::kDataLoss) << at;
+    WriteAll(damaged, bad);
+    EXPECT_EQ(ReadSnapshot(damaged, kPage, make, &crc).status().code(), absl::StatusCode::kDataLoss) << at;
   }
   for (size_t keep : {size_t{0}, size_t{10}, bytes.size() - 5}) {
-    EXPECT_EQ(DecodeSnapshot(bytes.substr(0, keep), kPage).status().code(), absl::StatusCode::kDataLoss) << keep;
+    WriteAll(damaged, bytes.substr(0, keep));
+    EXPECT_EQ(ReadSnapshot(damaged, kPage, make, &crc).status().code(), absl::StatusCode::kDataLoss) << keep;
   }
-  EXPECT_EQ(DecodeSnapshot(bytes, kPage * 2).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ReadSnapshot(path, kPage * 2, make, &crc).status().code(), absl::StatusCode::kDataLoss);
 
   // A forged header with a valid checksum: token counts whose page bytes
-  // would wrap around size_t, and a huge max_tokens. Refused, nothing read.
+  // would wrap around size_t, and a huge max_tokens. Refused before any
+  // session is made.
   const size_t header = 16;
   const size_t max_tokens_at = header + 2 + (*session)->id().size() + 2 + 6 + 16 + 2 + 8;
   const size_t tokens_at = max_tokens_at + 8 + 8 + 8 + 4 + 8;  // layer 1's count
@@ -216,10 +250,13 @@ TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
   const int64_t huge_max = INT64_MAX, huge_tokens = (int64_t{1} << 50) * kPage + 1;
   std::memcpy(&forged[max_tokens_at], &huge_max, 8);
   std::memcpy(&forged[tokens_at], &huge_tokens, 8);
-  const uint32_t crc = Crc32c(forged);
-  forged.append(reinterpret_cast<const char*>(&crc), 4);
-  auto refused = DecodeSnapshot(forged, kPage);
+  const uint32_t forged_crc = Crc32c(forged);
+  forged.append(reinterpret_cast<const char*>(&forged_crc), 4);
+  WriteAll(damaged, forged);
+  bool made = false;
+  auto refused = ReadSnapshot(damaged, kPage, [&](const SnapshotHeader& h) { made = true; return make(h); }, &crc);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
+  EXPECT_FALSE(made);
 }
 
 }  // namespace
