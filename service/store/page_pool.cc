@@ -9,7 +9,7 @@
 
 namespace turbokv {
 
-absl::StatusOr<std::shared_ptr<Page>> PagePool::Allocate(size_t bytes) {
+absl::Status PagePool::Take(size_t bytes) {
   size_t used = used_.load(std::memory_order_relaxed);
   do {
     if (bytes > budget_ || used > budget_ - bytes) {
@@ -18,6 +18,18 @@ absl::StatusOr<std::shared_ptr<Page>> PagePool::Allocate(size_t bytes) {
                                                        budget_, " bytes"));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const void>> PagePool::Charge(size_t bytes) {
+  if (absl::Status taken = Take(bytes); !taken.ok()) return taken;
+  return std::shared_ptr<const void>(static_cast<const void*>(this), [this, bytes](const void*) {
+    used_.fetch_sub(bytes, std::memory_order_relaxed);
+  });
+}
+
+absl::StatusOr<std::shared_ptr<Page>> PagePool::Allocate(size_t bytes) {
+  if (absl::Status taken = Take(bytes); !taken.ok()) return taken;
   // Large pages come straight from the kernel (zeroed) and go back to it
   // when freed, so the process's memory follows the pool's; small ones
   // would waste most of a 4 KiB mapping and come from the heap.

@@ -28,6 +28,11 @@ class PagePool {
   // outlive its pages.
   absl::StatusOr<std::shared_ptr<Page>> Allocate(size_t bytes);
 
+  // Counts `bytes` of memory held outside pages (a session's metadata)
+  // against the budget until the returned token goes; RESOURCE_EXHAUSTED as
+  // Allocate.
+  absl::StatusOr<std::shared_ptr<const void>> Charge(size_t bytes);
+
   // Pages of at least this many bytes are mapped from the kernel directly.
   static constexpr size_t kMapThreshold = size_t{32} << 10;
 
@@ -35,6 +40,9 @@ class PagePool {
   size_t budget_bytes() const { return budget_; }
 
  private:
+  // Counts bytes against the budget, or RESOURCE_EXHAUSTED.
+  absl::Status Take(size_t bytes);
+
   const size_t budget_;
   std::atomic<size_t> used_{0};
 };

@@ -1,6 +1,7 @@
 #include "service/store/session_store.h"
 
 #include <dirent.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,8 +10,8 @@
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <unordered_map>
 #include <sstream>
-#include <random>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -22,14 +23,25 @@ namespace turbokv {
 namespace {
 
 constexpr size_t kRememberedGone = 65536;
+// Measured (tests/service/store_test.cc, SessionMetadataIsCharged) and
+// rounded up.
+constexpr size_t kCodecMetadataBytes = 4096;
+constexpr size_t kLayerMetadataBytes = sizeof(LayerCache) + 96;
+
+std::string Who(const std::string& tenant) {
+  return tenant.empty() ? std::string() : absl::StrCat(" of tenant '", tenant, "'");
+}
 
 }  // namespace
 
 std::string NewSessionId() {
   static constexpr char kAlphabet[] = "abcdefghijklmnopqrstuvwxyz234567";
-  std::random_device device;  // the kernel's CSPRNG on Linux
+  // The kernel's CSPRNG (getrandom blocks only until it is first seeded).
   unsigned __int128 bits = 0;
-  for (int i = 0; i < 4; ++i) bits = (bits << 32) | device();
+  for (size_t got = 0; got < sizeof(bits);) {
+    const ssize_t n = getrandom(reinterpret_cast<char*>(&bits) + got, sizeof(bits) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
   std::string id(26, 'a');
   for (char& c : id) {
     c = kAlphabet[static_cast<unsigned>(bits & 31)];
@@ -58,6 +70,18 @@ size_t SessionCache::fp16_bytes() const {
   return static_cast<size_t>(tokens()) * config_.kv_heads * config_.head_dim * 2 * 2;
 }
 
+std::string ShowId(absl::string_view id) {
+  constexpr size_t kShown = 40;
+  if (id.size() <= kShown) return std::string(id);
+  return absl::StrCat(id.substr(0, kShown), "... (", id.size(), " bytes)");
+}
+
+size_t SessionMetadataBytes(const SessionConfig& config) {
+  // The session object and its two codecs (sign vectors, codebooks), then
+  // per layer its LayerCache and allocator overhead.
+  return sizeof(SessionCache) + kCodecMetadataBytes + static_cast<size_t>(config.layers) * kLayerMetadataBytes;
+}
+
 SessionStore::SessionStore(const StoreOptions& options)
     : options_(options), pool_(options.budget_bytes) {}
 
@@ -73,7 +97,10 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Build(std::string id
   if (!value_codec.ok()) return value_codec.status();
   std::shared_ptr<const Codec> keys = *std::move(key_codec);
   std::shared_ptr<const Codec> values = *std::move(value_codec);
+  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config));
+  if (!charge.ok()) return charge.status();
   auto session = std::make_shared<SessionCache>(std::move(id), std::move(tenant), config, created);
+  session->charge_ = *std::move(charge);
   session->layers_.reserve(config.layers);
   for (int l = 0; l < config.layers; ++l) {
     session->layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
@@ -86,7 +113,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const Session
   absl::StatusOr<std::shared_ptr<SessionCache>> session = Build(NewSessionId(), tenant, config, now);
   if (!session.ok()) return session.status();
   std::lock_guard<std::mutex> lock(mutex_);
-  sessions_.emplace((*session)->id(), *session);
+  if (absl::Status inserted = Insert(*session); !inserted.ok()) return inserted;
   return session;
 }
 
@@ -105,24 +132,26 @@ absl::Status SessionStore::Delete(const std::string& id, const std::string& tena
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(id);
     if (it == sessions_.end() || it->second->tenant() != tenant) return NotFound(id, tenant);
-    session = std::move(it->second);
-    sessions_.erase(it);
+    session = it->second;
+    Erase(id);
   }
   // Calls in flight on the session finish first; later ones see it gone.
   std::lock_guard<std::mutex> lock(session->mutex());
-  session->gone_ = true;
-  session->layers_.clear();
+  Drop(session.get());
   RemoveSnapshot(id);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(const SessionCache& source, int64_t prefix,
                                                             absl::Time now) {
+  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(source.config()));
+  if (!charge.ok()) return charge.status();
   auto fork = std::make_shared<SessionCache>(NewSessionId(), source.tenant(), source.config(), now);
+  fork->charge_ = *std::move(charge);
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
   std::lock_guard<std::mutex> lock(mutex_);
-  sessions_.emplace(fork->id(), fork);
+  if (absl::Status inserted = Insert(fork); !inserted.ok()) return inserted;
   return fork;
 }
 
@@ -156,21 +185,30 @@ void SessionStore::RemoveSnapshot(const std::string& id) const {
   if (!options_.snapshot_dir.empty()) unlink((options_.snapshot_dir + "/" + id + kSnapshotSuffix).c_str());
 }
 
-absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots() {
+absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots(absl::Time deadline, bool final) {
   if (options_.snapshot_dir.empty()) return absl::FailedPreconditionError("turbokvd runs without --snapshot-dir");
   std::lock_guard<std::mutex> saving(save_mutex_);
+  const std::string& dir = options_.snapshot_dir;
+  // A MANIFEST describes the files of a finished drain; from the first write
+  // on, they are not that any more.
+  unlink((dir + "/" + kManifestName).c_str());
   SnapshotReport report;
-  std::set<std::string> written;
+  SnapshotManifest written;
   for (const std::shared_ptr<SessionCache>& session : List()) {
-    std::string bytes;
+    if (absl::Now() > deadline) {
+      report.failed.emplace_back(session->id(), absl::DeadlineExceededError("not written: the snapshot deadline passed"));
+      continue;
+    }
+    std::vector<LayerCache> frozen;
     {
       std::lock_guard<std::mutex> lock(session->mutex());
       if (session->gone()) continue;
-      bytes = EncodeSnapshot(*session, options_.page_tokens);
+      frozen.reserve(session->layers().size());
+      for (const LayerCache& layer : session->layers()) frozen.push_back(layer.Fork(layer.tokens()));
     }
-    absl::Status status = WriteFileAtomically(options_.snapshot_dir, session->id() + kSnapshotSuffix, bytes);
-    if (!status.ok()) {
-      report.failed.emplace_back(session->id(), status);
+    absl::StatusOr<uint32_t> crc = WriteSnapshot(dir, *session, frozen, options_.page_tokens);
+    if (!crc.ok()) {
+      report.failed.emplace_back(session->id(), crc.status());
       continue;
     }
     {
@@ -182,71 +220,74 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots() {
         continue;
       }
     }
-    written.insert(session->id() + kSnapshotSuffix);
+    written[session->id()] = *crc;
     ++report.sessions;
-    report.bytes += static_cast<int64_t>(bytes.size());
+    for (const LayerCache& layer : frozen) report.bytes += static_cast<int64_t>(layer.bytes());
   }
   // Snapshots of sessions deleted meanwhile, and leftover temp files, go;
-  // damaged snapshots stay for an operator to look at.
-  std::set<std::string> keep = written;
+  // damaged snapshots, and the older files of sessions that failed, stay
+  // for an operator to look at.
+  std::set<std::string> keep;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [id, why] : damaged_) keep.insert(id + kSnapshotSuffix);
     for (const auto& [id, session] : sessions_) keep.insert(id + kSnapshotSuffix);
   }
-  if (DIR* dir = opendir(options_.snapshot_dir.c_str())) {
-    while (dirent* entry = readdir(dir)) {
+  for (const auto& [id, crc] : written) keep.insert(id + kSnapshotSuffix);
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* entry = readdir(d)) {
       const std::string name = entry->d_name;
-      if ((absl::EndsWith(name, kSnapshotSuffix) || absl::EndsWith(name, std::string(kSnapshotSuffix) + ".tmp")) &&
-          keep.count(name) == 0) {
-        unlink((options_.snapshot_dir + "/" + name).c_str());
+      if ((absl::EndsWith(name, kSnapshotSuffix) || absl::EndsWith(name, ".tmp")) && keep.count(name) == 0) {
+        unlink((dir + "/" + name).c_str());
       }
     }
-    closedir(dir);
+    closedir(d);
+  }
+  if (final && report.failed.empty()) {
+    if (absl::Status status = WriteManifest(dir, written); !status.ok()) {
+      return absl::InternalError(absl::StrCat("every session was written but the manifest was not (", status.message(),
+                                              "): the next start will report them unverified"));
+    }
   }
   return report;
 }
 
 absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
-  if (options_.snapshot_dir.empty()) return absl::FailedPreconditionError("turbokvd runs without --snapshot-dir");
-  if (mkdir(options_.snapshot_dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return absl::InternalError(absl::StrCat("cannot create --snapshot-dir ", options_.snapshot_dir, ": ",
-                                            std::strerror(errno)));
+  const std::string& dir = options_.snapshot_dir;
+  if (dir.empty()) return absl::FailedPreconditionError("turbokvd runs without --snapshot-dir");
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::InternalError(absl::StrCat("cannot create --snapshot-dir ", dir, ": ", std::strerror(errno)));
   }
-  DIR* dir = opendir(options_.snapshot_dir.c_str());
-  if (dir == nullptr) {
-    return absl::InternalError(absl::StrCat("cannot read --snapshot-dir ", options_.snapshot_dir, ": ",
-                                            std::strerror(errno)));
-  }
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return absl::InternalError(absl::StrCat("cannot read --snapshot-dir ", dir, ": ", std::strerror(errno)));
   std::vector<std::string> names;
-  while (dirent* entry = readdir(dir)) {
+  while (dirent* entry = readdir(d)) {
     if (absl::EndsWith(entry->d_name, kSnapshotSuffix)) names.push_back(entry->d_name);
   }
-  closedir(dir);
+  closedir(d);
   std::sort(names.begin(), names.end());
+  absl::StatusOr<SnapshotManifest> manifest = ReadManifest(dir);
+  if (!manifest.ok() && !absl::IsNotFound(manifest.status())) return manifest.status();
   SnapshotReport report;
   for (const std::string& name : names) {
     const std::string id = name.substr(0, name.size() - std::strlen(kSnapshotSuffix));
-    std::ifstream in(options_.snapshot_dir + "/" + name, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    const std::string bytes = text.str();
-    absl::Status status;
-    absl::StatusOr<DecodedSnapshot> decoded = DecodeSnapshot(bytes, options_.page_tokens);
-    if (!decoded.ok()) {
-      status = decoded.status();
-    } else if (decoded->id != id) {
-      status = absl::DataLossError(absl::StrCat("the file holds session ", decoded->id));
-    }
-    std::shared_ptr<SessionCache> session;
-    if (status.ok()) {
-      absl::StatusOr<std::shared_ptr<SessionCache>> built =
-          Build(decoded->id, decoded->tenant, decoded->config, decoded->created);
-      status = built.status();
-      if (built.ok()) session = *std::move(built);
-      for (size_t l = 0; status.ok() && l < decoded->tokens.size(); ++l) {
-        status = session->layers_[l].LoadPages(decoded->tokens[l], decoded->pages[l]);
+    uint32_t crc = 0;
+    absl::StatusOr<std::shared_ptr<SessionCache>> loaded =
+        ReadSnapshot(dir + "/" + name, options_.page_tokens, [&](const SnapshotHeader& header) -> absl::StatusOr<std::shared_ptr<SessionCache>> {
+          if (header.id != id) return absl::DataLossError(absl::StrCat("the file holds session ", header.id));
+          return Build(header.id, header.tenant, header.config, header.created);
+        }, &crc);
+    absl::Status status = loaded.status();
+    if (status.ok() && manifest.ok()) {
+      auto listed = manifest->find(id);
+      if (listed == manifest->end() || listed->second != crc) {
+        status = absl::DataLossError(
+            "the last drain did not write this session (see its log); the file on disk holds an older state of it");
       }
+    }
+    if (status.ok()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      status = Insert(*loaded);
     }
     if (!status.ok()) {
       report.failed.emplace_back(id, status);
@@ -254,12 +295,12 @@ absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
       damaged_[id] = std::string(status.message());  // kept on disk, answered with DATA_LOSS
       continue;
     }
-    session->Touch(now);
+    (*loaded)->Touch(now);
+    if (!manifest.ok()) report.unverified.push_back(id);
     ++report.sessions;
-    report.bytes += static_cast<int64_t>(bytes.size());
-    std::lock_guard<std::mutex> lock(mutex_);
-    sessions_.emplace(id, std::move(session));
+    report.bytes += static_cast<int64_t>((*loaded)->bytes_used());
   }
+  if (manifest.ok()) unlink((dir + "/" + kManifestName).c_str());
   return report;
 }
 
@@ -271,13 +312,44 @@ size_t SessionStore::session_count() const {
 absl::Status SessionStore::NotFound(const std::string& id, const std::string& tenant) const {
   auto damaged = damaged_.find(id);
   if (damaged != damaged_.end()) {
-    return absl::DataLossError(absl::StrCat("session ", id, " could not be restored from its snapshot: ", damaged->second));
+    return absl::DataLossError(absl::StrCat("session ", ShowId(id), " could not be restored from its snapshot: ", damaged->second));
   }
   auto gone = gone_reasons_.find(id);
   if (gone != gone_reasons_.end() && gone->second.first == tenant) {
-    return absl::NotFoundError(absl::StrCat("session ", id, " was ", gone->second.second));
+    return absl::NotFoundError(absl::StrCat("session ", ShowId(id), " was ", gone->second.second));
   }
-  return absl::NotFoundError(absl::StrCat("no session ", id));
+  return absl::NotFoundError(absl::StrCat("no session ", ShowId(id)));
+}
+
+absl::Status SessionStore::Insert(std::shared_ptr<SessionCache> session) {
+  if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat("turbokvd holds ", sessions_.size(),
+                                                     " sessions, the most allowed (--max-sessions); delete some"));
+  }
+  int64_t& count = tenant_sessions_[session->tenant()];
+  if (count >= options_.max_tenant_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat("the ", count, " sessions", Who(session->tenant()),
+                                                     " are the most one tenant may hold (--max-tenant-sessions); "
+                                                     "delete some"));
+  }
+  ++count;
+  const std::string id = session->id();
+  sessions_.emplace(id, std::move(session));
+  return absl::OkStatus();
+}
+
+void SessionStore::Erase(const std::string& id) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  auto count = tenant_sessions_.find(it->second->tenant());
+  if (count != tenant_sessions_.end() && --count->second == 0) tenant_sessions_.erase(count);
+  sessions_.erase(it);
+}
+
+void SessionStore::Drop(SessionCache* session) {
+  session->gone_ = true;
+  session->layers_.clear();
+  session->charge_.reset();
 }
 
 void SessionStore::RememberGone(const SessionCache& session, std::string reason, std::atomic<int64_t>* counter) {
@@ -285,7 +357,7 @@ void SessionStore::RememberGone(const SessionCache& session, std::string reason,
   gone_reasons_[id] = {session.tenant(), std::move(reason)};
   gone_order_.push_back(id);
   RemoveSnapshot(id);
-  sessions_.erase(id);
+  Erase(id);
   if (gone_order_.size() > kRememberedGone) {
     gone_reasons_.erase(gone_order_.front());
     gone_order_.pop_front();
@@ -294,30 +366,55 @@ void SessionStore::RememberGone(const SessionCache& session, std::string reason,
 }
 
 absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held) {
-  auto fits = [&] { return bytes <= pool_.budget_bytes() && pool_.used_bytes() <= pool_.budget_bytes() - bytes; };
+  const size_t budget = pool_.budget_bytes();
+  auto fits = [&] { return bytes <= budget && pool_.used_bytes() <= budget - bytes; };
   if (fits()) return absl::OkStatus();
-  if (options_.eviction == EvictionPolicy::kLru) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<std::shared_ptr<SessionCache>> candidates;
-    for (const auto& [id, session] : sessions_) {
-      if (std::find(held.begin(), held.end(), session.get()) == held.end()) candidates.push_back(session);
-    }
-    std::sort(candidates.begin(), candidates.end(),
-              [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
-    for (const std::shared_ptr<SessionCache>& victim : candidates) {
-      if (fits()) break;
-      // A session with a call in flight is not idle: skip it.
-      std::unique_lock<std::mutex> victim_lock(victim->mutex(), std::try_to_lock);
-      if (!victim_lock.owns_lock()) continue;
-      victim->gone_ = true;
-      victim->layers_.clear();
-      RememberGone(*victim, "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
-    }
+  auto refuse = [&](const std::string& why) {
+    return absl::ResourceExhaustedError(absl::StrCat("memory budget exceeded: ", pool_.used_bytes(), " bytes used, ",
+                                                     bytes, " needed, budget ", budget, " bytes", why));
+  };
+  if (options_.eviction != EvictionPolicy::kLru) return refuse("");
+  if (bytes > budget) return refuse(" (more than the whole budget: nothing was evicted)");
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<SessionCache>> candidates;
+  for (const auto& [id, session] : sessions_) {
+    if (std::find(held.begin(), held.end(), session.get()) == held.end()) candidates.push_back(session);
   }
+  std::sort(candidates.begin(), candidates.end(),
+            [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
+  // First prove that evicting enough idle sessions, oldest first, frees the
+  // bytes: a page counts once every holder of it is among the victims.
+  const size_t used = pool_.used_bytes();
+  const size_t needed = used > budget - bytes ? used - (budget - bytes) : 0;
+  size_t freeable = 0;
+  std::unordered_map<const Page*, long> victim_refs;
+  std::vector<std::unique_lock<std::mutex>> victim_locks;
+  std::vector<SessionCache*> victims;
+  for (const std::shared_ptr<SessionCache>& candidate : candidates) {
+    if (freeable >= needed) break;
+    // A session with a call in flight is not idle: skip it.
+    std::unique_lock<std::mutex> candidate_lock(candidate->mutex(), std::try_to_lock);
+    if (!candidate_lock.owns_lock() || candidate->gone()) continue;
+    freeable += SessionMetadataBytes(candidate->config());
+    for (const LayerCache& layer : candidate->layers()) {
+      for (const std::shared_ptr<Page>& page : layer.pages()) {
+        if (++victim_refs[page.get()] == page.use_count()) freeable += page->bytes;
+      }
+    }
+    victim_locks.push_back(std::move(candidate_lock));
+    victims.push_back(candidate.get());
+  }
+  if (freeable < needed) {
+    return refuse(absl::StrCat("; evicting every idle session would free only ", freeable,
+                               " bytes, so none was evicted"));
+  }
+  for (SessionCache* victim : victims) {
+    Drop(victim);
+    RememberGone(*victim, "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
+  }
+  victim_locks.clear();
   if (fits()) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat("memory budget exceeded: ", pool_.used_bytes(),
-                                                   " bytes used, ", bytes, " needed, budget ",
-                                                   pool_.budget_bytes(), " bytes"));
+  return refuse(" (after evicting; another call took the room first)");
 }
 
 int SessionStore::ExpireIdle(absl::Time now) {
@@ -331,8 +428,7 @@ int SessionStore::ExpireIdle(absl::Time now) {
   for (const std::shared_ptr<SessionCache>& session : expired) {
     std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
     if (!session_lock.owns_lock()) continue;  // in use: not idle
-    session->gone_ = true;
-    session->layers_.clear();
+    Drop(session.get());
     RememberGone(*session, absl::StrCat("expired after ", absl::FormatDuration(session->config().idle_ttl), " idle"),
                  &ttl_expiries_);
     ++count;

@@ -62,7 +62,14 @@ struct StoreOptions {
   // Where snapshots live (empty: none). A deleted, evicted or expired
   // session's snapshot is removed with it.
   std::string snapshot_dir;
+  // Most sessions in the store, and of one tenant.
+  int64_t max_sessions = 10000;
+  int64_t max_tenant_sessions = 10000;
 };
+
+// What a session's metadata (its object, layer tables and codecs) costs in
+// memory outside its pages: charged to the budget like pages.
+size_t SessionMetadataBytes(const SessionConfig& config);
 
 struct SnapshotReport {
   int64_t sessions = 0;  // written, or loaded
@@ -70,6 +77,9 @@ struct SnapshotReport {
   // Sessions that failed, with why (DATA_LOSS for a damaged file,
   // RESOURCE_EXHAUSTED when the budget could not hold it, ...).
   std::vector<std::pair<std::string, absl::Status>> failed;
+  // Loaded sessions whose file could not be proven their last state (no
+  // MANIFEST from a finished drain: a crash, kill -9 or a failed drain).
+  std::vector<std::string> unverified;
 };
 
 class SessionCache {
@@ -110,6 +120,7 @@ class SessionCache {
   std::mutex mutex_;
   bool gone_ = false;
   std::vector<LayerCache> layers_;
+  std::shared_ptr<const void> charge_;  // SessionMetadataBytes held in the budget
 };
 
 class SessionStore {
@@ -138,24 +149,33 @@ class SessionStore {
 
   std::vector<std::shared_ptr<SessionCache>> List() const;
 
-  // Makes room for `bytes` more: with kLru, evicts least recently used idle
-  // sessions other than those in `held` (whose mutexes the caller holds)
-  // until they fit. Returns RESOURCE_EXHAUSTED naming used, needed and budget bytes
-  // when they still do not fit. A later allocation can still lose a race to
-  // another session; callers retry.
+  // Makes room for `bytes` more. With kLru it first proves that evicting
+  // least recently used idle sessions other than those in `held` (whose
+  // mutexes the caller holds) frees enough (pages shared with sessions that
+  // stay are not counted), and only then evicts them; otherwise, and with
+  // kReject, it changes nothing and returns RESOURCE_EXHAUSTED naming used,
+  // needed, budget and freeable bytes. A later allocation can still lose a
+  // race to another session; callers retry.
   absl::Status MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held);
 
   // Deletes sessions idle longer than their TTL; returns how many.
   int ExpireIdle(absl::Time now);
 
-  // Writes every session to options().snapshot_dir (each atomically, under
-  // its mutex) and removes snapshots of sessions that are gone.
-  // FAILED_PRECONDITION without a snapshot dir.
-  absl::StatusOr<SnapshotReport> SaveSnapshots();
-  // Loads every snapshot in options().snapshot_dir into the (empty) store. A
-  // file that cannot be loaded (damaged, or over the budget) fails only its
-  // own session: calls on that id then answer DATA_LOSS saying why, and the
-  // file is kept. Creates the directory when missing.
+  // Writes every session to options().snapshot_dir (each atomically; pages
+  // are shared with a frozen copy under the session's mutex and written
+  // after it is released) and removes snapshots of sessions that are gone.
+  // Sessions not reached by `deadline` are reported failed. `final` (the
+  // drain): when every session was written, MANIFEST records the files as
+  // the sessions' last state; when not, no MANIFEST is left. FAILED_PRECONDITION
+  // without a snapshot dir.
+  absl::StatusOr<SnapshotReport> SaveSnapshots(absl::Time deadline = absl::InfiniteFuture(), bool final = false);
+  // Loads every snapshot in options().snapshot_dir into the (empty) store,
+  // page by page. A file that cannot be loaded (damaged, over the budget, or
+  // older than the MANIFEST of the last drain says its session was) fails
+  // only its own session: calls on that id then answer DATA_LOSS saying
+  // why, and the file is kept. Without a MANIFEST every session loaded is
+  // reported unverified. The MANIFEST is removed once read: the sessions
+  // change from now on. Creates the directory when missing.
   absl::StatusOr<SnapshotReport> LoadSnapshots(absl::Time now);
 
   PagePool& pool() { return pool_; }
@@ -177,11 +197,19 @@ class SessionStore {
   absl::Status NotFound(const std::string& id, const std::string& tenant) const;
   // Under mutex_: drops the session from the map and remembers why.
   void RememberGone(const SessionCache& session, std::string reason, std::atomic<int64_t>* counter);
+  // Under mutex_: adds a built session, or RESOURCE_EXHAUSTED when the
+  // store or its tenant holds the most sessions allowed.
+  absl::Status Insert(std::shared_ptr<SessionCache> session);
+  // Under mutex_: removes the session from the map and its tenant's count.
+  void Erase(const std::string& id);
+  // Under the session's mutex: empties it and returns its bytes to the pool.
+  static void Drop(SessionCache* session);
 
   const StoreOptions options_;
   PagePool pool_;
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<SessionCache>> sessions_;
+  std::unordered_map<std::string, int64_t> tenant_sessions_;
   // Ids evicted or expired (the most recent kRememberedGone): tenant and why.
   std::unordered_map<std::string, std::pair<std::string, std::string>> gone_reasons_;
   std::deque<std::string> gone_order_;
@@ -194,5 +222,10 @@ class SessionStore {
 
 // 128 random bits as 26 lowercase base32 characters.
 std::string NewSessionId();
+
+// A session id as error messages show it: one longer than any real id is
+// cut, so that a client's 10 KB id does not come back as a 10 KB message
+// (past gRPC's metadata limit).
+std::string ShowId(absl::string_view id);
 
 }  // namespace turbokv

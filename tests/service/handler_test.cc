@@ -193,7 +193,7 @@ TEST_F(HandlerTest, BadAppendsAreRejectedNamingTheFieldAndChangeNothing) {
 
 TEST_F(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
   // One page: 16 tokens x 2 heads x (50 + 50 bytes) = 3200 bytes (turbo3, d 128).
-  Init(3200 * 5);
+  Init(3200 * 5 + 2 * Meta(kLayers));  // room for two sessions' metadata
   const std::string id = Create();
   ASSERT_TRUE(Append(id, 0, 0, 32, 1).ok());  // 2 pages
   ASSERT_TRUE(Append(id, 1, 0, 32, 2).ok());  // 2 pages: 4 used, 1 left
@@ -204,9 +204,11 @@ TEST_F(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
   EXPECT_EQ(over.status().code(), absl::StatusCode::kFailedPrecondition);  // layer 2 has a gap
   auto over2 = Append(id, 0, 32, 48, 5);  // 3 more pages
   EXPECT_EQ(over2.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(over2.status().message()), HasSubstr("12800 bytes used, 9600 needed, budget 16000 bytes"));
+  const size_t used = 12800 + Meta(kLayers);
+  EXPECT_THAT(std::string(over2.status().message()),
+              HasSubstr(absl::StrCat(used, " bytes used, 9600 needed, budget ", 16000 + 2 * Meta(kLayers), " bytes")));
   EXPECT_EQ(Info(id).layer_tokens(0), 32);
-  EXPECT_EQ(store_->pool().used_bytes(), 12800u);
+  EXPECT_EQ(store_->pool().used_bytes(), used);
 
   // All layers at once that fits for two layers but not the third: nothing stored.
   const std::string other = Create();
@@ -214,11 +216,11 @@ TEST_F(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
   auto partial = handler_->Append(MakeAppend(other, -1, 0, k2, v2, {kLayers, 16, kKv, kDim}));
   EXPECT_EQ(partial.status().code(), absl::StatusCode::kResourceExhausted);
   for (int l = 0; l < kLayers; ++l) EXPECT_EQ(Info(other).layer_tokens(l), 0);
-  EXPECT_EQ(store_->pool().used_bytes(), 12800u);
+  EXPECT_EQ(store_->pool().used_bytes(), used + Meta(kLayers));
 }
 
 TEST_F(HandlerTest, LruEvictsTheLeastRecentlyUsedIdleSession) {
-  Init(3200 * 6, EvictionPolicy::kLru);
+  Init(3200 * 6 + 3 * Meta(kLayers), EvictionPolicy::kLru);
   const std::string old_one = Create(), recent = Create(), writer = Create();
   ASSERT_TRUE(Append(old_one, 0, 0, 32, 1).ok());  // 2 pages
   ASSERT_TRUE(Append(recent, 0, 0, 32, 2).ok());   // 2 pages
@@ -517,14 +519,14 @@ TEST_F(HandlerTest, ForkSharesPagesAndDivergesAfterAppends) {
   fork_request.set_prefix_tokens(150);
   auto fork = handler_->ForkSession(fork_request);
   ASSERT_TRUE(fork.ok()) << fork.status();
-  EXPECT_EQ(store_->pool().used_bytes(), before);  // nothing copied
+  EXPECT_EQ(store_->pool().used_bytes(), before + Meta(kLayers));  // no page copied
   EXPECT_EQ(fork->session().layer_tokens(2), 150);
 
   // Both append their own token 150 (the source's was already stored; the
   // fork writes a different one into a copy of the shared page).
   ASSERT_TRUE(Append(fork->session_id(), 0, 150, 10, 99).ok());
   const size_t page = 16 * kKv * 100;
-  EXPECT_LE(store_->pool().used_bytes(), before + page);  // one copied page
+  EXPECT_LE(store_->pool().used_bytes(), before + Meta(kLayers) + page);  // one copied page
   v1::ReadKvRequest read;
   read.set_session_id(fork->session_id());
   read.add_layers(0);
@@ -555,7 +557,7 @@ TEST_F(HandlerTest, TruncateAndDeleteReturnMemory) {
   auto truncated = handler_->TruncateSession(truncate);
   ASSERT_TRUE(truncated.ok());
   EXPECT_EQ(truncated->layer_tokens(0), 20);
-  EXPECT_EQ(store_->pool().used_bytes(), 2u * 3200);
+  EXPECT_EQ(store_->pool().used_bytes(), 2u * 3200 + Meta(kLayers));
   ASSERT_TRUE(Append(id, 0, 20, 5, 2).ok());  // rewrites after the rollback
   truncate.set_tokens(-1);
   EXPECT_EQ(handler_->TruncateSession(truncate).status().code(), absl::StatusCode::kInvalidArgument);
@@ -581,9 +583,10 @@ TEST_F(HandlerTest, StatsCountSharedPagesOnce) {
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->sessions(), 2);
   EXPECT_EQ(stats->tokens(), 2 * kLayers * 64);
-  EXPECT_EQ(stats->bytes_used(), kLayers * 4 * 3200);
+  const size_t used = kLayers * 4 * 3200 + 2 * Meta(kLayers);  // pages once, and each session's metadata
+  EXPECT_EQ(stats->bytes_used(), used);
   EXPECT_EQ(stats->fp16_bytes(), 2 * kLayers * 64 * kKv * kDim * 4);
-  EXPECT_NEAR(stats->compression_ratio(), 2.0 * kLayers * 64 * kKv * kDim * 4 / (kLayers * 4 * 3200), 1e-9);
+  EXPECT_NEAR(stats->compression_ratio(), 2.0 * kLayers * 64 * kKv * kDim * 4 / used, 1e-9);
 }
 
 TEST_F(HandlerTest, ManySessionsFromManyThreads) {
@@ -620,7 +623,7 @@ TEST_F(HandlerTest, ManySessionsFromManyThreads) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(Info(shared).layer_tokens(0), kRounds * 8);
   EXPECT_EQ(store_->session_count(), 1u);
-  EXPECT_EQ(store_->pool().used_bytes(), 4u * 3200);  // the shared session's 64 tokens
+  EXPECT_EQ(store_->pool().used_bytes(), 4u * 3200 + Meta(kLayers));  // the shared session's 64 tokens
 }
 
 }  // namespace

@@ -26,6 +26,12 @@ class HandlerFixture : public ::testing::Test {
     handler_ = std::make_unique<Handler>(store_.get(), options);
   }
   void SetUp() override { Init(size_t{1} << 30); }
+  // What a session of `layers` layers costs the budget besides its pages.
+  static size_t Meta(int layers) {
+    SessionConfig config;
+    config.layers = layers;
+    return SessionMetadataBytes(config);
+  }
 
   ThreadPool pool_{2};
   std::unique_ptr<SessionStore> store_;

