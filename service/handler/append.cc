@@ -75,10 +75,12 @@ void Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
 absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, const std::vector<int>& layers,
                                                         int64_t start, int64_t n, const float* keys,
                                                         const float* values) {
+  const SessionConfig& config = session.config();
+  TURBOKV_RETURN_IF_ERROR(CheckStorable(config, config.key_codec, keys, layers, start, n, "keys"));
+  TURBOKV_RETURN_IF_ERROR(CheckStorable(config, config.value_codec, values, layers, start, n, "values"));
   const SessionCache* held[] = {&session};
   TURBOKV_ASSIGN_OR_RETURN(std::vector<LayerCache::PendingAppend> pending,
                            PrepareAppend(session, layers, start, n, held));
-  const SessionConfig& config = session.config();
   const size_t layer_values = static_cast<size_t>(n) * config.kv_heads * config.head_dim;
   std::vector<ChunkWrite> writes(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -126,8 +128,8 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
   const int64_t n = request.keys().shape(rank - 3);
   if (n < 1) return absl::InvalidArgumentError(absl::StrCat("keys.shape gives ", n, " tokens, expected at least 1"));
   if (n > config.max_tokens || request.start() > config.max_tokens - n) {
-    return absl::ResourceExhaustedError(absl::StrCat("chunk [", request.start(), ", ", request.start() + n,
-                                                     ") is past the session's max_tokens = ", config.max_tokens));
+    return absl::ResourceExhaustedError(absl::StrCat("a chunk of ", n, " tokens at start = ", request.start(),
+                                                     " goes past the session's max_tokens = ", config.max_tokens));
   }
   std::vector<int64_t> shape = {n, config.kv_heads, config.head_dim};
   if (rank == 4) shape.insert(shape.begin(), config.layers);

@@ -76,6 +76,7 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
   TURBOKV_RETURN_IF_ERROR(CheckResultSize(n, config.q_heads, config.head_dim, params, options_.max_message_bytes));
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> queries,
                            TensorToFloats(request.queries(), {n, config.q_heads, config.head_dim}, "queries"));
+  TURBOKV_RETURN_IF_ERROR(CheckScoresFinite(params, queries, config.head_dim, "queries"));
   const LayerCache& layer = session->layers()[request.layer()];
   if (layer.tokens() == 0) {
     return absl::FailedPreconditionError(absl::StrCat("layer ", request.layer(), " holds no tokens yet"));
@@ -121,6 +122,7 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> value, TensorToFloats(request.value(), kv_shape, "value"));
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> query,
                            TensorToFloats(request.query(), {1, config.q_heads, config.head_dim}, "query"));
+  TURBOKV_RETURN_IF_ERROR(CheckScoresFinite(params, query, config.head_dim, "query"));
 
   TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk,
                            StoreChunk(*session, {request.layer()}, request.position(), 1, key.data(), value.data()));
@@ -240,9 +242,9 @@ absl::Status CheckDecodeItem(const SessionCache& session, const v1::DecodeReques
     const int index = static_cast<int>(first + j);
     const int64_t p = request.positions(index);
     if (p < 0) return absl::InvalidArgumentError(absl::StrCat("positions[", index, "] = ", p, " must be >= 0"));
-    if (shape.kv_heads != 0 && p != start + j) {
-      return absl::InvalidArgumentError(absl::StrCat("positions[", index, "] = ", p, ", expected ", start + j,
-                                                     ": with keys, an item's positions are consecutive"));
+    if (shape.kv_heads != 0 && p - j != start) {
+      return absl::InvalidArgumentError(absl::StrCat("positions[", index, "] = ", p, " does not follow positions[",
+                                                     index - 1, "]: with keys, an item's positions are consecutive"));
     }
     if (shape.kv_heads == 0 && p >= tokens) {
       return absl::FailedPreconditionError(absl::StrCat("positions[", index, "] = ", p, " is past the ", tokens,
@@ -257,9 +259,9 @@ absl::Status CheckDecodeItem(const SessionCache& session, const v1::DecodeReques
                                                         tokens, " tokens: positions ", tokens, " to ", start - 1,
                                                         " are missing"));
     }
-    if (start + shape.k > config.max_tokens) {
-      return absl::ResourceExhaustedError(absl::StrCat("positions [", start, ", ", start + shape.k,
-                                                       ") are past the max_tokens = ", config.max_tokens,
+    if (start > config.max_tokens - shape.k) {
+      return absl::ResourceExhaustedError(absl::StrCat(shape.k, " tokens at position ", start,
+                                                       " go past the max_tokens = ", config.max_tokens,
                                                        " of session ", session.id()));
     }
   }
@@ -286,8 +288,9 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   const size_t item_queries = static_cast<size_t>(shape.k) * shape.q_heads * shape.head_dim;
   const size_t item_values = static_cast<size_t>(shape.k) * shape.kv_heads * shape.head_dim;
   auto check_item_values = [&](size_t i) -> absl::Status {
-    TURBOKV_RETURN_IF_ERROR(
-        CheckFinite(absl::MakeConstSpan(queries).subspan(i * item_queries, item_queries), absl::StrCat("queries[", i, "]")));
+    const absl::Span<const float> item = absl::MakeConstSpan(queries).subspan(i * item_queries, item_queries);
+    TURBOKV_RETURN_IF_ERROR(CheckFinite(item, absl::StrCat("queries[", i, "]")));
+    TURBOKV_RETURN_IF_ERROR(CheckScoresFinite(params, item, shape.head_dim, absl::StrCat("queries[", i, "]")));
     if (shape.kv_heads == 0) return absl::OkStatus();
     TURBOKV_RETURN_IF_ERROR(
         CheckFinite(absl::MakeConstSpan(keys).subspan(i * item_values, item_values), absl::StrCat("keys[", i, "]")));
@@ -309,7 +312,15 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
     for (size_t i = 0; i < batch; ++i) {
       if (!status[i].ok()) continue;
       SessionCache& session = *locked.sessions[i];
+      const SessionConfig& config = session.config();
       const int64_t start = request.positions(static_cast<int>(i * shape.k));
+      status[i] = CheckStorable(config, config.key_codec, keys.data() + i * item_values, {request.layer()}, start,
+                                shape.k, absl::StrCat("keys[", i, "]"));
+      if (status[i].ok()) {
+        status[i] = CheckStorable(config, config.value_codec, values.data() + i * item_values, {request.layer()},
+                                  start, shape.k, absl::StrCat("values[", i, "]"));
+      }
+      if (!status[i].ok()) continue;
       absl::StatusOr<std::vector<LayerCache::PendingAppend>> pending =
           PrepareAppend(session, {request.layer()}, start, shape.k, locked.held);
       if (!pending.ok()) {

@@ -1,5 +1,6 @@
 #include "service/handler/common.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/status/status.h"
@@ -84,6 +85,28 @@ absl::StatusOr<AttentionParams> CheckOptions(int q_heads, const v1::AttentionOpt
   return params;
 }
 
+absl::Status CheckScoresFinite(const AttentionParams& params, absl::Span<const float> queries, int head_dim,
+                               absl::string_view what) {
+  const double scale = params.softmax_scale > 0 ? params.softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const double key_norm = kMaxStoredValue * std::sqrt(static_cast<double>(head_dim));
+  double largest = 0.0;
+  size_t largest_row = 0;
+  for (size_t row = 0; row * head_dim < queries.size(); ++row) {
+    double sum = 0.0;
+    for (int i = 0; i < head_dim; ++i) sum += static_cast<double>(queries[row * head_dim + i]) * queries[row * head_dim + i];
+    if (sum > largest) {
+      largest = sum;
+      largest_row = row;
+    }
+  }
+  const double bound = scale * std::sqrt(largest) * key_norm;
+  if (bound <= kMaxScore) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "options.softmax_scale = ", params.softmax_scale, " with ", what, " row ", largest_row, " (norm ",
+      std::sqrt(largest), ") can give scores of ", bound, " against keys the cache may hold, past ", kMaxScore,
+      ": the attention would not be finite"));
+}
+
 absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const AttentionParams& params, size_t max_bytes) {
   const double bytes = static_cast<double>(n) * q_heads * (4.0 * head_dim + 4 + 12.0 * params.top_k);
   if (bytes > static_cast<double>(max_bytes)) {
@@ -91,6 +114,40 @@ absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const Attenti
                                                      " heads (top_k ", params.top_k, ") would take ",
                                                      static_cast<int64_t>(bytes), " bytes, over the ", max_bytes,
                                                      "-byte message limit: send fewer queries a call"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStorable(const SessionConfig& config, CodecKind codec, const float* data,
+                           const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view what) {
+  const CodecLayout layout = MakeCodecLayout(codec, config.head_dim);
+  const bool turbo = codec != CodecKind::kF16 && codec != CodecKind::kQ8_0 && codec != CodecKind::kQ4_0;
+  const int d = config.head_dim;
+  const size_t rows = layers.size() * static_cast<size_t>(n) * config.kv_heads;
+  for (size_t row = 0; row < rows; ++row) {
+    const float* x = data + row * d;
+    float largest = 0.0f, block_norm = 0.0f;
+    for (int b = 0; b < d; b += layout.block_values) {
+      float sum = 0.0f;
+      for (int i = b; i < b + layout.block_values; ++i) {
+        largest = std::max(largest, std::fabs(x[i]));
+        sum += x[i] * x[i];
+      }
+      block_norm = std::max(block_norm, std::sqrt(sum));
+    }
+    if (largest <= kMaxStoredValue && (!turbo || block_norm <= kMaxTurboBlockNorm)) continue;
+    const size_t token = row / config.kv_heads;
+    const std::string where =
+        absl::StrCat(what, " of layer ", layers[token / static_cast<size_t>(n)], ", position ",
+                     start + static_cast<int64_t>(token % static_cast<size_t>(n)), ", kv head ", row % config.kv_heads);
+    if (largest > kMaxStoredValue) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " holds ", largest, ", past +-", kMaxStoredValue,
+                                                     ", the largest value a cache stores (fp16's range)"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a block of ", layout.block_values, " values has norm ",
+                                                   block_norm, ", past ", kMaxTurboBlockNorm,
+                                                   ", the most a turbo codec's fp16 block scale holds; scale the "
+                                                   "vectors down or use q8_0"));
   }
   return absl::OkStatus();
 }

@@ -5,9 +5,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "service/store/session_store.h"
@@ -32,6 +34,29 @@ absl::StatusOr<AttentionParams> CheckOptions(int q_heads, const v1::AttentionOpt
 
 // RESOURCE_EXHAUSTED when the result of n queries (q_heads x head_dim each)
 // would not fit in a reply of max_bytes.
+// The largest value any codec stores (fp16's largest finite value), and the
+// largest norm of a turbo rotation block: its scale, about the block's norm,
+// is stored in fp16, with room for the scale's fit.
+constexpr float kMaxStoredValue = 65504.0f;
+constexpr float kMaxTurboBlockNorm = 32768.0f;
+
+// Keys or values (`what`) of `n` tokens at `start` in each of `layers`,
+// [layers.size()][n][kv_heads][head_dim], that `codec` can store without
+// saturating: every value within +-kMaxStoredValue and, for the turbo
+// codecs, every rotation block's norm at most kMaxTurboBlockNorm.
+// INVALID_ARGUMENT naming the tensor, layer, position and kv head.
+absl::Status CheckStorable(const SessionConfig& config, CodecKind codec, const float* data,
+                           const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view what);
+
+// Queries ([rows][head_dim] flattened) whose scores stay finite against any
+// key a cache can hold: softmax scale x query norm x the largest key norm
+// (kMaxStoredValue x sqrt(head_dim)) at most kMaxScore, which leaves the
+// online softmax room. INVALID_ARGUMENT naming options.softmax_scale and
+// the query otherwise.
+constexpr float kMaxScore = 1e37f;
+absl::Status CheckScoresFinite(const AttentionParams& params, absl::Span<const float> queries, int head_dim,
+                               absl::string_view what);
+
 absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const AttentionParams& params, size_t max_bytes);
 
 }  // namespace turbokv

@@ -21,7 +21,7 @@ Handler::Handler(SessionStore* store, const HandlerOptions& options)
 absl::Status Handler::GoneStatus(const std::string& id, const std::string& tenant) {
   // Deleted or evicted between the lookup and the lock: the store knows why.
   absl::StatusOr<std::shared_ptr<SessionCache>> again = store_->Find(id, tenant, absl::Now());
-  return again.ok() ? absl::NotFoundError(absl::StrCat("no session ", id)) : again.status();
+  return again.ok() ? absl::NotFoundError(absl::StrCat("no session ", ShowId(id))) : again.status();
 }
 
 absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::string& id, const std::string& tenant,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,9 @@ struct HandlerOptions {
   std::string device = "cpu";
   // Counts appended tokens, attended queries and kernel time (nullptr: none).
   Metrics* metrics = nullptr;
+  // Who may call Snapshot: nullopt, anyone (no authentication: one
+  // tenant); else only this tenant (empty: nobody).
+  std::optional<std::string> snapshot_tenant;
 };
 
 // A ReadKv call in progress: which layers and range, and how far it got.

@@ -22,6 +22,9 @@ absl::StatusOr<ReadKvCursor> Handler::StartReadKv(const v1::ReadKvRequest& reque
   cursor.session = found;
   for (int i = 0; i < request.layers_size(); ++i) {
     TURBOKV_RETURN_IF_ERROR(CheckLayer(config, request.layers(i), absl::StrCat("layers[", i, "]")));
+    if (std::find(cursor.layers.begin(), cursor.layers.end(), request.layers(i)) != cursor.layers.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("layers[", i, "] = ", request.layers(i), " is listed twice"));
+    }
     cursor.layers.push_back(request.layers(i));
   }
   if (cursor.layers.empty()) {
@@ -52,7 +55,14 @@ absl::StatusOr<ReadKvCursor> Handler::StartReadKv(const v1::ReadKvRequest& reque
     return absl::InvalidArgumentError(absl::StrCat("max_tokens_per_message = ", request.max_tokens_per_message(), " must be >= 0"));
   }
   const size_t token_bytes = 2 * static_cast<size_t>(config.kv_heads) * config.head_dim * DTypeSize(cursor.dtype);
-  const int64_t fit = std::max<int64_t>(1, static_cast<int64_t>(std::min(options_.max_message_bytes, size_t{1} << 20) / token_bytes));
+  const size_t message_bytes = std::min(options_.max_message_bytes, size_t{1} << 20);
+  if (token_bytes > options_.max_message_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "one token of this session is ", token_bytes, " bytes of keys and values in ", v1::DType_Name(cursor.dtype),
+        ", more than a reply may carry (half of --max-message-bytes: ", options_.max_message_bytes,
+        "); ask for a smaller dtype or raise --max-message-bytes"));
+  }
+  const int64_t fit = std::max<int64_t>(1, static_cast<int64_t>(message_bytes / token_bytes));
   cursor.tokens_per_message = request.max_tokens_per_message() == 0 ? fit : std::min(request.max_tokens_per_message(), fit);
   cursor.start = request.start();
   cursor.position = request.start();
@@ -68,7 +78,10 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
   SessionCache& session = *cursor.session;
   std::lock_guard<std::mutex> lock(session.mutex());
   const int l = cursor.layers[cursor.layer_index];
-  if (session.gone()) return absl::NotFoundError(absl::StrCat("session ", session.id(), " was deleted while being read"));
+  if (session.gone()) {
+    const absl::Status gone = GoneStatus(session.id(), session.tenant());
+    return absl::Status(gone.code(), absl::StrCat(gone.message(), " (while being read)"));
+  }
   const LayerCache& layer = session.layers()[l];
   const int64_t n = std::min(cursor.tokens_per_message, cursor.ends[cursor.layer_index] - cursor.position);
   if (cursor.position + n > layer.tokens()) {

@@ -126,7 +126,15 @@ absl::StatusOr<v1::ForkSessionResponse> Handler::ForkSession(const v1::ForkSessi
   return response;
 }
 
-absl::StatusOr<v1::SnapshotResponse> Handler::Snapshot(const v1::SnapshotRequest&, const std::string&) {
+absl::StatusOr<v1::SnapshotResponse> Handler::Snapshot(const v1::SnapshotRequest&, const std::string& tenant) {
+  if (options_.snapshot_tenant.has_value() && (options_.snapshot_tenant->empty() || tenant != *options_.snapshot_tenant)) {
+    return absl::PermissionDeniedError(
+        options_.snapshot_tenant->empty()
+            ? "Snapshot writes every tenant's sessions: an operator action, allowed only to the admin tenant, and "
+              "this turbokvd has none (--admin-tenant)"
+            : "Snapshot writes every tenant's sessions: an operator action, allowed only to the admin tenant "
+              "(--admin-tenant)");
+  }
   const absl::Time start = absl::Now();
   TURBOKV_ASSIGN_OR_RETURN(SnapshotReport report, store_->SaveSnapshots());
   if (!report.failed.empty()) {
