@@ -1,6 +1,8 @@
-// turbokvd: flags -> ServerOptions, start, wait for SIGTERM or SIGINT, drain.
+// turbokvd: flags -> ServerOptions, start, wait for a termination signal, drain.
 // The only place that reads flags.
+#include <algorithm>
 #include <csignal>
+#include <iterator>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "google/protobuf/stubs/logging.h"
 #include "service/byte_size.h"
 #include "service/server.h"
 
@@ -28,7 +31,15 @@ Flags (--name=value or --name value):
   --session-ttl=DURATION   delete sessions idle this long, 0 = never (default 1h)
   --max-message-bytes=SIZE largest gRPC message in or out (default 64MiB)
   --max-tokens=N           most tokens a layer of a session may hold (default 1048576)
-  --shutdown-deadline=DURATION  how long calls in flight get on SIGTERM (default 10s)
+  --shutdown-deadline=DURATION  how long calls in flight get on SIGTERM; calls
+                           not started by then are cancelled (default 10s)
+  --snapshot-deadline=DURATION  how long the drain's snapshot may take after
+                           that; sessions not written by then are reported and
+                           the exit status is 1 (default 30s)
+  --tenant-max-calls=N     calls a tenant may have in flight (default 128)
+  --tenant-max-inflight-bytes=SIZE  request bytes a tenant may have in flight
+                           (default 1GiB)
+  --max-concurrent-streams=N  HTTP/2 streams per connection (default 256)
   --metrics-listen=HOST:PORT    Prometheus endpoint /metrics, empty = none
                            (default 127.0.0.1:9464)
   --health-listen=HOST:PORT     a listener serving only grpc.health.v1, for
@@ -37,10 +48,36 @@ Flags (--name=value or --name value):
                            SIGTERM and on the Snapshot call (default none)
   --auth-tokens-file=PATH  lines "TOKEN TENANT": calls need "authorization:
                            Bearer TOKEN" and see only their tenant's sessions
+  --admin-tenant=NAME      the tenant (of --auth-tokens-file) allowed to call
+                           Snapshot; without it, only SIGTERM snapshots
+  --max-sessions=N         most sessions held (default 10000)
+  --max-tenant-sessions=N  most sessions one tenant holds (default 10000)
   --tls-cert=PEM --tls-key=PEM  TLS on TCP listeners
   --tls-client-ca=PEM      require client certificates signed by this CA (mTLS)
   --help
 )";
+
+// Termination signals: each drains (calls finish, snapshots are written)
+// and stops the daemon.
+constexpr int kDrainSignals[] = {SIGTERM, SIGINT, SIGQUIT, SIGHUP};
+// Signals whose default action would end the process at once, without a
+// drain: taken and ignored. (SIGKILL and SIGSTOP cannot be caught; the
+// faults of the process itself, SIGSEGV and the like, are left alone.)
+// SIGPIPE is set to be ignored outright (a closed connection is not news).
+constexpr int kIgnoredSignals[] = {SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM, SIGPROF,
+                                   SIGXCPU, SIGXFSZ, SIGPWR,  SIGIO,     SIGSTKFLT};
+
+std::string SignalName(int signal) {
+  const char* abbrev = sigabbrev_np(signal);
+  if (abbrev != nullptr) return absl::StrCat("SIG", abbrev);
+  return absl::StrCat("signal ", signal);
+}
+
+// libprotobuf logs only about messages that fail to parse (invalid UTF-8
+// in a string field, before authentication): each such request is answered
+// INVALID_ARGUMENT and counted in turbokv_rpc_errors_total, so the line per
+// request is dropped rather than let one client flood the log.
+void DropProtobufLog(google::protobuf::LogLevel, const char*, int, const std::string&) {}
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "turbokvd: %s\n(see turbokvd --help)\n", message.c_str());
@@ -53,6 +90,7 @@ int main(int argc, char** argv) {
   turbokv::ServerOptions options;
   std::vector<std::string> listen;
   absl::Duration shutdown_deadline = absl::Seconds(10);
+  absl::Duration snapshot_deadline = absl::Seconds(30);
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -89,7 +127,8 @@ int main(int argc, char** argv) {
       if (!absl::ParseDuration(value, &options.session_ttl)) return Fail(flag + ": expected a duration like 30m, 1h or 0");
     } else if (name == "max-message-bytes") {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
-      if (!bytes.ok() || *bytes > (size_t{1} << 31) - 1) return Fail(flag + ": expected a size up to 2GiB");
+      if (!bytes.ok()) return Fail(absl::StrCat("--max-message-bytes: ", bytes.status().message()));
+      if (*bytes >= (size_t{1} << 31)) return Fail(flag + ": expected a size below 2GiB (gRPC's limit is 2GiB - 1 byte)");
       options.max_message_bytes = static_cast<int>(*bytes);
     } else if (name == "max-tokens") {
       if (!absl::SimpleAtoi(value, &options.max_tokens) || options.max_tokens < 1) return Fail(flag + ": expected a count >= 1");
@@ -97,6 +136,14 @@ int main(int argc, char** argv) {
       options.snapshot_dir = value;
     } else if (name == "auth-tokens-file") {
       options.auth_tokens_file = value;
+    } else if (name == "admin-tenant") {
+      options.admin_tenant = value;
+    } else if (name == "max-sessions") {
+      if (!absl::SimpleAtoi(value, &options.max_sessions) || options.max_sessions < 1) return Fail(flag + ": expected a count >= 1");
+    } else if (name == "max-tenant-sessions") {
+      if (!absl::SimpleAtoi(value, &options.max_tenant_sessions) || options.max_tenant_sessions < 1) {
+        return Fail(flag + ": expected a count >= 1");
+      }
     } else if (name == "tls-cert") {
       options.tls_cert = value;
     } else if (name == "tls-key") {
@@ -109,18 +156,40 @@ int main(int argc, char** argv) {
       options.metrics_listen = value;
     } else if (name == "shutdown-deadline") {
       if (!absl::ParseDuration(value, &shutdown_deadline)) return Fail(flag + ": expected a duration like 10s");
+    } else if (name == "snapshot-deadline") {
+      if (!absl::ParseDuration(value, &snapshot_deadline) || snapshot_deadline <= absl::ZeroDuration()) {
+        return Fail(flag + ": expected a duration like 30s");
+      }
+    } else if (name == "tenant-max-calls") {
+      if (!absl::SimpleAtoi(value, &options.tenant_max_calls) || options.tenant_max_calls < 1) {
+        return Fail(flag + ": expected a count >= 1");
+      }
+    } else if (name == "tenant-max-inflight-bytes") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok()) return Fail(absl::StrCat("--tenant-max-inflight-bytes: ", bytes.status().message()));
+      options.tenant_max_inflight_bytes = static_cast<int64_t>(*bytes);
+    } else if (name == "max-concurrent-streams") {
+      if (!absl::SimpleAtoi(value, &options.max_concurrent_streams) || options.max_concurrent_streams < 1) {
+        return Fail(flag + ": expected a count >= 1");
+      }
     } else {
       return Fail(absl::StrCat("unknown flag --", name));
     }
   }
   if (!listen.empty()) options.listen = listen;
 
-  // Signals are taken by sigwait below, not by a handler.
+  // Every catchable signal whose default would end the process is taken by
+  // sigwait below, not by a handler: the termination signals drain, the
+  // others are logged and ignored (docs/OPERATIONS.md). Blocked here, before
+  // any thread exists, so that every thread inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
+  for (int s : kDrainSignals) sigaddset(&signals, s);
+  for (int s : kIgnoredSignals) sigaddset(&signals, s);
+  for (int s = SIGRTMIN; s <= SIGRTMAX; ++s) sigaddset(&signals, s);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+  google::protobuf::SetLogHandler(&DropProtobufLog);
 
   absl::StatusOr<std::unique_ptr<turbokv::Server>> server = turbokv::Server::Create(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));
@@ -133,6 +202,13 @@ int main(int argc, char** argv) {
     for (const auto& [id, status] : loaded.failed) {
       std::fprintf(stderr, "turbokvd: session %s not restored (%s): %s\n", id.c_str(),
                    absl::StatusCodeToString(status.code()).c_str(), std::string(status.message()).c_str());
+    }
+    if (!loaded.unverified.empty()) {
+      std::fprintf(stderr,
+                   "turbokvd: WARNING: %zu session(s) restored from files not proven to be their last state (no "
+                   "MANIFEST: the last run did not finish its drain); they may be older than what clients last "
+                   "wrote: %s\n",
+                   loaded.unverified.size(), absl::StrJoin(loaded.unverified, ", ").c_str());
     }
   }
   std::fprintf(stderr,
@@ -152,10 +228,19 @@ int main(int argc, char** argv) {
                options.tls_cert.empty() ? "plaintext" : options.tls_client_ca.empty() ? "TLS" : "mTLS");
 
   int signal = 0;
-  sigwait(&signals, &signal);
-  std::fprintf(stderr, "turbokvd: %s, draining (deadline %s)\n", signal == SIGTERM ? "SIGTERM" : "SIGINT",
-               absl::FormatDuration(shutdown_deadline).c_str());
-  (*server)->Shutdown(shutdown_deadline);
+  for (;;) {
+    sigwait(&signals, &signal);
+    if (std::find(std::begin(kDrainSignals), std::end(kDrainSignals), signal) != std::end(kDrainSignals)) break;
+    std::fprintf(stderr, "turbokvd: %s ignored (SIGTERM, SIGINT, SIGQUIT and SIGHUP drain and stop)\n",
+                 SignalName(signal).c_str());
+  }
+  std::fprintf(stderr, "turbokvd: %s, draining (calls get %s, snapshots %s more)\n", SignalName(signal).c_str(),
+               absl::FormatDuration(shutdown_deadline).c_str(), absl::FormatDuration(snapshot_deadline).c_str());
+  const absl::Status stopped = (*server)->Shutdown(shutdown_deadline, snapshot_deadline);
+  if (!stopped.ok()) {
+    std::fprintf(stderr, "turbokvd: stopped with an error: %s\n", std::string(stopped.message()).c_str());
+    return 1;
+  }
   std::fprintf(stderr, "turbokvd: stopped\n");
   return 0;
 }

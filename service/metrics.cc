@@ -66,6 +66,20 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
         &decode_failures.Add({{"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
   }
   sessions_ = &BuildGauge().Name("turbokv_sessions").Help("Sessions held").Register(r).Add({});
+  auto& restored = BuildGauge()
+                       .Name("turbokv_snapshot_restored_sessions")
+                       .Help("Sessions the start found in --snapshot-dir: verified (the MANIFEST of a finished drain "
+                             "lists their file), unverified (no MANIFEST: may be older than their last state), "
+                             "failed (answered DATA_LOSS)")
+                       .Register(r);
+  restored_[0] = &restored.Add({{"state", "verified"}});
+  restored_[1] = &restored.Add({{"state", "unverified"}});
+  restored_[2] = &restored.Add({{"state", "failed"}});
+  queued_ = &BuildGauge()
+                 .Name("turbokv_executor_queued")
+                 .Help("Work waiting for a worker (or for its session to be free)")
+                 .Register(r)
+                 .Add({});
   tokens_ = &BuildGauge()
                  .Name("turbokv_tokens_stored")
                  .Help("Tokens stored, summed over sessions and layers")
@@ -124,6 +138,15 @@ void Metrics::AddDecodeItemFailure(absl::StatusCode code) {
   decode_item_failures_[index > 0 && index < kStatusCodes ? index : static_cast<int>(absl::StatusCode::kUnknown)]
       ->Increment();
 }
+
+void Metrics::SetRestored(const SnapshotReport& report) {
+  const double unverified = static_cast<double>(report.unverified.size());
+  restored_[0]->Set(static_cast<double>(report.sessions) - unverified);
+  restored_[1]->Set(unverified);
+  restored_[2]->Set(static_cast<double>(report.failed.size()));
+}
+
+void Metrics::SetQueued(int64_t work) { queued_->Set(static_cast<double>(work)); }
 
 void Metrics::SetStore(const StoreSnapshot& s) {
   sessions_->Set(static_cast<double>(s.sessions));

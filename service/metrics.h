@@ -48,6 +48,10 @@ class Metrics {
   void AddDecodeItemFailure(absl::StatusCode code);
   // From one thread (the server's housekeeping loop).
   void SetStore(const StoreSnapshot& snapshot);
+  // What the start loaded from the snapshot dir.
+  void SetRestored(const SnapshotReport& report);
+  // Work waiting in the executor's queue.
+  void SetQueued(int64_t work);
 
  private:
   const std::string device_;
@@ -70,6 +74,8 @@ class Metrics {
   // The canonical codes, OK (0) to UNAUTHENTICATED (16); index 0 unused.
   static constexpr int kStatusCodes = 17;
   prometheus::Counter* decode_item_failures_[kStatusCodes] = {};
+  prometheus::Gauge* restored_[3] = {};  // verified, unverified, failed
+  prometheus::Gauge* queued_;
   prometheus::Gauge* sessions_;
   prometheus::Gauge* tokens_;
   prometheus::Gauge* bytes_used_;

@@ -1,5 +1,6 @@
 #include "service/server.h"
 
+#include <malloc.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -31,6 +32,8 @@ namespace turbokv {
 namespace {
 
 constexpr absl::Duration kRefusalWindow = absl::Milliseconds(200);
+constexpr int kMetricsThreads = 8;
+constexpr int kMetricsRequestTimeoutMs = 2000;
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
   std::ifstream in(path);
@@ -66,6 +69,10 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Se
 
 }  // namespace
 
+size_t GrpcMemoryBytes(const ServerOptions& options) {
+  return std::max<size_t>(size_t{256} << 20, size_t{4} * static_cast<size_t>(options.max_message_bytes));
+}
+
 Server::Server(const ServerOptions& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
@@ -80,6 +87,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   if (options.memory_budget == 0) return absl::InvalidArgumentError("--memory-budget must be more than 0");
   if (options.max_message_bytes < (1 << 20)) {
     return absl::InvalidArgumentError("--max-message-bytes must be at least 1MiB");
+  }
+  if (options.max_sessions < 1 || options.max_tenant_sessions < 1) {
+    return absl::InvalidArgumentError("--max-sessions and --max-tenant-sessions must be at least 1");
+  }
+  if (!options.admin_tenant.empty() && options.auth_tokens_file.empty()) {
+    return absl::InvalidArgumentError("--admin-tenant needs --auth-tokens-file (without it every caller is the one tenant)");
+  }
+  if (options.tenant_max_calls < 1) return absl::InvalidArgumentError("--tenant-max-calls must be at least 1");
+  if (options.tenant_max_inflight_bytes < 1) {
+    return absl::InvalidArgumentError("--tenant-max-inflight-bytes must be more than 0");
+  }
+  if (options.max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError("--max-concurrent-streams must be at least 1");
   }
   if (options.session_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--session-ttl must not be negative");
@@ -109,6 +129,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   store.eviction = options.eviction;
   store.page_tokens = options.page_tokens;
   store.snapshot_dir = options.snapshot_dir;
+  store.max_sessions = options.max_sessions;
+  store.max_tenant_sessions = options.max_tenant_sessions;
   server->store_ = std::make_unique<SessionStore>(store);
   HandlerOptions handler;
   handler.kernel_pool = server->kernel_pool_.get();
@@ -117,27 +139,35 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   handler.max_message_bytes = static_cast<size_t>(options.max_message_bytes) / 2;
   handler.device = device->name;
   handler.metrics = server->metrics_.get();
+  if (server->authenticator_ != nullptr) handler.snapshot_tenant = options.admin_tenant;
   server->handler_ = std::make_unique<Handler>(server->store_.get(), handler);
   // Enough workers that cheap calls are not queued behind kernels.
   server->executor_ = std::make_unique<Executor>(threads + 2);
-  server->service_ =
-      std::make_unique<KvCacheService>(server->handler_.get(), server->executor_.get(), server->metrics_.get(),
-                                       server->authenticator_.get());
+  ServiceLimits limits;
+  limits.tenant_calls = options.tenant_max_calls;
+  limits.tenant_bytes = options.tenant_max_inflight_bytes;
+  server->service_ = std::make_unique<KvCacheService>(server->handler_.get(), server->executor_.get(),
+                                                      server->metrics_.get(), server->authenticator_.get(), limits);
   return server;
 }
 
-Server::~Server() { Shutdown(absl::ZeroDuration()); }
+Server::~Server() { Shutdown(absl::ZeroDuration()).IgnoreError(); }
 
 absl::Status Server::Start() {
   if (!options_.snapshot_dir.empty()) {
     absl::StatusOr<SnapshotReport> loaded = store_->LoadSnapshots(absl::Now());
     if (!loaded.ok()) return loaded.status();
     loaded_ = *std::move(loaded);
+    metrics_->SetRestored(loaded_);
   }
   metrics_->SetStore(store_->Snapshot());
   if (!options_.metrics_listen.empty()) {
     try {
-      exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_listen);
+      // More threads than scrapers, and a short read timeout: a few
+      // connections that never send a request cannot hold /metrics.
+      exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+          "listening_ports", options_.metrics_listen, "num_threads", std::to_string(kMetricsThreads),
+          "request_timeout_ms", std::to_string(kMetricsRequestTimeoutMs)});
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", options_.metrics_listen, ": ", e.what()));
     }
@@ -157,6 +187,12 @@ absl::Status Server::Start() {
   }
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_concurrent_streams);
+  // gRPC's own buffers (messages being received and sent) are bounded too:
+  // past this, it stops reading from connections until memory is freed.
+  grpc::ResourceQuota quota("turbokvd");
+  quota.Resize(GrpcMemoryBytes(options_));
+  builder.SetResourceQuota(quota);
   builder.RegisterService(service_.get());
   // Unix sockets are created 0660: the daemon's user and group only.
   const mode_t umask_before = umask(0117);
@@ -198,27 +234,41 @@ absl::Status Server::Start() {
 }
 
 void Server::ExpireLoop() {
+  // Pages under PagePool::kMapThreshold come from the heap, which keeps what
+  // is freed: once the pool has shrunk by kTrimBytes, the free heap goes
+  // back to the kernel, so the process's memory follows the pool's.
+  constexpr size_t kTrimBytes = size_t{8} << 20;
+  size_t used_at_trim = store_->pool().used_bytes();
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_expiry_.wait_for(lock, absl::ToChronoNanoseconds(options_.expiry_interval),
                                 [this] { return stopping_; })) {
     lock.unlock();
     const int expired = store_->ExpireIdle(absl::Now());
     if (expired > 0) std::fprintf(stderr, "turbokvd: %d idle session(s) expired\n", expired);
+    const size_t used = store_->pool().used_bytes();
+    if (used + kTrimBytes < used_at_trim) {
+      malloc_trim(0);
+      used_at_trim = used;
+    } else {
+      used_at_trim = std::max(used_at_trim, used);
+    }
     metrics_->SetStore(store_->Snapshot());
+    metrics_->SetQueued(static_cast<int64_t>(executor_->queued()));
     lock.lock();
   }
 }
 
-void Server::Shutdown(absl::Duration deadline) {
+absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_deadline) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) return;
+    if (stopping_) return absl::OkStatus();
     stopping_ = true;
   }
   stop_expiry_.notify_all();
   if (expiry_thread_.joinable()) expiry_thread_.join();
   // Drain while still listening, so that health checks see NOT_SERVING and
-  // new calls get a clear UNAVAILABLE; then cancel what is left.
+  // new calls get a clear UNAVAILABLE; then cancel what is left: work queued
+  // for a cancelled call is dropped, not computed.
   const absl::Time until = absl::Now() + deadline;
   if (service_ != nullptr) service_->StartDraining();
   if (health_server_ != nullptr) health_server_->GetHealthCheckService()->SetServingStatus(false);
@@ -234,19 +284,29 @@ void Server::Shutdown(absl::Duration deadline) {
   if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();
-  exposer_.reset();
+  absl::Status status;
   if (store_ != nullptr && !options_.snapshot_dir.empty()) {
-    absl::StatusOr<SnapshotReport> saved = store_->SaveSnapshots();
+    absl::StatusOr<SnapshotReport> saved =
+        store_->SaveSnapshots(absl::Now() + snapshot_deadline, /*final=*/true);
     if (!saved.ok()) {
+      status = saved.status();
       std::fprintf(stderr, "turbokvd: snapshots not written: %s\n", std::string(saved.status().message()).c_str());
     } else {
       std::fprintf(stderr, "turbokvd: wrote %lld session(s), %s, to %s\n", static_cast<long long>(saved->sessions),
                    FormatByteSize(static_cast<size_t>(saved->bytes)).c_str(), options_.snapshot_dir.c_str());
-      for (const auto& [id, status] : saved->failed) {
-        std::fprintf(stderr, "turbokvd: session %s not written: %s\n", id.c_str(), std::string(status.message()).c_str());
+      for (const auto& [id, why] : saved->failed) {
+        std::fprintf(stderr, "turbokvd: session %s not written: %s\n", id.c_str(), std::string(why.message()).c_str());
+      }
+      if (!saved->failed.empty()) {
+        status = absl::DataLossError(absl::StrCat(saved->failed.size(), " session(s) not written to ",
+                                                  options_.snapshot_dir, "; their older files, if any, will be "
+                                                  "refused with DATA_LOSS at the next start"));
       }
     }
   }
+  // Last: stopping the metrics endpoint takes about 2 s (its threads poll).
+  exposer_.reset();
+  return status;
 }
 
 }  // namespace turbokv

@@ -41,6 +41,12 @@ struct ServerOptions {
   int max_message_bytes = 64 << 20;
   int64_t max_tokens = int64_t{1} << 20;  // per layer of a session
   int page_tokens = 64;
+  // Per tenant: calls (stream messages count one each) and request bytes in
+  // flight; past either, calls are refused with RESOURCE_EXHAUSTED.
+  int64_t tenant_max_calls = 128;
+  int64_t tenant_max_inflight_bytes = int64_t{1} << 30;
+  // HTTP/2 streams one connection may have open at once.
+  int max_concurrent_streams = 256;
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked (and gauges refreshed)
   // host:port of the Prometheus endpoint (/metrics); port 0 picks one; empty: none.
   std::string metrics_listen = "127.0.0.1:9464";
@@ -50,6 +56,12 @@ struct ServerOptions {
   // "TOKEN TENANT" lines: every call needs "authorization: Bearer TOKEN" and
   // sees only its tenant's sessions. Empty: no authentication.
   std::string auth_tokens_file;
+  // With auth_tokens_file: the tenant allowed to call Snapshot (an operator
+  // action over every tenant's sessions); empty: none.
+  std::string admin_tenant;
+  // Most sessions the daemon holds, and one tenant holds.
+  int64_t max_sessions = 10000;
+  int64_t max_tenant_sessions = 10000;
   // PEM files. With a certificate and key, TCP listeners speak TLS; with a
   // client CA too, they require client certificates it signed (mTLS). Unix
   // sockets stay plaintext (their file mode, 0660, guards them).
@@ -60,6 +72,10 @@ struct ServerOptions {
   // API stays on a unix socket); port 0 picks one; empty: none.
   std::string health_listen;
 };
+
+// The memory gRPC may use for messages in transit: the larger of 256MiB and
+// 4 x max_message_bytes.
+size_t GrpcMemoryBytes(const ServerOptions& options);
 
 class Server {
  public:
@@ -76,9 +92,12 @@ class Server {
 
   // Health turns NOT_SERVING and new calls get UNAVAILABLE while the
   // listeners stay open; calls in flight get until `deadline` from now to
-  // finish and are cancelled after; then the workers stop and, with a
-  // snapshot dir, every session is written. Idempotent.
-  void Shutdown(absl::Duration deadline);
+  // finish and are cancelled after (work not started is dropped); then the
+  // workers stop and, with a snapshot dir, every session is written within
+  // `snapshot_deadline`. DATA_LOSS when some session was not written (they
+  // are logged), the store's error when the snapshot failed as a whole.
+  // Idempotent (later calls return OK).
+  absl::Status Shutdown(absl::Duration deadline, absl::Duration snapshot_deadline = absl::Seconds(30));
 
   // The listeners as bound, with the OS-chosen TCP ports filled in.
   const std::vector<std::string>& endpoints() const { return endpoints_; }

@@ -115,7 +115,7 @@ TEST(SecurityTest, TokensNameTenantsAndTenantsSeeOnlyTheirSessions) {
   auto unauthenticated_stream = nobody->OpenSession(session->id());
   EXPECT_EQ(unauthenticated_stream.status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(alpha->GetSession(session->id())->layer_tokens(0), 4);
-  server->Shutdown(absl::Seconds(1));
+  EXPECT_TRUE(server->Shutdown(absl::Seconds(1)).ok());
 }
 
 TEST(SecurityTest, TheUnixSocketIsCreated0660) {
@@ -128,7 +128,7 @@ TEST(SecurityTest, TheUnixSocketIsCreated0660) {
   ASSERT_EQ(stat(path.c_str(), &info), 0);
   EXPECT_TRUE(S_ISSOCK(info.st_mode));
   EXPECT_EQ(info.st_mode & 0777, 0660u);
-  server->Shutdown(absl::Seconds(1));
+  EXPECT_TRUE(server->Shutdown(absl::Seconds(1)).ok());
 }
 
 TEST(SecurityTest, TlsAndMutualTlsOnTcp) {
@@ -164,7 +164,7 @@ TEST(SecurityTest, TlsAndMutualTlsOnTcp) {
       EXPECT_EQ(connect("ca.pem", "")->Stats().status().code(), absl::StatusCode::kUnavailable);
       EXPECT_EQ(connect("ca.pem", "stranger")->Stats().status().code(), absl::StatusCode::kUnavailable);
     }
-    server->Shutdown(absl::Seconds(1));
+    EXPECT_TRUE(server->Shutdown(absl::Seconds(1)).ok());
   }
 }
 

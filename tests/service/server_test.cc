@@ -49,7 +49,9 @@ class ServerTest : public ::testing::TestWithParam<bool> {
     ASSERT_TRUE(client_->WaitUntilServing(absl::Seconds(10)).ok());
   }
   void TearDown() override {
-    if (server_) server_->Shutdown(absl::Seconds(1));
+    if (server_) {
+      EXPECT_TRUE(server_->Shutdown(absl::Seconds(1)).ok());
+    }
   }
 
   Session NewSession(v1::Codec codec = v1::CODEC_TURBO3) {
@@ -317,7 +319,7 @@ TEST_P(ServerTest, ShutdownLetsStreamsFinishAndRefusesNewCalls) {
   auto stream = session.OpenAppendStream();
   ASSERT_TRUE(stream->Write(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
   while (stream->acknowledged() < 1) absl::SleepFor(absl::Milliseconds(5));
-  std::thread shutdown([&] { server_->Shutdown(absl::Seconds(10)); });
+  std::thread shutdown([&] { EXPECT_TRUE(server_->Shutdown(absl::Seconds(10)).ok()); });
   absl::SleepFor(absl::Milliseconds(200));
   EXPECT_EQ(*client_->Health(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   auto refused = client_->Stats();
