@@ -2,6 +2,7 @@
 // The only place that reads flags.
 #include <algorithm>
 #include <csignal>
+#include <malloc.h>
 #include <iterator>
 #include <cstdio>
 #include <string>
@@ -189,6 +190,12 @@ int main(int argc, char** argv) {
   for (int s = SIGRTMIN; s <= SIGRTMAX; ++s) sigaddset(&signals, s);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
+  // Fixed malloc thresholds: buffers of 256 KiB and more (messages) are
+  // mapped and unmapped, and heaps give back free tops past 4 MiB. glibc's
+  // default raises both after the first large free, after which freed
+  // message buffers and pages stay in the process (docs/OPERATIONS.md).
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  mallopt(M_TRIM_THRESHOLD, 4 << 20);
   google::protobuf::SetLogHandler(&DropProtobufLog);
 
   absl::StatusOr<std::unique_ptr<turbokv::Server>> server = turbokv::Server::Create(options);

@@ -206,11 +206,16 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots(absl::Time deadline, 
       frozen.reserve(session->layers().size());
       for (const LayerCache& layer : session->layers()) frozen.push_back(layer.Fork(layer.tokens()));
     }
+    const std::string file = dir + "/" + session->id() + kSnapshotSuffix;
     absl::StatusOr<uint32_t> crc = WriteSnapshot(dir, *session, frozen, options_.page_tokens);
     if (!crc.ok()) {
+      // The file on disk, if any, holds an older state: set aside (kept
+      // for an operator), so that no start serves it as the session.
+      rename(file.c_str(), (file + kStaleSuffix).c_str());
       report.failed.emplace_back(session->id(), crc.status());
       continue;
     }
+    unlink((file + kStaleSuffix).c_str());
     {
       // Deleted or evicted while its file was being written: it must not
       // come back at the next start.
@@ -261,8 +266,10 @@ absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return absl::InternalError(absl::StrCat("cannot read --snapshot-dir ", dir, ": ", std::strerror(errno)));
   std::vector<std::string> names;
+  std::vector<std::string> stale;
   while (dirent* entry = readdir(d)) {
     if (absl::EndsWith(entry->d_name, kSnapshotSuffix)) names.push_back(entry->d_name);
+    if (absl::EndsWith(entry->d_name, kStaleSuffix)) stale.push_back(entry->d_name);
   }
   closedir(d);
   std::sort(names.begin(), names.end());
@@ -299,6 +306,16 @@ absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
     if (!manifest.ok()) report.unverified.push_back(id);
     ++report.sessions;
     report.bytes += static_cast<int64_t>((*loaded)->bytes_used());
+  }
+  for (const std::string& name : stale) {
+    const std::string id = name.substr(0, name.size() - std::strlen(kSnapshotSuffix) - std::strlen(kStaleSuffix));
+    if (std::find(names.begin(), names.end(), id + kSnapshotSuffix) != names.end()) continue;
+    const absl::Status status = absl::DataLossError(absl::StrCat(
+        "a drain or Snapshot could not write this session; its file on disk holds an older state of it, kept as ",
+        dir, "/", name));
+    report.failed.emplace_back(id, status);
+    std::lock_guard<std::mutex> lock(mutex_);
+    damaged_[id] = std::string(status.message());
   }
   if (manifest.ok()) unlink((dir + "/" + kManifestName).c_str());
   return report;

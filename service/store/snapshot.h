@@ -23,6 +23,9 @@ namespace turbokv {
 
 constexpr char kSnapshotSuffix[] = ".tkvs";
 constexpr char kManifestName[] = "MANIFEST";
+// <id>.tkvs.stale: the older file of a session whose latest state could not
+// be written; never loaded, kept for an operator.
+constexpr char kStaleSuffix[] = ".stale";
 
 // CRC-32C (Castagnoli) of `bytes`, continuing from `crc` (the CRC of the
 // bytes before them; 0 to start).

@@ -1,8 +1,12 @@
 // The real turbokvd binary (TURBOKVD_PATH) as a child process, for tests.
 #pragma once
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,19 +16,59 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 
 namespace turbokv::testing {
 
+// GET http://address/metrics (address: host:port); the body, or "" when the
+// endpoint does not answer within `timeout`.
+inline std::string Scrape(const std::string& address, absl::Duration timeout = absl::Seconds(5)) {
+  const size_t colon = address.rfind(':');
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &to.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{static_cast<time_t>(absl::ToInt64Seconds(timeout)), 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string body;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[65536];
+      for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) body.append(buffer, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return body;
+}
+
+// The value of a Prometheus sample line that starts with `series` (name and
+// labels as exposed), or -1.
+inline double Sample(const std::string& metrics, const std::string& series) {
+  std::istringstream lines(metrics);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  }
+  return -1;
+}
+
 class Daemon {
  public:
-  // Starts turbokvd with `flags`, its stderr going to a file.
-  explicit Daemon(std::vector<std::string> flags) {
+  // Starts turbokvd with `flags`, its stderr going to a file. file_size_limit
+  // > 0: the largest file it may write (RLIMIT_FSIZE), for a full disk.
+  explicit Daemon(std::vector<std::string> flags, size_t file_size_limit = 0) {
     log_ = absl::StrCat(::testing::TempDir(), "turbokvd-", getpid(), "-", count_++, ".log");
     pid_ = fork();
     if (pid_ == 0) {
       const int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 2);
+      if (file_size_limit > 0) {
+        const rlimit limit = {file_size_limit, file_size_limit};
+        setrlimit(RLIMIT_FSIZE, &limit);
+      }
       std::vector<char*> argv = {const_cast<char*>(TURBOKVD_PATH), const_cast<char*>("--metrics-listen=127.0.0.1:0")};
       for (std::string& flag : flags) argv.push_back(flag.data());
       argv.push_back(nullptr);
@@ -50,6 +94,24 @@ class Daemon {
     waitpid(pid_, &status, 0);
     pid_ = -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  // The metrics endpoint's host:port, from the log (after WaitUntilServing).
+  std::string MetricsAddress() const {
+    const std::string log = Log();
+    const std::string mark = "metrics on http://";
+    const size_t at = log.find(mark);
+    if (at == std::string::npos) return "";
+    const size_t start = at + mark.size();
+    return log.substr(start, log.find('/', start) - start);
+  }
+  // Resident memory, bytes (VmRSS), or its peak (VmHWM).
+  int64_t MemoryBytes(const char* field = "VmRSS") const {
+    std::ifstream in(absl::StrCat("/proc/", pid_, "/status"));
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind(field, 0) == 0) return std::stoll(line.substr(line.find(':') + 1)) * 1024;
+    }
+    return -1;
   }
   std::string Log() const {
     std::ifstream in(log_);

@@ -26,6 +26,7 @@ using ::turbokv::testing::MakeCreate;
 using ::turbokv::testing::MakeTensor;
 using ::turbokv::testing::TensorFloats;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int kLayers = 3, kKv = 2, kQ = 8, kDim = 128;
 
@@ -624,6 +625,138 @@ TEST_F(HandlerTest, ManySessionsFromManyThreads) {
   EXPECT_EQ(Info(shared).layer_tokens(0), kRounds * 8);
   EXPECT_EQ(store_->session_count(), 1u);
   EXPECT_EQ(store_->pool().used_bytes(), 4u * 3200 + Meta(kLayers));  // the shared session's 64 tokens
+}
+
+TEST_F(HandlerTest, LruEvictsNothingWhenEvictingCannotMakeRoom) {
+  // Eight idle sessions of 2 pages each, and a writer.
+  Init(3200 * 20 + 9 * Meta(kLayers), EvictionPolicy::kLru);
+  std::vector<std::string> idle;
+  for (int s = 0; s < 8; ++s) {
+    idle.push_back(Create());
+    ASSERT_TRUE(Append(idle.back(), 0, 0, 32, s).ok());
+  }
+  const std::string writer = Create();
+  // More than the whole budget: refused at once, nobody evicted.
+  auto huge = Append(writer, 0, 0, 16 * 60, 100);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("nothing was evicted"));
+  for (const std::string& id : idle) EXPECT_EQ(Info(id).layer_tokens(0), 32) << id;
+  EXPECT_EQ(store_->evictions(), 0);
+
+  // Forks of a writer share its pages: evicting them frees only their
+  // metadata, not the 14 pages an append needs.
+  Init(3200 * 17 + 5 * Meta(kLayers), EvictionPolicy::kLru);
+  const std::string source = Create();
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(Append(source, l, 0, 16 * 5, 102 + l).ok());  // 15 pages, 2 left
+  std::vector<std::string> forks;
+  for (int f = 0; f < 4; ++f) {
+    v1::ForkSessionRequest fork;
+    fork.set_source_session_id(source);
+    fork.set_prefix_tokens(16 * 5);
+    auto forked = handler_->ForkSession(fork);
+    ASSERT_TRUE(forked.ok()) << forked.status();
+    forks.push_back(forked->session_id());
+  }
+  auto more = Append(source, 0, 16 * 5, 16 * 16, 110);
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(more.status().message()), HasSubstr("so none was evicted"));
+  for (const std::string& id : forks) EXPECT_EQ(Info(id).layer_tokens(0), 16 * 5) << id;
+  EXPECT_EQ(store_->evictions(), 0);
+}
+
+TEST_F(HandlerTest, ValuesACodecWouldSaturateAreRefusedNamingWhere) {
+  const std::string turbo = Create(), f16 = Create(v1::CODEC_F16, v1::CODEC_Q8_0);
+  ASSERT_TRUE(Append(turbo, 0, 0, 8, 1).ok());
+  const int64_t n = 4;
+  // Valid f16 input (|x| < 65504) whose 128-value blocks have norms near
+  // 1e5: a turbo block scale past fp16.
+  std::vector<float> k = GaussianVectors(n * kKv, kDim, 2), v = GaussianVectors(n * kKv, kDim, 3);
+  for (size_t i = kKv * kDim * 2; i < kKv * kDim * 3; ++i) k[i] *= 1e4f;  // position 10 (the third token)
+  auto refused = handler_->Append(MakeAppend(turbo, 0, 8, k, v, {n, kKv, kDim}));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("keys of layer 0, position 10, kv head 0"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("norm"));
+  EXPECT_EQ(Info(turbo).layer_tokens(0), 8);
+  // The same values in f16 keys are fine; past fp16's range they are not.
+  EXPECT_TRUE(handler_->Append(MakeAppend(f16, 0, 0, k, v, {n, kKv, kDim})).ok());
+  v[5] = 3e38f;
+  refused = handler_->Append(MakeAppend(f16, 0, 4, k, v, {n, kKv, kDim}));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("values of layer 0, position 4, kv head 0 holds"));
+  EXPECT_EQ(Info(f16).layer_tokens(0), 4);
+
+  // A softmax scale that would overflow the scores.
+  v1::AttendRequest attend;
+  attend.set_session_id(turbo);
+  *attend.mutable_queries() = MakeTensor(GaussianVectors(kQ, kDim, 4), {1, kQ, kDim});
+  attend.mutable_options()->set_softmax_scale(3e38f);
+  auto overflow = handler_->Attend(attend);
+  EXPECT_EQ(overflow.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(overflow.status().message()), HasSubstr("options.softmax_scale"));
+  attend.mutable_options()->set_softmax_scale(0.5f);
+  auto fine = handler_->Attend(attend);
+  ASSERT_TRUE(fine.ok()) << fine.status();
+  for (float x : TensorFloats(fine->result().output())) ASSERT_TRUE(std::isfinite(x));
+}
+
+TEST_F(HandlerTest, ReadKvRefusesRepeatedLayersAndSaysWhyASessionWent) {
+  Init(3200 * 4 + 2 * Meta(kLayers), EvictionPolicy::kLru);
+  const std::string id = Create();
+  ASSERT_TRUE(Append(id, 0, 0, 32, 1).ok());
+  v1::ReadKvRequest read;
+  read.set_session_id(id);
+  read.add_layers(0);
+  read.add_layers(0);
+  auto twice = handler_->StartReadKv(read);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("listed twice"));
+  read.clear_layers();
+  read.set_max_tokens_per_message(16);
+  auto cursor = handler_->StartReadKv(read);
+  ASSERT_TRUE(cursor.ok());
+  // Evicted while being read: the next message says so.
+  const std::string other = Create();
+  ASSERT_TRUE(Append(other, 0, 0, 48, 2).ok());
+  v1::ReadKvResponse response;
+  auto next = handler_->NextReadKv(*cursor, &response);
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(next.status().message()), HasSubstr("evicted"));
+  EXPECT_THAT(std::string(next.status().message()), HasSubstr("while being read"));
+}
+
+TEST_F(HandlerTest, SessionsAreCappedPerDaemonAndPerTenant) {
+  StoreOptions store_options;
+  store_options.page_tokens = 16;
+  store_options.max_sessions = 3;
+  store_options.max_tenant_sessions = 2;
+  store_ = std::make_unique<SessionStore>(store_options);
+  handler_ = std::make_unique<Handler>(store_.get(), HandlerOptions());
+  const v1::CreateSessionRequest create = MakeCreate(kLayers, kKv, kQ, kDim);
+  ASSERT_TRUE(handler_->CreateSession(create, "a").ok());
+  ASSERT_TRUE(handler_->CreateSession(create, "a").ok());
+  auto third = handler_->CreateSession(create, "a");
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(third.status().message()), HasSubstr("--max-tenant-sessions"));
+  ASSERT_TRUE(handler_->CreateSession(create, "b").ok());
+  auto fourth = handler_->CreateSession(create, "c");
+  EXPECT_EQ(fourth.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(fourth.status().message()), HasSubstr("--max-sessions"));
+}
+
+TEST_F(HandlerTest, SnapshotIsForTheAdminTenantOnly) {
+  StoreOptions store_options;
+  store_options.snapshot_dir = ::testing::TempDir();
+  store_ = std::make_unique<SessionStore>(store_options);
+  HandlerOptions options;
+  options.snapshot_tenant = "ops";
+  handler_ = std::make_unique<Handler>(store_.get(), options);
+  auto refused = handler_->Snapshot(v1::SnapshotRequest(), "tenant-b");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(refused.status().message()), Not(HasSubstr(store_options.snapshot_dir)));
+  EXPECT_TRUE(handler_->Snapshot(v1::SnapshotRequest(), "ops").ok());
+  options.snapshot_tenant = "";
+  handler_ = std::make_unique<Handler>(store_.get(), options);
+  EXPECT_EQ(handler_->Snapshot(v1::SnapshotRequest(), "ops").status().code(), absl::StatusCode::kPermissionDenied);
 }
 
 }  // namespace

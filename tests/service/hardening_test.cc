@@ -1,0 +1,444 @@
+// The second hardening round, on the real binary: what a hostile or careless
+// client, a full disk, signals and a drain under load do, and what is now
+// guaranteed (docs/OPERATIONS.md, "Limits and guarantees").
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/cpp/client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/client_unary_call.h"
+#include "gtest/gtest.h"
+#include "tests/kernels/codec_testing.h"
+#include "tests/service/daemon_testing.h"
+#include "turbokv/v1/turbokv.grpc.pb.h"
+
+namespace turbokv {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::turbokv::testing::Daemon;
+using ::turbokv::testing::GaussianVectors;
+using ::turbokv::testing::Sample;
+using ::turbokv::testing::Scrape;
+
+std::string Socket() { return absl::StrCat("unix:///tmp/turbokvd-hardening-", getpid(), ".sock"); }
+
+std::string TempDir(const std::string& name) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "turbokvd-", name, "-", getpid());
+  std::system(("rm -rf " + dir).c_str());
+  return dir;
+}
+
+std::shared_ptr<grpc::Channel> Channel() { return grpc::CreateChannel(Socket(), grpc::InsecureChannelCredentials()); }
+
+template <typename Message>
+grpc::ByteBuffer Bytes(const Message& message) {
+  grpc::ByteBuffer buffer;
+  bool own = false;
+  EXPECT_TRUE(grpc::SerializationTraits<Message>::Serialize(message, &buffer, &own).ok());
+  return buffer;
+}
+
+grpc::ByteBuffer Garbage() {
+  grpc::Slice slice(std::string("\xff\xff\xff\xff", 4));
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+constexpr int kHeavyTokens = 16384, kHeavyKv = 8, kHeavyQ = 32, kDim = 128, kHeavyQueries = 64;
+
+// A one-layer session whose Attend of kHeavyQueries queries takes a good
+// fraction of a second on two cores.
+Session HeavySession(const Client& client) {
+  SessionOptions options;
+  options.layers = 1;
+  options.kv_heads = kHeavyKv;
+  options.q_heads = kHeavyQ;
+  auto session = client.CreateSession(options);
+  EXPECT_TRUE(session.ok()) << session.status();
+  const int chunk = 2048;
+  const auto k = GaussianVectors(chunk * kHeavyKv, kDim, 1);
+  for (int start = 0; start < kHeavyTokens; start += chunk) {
+    EXPECT_TRUE(session->Append(0, start, TensorData::F32(k), TensorData::F32(k)).ok());
+  }
+  return *session;
+}
+
+v1::AttendRequest HeavyAttend(const Session& session) {
+  v1::AttendRequest request;
+  request.set_session_id(session.id());
+  const auto q = GaussianVectors(kHeavyQueries * kHeavyQ, kDim, 2);
+  v1::Tensor* tensor = request.mutable_queries();
+  tensor->set_dtype(v1::DTYPE_F32);
+  for (int64_t d : {int64_t{kHeavyQueries}, int64_t{kHeavyQ}, int64_t{kDim}}) tensor->add_shape(d);
+  tensor->set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float)));
+  return request;
+}
+
+// One Attend exchange on its own stream; the stream's status.
+grpc::Status AttendOnce(v1::KvCacheService::Stub& stub, const v1::AttendRequest& request,
+                        absl::Duration timeout = absl::ZeroDuration()) {
+  grpc::ClientContext context;
+  if (timeout > absl::ZeroDuration()) context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  auto stream = stub.Attend(&context);
+  v1::AttendResponse response;
+  stream->Write(request);
+  stream->WritesDone();
+  stream->Read(&response);
+  return stream->Finish();
+}
+
+TEST(HardeningTest, AMessageThatDoesNotParseIsInvalidArgumentAndAStreamNeverEndsOk) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  SessionOptions options;
+  options.layers = 1;
+  options.kv_heads = 4;
+  options.q_heads = 4;
+  auto session = client->CreateSession(options);
+  ASSERT_TRUE(session.ok());
+  auto channel = Channel();
+
+  // Append: two good chunks, garbage, one more good chunk.
+  grpc::ClientContext context;
+  grpc::internal::RpcMethod append("/turbokv.v1.KvCacheService/Append", grpc::internal::RpcMethod::BIDI_STREAMING);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel.get(), append,
+                                                                                           &context));
+  const auto k = GaussianVectors(16 * 4, kDim, 3);
+  auto chunk = [&](int64_t start) {
+    v1::AppendRequest request;
+    request.set_session_id(session->id());
+    request.set_layer(0);
+    request.set_start(start);
+    v1::Tensor* keys = request.mutable_keys();
+    keys->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : {16, 4, kDim}) keys->add_shape(d);
+    keys->set_data(std::string(reinterpret_cast<const char*>(k.data()), k.size() * sizeof(float)));
+    *request.mutable_values() = *keys;
+    return Bytes(request);
+  };
+  grpc::ByteBuffer reply;
+  ASSERT_TRUE(stream->Write(chunk(0)) && stream->Read(&reply));
+  ASSERT_TRUE(stream->Write(chunk(16)) && stream->Read(&reply));
+  stream->Write(Garbage());
+  stream->Write(chunk(32));
+  stream->WritesDone();
+  while (stream->Read(&reply)) {
+  }
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("message 3 of this stream is not a valid turbokv.v1.AppendRequest"));
+  EXPECT_EQ(session->Info()->layer_tokens(0), 32);
+
+  // Unary: garbage, and a session id that is not UTF-8 (refused by the
+  // parser, before authentication), many times: each is answered, none is
+  // logged.
+  grpc::internal::RpcMethod get("/turbokv.v1.KvCacheService/GetSession", grpc::internal::RpcMethod::NORMAL_RPC);
+  {
+    grpc::ClientContext unary;
+    grpc::ByteBuffer request = Garbage(), response;
+    const grpc::Status refused =
+        grpc::internal::BlockingUnaryCall(channel.get(), get, &unary, request, &response);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(refused.error_message(), HasSubstr("not a valid turbokv.v1.GetSessionRequest"));
+  }
+  // Field 1 (session_id), length 2, bytes that are not UTF-8.
+  grpc::Slice bad_utf8(std::string("\x0a\x02\xc3\x28", 4));
+  for (int i = 0; i < 200; ++i) {
+    grpc::ClientContext unary;
+    grpc::ByteBuffer request(&bad_utf8, 1), response;
+    const grpc::Status refused = grpc::internal::BlockingUnaryCall(channel.get(), get, &unary, request, &response);
+    ASSERT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  }
+  const std::string metrics = Scrape(daemon.MetricsAddress());
+  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"INVALID_ARGUMENT\",method=\"GetSession\"}"), 201);
+  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"INVALID_ARGUMENT\",method=\"Append\"}"), 1);
+  EXPECT_THAT(daemon.Log(), Not(HasSubstr("libprotobuf")));
+
+  // A 10 KB id comes back cut, as NOT_FOUND (not as an oversized message).
+  auto long_id = client->GetSession(std::string(10000, 'a'));
+  EXPECT_EQ(long_id.status().code(), absl::StatusCode::kNotFound) << long_id.status();
+  EXPECT_THAT(std::string(long_id.status().message()), HasSubstr("(10000 bytes)"));
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
+TEST(HardeningTest, SignalsThatWouldKillItAreIgnoredAndSighupDrains) {
+  const std::string dir = TempDir("signals");
+  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--snapshot-dir=" + dir};
+  std::string id;
+  {
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    SessionOptions options;
+    options.layers = 1;
+    options.kv_heads = 4;
+    options.q_heads = 4;
+    auto session = client->CreateSession(options);
+    ASSERT_TRUE(session.ok());
+    id = session->id();
+    const auto k = GaussianVectors(64 * 4, kDim, 4);
+    ASSERT_TRUE(session->Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+    for (int signal : {SIGUSR1, SIGUSR2, SIGALRM, SIGPIPE, SIGVTALRM}) kill(daemon.pid(), signal);
+    absl::SleepFor(absl::Milliseconds(300));
+    EXPECT_TRUE(session->Info().ok()) << daemon.Log();
+    EXPECT_THAT(daemon.Log(), HasSubstr("SIGUSR1 ignored"));
+    EXPECT_EQ(daemon.Stop(SIGHUP), 0) << daemon.Log();
+    EXPECT_THAT(daemon.Log(), HasSubstr("SIGHUP, draining"));
+    EXPECT_THAT(daemon.Log(), HasSubstr("wrote 1 session(s)"));
+  }
+  Daemon restarted(flags);
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << restarted.Log();
+  auto info = client->GetSession(id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layer_tokens(0), 64);
+  EXPECT_EQ(restarted.Stop(SIGQUIT), 0);
+}
+
+TEST(HardeningTest, ADrainWhoseSnapshotFailsExitsNonZeroAndTheOlderFileIsRefused) {
+  const std::string dir = TempDir("full-disk");
+  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--snapshot-dir=" + dir};
+  SessionOptions options;
+  options.layers = 2;
+  options.kv_heads = 8;
+  options.q_heads = 8;
+  const auto k = GaussianVectors(256 * 8, kDim, 5);
+  std::string id;
+  {  // 256 tokens a layer: about 410 KB on disk.
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    auto session = client->CreateSession(options);
+    ASSERT_TRUE(session.ok());
+    id = session->id();
+    for (int l = 0; l < 2; ++l) ASSERT_TRUE(session->Append(l, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+    EXPECT_EQ(daemon.Stop(SIGTERM), 0) << daemon.Log();
+  }
+  {  // Files of at most 1 MiB (a full disk), and 1,536 tokens a layer: 2.4 MB.
+    Daemon daemon(flags, size_t{1} << 20);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    auto session = client->OpenSession(id);
+    ASSERT_TRUE(session.ok()) << session.status();
+    for (int64_t start = 256; start < 1536; start += 256) {
+      for (int l = 0; l < 2; ++l) ASSERT_TRUE(session->Append(l, start, TensorData::F32(k), TensorData::F32(k)).ok());
+    }
+    EXPECT_EQ(daemon.Stop(SIGTERM), 1) << daemon.Log();
+    EXPECT_THAT(daemon.Log(), HasSubstr(absl::StrCat("session ", id, " not written")));
+  }
+  // The older file is not served as if it were the session.
+  Daemon restarted(flags);
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << restarted.Log();
+  auto info = client->GetSession(id);
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kDataLoss) << info.status();
+  EXPECT_THAT(std::string(info.status().message()), HasSubstr("older state"));
+  EXPECT_EQ(Sample(Scrape(restarted.MetricsAddress()), "turbokv_snapshot_restored_sessions{state=\"failed\"}"), 1);
+  EXPECT_EQ(restarted.Stop(SIGTERM), 0) << restarted.Log();
+}
+
+TEST(HardeningTest, AfterAHardKillRestoredSessionsAreReportedUnverified) {
+  const std::string dir = TempDir("kill9");
+  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--snapshot-dir=" + dir};
+  std::string id;
+  {
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    SessionOptions options;
+    options.layers = 1;
+    options.kv_heads = 4;
+    options.q_heads = 4;
+    auto session = client->CreateSession(options);
+    ASSERT_TRUE(session.ok());
+    id = session->id();
+    const auto k = GaussianVectors(64 * 4, kDim, 6);
+    ASSERT_TRUE(session->Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+    ASSERT_TRUE(client->Snapshot().ok());
+    ASSERT_TRUE(session->Append(0, 64, TensorData::F32(k), TensorData::F32(k)).ok());  // after the snapshot
+    kill(daemon.pid(), SIGKILL);
+    daemon.Wait();
+  }
+  Daemon restarted(flags);
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << restarted.Log();
+  auto info = client->GetSession(id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layer_tokens(0), 64);  // the checkpoint, and said to be one:
+  EXPECT_THAT(restarted.Log(), HasSubstr("1 session(s) restored from files not proven to be their last state"));
+  EXPECT_EQ(Sample(Scrape(restarted.MetricsAddress()), "turbokv_snapshot_restored_sessions{state=\"unverified\"}"), 1);
+  EXPECT_EQ(restarted.Stop(SIGTERM), 0);
+}
+
+TEST(HardeningTest, TheDrainIsBoundedAndCallsQueuedPastItAreNotComputed) {
+  const std::string dir = TempDir("bounded-drain");
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--threads=2", "--shutdown-deadline=1s",
+                 "--snapshot-dir=" + dir});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  const Session session = HeavySession(*client);
+  const v1::AttendRequest request = HeavyAttend(session);
+  auto stub = v1::KvCacheService::NewStub(Channel());
+  std::atomic<int> answered{0};
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 30; ++i) {
+    callers.emplace_back([&] {
+      if (AttendOnce(*stub, request).ok()) ++answered;
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  const std::string metrics = Scrape(daemon.MetricsAddress());
+  const absl::Time stop = absl::Now();
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0) << daemon.Log();
+  const absl::Duration drain = absl::Now() - stop;
+  for (std::thread& caller : callers) caller.join();
+  // The deadline, the call running at it, the snapshot: seconds, not the
+  // 30 calls' worth.
+  EXPECT_LT(drain, absl::Seconds(8)) << daemon.Log();
+  EXPECT_LT(answered.load(), 30);
+  EXPECT_THAT(daemon.Log(), HasSubstr("wrote 1 session(s)"));
+  EXPECT_GT(Sample(metrics, "turbokv_executor_queued"), -1);
+}
+
+TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--threads=2", "--tenant-max-calls=6", "--max-sessions=2"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  const Session session = HeavySession(*client);
+  const v1::AttendRequest request = HeavyAttend(session);
+  auto stub = v1::KvCacheService::NewStub(Channel());
+  // One call runs; five wait behind it on the session and give up after
+  // 100 ms; more than six at once are refused.
+  std::thread first([&] { EXPECT_TRUE(AttendOnce(*stub, request).ok()); });
+  absl::SleepFor(absl::Milliseconds(50));
+  std::vector<std::thread> impatient;
+  std::atomic<int> expired{0}, refused{0};
+  for (int i = 0; i < 7; ++i) {
+    impatient.emplace_back([&] {
+      const grpc::Status status = AttendOnce(*stub, request, absl::Milliseconds(100));
+      if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) ++expired;
+      if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+        ++refused;
+        EXPECT_THAT(status.error_message(), HasSubstr("--tenant-max-calls"));
+      }
+    });
+  }
+  for (std::thread& t : impatient) t.join();
+  first.join();
+  EXPECT_EQ(expired.load() + refused.load(), 7);
+  EXPECT_GE(refused.load(), 2);
+  // Once the session is free, the expired calls' work is dropped, not run.
+  ASSERT_TRUE(session.Info().ok());
+  const std::string metrics = Scrape(daemon.MetricsAddress());
+  EXPECT_EQ(Sample(metrics, "turbokv_attended_queries_total"), kHeavyQueries) << metrics;
+  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"CANCELLED\",method=\"Attend\"}"), expired.load());
+
+  // Sessions are capped.
+  SessionOptions small;
+  small.layers = 1;
+  ASSERT_TRUE(client->CreateSession(small).ok());
+  auto over = client->CreateSession(small);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("--max-sessions"));
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
+TEST(HardeningTest, MemoryGoesBackToTheKernelAfterSmallPagesAreFreed) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--memory-budget=1GiB"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  // 2 kv heads, turbo3, d 128: pages of 12,800 bytes, from the heap.
+  SessionOptions options;
+  options.layers = 4;
+  options.kv_heads = 2;
+  options.q_heads = 2;
+  const int64_t baseline = daemon.MemoryBytes();
+  const auto k = GaussianVectors(4 * 2048 * 2, kDim, 7);
+  std::vector<Session> sessions;
+  for (int s = 0; s < 8; ++s) {
+    auto session = client->CreateSession(options);
+    ASSERT_TRUE(session.ok());
+    for (int64_t start = 0; start < 8192; start += 2048) {
+      ASSERT_TRUE(session->AppendAllLayers(start, TensorData::F32(k), TensorData::F32(k)).ok());
+    }
+    sessions.push_back(*session);
+  }
+  const int64_t full = daemon.MemoryBytes();
+  ASSERT_GT(full - baseline, int64_t{32} << 20);  // 8 sessions x 4 layers x 8192 tokens x 200 bytes: 52 MB
+  for (const Session& session : sessions) ASSERT_TRUE(session.Delete().ok());
+  int64_t now = full;
+  for (absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until; absl::SleepFor(absl::Milliseconds(100))) {
+    now = daemon.MemoryBytes();
+    if (now - baseline < (full - baseline) / 4) break;
+  }
+  EXPECT_LT(now - baseline, (full - baseline) / 4) << "baseline " << baseline << ", full " << full << ", now " << now;
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
+TEST(HardeningTest, ConnectionsThatNeverSendARequestDoNotHoldMetrics) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  const std::string address = daemon.MetricsAddress();
+  const size_t colon = address.rfind(':');
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &to.sin_addr);
+  std::vector<int> idle;
+  for (int i = 0; i < 6; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+    idle.push_back(fd);
+  }
+  EXPECT_THAT(Scrape(address, absl::Seconds(5)), HasSubstr("turbokv_sessions"));
+  for (int fd : idle) close(fd);
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
+TEST(HardeningTest, PeakMemoryAtRestartIsAboutTheSnapshotNotThreeTimesIt) {
+  const std::string dir = TempDir("restart-memory");
+  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--snapshot-dir=" + dir};
+  int64_t pages = 0;
+  {
+    Daemon daemon(flags);
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    SessionOptions options;
+    options.layers = 8;
+    options.kv_heads = 8;
+    options.q_heads = 8;
+    auto session = client->CreateSession(options);
+    ASSERT_TRUE(session.ok());
+    const auto k = GaussianVectors(8 * 512 * 8, kDim, 8);
+    for (int64_t start = 0; start < 8192; start += 512) {
+      ASSERT_TRUE(session->AppendAllLayers(start, TensorData::F32(k), TensorData::F32(k)).ok());
+    }
+    pages = session->Info()->bytes_used();  // 8 layers x 8192 tokens x 800 bytes: 52 MB
+    EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+  }
+  Daemon idle({"--listen=" + Socket(), "--device=cpu"});
+  auto idle_client = Client::Connect(Socket());
+  ASSERT_TRUE(idle_client->WaitUntilServing(absl::Seconds(20)).ok());
+  const int64_t empty = idle.MemoryBytes("VmHWM");
+  EXPECT_EQ(idle.Stop(SIGTERM), 0);
+  Daemon restarted(flags);
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << restarted.Log();
+  const int64_t peak = restarted.MemoryBytes("VmHWM");
+  EXPECT_LT(peak - empty, pages + pages / 4) << "empty " << empty << ", peak " << peak << ", pages " << pages;
+  EXPECT_EQ(restarted.Stop(SIGTERM), 0);
+}
+
+}  // namespace
+}  // namespace turbokv
