@@ -106,6 +106,12 @@ TEST(TurbokvdTest, SigtermEndsAnOpenDecodeStreamWithUnavailableAfterItsMessage) 
     } else {
       EXPECT_EQ(last.status().code(), absl::StatusCode::kUnavailable) << last.status();
     }
+    // Close only once the drain has begun (health says so after it reached
+    // the open streams): a stream its client closes first ends OK.
+    for (absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until; absl::SleepFor(absl::Milliseconds(2))) {
+      auto health = client->Health();
+      if (!health.ok() || *health != grpc::health::v1::HealthCheckResponse::SERVING) break;
+    }
     const absl::Status ended = stream->Finish();
     EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
     EXPECT_THAT(std::string(ended.message()), HasSubstr("shutting down"));
