@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config ccache
   libabsl-dev libhwy-dev libgtest-dev libbenchmark-dev
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc openssl
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc openssl libssl-dev
   prometheus-cpp-dev prometheus clang-14 libclang-rt-14-dev
   python3-grpcio python3-protobuf python3-numpy python3-yaml
 )

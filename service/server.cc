@@ -17,6 +17,8 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/cpu/thread_pool.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 #include "service/metrics.h"
@@ -43,6 +45,29 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view 
   return text.str();
 }
 
+// INVALID_ARGUMENT unless `cert` holds a PEM certificate and `key` the PEM
+// private key of its public key.
+absl::Status CheckKeyMatchesCertificate(const std::string& cert, const std::string& key, const ServerOptions& options) {
+  std::unique_ptr<BIO, decltype(&BIO_free)> cert_bio(BIO_new_mem_buf(cert.data(), static_cast<int>(cert.size())), &BIO_free);
+  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(BIO_new_mem_buf(key.data(), static_cast<int>(key.size())), &BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> x509(PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, nullptr),
+                                                   &X509_free);
+  if (x509 == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("--tls-cert ", options.tls_cert, " holds no PEM certificate"));
+  }
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> pkey(
+      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr), &EVP_PKEY_free);
+  if (pkey == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-key ", options.tls_key, " holds no PEM private key (or one with a passphrase)"));
+  }
+  if (X509_check_private_key(x509.get(), pkey.get()) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--tls-key ", options.tls_key, " is not the key of --tls-cert ",
+                                                   options.tls_cert));
+  }
+  return absl::OkStatus();
+}
+
 // Plaintext, TLS, or TLS requiring client certificates, from the flags.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const ServerOptions& options) {
   if (options.tls_cert.empty() != options.tls_key.empty()) {
@@ -56,6 +81,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Se
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadFile(options.tls_key, "--tls-key");
   if (!key.ok()) return key.status();
+  if (absl::Status matched = CheckKeyMatchesCertificate(*cert, *key, options); !matched.ok()) return matched;
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({*key, *cert});
   if (!options.tls_client_ca.empty()) {

@@ -166,6 +166,18 @@ TEST(SecurityTest, TlsAndMutualTlsOnTcp) {
     }
     EXPECT_TRUE(server->Shutdown(absl::Seconds(1)).ok());
   }
+  // A key that is not the certificate's is named at Create, not a bare
+  // "cannot listen" at Start.
+  ServerOptions mismatched;
+  mismatched.listen = {"127.0.0.1:0"};
+  mismatched.metrics_listen = "";
+  mismatched.tls_cert = d + "/server.pem";
+  mismatched.tls_key = d + "/client.key";
+  auto refused = Server::Create(mismatched);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("client.key is not the key of --tls-cert"));
+  mismatched.tls_key = d + "/server.pem";
+  EXPECT_THAT(std::string(Server::Create(mismatched).status().message()), HasSubstr("holds no PEM private key"));
 }
 
 TEST(SecurityTest, BadSecurityOptionsAreRefusedAtCreate) {

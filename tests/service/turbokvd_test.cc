@@ -267,6 +267,9 @@ TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
       {{"--no-such-flag=1"}, "unknown flag --no-such-flag"},
       {{"--listen=nowhere"}, "--listen=nowhere: expected unix:///path or host:port"},
       {{"--session-ttl=soon"}, "--session-ttl=soon"},
+      {{"--max-message-bytes=2GiB"}, "expected a size below 2GiB"},
+      {{"--tenant-max-calls=0"}, "--tenant-max-calls=0: expected a count >= 1"},
+      {{"--admin-tenant=ops"}, "--admin-tenant needs --auth-tokens-file"},
   };
   for (const Case& c : cases) {
     Daemon daemon(c.flags);
