@@ -5,7 +5,7 @@
 
 namespace turbokv {
 
-Executor::Executor(int threads) {
+Executor::Executor(int threads, int tenant_share) : tenant_share_(tenant_share > 0 ? tenant_share : threads) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
 }
 
@@ -51,6 +51,8 @@ std::list<Executor::Work>::iterator Executor::Next() {
     });
     earlier.insert(it->keys.begin(), it->keys.end());
     if (!free) continue;
+    auto running = running_.find(it->tenant);
+    if (running != running_.end() && running->second >= tenant_share_) continue;
     auto served = served_.find(it->tenant);
     const uint64_t when = served == served_.end() ? 0 : served->second;
     if (when < best_served) {
@@ -75,13 +77,15 @@ void Executor::Loop() {
     queue_.erase(next);
     busy_.insert(work.keys.begin(), work.keys.end());
     served_[work.tenant] = ++serves_;
+    ++running_[work.tenant];
     lock.unlock();
     work.run();
     work.run = nullptr;  // whatever it captured goes before the keys are free
     lock.lock();
     for (const std::string& key : work.keys) busy_.erase(key);
-    // Work waiting on these keys may run now, on any worker.
-    if (!work.keys.empty()) wake_.notify_all();
+    const bool at_share = running_[work.tenant]-- == tenant_share_;
+    // Work waiting on these keys, or on its tenant's share, may run now.
+    if (!work.keys.empty() || at_share) wake_.notify_all();
   }
 }
 

@@ -5,8 +5,9 @@
 // at a time, in the order submitted, and waits in the queue, not on a
 // worker, while another holds the key: a backlog on one busy session never
 // takes the workers that other sessions' calls need. Of the work that can
-// run, the next goes to the tenant served least recently, so one tenant's
-// backlog delays another's calls by at most one piece of work per worker.
+// run, the next goes to the tenant served least recently, and no tenant
+// holds more than `tenant_share` workers at once: one tenant's backlog never
+// takes every worker from another's calls.
 #pragma once
 
 #include <condition_variable>
@@ -30,7 +31,8 @@ class Executor {
     std::function<void()> run;
   };
 
-  explicit Executor(int threads);
+  // tenant_share: most workers one tenant's work holds at once (0: all).
+  explicit Executor(int threads, int tenant_share = 0);
   ~Executor();  // Shutdown()
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -52,6 +54,8 @@ class Executor {
   std::list<Work> queue_;
   std::unordered_set<std::string> busy_;              // keys held by running work
   std::unordered_map<std::string, uint64_t> served_;  // tenant -> when it last got a worker
+  std::unordered_map<std::string, int> running_;      // tenant -> workers it holds
+  int tenant_share_;
   uint64_t serves_ = 0;
   bool stopping_ = false;
   std::vector<std::thread> threads_;

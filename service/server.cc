@@ -167,8 +167,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   handler.metrics = server->metrics_.get();
   if (server->authenticator_ != nullptr) handler.snapshot_tenant = options.admin_tenant;
   server->handler_ = std::make_unique<Handler>(server->store_.get(), handler);
-  // Enough workers that cheap calls are not queued behind kernels.
-  server->executor_ = std::make_unique<Executor>(threads + 2);
+  // Enough workers that cheap calls are not queued behind kernels; one
+  // tenant holds at most half of them.
+  const int workers = threads + 2;
+  server->executor_ = std::make_unique<Executor>(workers, std::max(1, workers / 2));
   ServiceLimits limits;
   limits.tenant_calls = options.tenant_max_calls;
   limits.tenant_bytes = options.tenant_max_inflight_bytes;

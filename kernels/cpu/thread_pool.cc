@@ -17,28 +17,41 @@ ThreadPool::~ThreadPool() {
   for (std::thread& t : workers_) t.join();
 }
 
-void ThreadPool::Run(Job& job) {
-  for (int64_t i = job.next.fetch_add(1); i < job.n; i = job.next.fetch_add(1)) {
-    (*job.fn)(i);
-    if (job.finished.fetch_add(1) + 1 == job.n) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_.notify_all();
+bool ThreadPool::RunOne(Job& job) {
+  const int64_t i = job.next.fetch_add(1);
+  if (i >= job.n) return false;
+  (*job.fn)(i);
+  if (job.finished.fetch_add(1) + 1 == job.n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_.notify_all();
+  }
+  return true;
+}
+
+std::shared_ptr<ThreadPool::Job> ThreadPool::NextJob() {
+  for (size_t k = 0; k < jobs_.size(); ++k) {
+    const size_t at = (turn_ + k) % jobs_.size();
+    if (jobs_[at]->next.load() < jobs_[at]->n) {
+      turn_ = at + 1;
+      return jobs_[at];
     }
   }
+  return nullptr;
 }
 
 void ThreadPool::WorkerLoop() {
-  int64_t seen = 0;
   for (;;) {
     std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      wake_.wait(lock, [&] {
+        if (stop_) return true;
+        job = NextJob();
+        return job != nullptr;
+      });
       if (stop_) return;
-      seen = generation_;
-      job = job_;
     }
-    if (job) Run(*job);
+    RunOne(*job);
   }
 }
 
@@ -48,20 +61,19 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  std::lock_guard<std::mutex> call(call_mutex_);
   auto job = std::make_shared<Job>();
   job->fn = &fn;
   job->n = n;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    job_ = job;
-    ++generation_;
+    jobs_.push_back(job);
   }
   wake_.notify_all();
-  Run(*job);
+  while (RunOne(*job)) {
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   done_.wait(lock, [&] { return job->finished.load() == n; });
-  job_.reset();
+  jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
 }
 
 }  // namespace turbokv

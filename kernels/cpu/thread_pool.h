@@ -1,6 +1,8 @@
 // A fixed pool of threads for data-parallel kernels. ParallelFor runs one
-// index range across the workers and the calling thread; calls from several
-// threads take turns.
+// index range across the workers and the calling thread. Calls from several
+// threads run at once: each caller works on its own range, and the workers
+// take one index at a time from the ranges in turn, so a small call is not
+// queued behind a large one.
 #pragma once
 
 #include <atomic>
@@ -29,8 +31,9 @@ class ThreadPool {
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:
-  // One ParallelFor call. Workers that wake late hold it by shared_ptr and find
-  // no index left, so they never touch `fn` after the call has returned.
+  // One ParallelFor call. A worker holds it by shared_ptr while it runs an
+  // index; one that claims an index past the end runs nothing, so `fn` is
+  // never touched after the call has returned.
   struct Job {
     const std::function<void(int64_t)>* fn = nullptr;
     int64_t n = 0;
@@ -39,15 +42,17 @@ class ThreadPool {
   };
 
   void WorkerLoop();
-  void Run(Job& job);
+  // Claims and runs one index of `job`; false when none was left.
+  bool RunOne(Job& job);
+  // Under mutex_: the next job with an index left, taking them in turn.
+  std::shared_ptr<Job> NextJob();
 
   std::vector<std::thread> workers_;
-  std::mutex call_mutex_;  // one ParallelFor at a time
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable done_;
-  std::shared_ptr<Job> job_;
-  int64_t generation_ = 0;
+  std::vector<std::shared_ptr<Job>> jobs_;  // the calls in progress
+  size_t turn_ = 0;
   bool stop_ = false;
 };
 

@@ -100,5 +100,23 @@ TEST(ExecutorTest, RunnableWorkGoesRoundRobinOverTenants) {
   EXPECT_FALSE(executor.Submit({"a", {}, [] {}}));  // after Shutdown
 }
 
+TEST(ExecutorTest, ATenantHoldsAtMostItsShareOfTheWorkers) {
+  Executor executor(4, 2);
+  Gate release, other_ran;
+  std::atomic<int> started{0};
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(executor.Submit({"greedy", {}, [&] {
+      ++started;
+      release.Wait();
+    }}));
+  }
+  ASSERT_TRUE(executor.Submit({"other", {}, [&] { other_ran.Open(); }}));
+  other_ran.Wait();
+  EXPECT_LE(started.load(), 2);
+  release.Open();
+  executor.Shutdown();
+  EXPECT_EQ(started.load(), 4);
+}
+
 }  // namespace
 }  // namespace turbokv

@@ -1,0 +1,57 @@
+// Concurrent ParallelFor calls on one pool: each gets every index once, and
+// a small call finishes while a large one is still running.
+#include "kernels/cpu/thread_pool.h"
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace turbokv {
+namespace {
+
+TEST(ThreadPoolTest, CallsFromSeveralThreadsShareTheWorkers) {
+  ThreadPool pool(3);
+  std::atomic<bool> small_done{false};
+  std::atomic<int64_t> big_seen{0};
+  std::vector<std::atomic<int>> hits(1000);
+  // A large call whose indices wait until the small call has finished (or
+  // give up after a while): it can only finish early if the small call was
+  // not queued behind it.
+  std::thread big([&] {
+    pool.ParallelFor(64, [&](int64_t) {
+      for (int spin = 0; spin < 200 && !small_done.load(); ++spin) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ++big_seen;
+    });
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  pool.ParallelFor(1000, [&](int64_t i) { ++hits[static_cast<size_t>(i)]; });
+  const int64_t big_when_small_done = big_seen.load();
+  small_done = true;
+  big.join();
+  EXPECT_LT(big_when_small_done, 64);  // not queued behind the large call
+  EXPECT_EQ(big_seen.load(), 64);
+  for (const auto& h : hits) EXPECT_EQ(h.load(), 1);
+}
+
+TEST(ThreadPoolTest, ManyConcurrentCallersEachSeeEveryIndexOnce) {
+  ThreadPool pool(4);
+  std::vector<std::thread> callers;
+  std::atomic<int> wrong{0};
+  for (int c = 0; c < 6; ++c) {
+    callers.emplace_back([&, c] {
+      for (int round = 0; round < 50; ++round) {
+        const int64_t n = 17 + c * 31 + round;
+        std::vector<std::atomic<int>> seen(static_cast<size_t>(n));
+        pool.ParallelFor(n, [&](int64_t i) { ++seen[static_cast<size_t>(i)]; });
+        for (const auto& s : seen) wrong += s.load() != 1;
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+}  // namespace
+}  // namespace turbokv
