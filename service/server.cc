@@ -95,10 +95,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Se
 
 }  // namespace
 
-size_t GrpcMemoryBytes(const ServerOptions& options) {
-  return std::max<size_t>(size_t{256} << 20, size_t{4} * static_cast<size_t>(options.max_message_bytes));
-}
-
 Server::Server(const ServerOptions& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
@@ -216,11 +212,6 @@ absl::Status Server::Start() {
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_concurrent_streams);
-  // gRPC's own buffers (messages being received and sent) are bounded too:
-  // past this, it stops reading from connections until memory is freed.
-  grpc::ResourceQuota quota("turbokvd");
-  quota.Resize(GrpcMemoryBytes(options_));
-  builder.SetResourceQuota(quota);
   builder.RegisterService(service_.get());
   // Unix sockets are created 0660: the daemon's user and group only.
   const mode_t umask_before = umask(0117);

@@ -73,10 +73,6 @@ struct ServerOptions {
   std::string health_listen;
 };
 
-// The memory gRPC may use for messages in transit: the larger of 256MiB and
-// 4 x max_message_bytes.
-size_t GrpcMemoryBytes(const ServerOptions& options);
-
 class Server {
  public:
   // Checks the options and chooses the device; nothing listens yet.

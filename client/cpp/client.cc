@@ -232,8 +232,11 @@ absl::StatusOr<DecodeResult> DecodeStream::Read() {
 
 absl::StatusOr<DecodeResult> DecodeStream::Step(const DecodeBatch& batch) {
   absl::Status status = Write(batch);
-  if (!status.ok() && !absl::IsFailedPrecondition(status)) return status;
-  return Read();
+  if (status.ok()) return Read();
+  if (!broken_) return status;
+  // The stream ended: its own status says why.
+  const absl::Status ended = Finish();
+  return ended.ok() ? absl::UnavailableError("the decode stream ended before this batch was sent") : ended;
 }
 
 absl::Status DecodeStream::Finish() {
