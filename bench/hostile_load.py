@@ -63,8 +63,10 @@ def tensor(array):
 class Hostile:
     """The other tenant's patterns, each on its own threads, until stop()."""
 
-    def __init__(self, target, token, metrics):
-        self.target, self.metrics = target, metrics
+    PATTERNS = ("queued", "abandoned", "never-read", "empty-sessions", "churn", "malformed", "idle-metrics")
+
+    def __init__(self, target, token, metrics, patterns):
+        self.target, self.metrics, self.patterns = target, metrics, patterns
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.client = turbokv.Client(target, token=token)
         self.channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 * MIB),
@@ -83,6 +85,8 @@ class Hostile:
         """body() in a loop on `threads` threads, `pause` seconds apart (so
         that this process, one core's worth of Python, does not compete with
         the daemon for the CPU more than the patterns need)."""
+        if name not in self.patterns:
+            return
         def run():
             while not self.stopping.is_set():
                 try:
@@ -140,7 +144,7 @@ class Hostile:
             call = self.stub.Attend(requests(), metadata=self.metadata)
             self.stopping.wait()
             call.cancel()
-        for _ in range(40):
+        for _ in range(40 if "never-read" in self.patterns else 0):
             thread = threading.Thread(target=lambda: self._quiet(never_read), daemon=True)
             thread.start()
             self.threads.append(thread)
@@ -169,7 +173,7 @@ class Hostile:
 
         # Row 16: connections to /metrics that never send a request.
         host, port = self.metrics.rsplit(":", 1)
-        self.idle = [socket.create_connection((host, int(port))) for _ in range(6)]
+        self.idle = [socket.create_connection((host, int(port))) for _ in range(6 if "idle-metrics" in self.patterns else 0)]
 
     def _quiet(self, fn):
         try:
@@ -201,6 +205,8 @@ def main():
     parser.add_argument("--cli", required=True)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--budget-mib", type=int, default=512)
+    parser.add_argument("--patterns", default=",".join(Hostile.PATTERNS),
+                        help="comma-separated subset of: " + ", ".join(Hostile.PATTERNS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -221,7 +227,7 @@ def main():
         alone = decode_client(args.cli, target, "good-token", args.steps)
         rss_alone = rss_bytes(daemon.pid)
 
-        hostile = Hostile(target, "evil-token", metrics)
+        hostile = Hostile(target, "evil-token", metrics, args.patterns.split(","))
         hostile.start()
         peak = [0]
         sampling = threading.Event()

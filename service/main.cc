@@ -38,7 +38,8 @@ Flags (--name=value or --name value):
                            that; sessions not written by then are reported and
                            the exit status is 1 (default 30s)
   --tenant-max-calls=N     calls a tenant may have in flight (default 128)
-  --tenant-max-inflight-bytes=SIZE  request bytes a tenant may have in flight
+  --tenant-max-inflight-bytes=SIZE  bytes a tenant may have in flight: requests,
+                           and replies its client has not read yet
                            (default 1GiB)
   --max-concurrent-streams=N  HTTP/2 streams per connection (default 256)
   --metrics-listen=HOST:PORT    Prometheus endpoint /metrics, empty = none

@@ -83,7 +83,8 @@ std::vector<std::string> Keys(const v1::DecodeRequest& request) {
   return {request.session_ids().begin(), request.session_ids().end()};
 }
 
-// Calls and request bytes in flight per tenant.
+// Calls, and bytes of requests and of replies not yet taken by their
+// client, in flight per tenant.
 class InFlight {
  public:
   explicit InFlight(const ServiceLimits& limits) : limits_(limits) {}
@@ -108,6 +109,12 @@ class InFlight {
     ++use.calls;
     use.bytes += bytes;
     return absl::OkStatus();
+  }
+
+  // Counts `bytes` more for a call already admitted (its reply).
+  void Hold(const std::string& tenant, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    use_[tenant].bytes += bytes;
   }
 
   void Release(const std::string& tenant, int64_t bytes) {
@@ -348,13 +355,20 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
   void Run() {
     if (context_->IsCancelled()) return Fail(CancelledBeforeRun());
     absl::StatusOr<Response> response = (parts_->handler->*method_)(request_, tenant_);
-    request_.Clear();
+    Request().Swap(&request_);  // its memory goes now, not at the next message
     absl::Status status = response.status();
     if (status.ok()) status = Serialize(*response, &out_);
     Observe(parts_->metrics, name_, status, start_);
     if (!status.ok()) {
       FinishOnce(ToGrpcStatus(status));
       return;
+    }
+    // The reply counts against its tenant until the client has taken it.
+    const int64_t reply = static_cast<int64_t>(out_.Length());
+    parts_->in_flight.Hold(tenant_, reply);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_bytes_ += reply;
     }
     StartWrite(&out_);
   }

@@ -28,7 +28,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 struct ServiceLimits {
   // Per tenant: calls (a stream counts once per message being processed)
-  // and request bytes in flight. Past either, a call is refused at once
+  // and bytes in flight (requests, and stream replies their client has not
+  // taken yet). Past either, a call is refused at once
   // with RESOURCE_EXHAUSTED naming the limit.
   int64_t tenant_calls = 128;
   int64_t tenant_bytes = int64_t{1} << 30;
