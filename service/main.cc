@@ -191,11 +191,11 @@ int main(int argc, char** argv) {
   for (int s = SIGRTMIN; s <= SIGRTMAX; ++s) sigaddset(&signals, s);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
-  // Fixed malloc thresholds: buffers of 256 KiB and more (messages) are
-  // mapped and unmapped, and heaps give back free tops past 4 MiB. glibc's
-  // default raises both after the first large free, after which freed
-  // message buffers and pages stay in the process (docs/OPERATIONS.md).
-  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  // Fixed malloc thresholds: heaps give back free tops past 4 MiB, and only
+  // buffers of 32 MiB and more are mapped one by one. glibc's default raises
+  // the trim threshold after the first large free, after which freed message
+  // buffers and pages stay in the process (docs/OPERATIONS.md).
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 4 << 20);
   google::protobuf::SetLogHandler(&DropProtobufLog);
 
