@@ -203,7 +203,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turbokvd", required=True)
     parser.add_argument("--cli", required=True)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--budget-mib", type=int, default=512)
     parser.add_argument("--patterns", default=",".join(Hostile.PATTERNS),
                         help="comma-separated subset of: " + ", ".join(Hostile.PATTERNS))
