@@ -181,6 +181,8 @@ TEST_F(HandlerTest, BadAppendsAreRejectedNamingTheFieldAndChangeNothing) {
       {"expected at least 1", absl::StatusCode::kInvalidArgument, [](v1::AppendRequest& r) { r.mutable_keys()->set_shape(0, 0); }},
       {"positions 8 to 9 are missing", absl::StatusCode::kFailedPrecondition, [](v1::AppendRequest& r) { r.set_start(10); }},
       {"max_tokens = 100000", absl::StatusCode::kResourceExhausted, [](v1::AppendRequest& r) { r.set_start(99998); }},
+      {"a chunk of 4 tokens at start = 9223372036854775806 goes past", absl::StatusCode::kResourceExhausted,
+       [](v1::AppendRequest& r) { r.set_start(INT64_MAX - 1); }},
   };
   for (const Case& c : cases) {
     v1::AppendRequest request = MakeAppend(id, 0, 8, k, v, {4, kKv, kDim});
@@ -722,6 +724,19 @@ TEST_F(HandlerTest, ReadKvRefusesRepeatedLayersAndSaysWhyASessionWent) {
   EXPECT_EQ(next.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(next.status().message()), HasSubstr("evicted"));
   EXPECT_THAT(std::string(next.status().message()), HasSubstr("while being read"));
+}
+
+TEST_F(HandlerTest, AReadKvTokenLargerThanAReplyIsRefused) {
+  HandlerOptions options;
+  options.max_message_bytes = 1024;  // one f32 token of 2 kv heads x 128 is 2,048 bytes of keys and values
+  handler_ = std::make_unique<Handler>(store_.get(), options);
+  const std::string id = Create();
+  ASSERT_TRUE(Append(id, 0, 0, 4, 1).ok());
+  v1::ReadKvRequest read;
+  read.set_session_id(id);
+  auto refused = handler_->StartReadKv(read);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("more than a reply may carry"));
 }
 
 TEST_F(HandlerTest, SessionsAreCappedPerDaemonAndPerTenant) {

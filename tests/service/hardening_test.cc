@@ -52,7 +52,26 @@ grpc::ByteBuffer Garbage() {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-constexpr int kHeavyTokens = 16384, kHeavyKv = 8, kHeavyQ = 32, kDim = 128, kHeavyQueries = 64;
+constexpr int kDim = 128;
+
+SessionOptions SmallOptions() {
+  SessionOptions options;
+  options.layers = 1;
+  options.kv_heads = 4;
+  options.q_heads = 4;
+  return options;
+}
+
+// One layer, 4 kv heads, holding 64 tokens.
+Session SmallSession(const Client& client, uint64_t seed) {
+  auto session = client.CreateSession(SmallOptions());
+  EXPECT_TRUE(session.ok()) << session.status();
+  const auto k = GaussianVectors(64 * 4, kDim, seed);
+  EXPECT_TRUE(session->Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+  return *session;
+}
+
+constexpr int kHeavyTokens = 16384, kHeavyKv = 8, kHeavyQ = 32, kHeavyQueries = 64;
 
 // A one-layer session whose Attend of kHeavyQueries queries takes a good
 // fraction of a second on two cores.
@@ -99,11 +118,7 @@ TEST(HardeningTest, AMessageThatDoesNotParseIsInvalidArgumentAndAStreamNeverEnds
   Daemon daemon({"--listen=" + Socket(), "--device=cpu"});
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
-  SessionOptions options;
-  options.layers = 1;
-  options.kv_heads = 4;
-  options.q_heads = 4;
-  auto session = client->CreateSession(options);
+  auto session = client->CreateSession(SmallOptions());
   ASSERT_TRUE(session.ok());
   auto channel = Channel();
 
@@ -179,18 +194,11 @@ TEST(HardeningTest, SignalsThatWouldKillItAreIgnoredAndSighupDrains) {
     Daemon daemon(flags);
     auto client = Client::Connect(Socket());
     ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
-    SessionOptions options;
-    options.layers = 1;
-    options.kv_heads = 4;
-    options.q_heads = 4;
-    auto session = client->CreateSession(options);
-    ASSERT_TRUE(session.ok());
-    id = session->id();
-    const auto k = GaussianVectors(64 * 4, kDim, 4);
-    ASSERT_TRUE(session->Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+    const Session session = SmallSession(*client, 4);
+    id = session.id();
     for (int signal : {SIGUSR1, SIGUSR2, SIGALRM, SIGPIPE, SIGVTALRM}) kill(daemon.pid(), signal);
     absl::SleepFor(absl::Milliseconds(300));
-    EXPECT_TRUE(session->Info().ok()) << daemon.Log();
+    EXPECT_TRUE(session.Info().ok()) << daemon.Log();
     EXPECT_THAT(daemon.Log(), HasSubstr("SIGUSR1 ignored"));
     EXPECT_EQ(daemon.Stop(SIGHUP), 0) << daemon.Log();
     EXPECT_THAT(daemon.Log(), HasSubstr("SIGHUP, draining"));
@@ -255,17 +263,11 @@ TEST(HardeningTest, AfterAHardKillRestoredSessionsAreReportedUnverified) {
     Daemon daemon(flags);
     auto client = Client::Connect(Socket());
     ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
-    SessionOptions options;
-    options.layers = 1;
-    options.kv_heads = 4;
-    options.q_heads = 4;
-    auto session = client->CreateSession(options);
-    ASSERT_TRUE(session.ok());
-    id = session->id();
-    const auto k = GaussianVectors(64 * 4, kDim, 6);
-    ASSERT_TRUE(session->Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
+    const Session session = SmallSession(*client, 6);
+    id = session.id();
     ASSERT_TRUE(client->Snapshot().ok());
-    ASSERT_TRUE(session->Append(0, 64, TensorData::F32(k), TensorData::F32(k)).ok());  // after the snapshot
+    const auto k = GaussianVectors(64 * 4, kDim, 7);
+    ASSERT_TRUE(session.Append(0, 64, TensorData::F32(k), TensorData::F32(k)).ok());  // after the snapshot
     kill(daemon.pid(), SIGKILL);
     daemon.Wait();
   }
