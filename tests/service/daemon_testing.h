@@ -21,6 +21,20 @@
 
 namespace turbokv::testing {
 
+// Whether this build (and so the daemon it tests) runs under AddressSanitizer.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+
 // GET http://address/metrics (address: host:port); the body, or "" when the
 // endpoint does not answer within `timeout`.
 inline std::string Scrape(const std::string& address, absl::Duration timeout = absl::Seconds(5)) {

@@ -25,6 +25,7 @@ namespace {
 
 using ::turbokv::testing::Daemon;
 using ::turbokv::testing::GaussianVectors;
+using ::turbokv::testing::kAddressSanitizer;
 
 std::string Socket() { return absl::StrCat("unix:///tmp/turbokvd-faults-", getpid(), ".sock"); }
 
@@ -48,19 +49,6 @@ size_t Rss(pid_t pid) {
 }
 
 constexpr int64_t kChunk = 32;
-
-// Whether this build (and so the daemon it tests) runs under AddressSanitizer.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
 
 TEST(FaultsTest, ACancelledStreamKeepsWholeChunksAndTheSessionGoesOn) {
   Daemon daemon({"--listen=" + Socket(), "--device=cpu"});
