@@ -29,14 +29,19 @@ bool ThreadPool::RunOne(Job& job) {
 }
 
 std::shared_ptr<ThreadPool::Job> ThreadPool::NextJob() {
-  for (size_t k = 0; k < jobs_.size(); ++k) {
-    const size_t at = (turn_ + k) % jobs_.size();
-    if (jobs_[at]->next.load() < jobs_[at]->n) {
-      turn_ = at + 1;
-      return jobs_[at];
+  // The call with the fewest indices left: a small call (a Decode step)
+  // finishes at the speed of the whole pool while a large one goes on; the
+  // large one keeps its own caller, so it is never starved.
+  std::shared_ptr<Job> best;
+  int64_t best_left = 0;
+  for (const std::shared_ptr<Job>& job : jobs_) {
+    const int64_t left = job->n - job->next.load();
+    if (left > 0 && (best == nullptr || left < best_left)) {
+      best = job;
+      best_left = left;
     }
   }
-  return nullptr;
+  return best;
 }
 
 void ThreadPool::WorkerLoop() {

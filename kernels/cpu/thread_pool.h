@@ -1,8 +1,8 @@
 // A fixed pool of threads for data-parallel kernels. ParallelFor runs one
 // index range across the workers and the calling thread. Calls from several
 // threads run at once: each caller works on its own range, and the workers
-// take one index at a time from the ranges in turn, so a small call is not
-// queued behind a large one.
+// take one index at a time from the call with the fewest left, so a small
+// call is not queued behind a large one (which keeps its own caller).
 #pragma once
 
 #include <atomic>
@@ -44,7 +44,7 @@ class ThreadPool {
   void WorkerLoop();
   // Claims and runs one index of `job`; false when none was left.
   bool RunOne(Job& job);
-  // Under mutex_: the next job with an index left, taking them in turn.
+  // Under mutex_: the job with the fewest indices left (and some left).
   std::shared_ptr<Job> NextJob();
 
   std::vector<std::thread> workers_;
@@ -52,7 +52,6 @@ class ThreadPool {
   std::condition_variable wake_;
   std::condition_variable done_;
   std::vector<std::shared_ptr<Job>> jobs_;  // the calls in progress
-  size_t turn_ = 0;
   bool stop_ = false;
 };
 
