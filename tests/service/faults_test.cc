@@ -38,16 +38,6 @@ SessionOptions Shape() {
   return options;
 }
 
-// Resident memory of a process, in bytes.
-size_t Rss(pid_t pid) {
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
-
 constexpr int64_t kChunk = 32;
 
 TEST(FaultsTest, ACancelledStreamKeepsWholeChunksAndTheSessionGoesOn) {
@@ -181,7 +171,7 @@ TEST(LoadTest, TwoHundredSessionsOfMixedCallsThenMemoryReturnsToBaseline) {
     ASSERT_TRUE(warm->Append(0, 0, TensorData::F32(k), TensorData::F32(k)).ok());
     ASSERT_TRUE(warm->Delete().ok());
   }
-  const size_t baseline_rss = Rss(daemon.pid());
+  const size_t baseline_rss = static_cast<size_t>(daemon.MemoryBytes());
   constexpr int kThreads = 8, kSessions = 200;
   const absl::Duration run_for = absl::Seconds(8);
   std::mutex mutex;
@@ -253,7 +243,7 @@ TEST(LoadTest, TwoHundredSessionsOfMixedCallsThenMemoryReturnsToBaseline) {
   }
   size_t peak_rss = baseline_rss;
   while (absl::Now() - start < run_for) {
-    peak_rss = std::max(peak_rss, Rss(daemon.pid()));
+    peak_rss = std::max(peak_rss, static_cast<size_t>(daemon.MemoryBytes()));
     absl::SleepFor(absl::Milliseconds(100));
   }
   for (auto& thread : threads) thread.join();
@@ -278,10 +268,10 @@ TEST(LoadTest, TwoHundredSessionsOfMixedCallsThenMemoryReturnsToBaseline) {
   // shrinking). (Not under AddressSanitizer, whose quarantine keeps freed
   // heap memory on purpose.)
   if (!kAddressSanitizer) {
-    size_t rss = Rss(daemon.pid());
+    size_t rss = static_cast<size_t>(daemon.MemoryBytes());
     for (absl::Time until = absl::Now() + absl::Seconds(3); rss >= baseline_rss + (size_t{16} << 20) && absl::Now() < until;
          absl::SleepFor(absl::Milliseconds(100))) {
-      rss = Rss(daemon.pid());
+      rss = static_cast<size_t>(daemon.MemoryBytes());
     }
     EXPECT_LT(rss, baseline_rss + (size_t{16} << 20)) << "baseline " << baseline_rss << ", peak " << peak_rss;
   }

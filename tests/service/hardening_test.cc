@@ -309,7 +309,7 @@ TEST(HardeningTest, TheDrainIsBoundedAndCallsQueuedPastItAreNotComputed) {
   EXPECT_LT(drain, absl::Seconds(8)) << daemon.Log();
   EXPECT_LT(answered.load(), 30);
   EXPECT_THAT(daemon.Log(), HasSubstr("wrote 1 session(s)"));
-  EXPECT_GT(Sample(metrics, "turbokv_executor_queued"), -1);
+  EXPECT_GE(Sample(metrics, "turbokv_executor_queued"), 0);  // the queue's gauge is exported
 }
 
 TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
@@ -395,16 +395,10 @@ TEST(HardeningTest, ConnectionsThatNeverSendARequestDoNotHoldMetrics) {
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
   const std::string address = daemon.MetricsAddress();
-  const size_t colon = address.rfind(':');
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
-  inet_pton(AF_INET, address.substr(0, colon).c_str(), &to.sin_addr);
   std::vector<int> idle;
   for (int i = 0; i < 6; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
-    idle.push_back(fd);
+    idle.push_back(::turbokv::testing::ConnectTcp(address));
+    ASSERT_GE(idle.back(), 0);
   }
   EXPECT_THAT(Scrape(address, absl::Seconds(5)), HasSubstr("turbokv_sessions"));
   for (int fd : idle) close(fd);
