@@ -56,7 +56,10 @@ void ThreadPool::WorkerLoop() {
       });
       if (stop_) return;
     }
-    RunOne(*job);
+    // While it is the only call, run its indices without going back to the
+    // lock for each.
+    while (RunOne(*job) && active_.load(std::memory_order_relaxed) == 1) {
+    }
   }
 }
 
@@ -72,6 +75,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
+    active_.store(jobs_.size(), std::memory_order_relaxed);
   }
   wake_.notify_all();
   while (RunOne(*job)) {
@@ -79,6 +83,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   std::unique_lock<std::mutex> lock(mutex_);
   done_.wait(lock, [&] { return job->finished.load() == n; });
   jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
+  active_.store(jobs_.size(), std::memory_order_relaxed);
 }
 
 }  // namespace turbokv

@@ -52,6 +52,7 @@ class ThreadPool {
   std::condition_variable wake_;
   std::condition_variable done_;
   std::vector<std::shared_ptr<Job>> jobs_;  // the calls in progress
+  std::atomic<size_t> active_{0};           // jobs_.size(), read without the lock
   bool stop_ = false;
 };
 
