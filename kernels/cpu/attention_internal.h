@@ -9,6 +9,10 @@
 
 namespace turbokv {
 
+// Tokens per tile of the SIMD scan: its logits are laid out
+// [rows][kScanTile]; a tile never crosses a page.
+constexpr int kScanTile = 64;
+
 // A logit and the token it belongs to, for top-k.
 struct TopEntry {
   float logit;

@@ -19,14 +19,13 @@
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
 #include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/int_scan-inl.h"
 #include "kernels/cpu/turbo_simd-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace turbokv {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-constexpr int kTile = 64;
 
 // Decodes one record into the kernel's domain (see DecodeRow in attention.cc);
 // `out` is aligned.
@@ -61,7 +60,7 @@ struct ScanSetup {
   const float* value_table;
 };
 
-// Raw scores <q_r, k_t> of the tile's n tokens into logits[r * kTile + j]:
+// Raw scores <q_r, k_t> of the tile's n tokens into logits[r * kScanTile + j]:
 // each key record decoded once, dotted with every row.
 void ScoreTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t0, int n, float* k,
                     float* logits) {
@@ -81,12 +80,12 @@ void ScoreTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t0, in
         acc0 = hn::MulAdd(hn::LoadU(d, q + i), hn::Load(d, k + i), acc0);
         acc1 = hn::MulAdd(hn::LoadU(d, q + i + lanes), hn::Load(d, k + i + lanes), acc1);
       }
-      logits[r * kTile + j] = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
+      logits[r * kScanTile + j] = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
     }
   }
 }
 
-// acc_r += sum_j weights[r * kTile + j] * v_j: each value record decoded once.
+// acc_r += sum_j weights[r * kScanTile + j] * v_j: each value record decoded once.
 void AccumulateTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t0, int n,
                          const float* weights, float* v, ScanState* state) {
   const PagedKvCache& c = *task.cache;
@@ -98,7 +97,7 @@ void AccumulateTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t
   for (int j = 0; j < n; ++j) {
     DecodeRowSimd(c.value_layout, setup.value_table, records + j * record_bytes, v);
     for (int r = 0; r < task.rows; ++r) {
-      const float weight = weights[r * kTile + j];
+      const float weight = weights[r * kScanTile + j];
       if (weight == 0.0f) continue;
       const auto p = hn::Set(d, weight);
       float* acc = state->acc.data() + static_cast<size_t>(r) * dim;
@@ -120,16 +119,16 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
   const auto cap = hn::Set(d, task.softcap);
   const auto inv_cap = hn::Set(d, task.softcap > 0.0f ? 1.0f / task.softcap : 0.0f);
   for (int r = 0; r < task.rows; ++r) {
-    float* lr = logits + r * kTile;
+    float* lr = logits + r * kScanTile;
     const int query = r / task.group;
     const int64_t lo = std::max<int64_t>(task.first[query] - t0, 0);
     const int64_t hi = std::min<int64_t>(task.last[query] - t0 + 1, n);  // visible: [lo, hi)
     if (lo >= hi) {  // nothing visible: no weight on any token of the tile
-      for (int j = 0; j < kTile; ++j) lr[j] = 0.0f;
+      for (int j = 0; j < kScanTile; ++j) lr[j] = 0.0f;
       continue;
     }
     auto max = hn::Set(d, -INFINITY);
-    for (int j = 0; j < kTile; j += lanes) {
+    for (int j = 0; j < kScanTile; j += lanes) {
       auto x = hn::Mul(hn::Load(d, lr + j), scale);
       // Not inlined: GCC 12 miscompiles Highway's inlined Tanh in this loop on
       // the AVX-512 targets (wrong logits, caught by the softcap tests).
@@ -152,7 +151,7 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
     const auto m = hn::Set(d, m_new);
     const auto floor = hn::Set(d, -100.0f);
     auto sum = hn::Zero(d);
-    for (int j = 0; j < kTile; j += lanes) {
+    for (int j = 0; j < kScanTile; j += lanes) {
       const auto x = hn::Load(d, lr + j);
       const auto visible = hn::Gt(x, hn::Set(d, -INFINITY));
       const auto p = hn::IfThenElseZero(visible, hn::Exp(d, hn::Max(hn::Sub(x, m), floor)));
@@ -323,8 +322,8 @@ struct IntPath {
   __m512i key_table, value_table;
   std::vector<int16_t> q;         // [rows][dim]
   std::vector<float> q_scale;     // [rows][blocks]: float score per integer unit
-  std::vector<int16_t> values;    // [kTile][block_values]: one block of the tile's values, decoded
-  std::vector<int32_t> pair_weights;  // [rows][kTile / 2]
+  std::vector<int16_t> values;    // [kScanTile][block_values]: one block of the tile's values, decoded
+  std::vector<int32_t> pair_weights;  // [rows][kScanTile / 2]
 
   IntPath(const ScanTask& task, const ScanSetup& setup) {
     const PagedKvCache& c = *task.cache;
@@ -348,26 +347,26 @@ struct IntPath {
         q_scale[r * blocks + b] = max > 0.0f ? max / kQueryMax / kKeyCentroidScale : 0.0f;
       }
     }
-    values.resize(static_cast<size_t>(kTile) * block_values);
-    pair_weights.resize(static_cast<size_t>(task.rows) * (kTile / 2));
+    values.resize(static_cast<size_t>(kScanTile) * block_values);
+    pair_weights.resize(static_cast<size_t>(task.rows) * (kScanTile / 2));
   }
 };
 
 template <int kB, int kBits>
-void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
+void ScoreTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* logits) {
   const PagedKvCache& c = *task.cache;
   const int blocks = ip.blocks;
   const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
   const size_t record_bytes = c.key_layout.code_size();
-  for (int j = 0; j < kTile * task.rows; ++j) logits[j] = 0.0f;
-  alignas(64) float scales[kTile];
-  alignas(64) __m512i acc[4][kTile];
+  for (int j = 0; j < kScanTile * task.rows; ++j) logits[j] = 0.0f;
+  alignas(64) float scales[kScanTile];
+  alignas(64) __m512i acc[4][kScanTile];
   for (int r = 0; r < 4; ++r) {
-    for (int j = n; j < kTile; ++j) acc[r][j] = _mm512_setzero_si512();
+    for (int j = n; j < kScanTile; ++j) acc[r][j] = _mm512_setzero_si512();
   }
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* first = records + b * c.key_layout.block_bytes;
-    for (int j = 0; j < kTile; ++j) scales[j] = j < n ? TurboDecodeFactor(first + j * record_bytes, kB) : 0.0f;
+    for (int j = 0; j < kScanTile; ++j) scales[j] = j < n ? TurboDecodeFactor(first + j * record_bytes, kB) : 0.0f;
     // Rows in groups of four share each decoded key block.
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int rows = std::min(4, task.rows - r0);
@@ -384,8 +383,8 @@ void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* l
       }
       for (int r = 0; r < rows; ++r) {
         const __m512 unit = _mm512_set1_ps(ip.q_scale[(r0 + r) * blocks + b]);
-        float* lr = logits + (r0 + r) * kTile;
-        for (int j = 0; j < kTile; j += 16) {
+        float* lr = logits + (r0 + r) * kScanTile;
+        for (int j = 0; j < kScanTile; j += 16) {
           const __m512 dot = _mm512_cvtepi32_ps(ReduceLanes16(&acc[r][j]));
           const __m512 contribution = _mm512_mul_ps(_mm512_mul_ps(dot, unit), _mm512_load_ps(scales + j));
           _mm512_storeu_ps(lr + j, _mm512_add_ps(_mm512_loadu_ps(lr + j), contribution));
@@ -397,7 +396,7 @@ void ScoreTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* l
 
 // acc_r += sum_j w_rj v_j over a tile for kRows rows (kept in registers).
 template <int kB, int kRows>
-HWY_INLINE void AccumulateRowsInt(const int16_t* values, int pairs, const int32_t* pair_weights,
+HWY_INLINE void AccumulateRowsVnni(const int16_t* values, int pairs, const int32_t* pair_weights,
                                   const float* unit, int dim, int block, float* acc_out) {
   // Natural dimension order of the two halves that unpacklo/hi_epi16 make of a
   // 32-value chunk: lo = dims 0-3, 8-11, 16-19, 24-27; hi = 4-7, 12-15, ...
@@ -413,7 +412,7 @@ HWY_INLINE void AccumulateRowsInt(const int16_t* values, int pairs, const int32_
       const __m512i lo = _mm512_unpacklo_epi16(a, a1);
       const __m512i hi = _mm512_unpackhi_epi16(a, a1);
       for (int r = 0; r < kRows; ++r) {
-        const __m512i w = _mm512_set1_epi32(pair_weights[r * (kTile / 2) + p]);
+        const __m512i w = _mm512_set1_epi32(pair_weights[r * (kScanTile / 2) + p]);
         acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], lo, w);
         acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], hi, w);
       }
@@ -430,7 +429,7 @@ HWY_INLINE void AccumulateRowsInt(const int16_t* values, int pairs, const int32_
 }
 
 template <int kB, int kBits>
-void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, const float* weights,
+void AccumulateTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, const float* weights,
                        ScanState* state) {
   const PagedKvCache& c = *task.cache;
   const int blocks = ip.blocks;
@@ -438,9 +437,9 @@ void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, con
   const int pairs = (n + 1) / 2;
   const uint8_t* records = c.value_record(task.head, t0);  // a tile lies in one page
   const size_t record_bytes = c.value_layout.code_size();
-  alignas(64) float scales[kTile];
+  alignas(64) float scales[kScanTile];
   for (int b = 0; b < blocks; ++b) {
-    for (int j = 0; j < kTile; ++j) scales[j] = 0.0f;
+    for (int j = 0; j < kScanTile; ++j) scales[j] = 0.0f;
     for (int j = 0; j < n; ++j) {
       const uint8_t* block = records + j * record_bytes + b * c.value_layout.block_bytes;
       scales[j] = TurboDecodeFactor(block, kB);
@@ -455,29 +454,29 @@ void AccumulateTileInt(const ScanTask& task, IntPath& ip, int64_t t0, int n, con
       float unit[4] = {};
       for (int r = 0; r < rows; ++r) {
         // Weights times value scales, as int16 pairs: (w_2p, w_2p+1).
-        const float* w = weights + (r0 + r) * kTile;
-        __m512 scaled[kTile / 16];
+        const float* w = weights + (r0 + r) * kScanTile;
+        __m512 scaled[kScanTile / 16];
         __m512 max = _mm512_setzero_ps();
-        for (int h = 0; h < kTile / 16; ++h) {
+        for (int h = 0; h < kScanTile / 16; ++h) {
           scaled[h] = _mm512_mul_ps(_mm512_loadu_ps(w + 16 * h), _mm512_load_ps(scales + 16 * h));
           max = _mm512_max_ps(max, scaled[h]);
         }
         const float m = _mm512_reduce_max_ps(max);
         const __m512 to_int = _mm512_set1_ps(m > 0.0f ? kWeightMax / m : 0.0f);
-        int16_t* pw = reinterpret_cast<int16_t*>(ip.pair_weights.data() + static_cast<size_t>(r0 + r) * (kTile / 2));
-        for (int h = 0; h < kTile / 16; ++h) {
+        int16_t* pw = reinterpret_cast<int16_t*>(ip.pair_weights.data() + static_cast<size_t>(r0 + r) * (kScanTile / 2));
+        for (int h = 0; h < kScanTile / 16; ++h) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + 16 * h),
                               _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(scaled[h], to_int))));
         }
         unit[r] = m / kWeightMax / kValueCentroidScale;
       }
-      const int32_t* pw = ip.pair_weights.data() + static_cast<size_t>(r0) * (kTile / 2);
+      const int32_t* pw = ip.pair_weights.data() + static_cast<size_t>(r0) * (kScanTile / 2);
       float* out = state->acc.data() + static_cast<size_t>(r0) * dim;
       switch (rows) {
-        case 4: AccumulateRowsInt<kB, 4>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        case 3: AccumulateRowsInt<kB, 3>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        case 2: AccumulateRowsInt<kB, 2>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        default: AccumulateRowsInt<kB, 1>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 4: AccumulateRowsVnni<kB, 4>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 3: AccumulateRowsVnni<kB, 3>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 2: AccumulateRowsVnni<kB, 2>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        default: AccumulateRowsVnni<kB, 1>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
       }
     }
   }
@@ -490,34 +489,62 @@ void Scan(const ScanTask& task, ScanState* state) {
   const PagedKvCache& c = *task.cache;
   const ScanSetup setup(c);
   auto row_buffer = hwy::AllocateAligned<float>(c.key_layout.head_dim);
-  auto logits = hwy::AllocateAligned<float>(static_cast<size_t>(task.rows) * kTile);
+  auto logits = hwy::AllocateAligned<float>(static_cast<size_t>(task.rows) * kScanTile);
+  bool vnni = false;
 #if HWY_TARGET == HWY_AVX3_DL
   std::unique_ptr<IntPath> int_path;
-  if (task.integer_dot_products && IntPathApplies(c)) int_path = std::make_unique<IntPath>(task, setup);
+  if (task.integer_dot_products && IntPathApplies(c)) {
+    int_path = std::make_unique<IntPath>(task, setup);
+    vnni = true;
+  }
+#endif
+#if HWY_TARGET != HWY_SCALAR
+  std::unique_ptr<IntScan> ints;
+  const bool int_keys = task.integer_dot_products && IntCodecApplies(c.key_layout.kind);
+  const bool int_values = task.integer_dot_products && IntCodecApplies(c.value_layout.kind);
+  if (!vnni && (int_keys || int_values)) ints = std::make_unique<IntScan>(task, int_keys, int_values);
 #endif
   for (int64_t t0 = task.begin; t0 < task.end;) {
     // A tile never crosses a page.
     const int64_t page_end = (t0 / c.page_tokens + 1) * c.page_tokens;
-    const int n = static_cast<int>(std::min<int64_t>({kTile, task.end - t0, page_end - t0}));
+    const int n = static_cast<int>(std::min<int64_t>({kScanTile, task.end - t0, page_end - t0}));
 #if HWY_TARGET == HWY_AVX3_DL
     if (int_path) {
       IntPath& ip = *int_path;
       DispatchTurbo(ip.block_values, ip.key_bits, [&](auto bv, auto bits) {
-        ScoreTileInt<bv.value, bits.value>(task, ip, t0, n, logits.get());
+        ScoreTileVnni<bv.value, bits.value>(task, ip, t0, n, logits.get());
       });
       SoftmaxTile(task, t0, n, logits.get(), state);
       DispatchTurbo(ip.block_values, ip.value_bits, [&](auto bv, auto bits) {
-        AccumulateTileInt<bv.value, bits.value>(task, ip, t0, n, logits.get(), state);
+        AccumulateTileVnni<bv.value, bits.value>(task, ip, t0, n, logits.get(), state);
       });
       t0 += n;
       continue;
     }
 #endif
+#if HWY_TARGET != HWY_SCALAR
+    if (ints && ints->key) {
+      ScoreTileInt(task, *ints, t0, n, logits.get());
+    } else {
+      ScoreTileFloat(task, setup, t0, n, row_buffer.get(), logits.get());
+    }
+    SoftmaxTile(task, t0, n, logits.get(), state);
+    if (ints && ints->value) {
+      AccumulateTileInt(task, *ints, t0, n, logits.get(), state);
+    } else {
+      AccumulateTileFloat(task, setup, t0, n, logits.get(), row_buffer.get(), state);
+    }
+#else
     ScoreTileFloat(task, setup, t0, n, row_buffer.get(), logits.get());
     SoftmaxTile(task, t0, n, logits.get(), state);
     AccumulateTileFloat(task, setup, t0, n, logits.get(), row_buffer.get(), state);
+#endif
     t0 += n;
   }
+#if HWY_TARGET != HWY_SCALAR
+  if (ints && ints->value) UnpermuteValues(*ints, state);
+#endif
+  (void)vnni;
 }
 
 }  // namespace HWY_NAMESPACE

@@ -1,0 +1,489 @@
+// The integer attention scan, written once for every SIMD target (SSSE3,
+// SSE4, AVX2, AVX-512 at 256 bits, NEON): keys scored and values accumulated
+// with int16 x int16 -> int32 multiply-adds (ReorderWidenMulAccumulate:
+// vpmaddwd on x86, vmlal on Arm), turbo centroids looked up with byte
+// shuffles (TableLookupBytes), q8_0 / q4_0 values widened from their bytes.
+// Highway's -inl.h pattern: included once per target by attention_simd.cc.
+//
+// Integer ranges (every sum stays below 2^31 on every target):
+// - keys: turbo centroids scale to at most 8191 and the query to at most 8191
+//   per key block, and an int32 lane sums at most 32 products of a block of
+//   128 (128-bit vectors); q8_0 (|x| <= 127) and q4_0 (|x| <= 8) keys take a
+//   query of up to 32767, at most 8 products per lane.
+// - values: turbo centroids scale to at most 4095; the weights of a tile
+//   (softmax weight times the block's scale) to at most
+//   (2^31 - 1) / (kScanTile * largest value), so that a lane summing one
+//   product per token of the tile cannot overflow.
+// Each is a relative rounding of about 1e-4: results agree with the float
+// scan to a few 1e-5 (the tests hold them to 5e-4).
+#if defined(TURBOKV_KERNELS_CPU_INT_SCAN_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef TURBOKV_KERNELS_CPU_INT_SCAN_INL_H_
+#undef TURBOKV_KERNELS_CPU_INT_SCAN_INL_H_
+#else
+#define TURBOKV_KERNELS_CPU_INT_SCAN_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
+#include "kernels/block_math.h"
+#include "kernels/codebooks.h"
+#include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/turbo_simd-inl.h"
+#include "kernels/half.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace turbokv {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if HWY_TARGET != HWY_SCALAR
+
+// At most 256 bits: the transposed sums below assume 128-bit blocks and at
+// most two of them, and AVX-512 gains nothing on a scan this short per token.
+using IntD16 = hn::CappedTag<int16_t, 16>;
+using IntD32 = hn::Repartition<int32_t, IntD16>;
+using IntDU8 = hn::Repartition<uint8_t, IntD16>;
+using IntDU16 = hn::Repartition<uint16_t, IntD16>;
+using IntDU64 = hn::Repartition<uint64_t, IntD16>;
+using IntDF = hn::Repartition<float, IntD16>;
+constexpr int kL16 = static_cast<int>(hn::MaxLanes(IntD16()));  // 8 or 16
+constexpr int kL32 = kL16 / 2;
+constexpr int kL8 = kL16 * 2;
+static_assert(kL16 == 8 || kL16 == 16, "the integer scan needs 128- or 256-bit vectors");
+
+constexpr int kKeyIntMax = 8191;     // turbo key centroids
+constexpr int kQueryTurboMax = 8191; // the query against turbo keys
+constexpr int kQueryByteMax = 32767; // the query against q8_0 / q4_0 keys
+constexpr int kValueIntMax = 4095;   // turbo value centroids
+
+inline bool IntCodecApplies(CodecKind kind) { return kind != CodecKind::kF16; }
+
+// How the integer scan reads one tensor (keys or values) of a cache.
+struct IntCodec {
+  CodecLayout layout;
+  int bits = 0;       // turbo bits, 0 for q8_0 / q4_0
+  float unit = 1.0f;  // the value of one integer step, before the block's scale
+  int max_int = 0;    // largest |decoded integer|
+  HWY_ALIGN uint8_t table_lo[16] = {};  // int16 centroids, low and high bytes
+  HWY_ALIGN uint8_t table_hi[16] = {};
+  // Decoded position -> dimension of the record: turbo blocks come out of the
+  // byte shuffles in an order of their own; q8_0 and q4_0 in natural order.
+  std::vector<int> order;
+  // Decodes one record: head_dim integers (decoded order) and one scale per
+  // block (the float value of an integer step is scale * unit).
+  void (*decode)(const IntCodec&, const uint8_t* record, int16_t* out, float* scales, int scale_stride) = nullptr;
+
+  IntCodec(const CodecLayout& l, int int_max);
+};
+
+// Indices of dims [v * kL8, (v + 1) * kL8) of a plane of kP bytes holding
+// kField-bit fields: the field of dim i sits at bit kField * (i / kP) of byte
+// i % kP. One index per byte.
+template <int kP, int kField>
+HWY_INLINE hn::Vec<IntDU8> PlaneField(const uint8_t* plane, int v) {
+  const IntDU8 d8;
+  const IntDU64 d64;
+  const auto mask = hn::Set(d8, static_cast<uint8_t>((1 << kField) - 1));
+  if constexpr (kL8 <= kP) {
+    const auto bytes = hn::LoadU(d8, plane + (v * kL8) % kP);
+    const int shift = kField * (v * kL8 / kP);
+    return hn::And(hn::BitCast(d8, hn::ShiftRightSame(hn::BitCast(d64, bytes), shift)), mask);
+  } else {
+    // The plane repeats across the vector; each 8-byte lane u (dims
+    // v * kL8 + 8 u ...) takes its own shift.
+    hn::Vec<IntDU8> bytes;
+    if constexpr (kP == 16) {
+      bytes = hn::LoadDup128(d8, plane);
+    } else {
+      static_assert(kP == 8, "planes are 8 bytes or more");
+      uint64_t word;
+      std::memcpy(&word, plane, sizeof(word));
+      bytes = hn::BitCast(d8, hn::Set(d64, word));
+    }
+    HWY_ALIGN uint64_t counts[4];
+    for (int u = 0; u < 4; ++u) counts[u] = static_cast<uint64_t>(kField * ((v * kL8 + 8 * u) / kP));
+    return hn::And(hn::BitCast(d8, hn::BitCast(d64, bytes) >> hn::Load(d64, counts)), mask);
+  }
+}
+
+// One turbo block of kB values: int16 centroids in decoded order (see
+// TurboOrder).
+template <int kB, int kBits>
+HWY_INLINE void DecodeTurboBlockInt(const IntCodec& c, const uint8_t* block, int16_t* out) {
+  const IntDU8 d8;
+  const IntD16 d16;
+  const IntDU16 du16;
+  const auto lo_table = hn::LoadDup128(d8, c.table_lo);
+  const auto hi_table = hn::LoadDup128(d8, c.table_hi);
+  const uint8_t* planes = block + kTurboScaleBytes;
+  for (int v = 0; v < kB / kL8; ++v) {
+    hn::Vec<IntDU8> index;
+    if constexpr (kBits == 4) {
+      index = PlaneField<kB / 2, 4>(planes, v);
+    } else {
+      index = PlaneField<kB / 4, 2>(planes, v);
+      if constexpr (kBits == 3) {
+        const auto high = PlaneField<kB / 8, 1>(planes + kB / 4, v);  // 0 or 1 per byte
+        index = hn::Or(index, hn::BitCast(d8, hn::ShiftLeft<2>(hn::BitCast(du16, high))));
+      }
+    }
+    const auto lo = hn::TableLookupBytes(lo_table, index);
+    const auto hi = hn::TableLookupBytes(hi_table, index);
+    hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, lo, hi)), d16, out + 2 * v * kL16);
+    hn::Store(hn::BitCast(d16, hn::InterleaveUpper(d8, lo, hi)), d16, out + (2 * v + 1) * kL16);
+  }
+}
+
+// Dimension (within its block) of decoded position p of a turbo block:
+// vector v of indices covers dims [v * kL8, (v + 1) * kL8); the interleaves
+// of low and high bytes take bytes 0-7 (then 8-15) of each 128-bit block.
+inline int TurboOrder(int p) {
+  const int vec16 = p / kL16, lane = p % kL16;
+  return (vec16 / 2) * kL8 + (lane / 8) * 16 + (vec16 % 2) * 8 + lane % 8;
+}
+
+template <int kB, int kBits>
+void DecodeTurboRecordInt(const IntCodec& c, const uint8_t* record, int16_t* out, float* scales,
+                          int scale_stride) {
+  for (int b = 0; b < c.layout.blocks; ++b) {
+    const uint8_t* block = record + static_cast<size_t>(b) * c.layout.block_bytes;
+    scales[b * scale_stride] = TurboDecodeFactor(block, kB);
+    DecodeTurboBlockInt<kB, kBits>(c, block, out + b * kB);
+  }
+}
+
+void DecodeQ8RecordInt(const IntCodec& c, const uint8_t* record, int16_t* out, float* scales,
+                       int scale_stride) {
+  const IntD16 d16;
+  const hn::Rebind<int8_t, IntD16> d8;
+  for (int b = 0; b < c.layout.blocks; ++b) {
+    const uint8_t* block = record + static_cast<size_t>(b) * kQ8BlockBytes;
+    scales[b * scale_stride] = HalfBitsToFloat(LoadHalfBits(block));
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < kGgmlBlockValues; i += kL16) {
+      hn::Store(hn::PromoteTo(d16, hn::LoadU(d8, q + i)), d16, out + b * kGgmlBlockValues + i);
+    }
+  }
+}
+
+void DecodeQ4RecordInt(const IntCodec& c, const uint8_t* record, int16_t* out, float* scales,
+                       int scale_stride) {
+  const IntD16 d16;
+  const hn::Rebind<uint8_t, IntD16> d8;
+  const auto mask = hn::Set(d8, 15);
+  const auto eight = hn::Set(d16, 8);
+  for (int b = 0; b < c.layout.blocks; ++b) {
+    const uint8_t* block = record + static_cast<size_t>(b) * kQ4BlockBytes;
+    scales[b * scale_stride] = HalfBitsToFloat(LoadHalfBits(block));
+    int16_t* o = out + b * kGgmlBlockValues;
+    for (int i = 0; i < kGgmlBlockValues / 2; i += kL16) {  // byte j: value j (low), j + 16 (high)
+      const auto bytes = hn::LoadU(d8, block + 2 + i);
+      hn::Store(hn::Sub(hn::BitCast(d16, hn::PromoteTo(hn::RebindToUnsigned<IntD16>(), hn::And(bytes, mask))), eight),
+                d16, o + i);
+      hn::Store(hn::Sub(hn::BitCast(d16, hn::PromoteTo(hn::RebindToUnsigned<IntD16>(), hn::ShiftRight<4>(bytes))), eight),
+                d16, o + kGgmlBlockValues / 2 + i);
+    }
+  }
+}
+
+IntCodec::IntCodec(const CodecLayout& l, int int_max) : layout(l), bits(TurboBits(l.kind)) {
+  order.resize(layout.head_dim);
+  if (bits != 0) {
+    const float* centroids = LayoutCentroids(layout);
+    float largest = 0.0f;
+    for (int i = 0; i < (1 << bits); ++i) largest = std::max(largest, std::fabs(centroids[i]));
+    const float scale = static_cast<float>(int_max) / largest;
+    for (int i = 0; i < (1 << bits); ++i) {
+      const int v = static_cast<int>(std::lrint(centroids[i] * scale));
+      max_int = std::max(max_int, std::abs(v));
+      const uint16_t u = static_cast<uint16_t>(static_cast<int16_t>(v));
+      table_lo[i] = static_cast<uint8_t>(u & 0xff);
+      table_hi[i] = static_cast<uint8_t>(u >> 8);
+    }
+    unit = 1.0f / scale;
+    for (int p = 0; p < layout.head_dim; ++p) {
+      order[p] = p / layout.block_values * layout.block_values + TurboOrder(p % layout.block_values);
+    }
+    DispatchTurbo(layout.block_values, bits, [&](auto bv, auto kbits) {
+      decode = &DecodeTurboRecordInt<bv.value, kbits.value>;
+    });
+    return;
+  }
+  for (int p = 0; p < layout.head_dim; ++p) order[p] = p;
+  if (layout.kind == CodecKind::kQ8_0) {
+    max_int = 127;
+    decode = &DecodeQ8RecordInt;
+  } else {
+    max_int = 8;
+    decode = &DecodeQ4RecordInt;
+  }
+}
+
+// Lane t of the result: the sum of the kL32 floats at p[t * kL32 ...]. Two
+// rounds of interleaves inside 128-bit blocks, then (256-bit) one fold of
+// the blocks.
+HWY_INLINE hn::Vec<IntDF> SumsOfRows(const float* HWY_RESTRICT p) {
+  const IntDF df;
+  const hn::Repartition<double, IntDF> d64;  // only moves 64-bit halves
+  auto quad = [&](const float* q) {
+    const auto a = hn::Load(df, q), b = hn::Load(df, q + kL32), c = hn::Load(df, q + 2 * kL32),
+               e = hn::Load(df, q + 3 * kL32);
+    const auto ab = hn::Add(hn::InterleaveLower(df, a, b), hn::InterleaveUpper(df, a, b));
+    const auto ce = hn::Add(hn::InterleaveLower(df, c, e), hn::InterleaveUpper(df, c, e));
+    const auto lo = hn::BitCast(df, hn::InterleaveLower(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce)));
+    const auto hi = hn::BitCast(df, hn::InterleaveUpper(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce)));
+    return hn::Add(lo, hi);  // block k: partial sums of a, b, c, e over block k
+  };
+  if constexpr (kL32 == 4) {
+    return quad(p);
+  } else {
+    const auto u = quad(p), w = quad(p + 4 * kL32);
+    return hn::Add(hn::ConcatLowerLower(df, w, u), hn::ConcatUpperUpper(df, w, u));
+  }
+}
+
+// Per scan task: both tensors' decoders, the quantized query, and buffers.
+struct IntScan {
+  IntScan(const ScanTask& task, bool int_keys, bool int_values);
+
+  int dim = 0;
+  int rows = 0;
+  std::unique_ptr<IntCodec> key, value;  // null: that side runs the float scan
+  hwy::AlignedFreeUniquePtr<int16_t[]> q;  // [rows][dim], key decoded order
+  std::vector<float> q_unit;               // [rows][key blocks]
+  hwy::AlignedFreeUniquePtr<int16_t[]> keys;  // [kScanTile][dim]
+  std::vector<float> key_scales;              // [kScanTile][key blocks]
+  hwy::AlignedFreeUniquePtr<float[]> partial;  // [4][kScanTile][kL32]
+  hwy::AlignedFreeUniquePtr<int16_t[]> decoded;  // [2][dim]: a pair of values
+  hwy::AlignedFreeUniquePtr<int16_t[]> pairs;    // [kScanTile / 2][dim * 2], interleaved
+  std::vector<float> value_scales;               // [value blocks][kScanTile]
+  hwy::AlignedFreeUniquePtr<int16_t[]> weights;  // [4][kScanTile]
+  int weight_max = 0;
+  std::vector<int> value_dims;  // accumulator position -> dimension
+};
+
+IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
+  const PagedKvCache& c = *task.cache;
+  dim = c.key_layout.head_dim;
+  rows = task.rows;
+  if (int_keys) {
+    key = std::make_unique<IntCodec>(c.key_layout, kKeyIntMax);
+    const int blocks = key->layout.blocks, bv = key->layout.block_values;
+    const float q_max = key->bits != 0 ? kQueryTurboMax : kQueryByteMax;
+    q = hwy::AllocateAligned<int16_t>(static_cast<size_t>(rows) * dim);
+    q_unit.resize(static_cast<size_t>(rows) * blocks);
+    for (int r = 0; r < rows; ++r) {
+      const float* src = task.q + static_cast<size_t>(r) * dim;
+      for (int b = 0; b < blocks; ++b) {
+        float largest = 0.0f;
+        for (int i = b * bv; i < (b + 1) * bv; ++i) largest = std::max(largest, std::fabs(src[i]));
+        const float to_int = largest > 0.0f ? q_max / largest : 0.0f;
+        for (int p = b * bv; p < (b + 1) * bv; ++p) {
+          q[static_cast<size_t>(r) * dim + p] = static_cast<int16_t>(std::lrint(src[key->order[p]] * to_int));
+        }
+        q_unit[static_cast<size_t>(r) * blocks + b] = largest > 0.0f ? largest / q_max * key->unit : 0.0f;
+      }
+    }
+    keys = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
+    key_scales.resize(static_cast<size_t>(kScanTile) * blocks);
+    partial = hwy::AllocateAligned<float>(4 * kScanTile * kL32);
+    std::fill(partial.get(), partial.get() + 4 * kScanTile * kL32, 0.0f);
+  }
+  if (int_values) {
+    value = std::make_unique<IntCodec>(c.value_layout, kValueIntMax);
+    decoded = hwy::AllocateAligned<int16_t>(2 * static_cast<size_t>(dim));
+    pairs = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
+    std::memset(pairs.get(), 0, sizeof(int16_t) * kScanTile * dim);
+    value_scales.assign(static_cast<size_t>(value->layout.blocks) * kScanTile, 0.0f);
+    weights = hwy::AllocateAligned<int16_t>(4 * kScanTile);
+    weight_max = std::min(32767, static_cast<int>(2147483647LL / (int64_t{kScanTile} * value->max_int)));
+    // A chunk of kL16 decoded positions accumulates into two vectors of kL32:
+    // the lower and upper interleaves of a token pair (lanes 0-3, then 4-7,
+    // of each 8-position block).
+    value_dims.resize(dim);
+    for (int pos = 0; pos < dim; ++pos) {
+      const int chunk = pos / kL16, lane = pos % kL16;
+      const int upper = lane / kL32, i = lane % kL32;
+      value_dims[pos] = value->order[chunk * kL16 + (i / 4) * 8 + upper * 4 + i % 4];
+    }
+  }
+}
+
+// Raw scores of one token's decoded key (row group r0 .. r0 + kRows) into
+// partial[r][j]: one vector per row, summed across lanes later.
+template <int kRows>
+HWY_INLINE void ScoreRowsInt(const IntScan& s, int r0, int j) {
+  const IntD16 d16;
+  const IntD32 d32;
+  const IntDF df;
+  const int blocks = s.key->layout.blocks, bv = s.key->layout.block_values;
+  const int16_t* k = s.keys.get() + static_cast<size_t>(j) * s.dim;
+  hn::Vec<IntDF> f[kRows];
+  for (int r = 0; r < kRows; ++r) f[r] = hn::Zero(df);
+  for (int b = 0; b < blocks; ++b) {
+    hn::Vec<IntD32> sum0[kRows], sum1[kRows];
+    for (int r = 0; r < kRows; ++r) sum0[r] = sum1[r] = hn::Zero(d32);
+    for (int i = b * bv; i < (b + 1) * bv; i += kL16) {
+      const auto kv = hn::Load(d16, k + i);
+      for (int r = 0; r < kRows; ++r) {
+        const int16_t* q = s.q.get() + static_cast<size_t>(r0 + r) * s.dim + i;
+        sum0[r] = hn::ReorderWidenMulAccumulate(d32, kv, hn::Load(d16, q), sum0[r], sum1[r]);
+      }
+    }
+    const float key_scale = s.key_scales[static_cast<size_t>(j) * blocks + b];
+    for (int r = 0; r < kRows; ++r) {
+      const float unit = key_scale * s.q_unit[static_cast<size_t>(r0 + r) * blocks + b];
+      f[r] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum0[r], sum1[r])), hn::Set(df, unit), f[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) hn::Store(f[r], df, s.partial.get() + (r * kScanTile + j) * kL32);
+}
+
+// Raw scores <q_r, k_t> of the tile's n tokens into logits[r * kScanTile + j]
+// (slots past n hold anything: the softmax masks them).
+void ScoreTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, float* logits) {
+  const PagedKvCache& c = *task.cache;
+  const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
+  const size_t record_bytes = c.key_layout.code_size();
+  const int blocks = s.key->layout.blocks;
+  for (int j = 0; j < n; ++j) {
+    s.key->decode(*s.key, records + j * record_bytes, s.keys.get() + static_cast<size_t>(j) * s.dim,
+                  s.key_scales.data() + static_cast<size_t>(j) * blocks, 1);
+  }
+  const IntDF df;
+  for (int r0 = 0; r0 < task.rows; r0 += 4) {
+    const int group = std::min(4, task.rows - r0);
+    for (int j = 0; j < n; ++j) {
+      switch (group) {
+        case 4: ScoreRowsInt<4>(s, r0, j); break;
+        case 3: ScoreRowsInt<3>(s, r0, j); break;
+        case 2: ScoreRowsInt<2>(s, r0, j); break;
+        default: ScoreRowsInt<1>(s, r0, j); break;
+      }
+    }
+    for (int r = 0; r < group; ++r) {
+      for (int j = 0; j < n; j += kL32) {
+        hn::Store(SumsOfRows(s.partial.get() + (r * kScanTile + j) * kL32), df,
+                  logits + (r0 + r) * kScanTile + j);
+      }
+    }
+  }
+}
+
+// acc_r += sum over the tile's token pairs of (w_2p, w_2p+1) . (v_2p, v_2p+1)
+// for the decoded positions [begin, end) of one value block, kRows rows.
+template <int kRows>
+HWY_INLINE void AccumulateRowsInt(const IntScan& s, int pair_count, int begin, int end,
+                                  const float* unit, float* acc) {
+  const IntD16 d16;
+  const IntD32 d32;
+  const IntDF df;
+  const int32_t* w = reinterpret_cast<const int32_t*>(s.weights.get());  // [4][kScanTile / 2] pairs
+  for (int chunk = begin; chunk < end; chunk += kL16) {
+    hn::Vec<IntD32> lo0[kRows], lo1[kRows], hi0[kRows], hi1[kRows];
+    for (int r = 0; r < kRows; ++r) lo0[r] = lo1[r] = hi0[r] = hi1[r] = hn::Zero(d32);
+    for (int p = 0; p < pair_count; ++p) {
+      const int16_t* pair = s.pairs.get() + (static_cast<size_t>(p) * s.dim + chunk) * 2;
+      const auto lo = hn::Load(d16, pair), hi = hn::Load(d16, pair + kL16);
+      for (int r = 0; r < kRows; ++r) {
+        const auto weight = hn::BitCast(d16, hn::Set(d32, w[r * (kScanTile / 2) + p]));
+        lo0[r] = hn::ReorderWidenMulAccumulate(d32, lo, weight, lo0[r], lo1[r]);
+        hi0[r] = hn::ReorderWidenMulAccumulate(d32, hi, weight, hi0[r], hi1[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const auto u = hn::Set(df, unit[r]);
+      float* out = acc + static_cast<size_t>(r) * s.dim + chunk;
+      hn::StoreU(hn::MulAdd(hn::ConvertTo(df, hn::RearrangeToOddPlusEven(lo0[r], lo1[r])), u, hn::LoadU(df, out)),
+                 df, out);
+      hn::StoreU(hn::MulAdd(hn::ConvertTo(df, hn::RearrangeToOddPlusEven(hi0[r], hi1[r])), u,
+                            hn::LoadU(df, out + kL32)),
+                 df, out + kL32);
+    }
+  }
+}
+
+// acc_r += sum_j weights[r * kScanTile + j] * v_j, accumulators in the
+// positions of value_dims (UnpermuteValues puts them back).
+void AccumulateTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, const float* weights,
+                       ScanState* state) {
+  const PagedKvCache& c = *task.cache;
+  const IntCodec& v = *s.value;
+  const uint8_t* records = c.value_record(task.head, t0);  // a tile lies in one page
+  const size_t record_bytes = c.value_layout.code_size();
+  const int blocks = v.layout.blocks, bv = v.layout.block_values;
+  const int pair_count = (n + 1) / 2;
+  const IntD16 d16;
+  for (int p = 0; p < pair_count; ++p) {
+    int16_t* a = s.decoded.get();
+    int16_t* b = a + s.dim;
+    v.decode(v, records + 2 * p * record_bytes, a, s.value_scales.data() + 2 * p, kScanTile);
+    if (2 * p + 1 < n) {
+      v.decode(v, records + (2 * p + 1) * record_bytes, b, s.value_scales.data() + 2 * p + 1, kScanTile);
+    } else {  // n odd: the last pair's second token has weight 0
+      for (int k = 0; k < blocks; ++k) s.value_scales[static_cast<size_t>(k) * kScanTile + 2 * p + 1] = 0.0f;
+    }
+    int16_t* out = s.pairs.get() + static_cast<size_t>(p) * s.dim * 2;
+    for (int i = 0; i < s.dim; i += kL16) {
+      const auto x = hn::Load(d16, a + i), y = hn::Load(d16, b + i);
+      hn::Store(hn::InterleaveLower(d16, x, y), d16, out + 2 * i);
+      hn::Store(hn::InterleaveUpper(d16, x, y), d16, out + 2 * i + kL16);
+    }
+  }
+  const IntDF df;
+  const hn::Rebind<int16_t, IntDF> d16half;
+  for (int k = 0; k < blocks; ++k) {
+    const float* scale = s.value_scales.data() + static_cast<size_t>(k) * kScanTile;
+    for (int r0 = 0; r0 < task.rows; r0 += 4) {
+      const int group = std::min(4, task.rows - r0);
+      float unit[4] = {};
+      for (int r = 0; r < group; ++r) {
+        // Weight times block scale, as int16 against the tile's largest.
+        const float* w = weights + (r0 + r) * kScanTile;
+        auto largest = hn::Zero(df);
+        for (int j = 0; j < 2 * pair_count; j += kL32) {
+          largest = hn::Max(largest, hn::Abs(hn::Mul(hn::Load(df, w + j), hn::LoadU(df, scale + j))));
+        }
+        const float m = hn::GetLane(hn::MaxOfLanes(df, largest));
+        const auto to_int = hn::Set(df, m > 0.0f ? static_cast<float>(s.weight_max) / m : 0.0f);
+        int16_t* dst = s.weights.get() + r * kScanTile;
+        for (int j = 0; j < 2 * pair_count; j += kL32) {
+          const auto x = hn::Mul(hn::Mul(hn::Load(df, w + j), hn::LoadU(df, scale + j)), to_int);
+          hn::StoreU(hn::DemoteTo(d16half, hn::NearestInt(x)), d16half, dst + j);
+        }
+        // int16 pairs as int32 words: the weights array is read as [4][kScanTile / 2] int32.
+        unit[r] = m / static_cast<float>(s.weight_max) * v.unit;
+      }
+      float* acc = state->acc.data() + static_cast<size_t>(r0) * s.dim;
+      switch (group) {
+        case 4: AccumulateRowsInt<4>(s, pair_count, k * bv, (k + 1) * bv, unit, acc); break;
+        case 3: AccumulateRowsInt<3>(s, pair_count, k * bv, (k + 1) * bv, unit, acc); break;
+        case 2: AccumulateRowsInt<2>(s, pair_count, k * bv, (k + 1) * bv, unit, acc); break;
+        default: AccumulateRowsInt<1>(s, pair_count, k * bv, (k + 1) * bv, unit, acc); break;
+      }
+    }
+  }
+}
+
+// The accumulators back in dimension order, at the end of a scan.
+void UnpermuteValues(const IntScan& s, ScanState* state) {
+  std::vector<float> row(s.dim);
+  for (int r = 0; r < s.rows; ++r) {
+    float* acc = state->acc.data() + static_cast<size_t>(r) * s.dim;
+    for (int pos = 0; pos < s.dim; ++pos) row[s.value_dims[pos]] = acc[pos];
+    std::copy(row.begin(), row.end(), acc);
+  }
+}
+
+#endif  // HWY_TARGET != HWY_SCALAR
+
+}  // namespace HWY_NAMESPACE
+}  // namespace turbokv
+HWY_AFTER_NAMESPACE();
+
+#endif  // TURBOKV_KERNELS_CPU_INT_SCAN_INL_H_
