@@ -74,11 +74,31 @@ struct IntCodec {
   // Decoded position -> dimension of the record: turbo blocks come out of the
   // byte shuffles in an order of their own; q8_0 and q4_0 in natural order.
   std::vector<int> order;
-  // Decodes one record: head_dim integers (decoded order) and one scale per
-  // block (the float value of an integer step is scale * unit).
-  void (*decode)(const IntCodec&, const uint8_t* record, int16_t* out, float* scales, int scale_stride) = nullptr;
+  // Decodes n consecutive records (record_bytes apart) into out[n][head_dim]
+  // integers, decoded order; a value is integer * unit * its block's fp16
+  // scale (BlockScales). One call per tile keeps the constants in registers.
+  void (*decode)(const IntCodec&, const uint8_t* records, size_t record_bytes, int n, int16_t* out) = nullptr;
 
   IntCodec(const CodecLayout& l, int int_max);
+};
+
+// Shift counts of PlaneField when a plane of kP bytes is shorter than a
+// vector: vector v, 8-byte lane u holds the fields of dims v * kL8 + 8 u ...
+// at bit kField * ((v * kL8 + 8 u) / kP). Constants in memory: a vector
+// built lane by lane on the stack would stall on store forwarding.
+template <int kP, int kField>
+struct FieldShifts {
+  struct Table {
+    alignas(32) uint64_t counts[8][4];
+  };
+  static constexpr Table Make() {
+    Table t{};
+    for (int v = 0; v < 8; ++v) {
+      for (int u = 0; u < 4; ++u) t.counts[v][u] = static_cast<uint64_t>(kField * ((v * kL8 + 8 * u) / kP));
+    }
+    return t;
+  }
+  static constexpr Table kTable = Make();
 };
 
 // Indices of dims [v * kL8, (v + 1) * kL8) of a plane of kP bytes holding
@@ -105,21 +125,18 @@ HWY_INLINE hn::Vec<IntDU8> PlaneField(const uint8_t* plane, int v) {
       std::memcpy(&word, plane, sizeof(word));
       bytes = hn::BitCast(d8, hn::Set(d64, word));
     }
-    HWY_ALIGN uint64_t counts[4];
-    for (int u = 0; u < 4; ++u) counts[u] = static_cast<uint64_t>(kField * ((v * kL8 + 8 * u) / kP));
-    return hn::And(hn::BitCast(d8, hn::BitCast(d64, bytes) >> hn::Load(d64, counts)), mask);
+    const auto counts = hn::Load(d64, FieldShifts<kP, kField>::kTable.counts[v]);
+    return hn::And(hn::BitCast(d8, hn::BitCast(d64, bytes) >> counts), mask);
   }
 }
 
 // One turbo block of kB values: int16 centroids in decoded order (see
 // TurboOrder).
-template <int kB, int kBits>
-HWY_INLINE void DecodeTurboBlockInt(const IntCodec& c, const uint8_t* block, int16_t* out) {
+template <int kB, int kBits, class V>
+HWY_INLINE void DecodeTurboBlockInt(V lo_table, V hi_table, const uint8_t* block, int16_t* out) {
   const IntDU8 d8;
   const IntD16 d16;
   const IntDU16 du16;
-  const auto lo_table = hn::LoadDup128(d8, c.table_lo);
-  const auto hi_table = hn::LoadDup128(d8, c.table_hi);
   const uint8_t* planes = block + kTurboScaleBytes;
   for (int v = 0; v < kB / kL8; ++v) {
     hn::Vec<IntDU8> index;
@@ -148,45 +165,49 @@ inline int TurboOrder(int p) {
 }
 
 template <int kB, int kBits>
-void DecodeTurboRecordInt(const IntCodec& c, const uint8_t* record, int16_t* out, float* scales,
-                          int scale_stride) {
-  for (int b = 0; b < c.layout.blocks; ++b) {
-    const uint8_t* block = record + static_cast<size_t>(b) * c.layout.block_bytes;
-    scales[b * scale_stride] = TurboDecodeFactor(block, kB);
-    DecodeTurboBlockInt<kB, kBits>(c, block, out + b * kB);
-  }
-}
-
-void DecodeQ8RecordInt(const IntCodec& c, const uint8_t* record, int16_t* out, float* scales,
-                       int scale_stride) {
-  const IntD16 d16;
-  const hn::Rebind<int8_t, IntD16> d8;
-  for (int b = 0; b < c.layout.blocks; ++b) {
-    const uint8_t* block = record + static_cast<size_t>(b) * kQ8BlockBytes;
-    scales[b * scale_stride] = HalfBitsToFloat(LoadHalfBits(block));
-    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-    for (int i = 0; i < kGgmlBlockValues; i += kL16) {
-      hn::Store(hn::PromoteTo(d16, hn::LoadU(d8, q + i)), d16, out + b * kGgmlBlockValues + i);
+void DecodeTurboInt(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
+  const IntDU8 d8;
+  const auto lo_table = hn::LoadDup128(d8, c.table_lo);
+  const auto hi_table = hn::LoadDup128(d8, c.table_hi);
+  const int dim = c.layout.head_dim;
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* record = records + j * record_bytes;
+    for (int b = 0; b < c.layout.blocks; ++b) {
+      DecodeTurboBlockInt<kB, kBits>(lo_table, hi_table, record + static_cast<size_t>(b) * c.layout.block_bytes,
+                                     out + static_cast<size_t>(j) * dim + b * kB);
     }
   }
 }
 
-void DecodeQ4RecordInt(const IntCodec& c, const uint8_t* record, int16_t* out, float* scales,
-                       int scale_stride) {
+void DecodeQ8Int(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
   const IntD16 d16;
+  const hn::Rebind<int8_t, IntD16> d8;
+  for (int j = 0; j < n; ++j) {
+    for (int b = 0; b < c.layout.blocks; ++b) {
+      const uint8_t* block = records + j * record_bytes + static_cast<size_t>(b) * kQ8BlockBytes;
+      const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+      int16_t* o = out + static_cast<size_t>(j) * c.layout.head_dim + b * kGgmlBlockValues;
+      for (int i = 0; i < kGgmlBlockValues; i += kL16) hn::Store(hn::PromoteTo(d16, hn::LoadU(d8, q + i)), d16, o + i);
+    }
+  }
+}
+
+void DecodeQ4Int(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
+  const IntD16 d16;
+  const hn::RebindToUnsigned<IntD16> du16;
   const hn::Rebind<uint8_t, IntD16> d8;
   const auto mask = hn::Set(d8, 15);
   const auto eight = hn::Set(d16, 8);
-  for (int b = 0; b < c.layout.blocks; ++b) {
-    const uint8_t* block = record + static_cast<size_t>(b) * kQ4BlockBytes;
-    scales[b * scale_stride] = HalfBitsToFloat(LoadHalfBits(block));
-    int16_t* o = out + b * kGgmlBlockValues;
-    for (int i = 0; i < kGgmlBlockValues / 2; i += kL16) {  // byte j: value j (low), j + 16 (high)
-      const auto bytes = hn::LoadU(d8, block + 2 + i);
-      hn::Store(hn::Sub(hn::BitCast(d16, hn::PromoteTo(hn::RebindToUnsigned<IntD16>(), hn::And(bytes, mask))), eight),
-                d16, o + i);
-      hn::Store(hn::Sub(hn::BitCast(d16, hn::PromoteTo(hn::RebindToUnsigned<IntD16>(), hn::ShiftRight<4>(bytes))), eight),
-                d16, o + kGgmlBlockValues / 2 + i);
+  for (int j = 0; j < n; ++j) {
+    for (int b = 0; b < c.layout.blocks; ++b) {
+      const uint8_t* block = records + j * record_bytes + static_cast<size_t>(b) * kQ4BlockBytes;
+      int16_t* o = out + static_cast<size_t>(j) * c.layout.head_dim + b * kGgmlBlockValues;
+      for (int i = 0; i < kGgmlBlockValues / 2; i += kL16) {  // byte j: value j (low), j + 16 (high)
+        const auto bytes = hn::LoadU(d8, block + 2 + i);
+        hn::Store(hn::Sub(hn::BitCast(d16, hn::PromoteTo(du16, hn::And(bytes, mask))), eight), d16, o + i);
+        hn::Store(hn::Sub(hn::BitCast(d16, hn::PromoteTo(du16, hn::ShiftRight<4>(bytes))), eight), d16,
+                  o + kGgmlBlockValues / 2 + i);
+      }
     }
   }
 }
@@ -205,22 +226,41 @@ IntCodec::IntCodec(const CodecLayout& l, int int_max) : layout(l), bits(TurboBit
       table_lo[i] = static_cast<uint8_t>(u & 0xff);
       table_hi[i] = static_cast<uint8_t>(u >> 8);
     }
-    unit = 1.0f / scale;
+    unit = 1.0f / (scale * static_cast<float>(layout.block_values));  // s / B per step
     for (int p = 0; p < layout.head_dim; ++p) {
       order[p] = p / layout.block_values * layout.block_values + TurboOrder(p % layout.block_values);
     }
     DispatchTurbo(layout.block_values, bits, [&](auto bv, auto kbits) {
-      decode = &DecodeTurboRecordInt<bv.value, kbits.value>;
+      decode = &DecodeTurboInt<bv.value, kbits.value>;
     });
     return;
   }
   for (int p = 0; p < layout.head_dim; ++p) order[p] = p;
   if (layout.kind == CodecKind::kQ8_0) {
     max_int = 127;
-    decode = &DecodeQ8RecordInt;
+    decode = &DecodeQ8Int;
   } else {
     max_int = 8;
-    decode = &DecodeQ4RecordInt;
+    decode = &DecodeQ4Int;
+  }
+}
+
+// The fp16 scales of block b of the tile's n records into
+// out[b * kScanTile + j] (F16C or native conversions); slots from n up to
+// the next whole vector get 0.
+void BlockScales(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, float* out) {
+  const IntDF df;
+  const hn::Rebind<hwy::float16_t, IntDF> dh;
+  HWY_ALIGN uint16_t bits[kScanTile];
+  const int padded = (n + kL32 - 1) / kL32 * kL32;
+  for (int b = 0; b < c.layout.blocks; ++b) {
+    const uint8_t* first = records + static_cast<size_t>(b) * c.layout.block_bytes;
+    for (int j = 0; j < n; ++j) bits[j] = LoadHalfBits(first + j * record_bytes);
+    for (int j = n; j < padded; ++j) bits[j] = 0;
+    for (int j = 0; j < padded; j += kL32) {
+      hn::StoreU(hn::PromoteTo(df, hn::Load(dh, reinterpret_cast<const hwy::float16_t*>(bits + j))), df,
+                 out + b * kScanTile + j);
+    }
   }
 }
 
@@ -257,9 +297,9 @@ struct IntScan {
   hwy::AlignedFreeUniquePtr<int16_t[]> q;  // [rows][dim], key decoded order
   std::vector<float> q_unit;               // [rows][key blocks]
   hwy::AlignedFreeUniquePtr<int16_t[]> keys;  // [kScanTile][dim]
-  std::vector<float> key_scales;              // [kScanTile][key blocks]
+  std::vector<float> key_scales;              // [key blocks][kScanTile]
   hwy::AlignedFreeUniquePtr<float[]> partial;  // [4][kScanTile][kL32]
-  hwy::AlignedFreeUniquePtr<int16_t[]> decoded;  // [2][dim]: a pair of values
+  hwy::AlignedFreeUniquePtr<int16_t[]> decoded;  // [kScanTile][dim]: the tile's values
   hwy::AlignedFreeUniquePtr<int16_t[]> pairs;    // [kScanTile / 2][dim * 2], interleaved
   std::vector<float> value_scales;               // [value blocks][kScanTile]
   hwy::AlignedFreeUniquePtr<int16_t[]> weights;  // [4][kScanTile]
@@ -296,7 +336,8 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
   }
   if (int_values) {
     value = std::make_unique<IntCodec>(c.value_layout, kValueIntMax);
-    decoded = hwy::AllocateAligned<int16_t>(2 * static_cast<size_t>(dim));
+    decoded = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
+    std::memset(decoded.get(), 0, sizeof(int16_t) * kScanTile * dim);
     pairs = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
     std::memset(pairs.get(), 0, sizeof(int16_t) * kScanTile * dim);
     value_scales.assign(static_cast<size_t>(value->layout.blocks) * kScanTile, 0.0f);
@@ -314,34 +355,55 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
   }
 }
 
-// Raw scores of one token's decoded key (row group r0 .. r0 + kRows) into
-// partial[r][j]: one vector per row, summed across lanes later.
-template <int kRows>
-HWY_INLINE void ScoreRowsInt(const IntScan& s, int r0, int j) {
+// Raw scores of the tile's n decoded keys against rows r0 .. r0 + kRows into
+// partial[r][j]: one vector per row and token, summed across lanes later.
+// Key blocks of kBv values.
+template <int kRows, int kBv>
+HWY_NOINLINE void ScoreGroupInt(const IntScan& s, int r0, int n) {
   const IntD16 d16;
   const IntD32 d32;
   const IntDF df;
-  const int blocks = s.key->layout.blocks, bv = s.key->layout.block_values;
-  const int16_t* k = s.keys.get() + static_cast<size_t>(j) * s.dim;
-  hn::Vec<IntDF> f[kRows];
-  for (int r = 0; r < kRows; ++r) f[r] = hn::Zero(df);
-  for (int b = 0; b < blocks; ++b) {
-    hn::Vec<IntD32> sum0[kRows], sum1[kRows];
-    for (int r = 0; r < kRows; ++r) sum0[r] = sum1[r] = hn::Zero(d32);
-    for (int i = b * bv; i < (b + 1) * bv; i += kL16) {
-      const auto kv = hn::Load(d16, k + i);
+  const int blocks = s.key->layout.blocks, dim = s.dim;
+  const int16_t* q[kRows];
+  const float* q_unit[kRows];
+  float* partial[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    q[r] = s.q.get() + static_cast<size_t>(r0 + r) * dim;
+    q_unit[r] = s.q_unit.data() + static_cast<size_t>(r0 + r) * blocks;
+    partial[r] = s.partial.get() + r * kScanTile * kL32;
+  }
+  const int16_t* k = s.keys.get();
+  for (int j = 0; j < n; ++j, k += dim) {
+    hn::Vec<IntDF> f[kRows];
+    for (int r = 0; r < kRows; ++r) f[r] = hn::Zero(df);
+    for (int b = 0; b < blocks; ++b) {
+      const int base = b * kBv;
+      const float key_scale = s.key_scales[static_cast<size_t>(b) * kScanTile + j];
+      // Row by row, the key's vectors reloaded from L1: interleaving the rows
+      // over shared key registers makes GCC compute every product first and
+      // spill them.
       for (int r = 0; r < kRows; ++r) {
-        const int16_t* q = s.q.get() + static_cast<size_t>(r0 + r) * s.dim + i;
-        sum0[r] = hn::ReorderWidenMulAccumulate(d32, kv, hn::Load(d16, q), sum0[r], sum1[r]);
+        auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
+        HWY_UNROLL(16)
+        for (int i = 0; i < kBv; i += kL16) {
+          sum0 = hn::ReorderWidenMulAccumulate(d32, hn::Load(d16, k + base + i), hn::Load(d16, q[r] + base + i),
+                                               sum0, sum1);
+        }
+        f[r] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum0, sum1)), hn::Set(df, key_scale * q_unit[r][b]), f[r]);
       }
     }
-    const float key_scale = s.key_scales[static_cast<size_t>(j) * blocks + b];
-    for (int r = 0; r < kRows; ++r) {
-      const float unit = key_scale * s.q_unit[static_cast<size_t>(r0 + r) * blocks + b];
-      f[r] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum0[r], sum1[r])), hn::Set(df, unit), f[r]);
-    }
+    for (int r = 0; r < kRows; ++r) hn::Store(f[r], df, partial[r] + j * kL32);
   }
-  for (int r = 0; r < kRows; ++r) hn::Store(f[r], df, s.partial.get() + (r * kScanTile + j) * kL32);
+}
+
+template <int kBv>
+void ScoreRowsInt(const IntScan& s, int r0, int rows, int n) {
+  switch (rows) {
+    case 4: return ScoreGroupInt<4, kBv>(s, r0, n);
+    case 3: return ScoreGroupInt<3, kBv>(s, r0, n);
+    case 2: return ScoreGroupInt<2, kBv>(s, r0, n);
+    default: return ScoreGroupInt<1, kBv>(s, r0, n);
+  }
 }
 
 // Raw scores <q_r, k_t> of the tile's n tokens into logits[r * kScanTile + j]
@@ -350,21 +412,15 @@ void ScoreTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, float* lo
   const PagedKvCache& c = *task.cache;
   const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
   const size_t record_bytes = c.key_layout.code_size();
-  const int blocks = s.key->layout.blocks;
-  for (int j = 0; j < n; ++j) {
-    s.key->decode(*s.key, records + j * record_bytes, s.keys.get() + static_cast<size_t>(j) * s.dim,
-                  s.key_scales.data() + static_cast<size_t>(j) * blocks, 1);
-  }
+  s.key->decode(*s.key, records, record_bytes, n, s.keys.get());
+  BlockScales(*s.key, records, record_bytes, n, s.key_scales.data());
   const IntDF df;
   for (int r0 = 0; r0 < task.rows; r0 += 4) {
     const int group = std::min(4, task.rows - r0);
-    for (int j = 0; j < n; ++j) {
-      switch (group) {
-        case 4: ScoreRowsInt<4>(s, r0, j); break;
-        case 3: ScoreRowsInt<3>(s, r0, j); break;
-        case 2: ScoreRowsInt<2>(s, r0, j); break;
-        default: ScoreRowsInt<1>(s, r0, j); break;
-      }
+    switch (s.key->layout.block_values) {
+      case 128: ScoreRowsInt<128>(s, r0, group, n); break;
+      case 64: ScoreRowsInt<64>(s, r0, group, n); break;
+      default: ScoreRowsInt<kGgmlBlockValues>(s, r0, group, n); break;
     }
     for (int r = 0; r < group; ++r) {
       for (int j = 0; j < n; j += kL32) {
@@ -419,15 +475,11 @@ void AccumulateTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, cons
   const int blocks = v.layout.blocks, bv = v.layout.block_values;
   const int pair_count = (n + 1) / 2;
   const IntD16 d16;
+  // n odd: the last pair's second token keeps stale integers; its scale is 0.
+  v.decode(v, records, record_bytes, n, s.decoded.get());
   for (int p = 0; p < pair_count; ++p) {
-    int16_t* a = s.decoded.get();
-    int16_t* b = a + s.dim;
-    v.decode(v, records + 2 * p * record_bytes, a, s.value_scales.data() + 2 * p, kScanTile);
-    if (2 * p + 1 < n) {
-      v.decode(v, records + (2 * p + 1) * record_bytes, b, s.value_scales.data() + 2 * p + 1, kScanTile);
-    } else {  // n odd: the last pair's second token has weight 0
-      for (int k = 0; k < blocks; ++k) s.value_scales[static_cast<size_t>(k) * kScanTile + 2 * p + 1] = 0.0f;
-    }
+    const int16_t* a = s.decoded.get() + static_cast<size_t>(2 * p) * s.dim;
+    const int16_t* b = a + s.dim;
     int16_t* out = s.pairs.get() + static_cast<size_t>(p) * s.dim * 2;
     for (int i = 0; i < s.dim; i += kL16) {
       const auto x = hn::Load(d16, a + i), y = hn::Load(d16, b + i);
@@ -435,6 +487,7 @@ void AccumulateTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, cons
       hn::Store(hn::InterleaveUpper(d16, x, y), d16, out + 2 * i + kL16);
     }
   }
+  BlockScales(v, records, record_bytes, n, s.value_scales.data());
   const IntDF df;
   const hn::Rebind<int16_t, IntDF> d16half;
   for (int k = 0; k < blocks; ++k) {
