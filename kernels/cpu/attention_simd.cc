@@ -168,6 +168,108 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
   }
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// f16 keys and values, the in-run baseline of the benchmarks: each record is
+// converted once (F16C, or native on Arm) for every row of its GQA group,
+// straight from the page into registers, and the rows' sums stay in
+// registers (two chains per row keep the multiply-adds busy).
+
+// Raw scores of the tile's n keys against rows r0 .. r0 + kRows into
+// partial[r][j] (IntScan's layout), summed across lanes by SumsOfRows.
+template <int kRows>
+HWY_NOINLINE void ScoreF16Rows(const ScanTask& task, int r0, const uint8_t* records, size_t record_bytes,
+                               int n, float* partial) {
+  const IntDF df;
+  const hn::Rebind<hwy::float16_t, IntDF> dh;
+  const int dim = task.cache->key_layout.head_dim;
+  const float* q[kRows];
+  for (int r = 0; r < kRows; ++r) q[r] = task.q + static_cast<size_t>(r0 + r) * dim;
+  for (int j = 0; j < n; ++j) {
+    const auto* k = reinterpret_cast<const hwy::float16_t*>(records + j * record_bytes);
+    hn::Vec<IntDF> f0[kRows], f1[kRows];
+    for (int r = 0; r < kRows; ++r) f0[r] = f1[r] = hn::Zero(df);
+    for (int i = 0; i < dim; i += 2 * kL32) {
+      const auto k0 = hn::PromoteTo(df, hn::LoadU(dh, k + i));
+      const auto k1 = hn::PromoteTo(df, hn::LoadU(dh, k + i + kL32));
+      for (int r = 0; r < kRows; ++r) {
+        f0[r] = hn::MulAdd(k0, hn::LoadU(df, q[r] + i), f0[r]);
+        f1[r] = hn::MulAdd(k1, hn::LoadU(df, q[r] + i + kL32), f1[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) hn::Store(hn::Add(f0[r], f1[r]), df, partial + (r * kScanTile + j) * kL32);
+  }
+}
+
+void ScoreTileF16(const ScanTask& task, int64_t t0, int n, float* partial, float* logits) {
+  const PagedKvCache& c = *task.cache;
+  const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
+  const size_t record_bytes = c.key_layout.code_size();
+  const IntDF df;
+  for (int r0 = 0; r0 < task.rows; r0 += 4) {
+    const int group = std::min(4, task.rows - r0);
+    switch (group) {
+      case 4: ScoreF16Rows<4>(task, r0, records, record_bytes, n, partial); break;
+      case 3: ScoreF16Rows<3>(task, r0, records, record_bytes, n, partial); break;
+      case 2: ScoreF16Rows<2>(task, r0, records, record_bytes, n, partial); break;
+      default: ScoreF16Rows<1>(task, r0, records, record_bytes, n, partial); break;
+    }
+    for (int r = 0; r < group; ++r) {
+      for (int j = 0; j < n; j += kL32) {
+        hn::Store(SumsOfRows(partial + (r * kScanTile + j) * kL32), df, logits + (r0 + r) * kScanTile + j);
+      }
+    }
+  }
+}
+
+// acc_r += sum_j weights[r * kScanTile + j] * v_j for rows r0 .. r0 + kRows,
+// 2 * kL32 dimensions at a time held in registers across the tile.
+template <int kRows>
+HWY_NOINLINE void AccumulateF16Rows(const uint8_t* records, size_t record_bytes, int n, int dim,
+                                    const float* weights, float* acc) {
+  const IntDF df;
+  const hn::Rebind<hwy::float16_t, IntDF> dh;
+  for (int i = 0; i < dim; i += 2 * kL32) {
+    hn::Vec<IntDF> a0[kRows], a1[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      a0[r] = hn::LoadU(df, acc + static_cast<size_t>(r) * dim + i);
+      a1[r] = hn::LoadU(df, acc + static_cast<size_t>(r) * dim + i + kL32);
+    }
+    for (int j = 0; j < n; ++j) {
+      const auto* v = reinterpret_cast<const hwy::float16_t*>(records + j * record_bytes) + i;
+      const auto v0 = hn::PromoteTo(df, hn::LoadU(dh, v));
+      const auto v1 = hn::PromoteTo(df, hn::LoadU(dh, v + kL32));
+      for (int r = 0; r < kRows; ++r) {
+        const auto w = hn::Set(df, weights[r * kScanTile + j]);
+        a0[r] = hn::MulAdd(w, v0, a0[r]);
+        a1[r] = hn::MulAdd(w, v1, a1[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      hn::StoreU(a0[r], df, acc + static_cast<size_t>(r) * dim + i);
+      hn::StoreU(a1[r], df, acc + static_cast<size_t>(r) * dim + i + kL32);
+    }
+  }
+}
+
+void AccumulateTileF16(const ScanTask& task, int64_t t0, int n, const float* weights, ScanState* state) {
+  const PagedKvCache& c = *task.cache;
+  const uint8_t* records = c.value_record(task.head, t0);  // a tile lies in one page
+  const size_t record_bytes = c.value_layout.code_size();
+  const int dim = c.value_layout.head_dim;
+  for (int r0 = 0; r0 < task.rows; r0 += 4) {
+    const int group = std::min(4, task.rows - r0);
+    const float* w = weights + r0 * kScanTile;
+    float* acc = state->acc.data() + static_cast<size_t>(r0) * dim;
+    switch (group) {
+      case 4: AccumulateF16Rows<4>(records, record_bytes, n, dim, w, acc); break;
+      case 3: AccumulateF16Rows<3>(records, record_bytes, n, dim, w, acc); break;
+      case 2: AccumulateF16Rows<2>(records, record_bytes, n, dim, w, acc); break;
+      default: AccumulateF16Rows<1>(records, record_bytes, n, dim, w, acc); break;
+    }
+  }
+}
+#endif  // HWY_TARGET != HWY_SCALAR
+
 #if HWY_TARGET == HWY_AVX3_DL
 // Highway's AVX3_DL target string names the VEX avxvnni; the 512-bit dot
 // products need avx512vnni, which the AVX3_DL run-time check requires.
@@ -503,6 +605,10 @@ void Scan(const ScanTask& task, ScanState* state) {
   const bool int_keys = task.integer_dot_products && IntCodecApplies(c.key_layout.kind);
   const bool int_values = task.integer_dot_products && IntCodecApplies(c.value_layout.kind);
   if (!vnni && (int_keys || int_values)) ints = std::make_unique<IntScan>(task, int_keys, int_values);
+  const bool f16_keys = c.key_layout.kind == CodecKind::kF16;
+  const bool f16_values = c.value_layout.kind == CodecKind::kF16;
+  hwy::AlignedFreeUniquePtr<float[]> f16_partial;
+  if (f16_keys) f16_partial = hwy::AllocateAligned<float>(4 * kScanTile * kL32);
 #endif
   for (int64_t t0 = task.begin; t0 < task.end;) {
     // A tile never crosses a page.
@@ -525,12 +631,16 @@ void Scan(const ScanTask& task, ScanState* state) {
 #if HWY_TARGET != HWY_SCALAR
     if (ints && ints->key) {
       ScoreTileInt(task, *ints, t0, n, logits.get());
+    } else if (f16_keys) {
+      ScoreTileF16(task, t0, n, f16_partial.get(), logits.get());
     } else {
       ScoreTileFloat(task, setup, t0, n, row_buffer.get(), logits.get());
     }
     SoftmaxTile(task, t0, n, logits.get(), state);
     if (ints && ints->value) {
       AccumulateTileInt(task, *ints, t0, n, logits.get(), state);
+    } else if (f16_values) {
+      AccumulateTileF16(task, t0, n, logits.get(), state);
     } else {
       AccumulateTileFloat(task, setup, t0, n, logits.get(), row_buffer.get(), state);
     }

@@ -78,6 +78,10 @@ struct IntCodec {
   // integers, decoded order; a value is integer * unit * its block's fp16
   // scale (BlockScales). One call per tile keeps the constants in registers.
   void (*decode)(const IntCodec&, const uint8_t* records, size_t record_bytes, int n, int16_t* out) = nullptr;
+  // Turbo values: the tile's records straight into token pairs (see
+  // DecodeTurboPairsInt); null for q8_0 / q4_0, whose decoded records are
+  // interleaved afterwards.
+  void (*decode_pairs)(const IntCodec&, const uint8_t* records, size_t record_bytes, int n, int16_t* out) = nullptr;
 
   IntCodec(const CodecLayout& l, int int_max);
 };
@@ -130,25 +134,31 @@ HWY_INLINE hn::Vec<IntDU8> PlaneField(const uint8_t* plane, int v) {
   }
 }
 
+// The centroid indices of dims [v * kL8, (v + 1) * kL8) of a turbo block
+// whose planes start at `planes`, one per byte.
+template <int kB, int kBits>
+HWY_INLINE hn::Vec<IntDU8> TurboIndices(const uint8_t* planes, int v) {
+  if constexpr (kBits == 4) {
+    return PlaneField<kB / 2, 4>(planes, v);
+  } else {
+    const auto low = PlaneField<kB / 4, 2>(planes, v);
+    if constexpr (kBits == 2) return low;
+    const IntDU8 d8;
+    const IntDU16 du16;
+    const auto high = PlaneField<kB / 8, 1>(planes + kB / 4, v);  // 0 or 1 per byte
+    return hn::Or(low, hn::BitCast(d8, hn::ShiftLeft<2>(hn::BitCast(du16, high))));
+  }
+}
+
 // One turbo block of kB values: int16 centroids in decoded order (see
 // TurboOrder).
 template <int kB, int kBits, class V>
 HWY_INLINE void DecodeTurboBlockInt(V lo_table, V hi_table, const uint8_t* block, int16_t* out) {
   const IntDU8 d8;
   const IntD16 d16;
-  const IntDU16 du16;
   const uint8_t* planes = block + kTurboScaleBytes;
   for (int v = 0; v < kB / kL8; ++v) {
-    hn::Vec<IntDU8> index;
-    if constexpr (kBits == 4) {
-      index = PlaneField<kB / 2, 4>(planes, v);
-    } else {
-      index = PlaneField<kB / 4, 2>(planes, v);
-      if constexpr (kBits == 3) {
-        const auto high = PlaneField<kB / 8, 1>(planes + kB / 4, v);  // 0 or 1 per byte
-        index = hn::Or(index, hn::BitCast(d8, hn::ShiftLeft<2>(hn::BitCast(du16, high))));
-      }
-    }
+    const auto index = TurboIndices<kB, kBits>(planes, v);
     const auto lo = hn::TableLookupBytes(lo_table, index);
     const auto hi = hn::TableLookupBytes(hi_table, index);
     hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, lo, hi)), d16, out + 2 * v * kL16);
@@ -177,6 +187,47 @@ void DecodeTurboInt(const IntCodec& c, const uint8_t* records, size_t record_byt
                                      out + static_cast<size_t>(j) * dim + b * kB);
     }
   }
+}
+
+// Value records as token pairs, the layout the weighted sums read: for pair
+// p (records 2p and 2p + 1; the second is the first again past n, its weight
+// being 0), each vector of kL16 int16 holds (a_i, b_i) for kL32 dims i (see
+// TurboPairDims). Indices interleaved before the lookups: one shuffle pass
+// serves both tokens.
+template <int kB, int kBits>
+void DecodeTurboPairsInt(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
+  const IntDU8 d8;
+  const IntD16 d16;
+  const auto lo_table = hn::LoadDup128(d8, c.table_lo);
+  const auto hi_table = hn::LoadDup128(d8, c.table_hi);
+  const int dim = c.layout.head_dim;
+  for (int p = 0; 2 * p < n; ++p) {
+    const uint8_t* a = records + 2 * p * record_bytes;
+    const uint8_t* b = 2 * p + 1 < n ? a + record_bytes : a;
+    int16_t* o = out + static_cast<size_t>(p) * 2 * dim;
+    for (int k = 0; k < c.layout.blocks; ++k) {
+      const uint8_t* pa = a + static_cast<size_t>(k) * c.layout.block_bytes + kTurboScaleBytes;
+      const uint8_t* pb = b + static_cast<size_t>(k) * c.layout.block_bytes + kTurboScaleBytes;
+      for (int v = 0; v < kB / kL8; ++v, o += 4 * kL16) {
+        const auto ia = TurboIndices<kB, kBits>(pa, v), ib = TurboIndices<kB, kBits>(pb, v);
+        const auto x = hn::InterleaveLower(d8, ia, ib), y = hn::InterleaveUpper(d8, ia, ib);
+        const auto xl = hn::TableLookupBytes(lo_table, x), xh = hn::TableLookupBytes(hi_table, x);
+        const auto yl = hn::TableLookupBytes(lo_table, y), yh = hn::TableLookupBytes(hi_table, y);
+        hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, xl, xh)), d16, o);
+        hn::Store(hn::BitCast(d16, hn::InterleaveUpper(d8, xl, xh)), d16, o + kL16);
+        hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, yl, yh)), d16, o + 2 * kL16);
+        hn::Store(hn::BitCast(d16, hn::InterleaveUpper(d8, yl, yh)), d16, o + 3 * kL16);
+      }
+    }
+  }
+}
+
+// Dimension (within its block) of int32 lane pos of DecodeTurboPairsInt's
+// output: vector t of a block covers dims of index vector t / 4; its part
+// t % 4 takes, of each 128-bit block of 16 indices, 4 consecutive ones.
+inline int TurboPairDims(int pos) {
+  const int t = pos / kL32, i = pos % kL32;
+  return (t / 4) * kL8 + (i / 4) * 16 + (t % 4) * 4 + i % 4;
 }
 
 void DecodeQ8Int(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
@@ -232,6 +283,7 @@ IntCodec::IntCodec(const CodecLayout& l, int int_max) : layout(l), bits(TurboBit
     }
     DispatchTurbo(layout.block_values, bits, [&](auto bv, auto kbits) {
       decode = &DecodeTurboInt<bv.value, kbits.value>;
+      decode_pairs = &DecodeTurboPairsInt<bv.value, kbits.value>;
     });
     return;
   }
@@ -348,6 +400,11 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
     // of each 8-position block).
     value_dims.resize(dim);
     for (int pos = 0; pos < dim; ++pos) {
+      if (value->decode_pairs != nullptr) {
+        const int bv = value->layout.block_values;
+        value_dims[pos] = pos / bv * bv + TurboPairDims(pos % bv);
+        continue;
+      }
       const int chunk = pos / kL16, lane = pos % kL16;
       const int upper = lane / kL32, i = lane % kL32;
       value_dims[pos] = value->order[chunk * kL16 + (i / 4) * 8 + upper * 4 + i % 4];
@@ -475,9 +532,13 @@ void AccumulateTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, cons
   const int blocks = v.layout.blocks, bv = v.layout.block_values;
   const int pair_count = (n + 1) / 2;
   const IntD16 d16;
-  // n odd: the last pair's second token keeps stale integers; its scale is 0.
-  v.decode(v, records, record_bytes, n, s.decoded.get());
-  for (int p = 0; p < pair_count; ++p) {
+  // n odd: the last pair's second token has scale 0 (BlockScales).
+  if (v.decode_pairs != nullptr) {
+    v.decode_pairs(v, records, record_bytes, n, s.pairs.get());
+  } else {
+    v.decode(v, records, record_bytes, n, s.decoded.get());
+  }
+  for (int p = 0; p < pair_count && v.decode_pairs == nullptr; ++p) {
     const int16_t* a = s.decoded.get() + static_cast<size_t>(2 * p) * s.dim;
     const int16_t* b = a + s.dim;
     int16_t* out = s.pairs.get() + static_cast<size_t>(p) * s.dim * 2;
