@@ -215,7 +215,7 @@ void ScoreTileF16(const ScanTask& task, int64_t t0, int n, float* partial, float
     }
     for (int r = 0; r < group; ++r) {
       for (int j = 0; j < n; j += kL32) {
-        hn::Store(SumsOfRows(partial + (r * kScanTile + j) * kL32), df, logits + (r0 + r) * kScanTile + j);
+        hn::Store(SumsOfRows(df, partial + (r * kScanTile + j) * kL32), df, logits + (r0 + r) * kScanTile + j);
       }
     }
   }

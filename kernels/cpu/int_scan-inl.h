@@ -316,26 +316,26 @@ void BlockScales(const IntCodec& c, const uint8_t* records, size_t record_bytes,
   }
 }
 
-// Lane t of the result: the sum of the kL32 floats at p[t * kL32 ...]. Two
-// rounds of interleaves inside 128-bit blocks, then (256-bit) one fold of
-// the blocks.
-HWY_INLINE hn::Vec<IntDF> SumsOfRows(const float* HWY_RESTRICT p) {
-  const IntDF df;
-  const hn::Repartition<double, IntDF> d64;  // only moves 64-bit halves
-  auto quad = [&](const float* q) {
-    const auto a = hn::Load(df, q), b = hn::Load(df, q + kL32), c = hn::Load(df, q + 2 * kL32),
-               e = hn::Load(df, q + 3 * kL32);
-    const auto ab = hn::Add(hn::InterleaveLower(df, a, b), hn::InterleaveUpper(df, a, b));
-    const auto ce = hn::Add(hn::InterleaveLower(df, c, e), hn::InterleaveUpper(df, c, e));
-    const auto lo = hn::BitCast(df, hn::InterleaveLower(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce)));
-    const auto hi = hn::BitCast(df, hn::InterleaveUpper(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce)));
+// Lane t of the result: the sum of the kL32 lanes at p[t * kL32 ...] (float
+// or int32). Two rounds of interleaves inside 128-bit blocks, then (256-bit)
+// one fold of the blocks.
+template <class D>
+HWY_INLINE hn::Vec<D> SumsOfRows(D d, const hn::TFromD<D>* HWY_RESTRICT p) {
+  const hn::Repartition<uint64_t, D> d64;  // only moves 64-bit halves
+  auto quad = [&](const hn::TFromD<D>* q) {
+    const auto a = hn::Load(d, q), b = hn::Load(d, q + kL32), c = hn::Load(d, q + 2 * kL32),
+               e = hn::Load(d, q + 3 * kL32);
+    const auto ab = hn::Add(hn::InterleaveLower(d, a, b), hn::InterleaveUpper(d, a, b));
+    const auto ce = hn::Add(hn::InterleaveLower(d, c, e), hn::InterleaveUpper(d, c, e));
+    const auto lo = hn::BitCast(d, hn::InterleaveLower(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce)));
+    const auto hi = hn::BitCast(d, hn::InterleaveUpper(d64, hn::BitCast(d64, ab), hn::BitCast(d64, ce)));
     return hn::Add(lo, hi);  // block k: partial sums of a, b, c, e over block k
   };
   if constexpr (kL32 == 4) {
     return quad(p);
   } else {
     const auto u = quad(p), w = quad(p + 4 * kL32);
-    return hn::Add(hn::ConcatLowerLower(df, w, u), hn::ConcatUpperUpper(df, w, u));
+    return hn::Add(hn::ConcatLowerLower(d, w, u), hn::ConcatUpperUpper(d, w, u));
   }
 }
 
@@ -351,6 +351,7 @@ struct IntScan {
   hwy::AlignedFreeUniquePtr<int16_t[]> keys;  // [kScanTile][dim]
   std::vector<float> key_scales;              // [key blocks][kScanTile]
   hwy::AlignedFreeUniquePtr<float[]> partial;  // [4][kScanTile][kL32]
+  hwy::AlignedFreeUniquePtr<int32_t[]> partial_int;  // the same, keys of one block
   hwy::AlignedFreeUniquePtr<int16_t[]> decoded;  // [kScanTile][dim]: the tile's values
   hwy::AlignedFreeUniquePtr<int16_t[]> pairs;    // [kScanTile / 2][dim * 2], interleaved
   std::vector<float> value_scales;               // [value blocks][kScanTile]
@@ -385,6 +386,8 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
     key_scales.resize(static_cast<size_t>(kScanTile) * blocks);
     partial = hwy::AllocateAligned<float>(4 * kScanTile * kL32);
     std::fill(partial.get(), partial.get() + 4 * kScanTile * kL32, 0.0f);
+    partial_int = hwy::AllocateAligned<int32_t>(4 * kScanTile * kL32);
+    std::fill(partial_int.get(), partial_int.get() + 4 * kScanTile * kL32, 0);
   }
   if (int_values) {
     value = std::make_unique<IntCodec>(c.value_layout, kValueIntMax);
@@ -453,8 +456,41 @@ HWY_NOINLINE void ScoreGroupInt(const IntScan& s, int r0, int n) {
   }
 }
 
+// Records of one block (turbo, head_dim = B): integer sums into
+// partial_int[r][j]; the scales apply after the sums across lanes.
+template <int kRows, int kBv>
+HWY_NOINLINE void ScoreOneBlockInt(const IntScan& s, int r0, int n) {
+  const IntD16 d16;
+  const IntD32 d32;
+  const int16_t* q[kRows];
+  int32_t* partial[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    q[r] = s.q.get() + static_cast<size_t>(r0 + r) * kBv;
+    partial[r] = s.partial_int.get() + r * kScanTile * kL32;
+  }
+  const int16_t* k = s.keys.get();
+  for (int j = 0; j < n; ++j, k += kBv) {
+    for (int r = 0; r < kRows; ++r) {
+      auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
+      HWY_UNROLL(16)
+      for (int i = 0; i < kBv; i += kL16) {
+        sum0 = hn::ReorderWidenMulAccumulate(d32, hn::Load(d16, k + i), hn::Load(d16, q[r] + i), sum0, sum1);
+      }
+      hn::Store(hn::Add(sum0, sum1), d32, partial[r] + j * kL32);
+    }
+  }
+}
+
 template <int kBv>
 void ScoreRowsInt(const IntScan& s, int r0, int rows, int n) {
+  if (s.key->layout.blocks == 1) {
+    switch (rows) {
+      case 4: return ScoreOneBlockInt<4, kBv>(s, r0, n);
+      case 3: return ScoreOneBlockInt<3, kBv>(s, r0, n);
+      case 2: return ScoreOneBlockInt<2, kBv>(s, r0, n);
+      default: return ScoreOneBlockInt<1, kBv>(s, r0, n);
+    }
+  }
   switch (rows) {
     case 4: return ScoreGroupInt<4, kBv>(s, r0, n);
     case 3: return ScoreGroupInt<3, kBv>(s, r0, n);
@@ -480,9 +516,18 @@ void ScoreTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, float* lo
       default: ScoreRowsInt<kGgmlBlockValues>(s, r0, group, n); break;
     }
     for (int r = 0; r < group; ++r) {
-      for (int j = 0; j < n; j += kL32) {
-        hn::Store(SumsOfRows(s.partial.get() + (r * kScanTile + j) * kL32), df,
-                  logits + (r0 + r) * kScanTile + j);
+      float* out = logits + (r0 + r) * kScanTile;
+      if (s.key->layout.blocks == 1) {
+        const IntD32 d32;
+        const auto unit = hn::Set(df, s.q_unit[r0 + r]);
+        for (int j = 0; j < n; j += kL32) {
+          const auto sums = hn::ConvertTo(df, SumsOfRows(d32, s.partial_int.get() + (r * kScanTile + j) * kL32));
+          hn::Store(hn::Mul(hn::Mul(sums, unit), hn::LoadU(df, s.key_scales.data() + j)), df, out + j);
+        }
+      } else {
+        for (int j = 0; j < n; j += kL32) {
+          hn::Store(SumsOfRows(df, s.partial.get() + (r * kScanTile + j) * kL32), df, out + j);
+        }
       }
     }
   }
