@@ -20,7 +20,7 @@ constexpr char kUsage[] =
     "         NAME: f16, q8_0, q4_0, turbo2, turbo3, turbo4, or all (a table of every codec)\n"
     "       turbokv-bench attend --k-codec C --v-codec C --tokens T --kv-heads H --q-heads Q\n"
     "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
-    "                            [--impl cpu|cuda] [--simd TARGET] [--chunk-tokens N] [--json]\n"
+    "                            [--impl cpu|cuda] [--target AVX2|SSE4|...] [--chunk-tokens N] [--json]\n"
     "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
     "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]] [--json]\n";
 

@@ -132,7 +132,9 @@ INSTANTIATE_TEST_SUITE_P(
                           std::make_pair(CodecKind::kTurbo2, CodecKind::kTurbo4),
                           std::make_pair(CodecKind::kF16, CodecKind::kF16),
                           std::make_pair(CodecKind::kQ8_0, CodecKind::kQ4_0),
-                          std::make_pair(CodecKind::kTurbo4, CodecKind::kF16)),
+                          std::make_pair(CodecKind::kTurbo4, CodecKind::kF16),
+                          std::make_pair(CodecKind::kQ8_0, CodecKind::kTurbo4),
+                          std::make_pair(CodecKind::kF16, CodecKind::kTurbo3)),
         ::testing::Values(64, 128, 256), ::testing::Values(1, 4, 8)),
     [](const auto& info) {
       const auto& codecs = std::get<0>(info.param);
@@ -203,25 +205,45 @@ TEST(AttentionFeaturesTest, HeadDim576WithSixteenQueryHeads) {
   ExpectAllPathsMatch(p, DecodedReference(p), "d=576 group=16");
 }
 
-// Every SIMD target compiled in and supported here against the scalar path.
+// Every SIMD target compiled in and supported here against the scalar path:
+// every codec on the integer scan, rotation blocks of 128 and 64, records of
+// several blocks (d = 576: nine of 64), softcap and window.
 TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
-  const Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 2);
-  const Problem f16 = MakeProblem(CodecKind::kF16, CodecKind::kQ8_0, 64, 2, 4, 300, 2);
+  std::vector<Problem> problems;
+  problems.push_back(MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 2));
+  problems.push_back(MakeProblem(CodecKind::kF16, CodecKind::kQ8_0, 64, 2, 4, 300, 2));
+  problems.push_back(MakeProblem(CodecKind::kQ8_0, CodecKind::kTurbo4, 128, 2, 4, 300, 2));
+  problems.push_back(MakeProblem(CodecKind::kQ4_0, CodecKind::kTurbo3, 64, 2, 3, 300, 2));
+  problems.push_back(MakeProblem(CodecKind::kTurbo2, CodecKind::kTurbo3, 576, 1, 5, 130, 1));
+  problems.push_back(MakeProblem(CodecKind::kTurbo3, CodecKind::kF16, 256, 1, 2, 200, 1));
   Problem capped = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo2, 128, 2, 4, 300, 2, 6.0f);
   capped.params.softcap = 5.0f;
   capped.params.window = 50;
+  problems.push_back(std::move(capped));
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   int tested = 0;
   for (int64_t bits = targets; bits != 0; bits &= bits - 1) {
     const int64_t target = bits & -bits;
     hwy::SetSupportedTargetsForTest(target);
-    for (const Problem* problem : std::initializer_list<const Problem*>{&p, &f16, &capped}) {
-      const Result scalar = Attend(*problem, {AttentionPath::kScalar});
+    for (const Problem& problem : problems) {
+      const std::string what = std::string(hwy::TargetName(target)) + " " + CodecName(problem.key_spec.kind) +
+                               "/" + CodecName(problem.value_spec.kind) + " d=" +
+                               std::to_string(problem.key_spec.head_dim);
+      const Result scalar = Attend(problem, {AttentionPath::kScalar});
       AttentionOptions simd_float{AttentionPath::kSimd};
       simd_float.integer_dot_products = false;
-      EXPECT_LT(RelativeL2(Attend(*problem, simd_float).out, scalar.out), 2e-5) << hwy::TargetName(target);
-      EXPECT_LT(RelativeL2(Attend(*problem, {AttentionPath::kSimd}).out, scalar.out), 5e-4)
-          << hwy::TargetName(target);
+      const Result float_path = Attend(problem, simd_float);
+      const Result integer_path = Attend(problem, {AttentionPath::kSimd});
+      EXPECT_LT(RelativeL2(float_path.out, scalar.out), 2e-5) << what;
+      EXPECT_LT(RelativeL2(integer_path.out, scalar.out), 5e-4) << what;
+      for (size_t i = 0; i < scalar.lse.size(); ++i) {
+        EXPECT_NEAR(integer_path.lse[i], scalar.lse[i], 1e-3 * std::max(1.0f, std::fabs(scalar.lse[i]))) << what;
+      }
+      // The integer scan really ran (it rounds differently from the float
+      // scan), except where there is none: SCALAR, and f16 on both sides.
+      if (target != HWY_SCALAR && problem.key_spec.kind != CodecKind::kF16) {
+        EXPECT_GT(RelativeL2(integer_path.out, float_path.out), 0.0) << what;
+      }
     }
     ++tested;
   }
