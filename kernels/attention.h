@@ -102,13 +102,17 @@ struct AttentionOptions {
   // Work is split over kv heads and token chunks and runs here; nullptr runs
   // everything on the calling thread.
   ThreadPool* pool = nullptr;
-  // Tokens per work item: a head's tokens are cut on a grid of this many
-  // (0: 1024), fixed by position, so that results do not depend on the pool
-  // size or on the other problems and queries of the batch.
+  // Tokens per work item: a head's tokens are cut on a grid of this many,
+  // fixed by position, so that results do not depend on the pool size or on
+  // the other problems and queries of the batch. 0: chosen from the cache
+  // alone, 1024 down to 256 so that it gives at least 64 work items when it
+  // can (short caches, few kv heads).
   int64_t chunk_tokens = 0;
-  // On CPUs with AVX-512 VNNI and VBMI, caches with turbo keys and values are
-  // scored and accumulated with int16 dot products: several times faster,
-  // within about 1e-4 relative of the float path. false forces float.
+  // Keys and values of every codec but f16 are scored and accumulated in
+  // integers (int16 x int16 -> int32 multiply-adds, on every SIMD target;
+  // AVX-512 VNNI for turbo keys and values where the CPU has it), within about
+  // 1e-4 relative of the float scan. false forces the float scan, the
+  // reference of the tests.
   bool integer_dot_products = true;
 };
 

@@ -160,9 +160,16 @@ namespace {
 // for every kv head x chunk) during long prefills.
 constexpr int64_t kQueriesPerPass = 32;
 
-// Tokens per work item by default: large enough that the per-item setup and
-// the merge are noise, small enough to spread one long head over the threads.
-constexpr int64_t kChunkTokens = 1024;
+// Tokens per work item by default: 1024, large enough that the per-item
+// setup and the merge are noise; halved (down to 256) while the cache would
+// give fewer than 64 items, so that short caches and few kv heads still keep
+// 32 threads busy. It depends on the cache alone: a query's result is the
+// same whatever else the batch holds.
+int64_t DefaultChunkTokens(const PagedKvCache& cache) {
+  int64_t chunk = 1024;
+  while (chunk > 256 && cache.kv_heads * ((cache.tokens + chunk - 1) / chunk) < 64) chunk /= 2;
+  return chunk;
+}
 
 // Up to kQueriesPerPass queries of one problem, scanned together: each kv
 // head's span is cut into chunks, one work item per (head, chunk).
@@ -319,9 +326,9 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
   // Work items: (pass, kv head, chunk). Chunks sit on a grid fixed by
   // position, so that how a query's tokens are cut (and merged) depends on
   // neither the pool size nor the other queries of the batch.
-  const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : kChunkTokens;
   int64_t items = 0;
   for (Pass& pass : passes) {
+    const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : DefaultChunkTokens(*pass.cache);
     pass.chunk = chunk;
     pass.first_chunk = pass.begin / chunk;
     pass.chunks = (pass.end - 1) / chunk - pass.first_chunk + 1;

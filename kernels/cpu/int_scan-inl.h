@@ -393,8 +393,7 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
     value = std::make_unique<IntCodec>(c.value_layout, kValueIntMax);
     decoded = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
     std::memset(decoded.get(), 0, sizeof(int16_t) * kScanTile * dim);
-    pairs = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
-    std::memset(pairs.get(), 0, sizeof(int16_t) * kScanTile * dim);
+    pairs = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);  // fully written per tile
     value_scales.assign(static_cast<size_t>(value->layout.blocks) * kScanTile, 0.0f);
     weights = hwy::AllocateAligned<int16_t>(4 * kScanTile);
     weight_max = std::min(32767, static_cast<int>(2147483647LL / (int64_t{kScanTile} * value->max_int)));
