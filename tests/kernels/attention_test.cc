@@ -248,7 +248,9 @@ TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
     ++tested;
   }
   hwy::SetSupportedTargetsForTest(0);
-  EXPECT_GE(tested, 2);
+  // x86 compiles several targets (SSSE3 at least beside the best); Arm builds
+  // NEON only (kernels/CMakeLists.txt).
+  EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
 }
 
 TEST(AttentionFeaturesTest, ThreadsAndChunksGiveTheSameResult) {

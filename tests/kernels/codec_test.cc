@@ -219,7 +219,7 @@ TEST(SimdTargetsTest, EveryTargetMatchesTheReference) {
     std::printf("checked SIMD target %s\n", hwy::TargetName(target));
   }
   hwy::SetSupportedTargetsForTest(0);
-  EXPECT_GE(tested, 2);
+  EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);  // Arm builds NEON only
 }
 
 // The SIMD rotation of whole rows (the attention's query and output
