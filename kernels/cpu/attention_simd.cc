@@ -127,6 +127,7 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
       for (int j = 0; j < kScanTile; ++j) lr[j] = 0.0f;
       continue;
     }
+    const bool whole = lo == 0 && hi == kScanTile;  // every slot visible: no masks
     auto max = hn::Set(d, -INFINITY);
     for (int j = 0; j < kScanTile; j += lanes) {
       auto x = hn::Mul(hn::Load(d, lr + j), scale);
@@ -134,10 +135,12 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
       // the AVX-512 targets (wrong logits, caught by the softcap tests).
       if (task.softcap > 0.0f) x = hn::Mul(cap, hn::CallTanh(d, hn::Mul(x, inv_cap)));
       // Invisible tokens (and slots past n) get -inf.
-      const auto index = hn::Iota(d, static_cast<float>(j));
-      x = hn::IfThenElse(hn::And(hn::Ge(index, hn::Set(d, static_cast<float>(lo))),
-                                 hn::Lt(index, hn::Set(d, static_cast<float>(hi)))),
-                         x, hn::Set(d, -INFINITY));
+      if (!whole) {
+        const auto index = hn::Iota(d, static_cast<float>(j));
+        x = hn::IfThenElse(hn::And(hn::Ge(index, hn::Set(d, static_cast<float>(lo))),
+                                   hn::Lt(index, hn::Set(d, static_cast<float>(hi)))),
+                           x, hn::Set(d, -INFINITY));
+      }
       max = hn::Max(max, x);
       hn::Store(x, d, lr + j);
     }
@@ -153,8 +156,8 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
     auto sum = hn::Zero(d);
     for (int j = 0; j < kScanTile; j += lanes) {
       const auto x = hn::Load(d, lr + j);
-      const auto visible = hn::Gt(x, hn::Set(d, -INFINITY));
-      const auto p = hn::IfThenElseZero(visible, hn::Exp(d, hn::Max(hn::Sub(x, m), floor)));
+      auto p = hn::Exp(d, hn::Max(hn::Sub(x, m), floor));
+      if (!whole) p = hn::IfThenElseZero(hn::Gt(x, hn::Set(d, -INFINITY)), p);
       hn::Store(p, d, lr + j);
       sum = hn::Add(sum, p);
     }

@@ -26,6 +26,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
@@ -74,6 +78,10 @@ struct IntCodec {
   // Decoded position -> dimension of the record: turbo blocks come out of the
   // byte shuffles in an order of their own; q8_0 and q4_0 in natural order.
   std::vector<int> order;
+  // Position -> dimension of the weighted sums over token pairs (values): a
+  // chunk of kL16 positions accumulates into two vectors of kL32, the lower
+  // and upper interleaves of a pair.
+  std::vector<int> sum_dims;
   // Decodes n consecutive records (record_bytes apart) into out[n][head_dim]
   // integers, decoded order; a value is integer * unit * its block's fp16
   // scale (BlockScales). One call per tile keeps the constants in registers.
@@ -285,9 +293,19 @@ IntCodec::IntCodec(const CodecLayout& l, int int_max) : layout(l), bits(TurboBit
       decode = &DecodeTurboInt<bv.value, kbits.value>;
       decode_pairs = &DecodeTurboPairsInt<bv.value, kbits.value>;
     });
+    sum_dims.resize(layout.head_dim);
+    for (int pos = 0; pos < layout.head_dim; ++pos) {
+      sum_dims[pos] = pos / layout.block_values * layout.block_values + TurboPairDims(pos % layout.block_values);
+    }
     return;
   }
   for (int p = 0; p < layout.head_dim; ++p) order[p] = p;
+  sum_dims.resize(layout.head_dim);
+  for (int pos = 0; pos < layout.head_dim; ++pos) {  // lanes 0-3, then 4-7, of each 8-position block
+    const int chunk = pos / kL16, lane = pos % kL16;
+    const int upper = lane / kL32, i = lane % kL32;
+    sum_dims[pos] = chunk * kL16 + (i / 4) * 8 + upper * 4 + i % 4;
+  }
   if (layout.kind == CodecKind::kQ8_0) {
     max_int = 127;
     decode = &DecodeQ8Int;
@@ -295,6 +313,17 @@ IntCodec::IntCodec(const CodecLayout& l, int int_max) : layout(l), bits(TurboBit
     max_int = 8;
     decode = &DecodeQ4Int;
   }
+}
+
+// One IntCodec per layout and integer range, built on first use and kept:
+// scan tasks are short, and the tables and orders depend on the layout only.
+const IntCodec& CachedIntCodec(const CodecLayout& layout, int int_max) {
+  static std::mutex mu;
+  static auto* cache = new std::map<std::tuple<int, int, int>, std::unique_ptr<IntCodec>>();
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<IntCodec>& codec = (*cache)[{static_cast<int>(layout.kind), layout.head_dim, int_max}];
+  if (!codec) codec = std::make_unique<IntCodec>(layout, int_max);
+  return *codec;
 }
 
 // The fp16 scales of block b of the tile's n records into
@@ -339,37 +368,62 @@ HWY_INLINE hn::Vec<D> SumsOfRows(D d, const hn::TFromD<D>* HWY_RESTRICT p) {
   }
 }
 
-// Per scan task: both tensors' decoders, the quantized query, and buffers.
+// A buffer kept per thread across scan tasks (sized by head_dim and rows
+// only), zero-filled when it grows: tasks are short, and allocating and
+// clearing their buffers each time cost about a tenth of a 256-token task.
+template <class T>
+struct Scratch {
+  hwy::AlignedFreeUniquePtr<T[]> data;
+  size_t size = 0;
+  T* Get(size_t n) {
+    if (n > size) {
+      data = hwy::AllocateAligned<T>(n);
+      std::fill(data.get(), data.get() + n, T());
+      size = n;
+    }
+    return data.get();
+  }
+};
+
+// Per scan task: both tensors' decoders, the quantized query, and buffers
+// (this thread's).
 struct IntScan {
   IntScan(const ScanTask& task, bool int_keys, bool int_values);
 
   int dim = 0;
   int rows = 0;
-  std::unique_ptr<IntCodec> key, value;  // null: that side runs the float scan
-  hwy::AlignedFreeUniquePtr<int16_t[]> q;  // [rows][dim], key decoded order
-  std::vector<float> q_unit;               // [rows][key blocks]
-  hwy::AlignedFreeUniquePtr<int16_t[]> keys;  // [kScanTile][dim]
-  std::vector<float> key_scales;              // [key blocks][kScanTile]
-  hwy::AlignedFreeUniquePtr<float[]> partial;  // [4][kScanTile][kL32]
-  hwy::AlignedFreeUniquePtr<int32_t[]> partial_int;  // the same, keys of one block
-  hwy::AlignedFreeUniquePtr<int16_t[]> decoded;  // [kScanTile][dim]: the tile's values
-  hwy::AlignedFreeUniquePtr<int16_t[]> pairs;    // [kScanTile / 2][dim * 2], interleaved
-  std::vector<float> value_scales;               // [value blocks][kScanTile]
-  hwy::AlignedFreeUniquePtr<int16_t[]> weights;  // [4][kScanTile]
+  const IntCodec* key = nullptr;  // null: that side runs the float scan
+  const IntCodec* value = nullptr;
+  int16_t* q = nullptr;             // [rows][dim], key decoded order
+  float* q_unit = nullptr;          // [rows][key blocks]
+  int16_t* keys = nullptr;          // [kScanTile][dim]
+  float* key_scales = nullptr;      // [key blocks][kScanTile]
+  float* partial = nullptr;         // [4][kScanTile][kL32]
+  int32_t* partial_int = nullptr;   // the same, keys of one block
+  int16_t* decoded = nullptr;       // [kScanTile][dim]: the tile's values
+  int16_t* pairs = nullptr;         // [kScanTile / 2][dim * 2], interleaved
+  float* value_scales = nullptr;    // [value blocks][kScanTile]
+  int16_t* weights = nullptr;       // [4][kScanTile]
   int weight_max = 0;
-  std::vector<int> value_dims;  // accumulator position -> dimension
+};
+
+struct IntWorkspace {
+  Scratch<int16_t> q, keys, decoded, pairs, weights;
+  Scratch<float> q_unit, key_scales, partial, value_scales;
+  Scratch<int32_t> partial_int;
 };
 
 IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
+  thread_local IntWorkspace w;
   const PagedKvCache& c = *task.cache;
   dim = c.key_layout.head_dim;
   rows = task.rows;
   if (int_keys) {
-    key = std::make_unique<IntCodec>(c.key_layout, kKeyIntMax);
+    key = &CachedIntCodec(c.key_layout, kKeyIntMax);
     const int blocks = key->layout.blocks, bv = key->layout.block_values;
     const float q_max = key->bits != 0 ? kQueryTurboMax : kQueryByteMax;
-    q = hwy::AllocateAligned<int16_t>(static_cast<size_t>(rows) * dim);
-    q_unit.resize(static_cast<size_t>(rows) * blocks);
+    q = w.q.Get(static_cast<size_t>(rows) * dim);
+    q_unit = w.q_unit.Get(static_cast<size_t>(rows) * blocks);
     for (int r = 0; r < rows; ++r) {
       const float* src = task.q + static_cast<size_t>(r) * dim;
       for (int b = 0; b < blocks; ++b) {
@@ -382,35 +436,19 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
         q_unit[static_cast<size_t>(r) * blocks + b] = largest > 0.0f ? largest / q_max * key->unit : 0.0f;
       }
     }
-    keys = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
-    key_scales.resize(static_cast<size_t>(kScanTile) * blocks);
-    partial = hwy::AllocateAligned<float>(4 * kScanTile * kL32);
-    std::fill(partial.get(), partial.get() + 4 * kScanTile * kL32, 0.0f);
-    partial_int = hwy::AllocateAligned<int32_t>(4 * kScanTile * kL32);
-    std::fill(partial_int.get(), partial_int.get() + 4 * kScanTile * kL32, 0);
+    keys = w.keys.Get(static_cast<size_t>(kScanTile) * dim);
+    key_scales = w.key_scales.Get(static_cast<size_t>(kScanTile) * blocks);
+    partial = w.partial.Get(4 * kScanTile * kL32);
+    partial_int = w.partial_int.Get(4 * kScanTile * kL32);
   }
   if (int_values) {
-    value = std::make_unique<IntCodec>(c.value_layout, kValueIntMax);
-    decoded = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);
-    std::memset(decoded.get(), 0, sizeof(int16_t) * kScanTile * dim);
-    pairs = hwy::AllocateAligned<int16_t>(static_cast<size_t>(kScanTile) * dim);  // fully written per tile
-    value_scales.assign(static_cast<size_t>(value->layout.blocks) * kScanTile, 0.0f);
-    weights = hwy::AllocateAligned<int16_t>(4 * kScanTile);
+    value = &CachedIntCodec(c.value_layout, kValueIntMax);
+    // Odd tiles leave the last pair's second row stale, with weight 0.
+    decoded = w.decoded.Get(static_cast<size_t>(kScanTile) * dim);
+    pairs = w.pairs.Get(static_cast<size_t>(kScanTile) * dim);
+    value_scales = w.value_scales.Get(static_cast<size_t>(value->layout.blocks) * kScanTile);
+    weights = w.weights.Get(4 * kScanTile);
     weight_max = std::min(32767, static_cast<int>(2147483647LL / (int64_t{kScanTile} * value->max_int)));
-    // A chunk of kL16 decoded positions accumulates into two vectors of kL32:
-    // the lower and upper interleaves of a token pair (lanes 0-3, then 4-7,
-    // of each 8-position block).
-    value_dims.resize(dim);
-    for (int pos = 0; pos < dim; ++pos) {
-      if (value->decode_pairs != nullptr) {
-        const int bv = value->layout.block_values;
-        value_dims[pos] = pos / bv * bv + TurboPairDims(pos % bv);
-        continue;
-      }
-      const int chunk = pos / kL16, lane = pos % kL16;
-      const int upper = lane / kL32, i = lane % kL32;
-      value_dims[pos] = value->order[chunk * kL16 + (i / 4) * 8 + upper * 4 + i % 4];
-    }
   }
 }
 
@@ -427,11 +465,11 @@ HWY_NOINLINE void ScoreGroupInt(const IntScan& s, int r0, int n) {
   const float* q_unit[kRows];
   float* partial[kRows];
   for (int r = 0; r < kRows; ++r) {
-    q[r] = s.q.get() + static_cast<size_t>(r0 + r) * dim;
-    q_unit[r] = s.q_unit.data() + static_cast<size_t>(r0 + r) * blocks;
-    partial[r] = s.partial.get() + r * kScanTile * kL32;
+    q[r] = s.q + static_cast<size_t>(r0 + r) * dim;
+    q_unit[r] = s.q_unit + static_cast<size_t>(r0 + r) * blocks;
+    partial[r] = s.partial + r * kScanTile * kL32;
   }
-  const int16_t* k = s.keys.get();
+  const int16_t* k = s.keys;
   for (int j = 0; j < n; ++j, k += dim) {
     hn::Vec<IntDF> f[kRows];
     for (int r = 0; r < kRows; ++r) f[r] = hn::Zero(df);
@@ -464,10 +502,10 @@ HWY_NOINLINE void ScoreOneBlockInt(const IntScan& s, int r0, int n) {
   const int16_t* q[kRows];
   int32_t* partial[kRows];
   for (int r = 0; r < kRows; ++r) {
-    q[r] = s.q.get() + static_cast<size_t>(r0 + r) * kBv;
-    partial[r] = s.partial_int.get() + r * kScanTile * kL32;
+    q[r] = s.q + static_cast<size_t>(r0 + r) * kBv;
+    partial[r] = s.partial_int + r * kScanTile * kL32;
   }
-  const int16_t* k = s.keys.get();
+  const int16_t* k = s.keys;
   for (int j = 0; j < n; ++j, k += kBv) {
     for (int r = 0; r < kRows; ++r) {
       auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
@@ -504,8 +542,8 @@ void ScoreTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, float* lo
   const PagedKvCache& c = *task.cache;
   const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
   const size_t record_bytes = c.key_layout.code_size();
-  s.key->decode(*s.key, records, record_bytes, n, s.keys.get());
-  BlockScales(*s.key, records, record_bytes, n, s.key_scales.data());
+  s.key->decode(*s.key, records, record_bytes, n, s.keys);
+  BlockScales(*s.key, records, record_bytes, n, s.key_scales);
   const IntDF df;
   for (int r0 = 0; r0 < task.rows; r0 += 4) {
     const int group = std::min(4, task.rows - r0);
@@ -520,12 +558,12 @@ void ScoreTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, float* lo
         const IntD32 d32;
         const auto unit = hn::Set(df, s.q_unit[r0 + r]);
         for (int j = 0; j < n; j += kL32) {
-          const auto sums = hn::ConvertTo(df, SumsOfRows(d32, s.partial_int.get() + (r * kScanTile + j) * kL32));
-          hn::Store(hn::Mul(hn::Mul(sums, unit), hn::LoadU(df, s.key_scales.data() + j)), df, out + j);
+          const auto sums = hn::ConvertTo(df, SumsOfRows(d32, s.partial_int + (r * kScanTile + j) * kL32));
+          hn::Store(hn::Mul(hn::Mul(sums, unit), hn::LoadU(df, s.key_scales + j)), df, out + j);
         }
       } else {
         for (int j = 0; j < n; j += kL32) {
-          hn::Store(SumsOfRows(df, s.partial.get() + (r * kScanTile + j) * kL32), df, out + j);
+          hn::Store(SumsOfRows(df, s.partial + (r * kScanTile + j) * kL32), df, out + j);
         }
       }
     }
@@ -540,12 +578,13 @@ HWY_INLINE void AccumulateRowsInt(const IntScan& s, int pair_count, int begin, i
   const IntD16 d16;
   const IntD32 d32;
   const IntDF df;
-  const int32_t* w = reinterpret_cast<const int32_t*>(s.weights.get());  // [4][kScanTile / 2] pairs
+  const int32_t* w = reinterpret_cast<const int32_t*>(s.weights);  // [4][kScanTile / 2] pairs
   for (int chunk = begin; chunk < end; chunk += kL16) {
     hn::Vec<IntD32> lo0[kRows], lo1[kRows], hi0[kRows], hi1[kRows];
     for (int r = 0; r < kRows; ++r) lo0[r] = lo1[r] = hi0[r] = hi1[r] = hn::Zero(d32);
+    HWY_UNROLL(2)
     for (int p = 0; p < pair_count; ++p) {
-      const int16_t* pair = s.pairs.get() + (static_cast<size_t>(p) * s.dim + chunk) * 2;
+      const int16_t* pair = s.pairs + (static_cast<size_t>(p) * s.dim + chunk) * 2;
       const auto lo = hn::Load(d16, pair), hi = hn::Load(d16, pair + kL16);
       for (int r = 0; r < kRows; ++r) {
         const auto weight = hn::BitCast(d16, hn::Set(d32, w[r * (kScanTile / 2) + p]));
@@ -566,7 +605,7 @@ HWY_INLINE void AccumulateRowsInt(const IntScan& s, int pair_count, int begin, i
 }
 
 // acc_r += sum_j weights[r * kScanTile + j] * v_j, accumulators in the
-// positions of value_dims (UnpermuteValues puts them back).
+// positions of sum_dims (UnpermuteValues puts them back).
 void AccumulateTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, const float* weights,
                        ScanState* state) {
   const PagedKvCache& c = *task.cache;
@@ -578,25 +617,25 @@ void AccumulateTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, cons
   const IntD16 d16;
   // n odd: the last pair's second token has scale 0 (BlockScales).
   if (v.decode_pairs != nullptr) {
-    v.decode_pairs(v, records, record_bytes, n, s.pairs.get());
+    v.decode_pairs(v, records, record_bytes, n, s.pairs);
   } else {
-    v.decode(v, records, record_bytes, n, s.decoded.get());
+    v.decode(v, records, record_bytes, n, s.decoded);
   }
   for (int p = 0; p < pair_count && v.decode_pairs == nullptr; ++p) {
-    const int16_t* a = s.decoded.get() + static_cast<size_t>(2 * p) * s.dim;
+    const int16_t* a = s.decoded + static_cast<size_t>(2 * p) * s.dim;
     const int16_t* b = a + s.dim;
-    int16_t* out = s.pairs.get() + static_cast<size_t>(p) * s.dim * 2;
+    int16_t* out = s.pairs + static_cast<size_t>(p) * s.dim * 2;
     for (int i = 0; i < s.dim; i += kL16) {
       const auto x = hn::Load(d16, a + i), y = hn::Load(d16, b + i);
       hn::Store(hn::InterleaveLower(d16, x, y), d16, out + 2 * i);
       hn::Store(hn::InterleaveUpper(d16, x, y), d16, out + 2 * i + kL16);
     }
   }
-  BlockScales(v, records, record_bytes, n, s.value_scales.data());
+  BlockScales(v, records, record_bytes, n, s.value_scales);
   const IntDF df;
   const hn::Rebind<int16_t, IntDF> d16half;
   for (int k = 0; k < blocks; ++k) {
-    const float* scale = s.value_scales.data() + static_cast<size_t>(k) * kScanTile;
+    const float* scale = s.value_scales + static_cast<size_t>(k) * kScanTile;
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int group = std::min(4, task.rows - r0);
       float unit[4] = {};
@@ -609,7 +648,7 @@ void AccumulateTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, cons
         }
         const float m = hn::GetLane(hn::MaxOfLanes(df, largest));
         const auto to_int = hn::Set(df, m > 0.0f ? static_cast<float>(s.weight_max) / m : 0.0f);
-        int16_t* dst = s.weights.get() + r * kScanTile;
+        int16_t* dst = s.weights + r * kScanTile;
         for (int j = 0; j < 2 * pair_count; j += kL32) {
           const auto x = hn::Mul(hn::Mul(hn::Load(df, w + j), hn::LoadU(df, scale + j)), to_int);
           hn::StoreU(hn::DemoteTo(d16half, hn::NearestInt(x)), d16half, dst + j);
@@ -633,7 +672,7 @@ void UnpermuteValues(const IntScan& s, ScanState* state) {
   std::vector<float> row(s.dim);
   for (int r = 0; r < s.rows; ++r) {
     float* acc = state->acc.data() + static_cast<size_t>(r) * s.dim;
-    for (int pos = 0; pos < s.dim; ++pos) row[s.value_dims[pos]] = acc[pos];
+    for (int pos = 0; pos < s.dim; ++pos) row[s.value->sum_dims[pos]] = acc[pos];
     std::copy(row.begin(), row.end(), acc);
   }
 }
