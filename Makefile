@@ -47,7 +47,7 @@ test-asan: asan-configure
 # run (under emulation the whole suite takes 7 minutes; d = 64, 128 and 576
 # cover every block layout).
 arm64-deps:
-	@scripts/install-arm64-deps.sh
+	@scripts/install-deps.sh --arm64
 
 test-arm64: arm64-deps
 	cmake -S . -B $(ARM64_DIR) -DCMAKE_BUILD_TYPE=Release -DTURBOKV_KERNELS_ONLY=ON \

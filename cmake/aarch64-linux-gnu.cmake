@@ -1,5 +1,5 @@
 # Cross-build for 64-bit Arm Linux with Debian's cross compiler; tests run
-# under qemu-user. Install the packages first: scripts/install-arm64-deps.sh
+# under qemu-user. Install the packages first: scripts/install-deps.sh --arm64
 #   cmake -S . -B build-arm64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake
 # Choose the emulated CPU with QEMU_CPU, which qemu reads itself:
 #   (unset) or QEMU_CPU=max                    NEON, SVE, SVE2 with 512-bit vectors

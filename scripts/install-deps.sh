@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Installs the Debian packages turbokv needs, only those that are missing.
 # Non-interactive; runs `apt-get update` first only when something must be installed.
+#   scripts/install-deps.sh          what building and testing on this machine needs (make deps)
+#   scripts/install-deps.sh --arm64  what make test-arm64 needs: the cross compiler, qemu-user
+#                                    and the arm64 builds of the kernels' libraries (Multi-Arch:
+#                                    same, beside the amd64 ones; apt keeps both at one version)
 set -euo pipefail
 
+name="deps"
+foreign=""
 packages=(
   build-essential cmake pkg-config ccache
   libabsl-dev libhwy-dev libgtest-dev libbenchmark-dev
@@ -10,6 +16,11 @@ packages=(
   prometheus-cpp-dev prometheus clang-14 libclang-rt-14-dev
   python3-grpcio python3-protobuf python3-numpy python3-yaml
 )
+if [ "${1:-}" = "--arm64" ]; then
+  name="arm64 deps"
+  foreign="arm64"
+  packages=(g++-aarch64-linux-gnu qemu-user-static libabsl-dev:arm64 libhwy-dev:arm64 libgtest-dev:arm64)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -19,12 +30,16 @@ for p in "${packages[@]}"; do
 done
 
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "deps: all ${#packages[@]} packages present"
+  echo "$name: all ${#packages[@]} packages present"
   exit 0
 fi
 
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-echo "deps: installing ${missing[*]}"
+if [ -n "$foreign" ] && ! dpkg --print-foreign-architectures | grep -qx "$foreign"; then
+  echo "$name: adding the $foreign architecture"
+  $sudo dpkg --add-architecture "$foreign"
+fi
+echo "$name: installing ${missing[*]}"
 $sudo apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
