@@ -518,6 +518,42 @@ HWY_NOINLINE void ScoreOneBlockInt(const IntScan& s, int r0, int n) {
   }
 }
 
+// Turbo keys of one block and at most four rows (one decode step's GQA
+// group): each key decoded into registers and scored at once, integer sums
+// into partial_int[r][j] as ScoreOneBlockInt's.
+template <int kRows, int kB, int kBits>
+HWY_NOINLINE void ScoreTurboDecoded(const IntScan& s, const uint8_t* records, size_t record_bytes, int n) {
+  const IntDU8 d8;
+  const IntD16 d16;
+  const IntD32 d32;
+  const auto lo_table = hn::LoadDup128(d8, s.key->table_lo);
+  const auto hi_table = hn::LoadDup128(d8, s.key->table_hi);
+  const int16_t* q[kRows];
+  int32_t* partial[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    q[r] = s.q + static_cast<size_t>(r) * kB;
+    partial[r] = s.partial_int + r * kScanTile * kL32;
+  }
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* planes = records + j * record_bytes + kTurboScaleBytes;
+    hn::Vec<IntD16> k[kB / kL16];
+    for (int v = 0; v < kB / kL8; ++v) {
+      const auto index = TurboIndices<kB, kBits>(planes, v);
+      const auto lo = hn::TableLookupBytes(lo_table, index);
+      const auto hi = hn::TableLookupBytes(hi_table, index);
+      k[2 * v] = hn::BitCast(d16, hn::InterleaveLower(d8, lo, hi));
+      k[2 * v + 1] = hn::BitCast(d16, hn::InterleaveUpper(d8, lo, hi));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
+      for (int i = 0; i < kB / kL16; ++i) {
+        sum0 = hn::ReorderWidenMulAccumulate(d32, k[i], hn::Load(d16, q[r] + i * kL16), sum0, sum1);
+      }
+      hn::Store(hn::Add(sum0, sum1), d32, partial[r] + j * kL32);
+    }
+  }
+}
+
 template <int kBv>
 void ScoreRowsInt(const IntScan& s, int r0, int rows, int n) {
   if (s.key->layout.blocks == 1) {
@@ -542,15 +578,29 @@ void ScoreTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, float* lo
   const PagedKvCache& c = *task.cache;
   const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
   const size_t record_bytes = c.key_layout.code_size();
-  s.key->decode(*s.key, records, record_bytes, n, s.keys);
   BlockScales(*s.key, records, record_bytes, n, s.key_scales);
+  const bool in_registers = s.key->bits != 0 && s.key->layout.blocks == 1 && task.rows <= 4;
+  if (in_registers) {
+    DispatchTurbo(s.key->layout.block_values, s.key->bits, [&](auto bv, auto bits) {
+      switch (task.rows) {
+        case 4: return ScoreTurboDecoded<4, bv.value, bits.value>(s, records, record_bytes, n);
+        case 3: return ScoreTurboDecoded<3, bv.value, bits.value>(s, records, record_bytes, n);
+        case 2: return ScoreTurboDecoded<2, bv.value, bits.value>(s, records, record_bytes, n);
+        default: return ScoreTurboDecoded<1, bv.value, bits.value>(s, records, record_bytes, n);
+      }
+    });
+  } else {
+    s.key->decode(*s.key, records, record_bytes, n, s.keys);
+  }
   const IntDF df;
   for (int r0 = 0; r0 < task.rows; r0 += 4) {
     const int group = std::min(4, task.rows - r0);
-    switch (s.key->layout.block_values) {
-      case 128: ScoreRowsInt<128>(s, r0, group, n); break;
-      case 64: ScoreRowsInt<64>(s, r0, group, n); break;
-      default: ScoreRowsInt<kGgmlBlockValues>(s, r0, group, n); break;
+    if (!in_registers) {
+      switch (s.key->layout.block_values) {
+        case 128: ScoreRowsInt<128>(s, r0, group, n); break;
+        case 64: ScoreRowsInt<64>(s, r0, group, n); break;
+        default: ScoreRowsInt<kGgmlBlockValues>(s, r0, group, n); break;
+      }
     }
     for (int r = 0; r < group; ++r) {
       float* out = logits + (r0 + r) * kScanTile;
