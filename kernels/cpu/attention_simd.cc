@@ -2,7 +2,11 @@
 // at run time). Tiles of up to 64 tokens: each key record is decoded once for
 // all query rows of its GQA group and scored, then the tile's softmax update
 // runs vectorized over tokens, then each value record is decoded once and
-// accumulated into every row.
+// accumulated into every row. Keys and values of every codec but f16 take the
+// integer scan (int_scan-inl.h; on AVX3_DL, turbo keys with turbo values the
+// VNNI path below); f16 takes the register-blocked f16 scan; the float scan
+// is the reference (AttentionOptions::integer_dot_products = false) and the
+// SCALAR target's only path.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/attention_simd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
