@@ -86,8 +86,8 @@ struct IntCodec {
   // integers, decoded order; a value is integer * unit * its block's fp16
   // scale (BlockScales). One call per tile keeps the constants in registers.
   void (*decode)(const IntCodec&, const uint8_t* records, size_t record_bytes, int n, int16_t* out) = nullptr;
-  // Turbo values: the tile's records straight into token pairs (see
-  // DecodeTurboPairsInt); null for q8_0 / q4_0, whose decoded records are
+  // Turbo and q8_0 values: the tile's records straight into token pairs (see
+  // DecodeTurboPairsInt); null for q4_0, whose decoded records are
   // interleaved afterwards.
   void (*decode_pairs)(const IntCodec&, const uint8_t* records, size_t record_bytes, int n, int16_t* out) = nullptr;
 
@@ -251,6 +251,29 @@ void DecodeQ8Int(const IntCodec& c, const uint8_t* records, size_t record_bytes,
   }
 }
 
+// q8_0 values as token pairs (see DecodeTurboPairsInt): the bytes of the two
+// records interleaved, then widened; each vector of kL16 int16 holds
+// (a_i, b_i) for kL32 consecutive dims, in natural order.
+void DecodeQ8PairsInt(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
+  const IntD16 d16;
+  const hn::Rebind<int8_t, IntD16> d8;
+  const int dim = c.layout.head_dim;
+  for (int p = 0; 2 * p < n; ++p) {
+    const uint8_t* a = records + 2 * p * record_bytes;
+    const uint8_t* b = 2 * p + 1 < n ? a + record_bytes : a;
+    int16_t* o = out + static_cast<size_t>(p) * 2 * dim;
+    for (int k = 0; k < c.layout.blocks; ++k) {
+      const auto* qa = reinterpret_cast<const int8_t*>(a + static_cast<size_t>(k) * kQ8BlockBytes + 2);
+      const auto* qb = reinterpret_cast<const int8_t*>(b + static_cast<size_t>(k) * kQ8BlockBytes + 2);
+      for (int i = 0; i < kGgmlBlockValues; i += kL16, o += 2 * kL16) {
+        const auto x = hn::LoadU(d8, qa + i), y = hn::LoadU(d8, qb + i);
+        hn::Store(hn::PromoteTo(d16, hn::InterleaveLower(d8, x, y)), d16, o);
+        hn::Store(hn::PromoteTo(d16, hn::InterleaveUpper(d8, x, y)), d16, o + kL16);
+      }
+    }
+  }
+}
+
 void DecodeQ4Int(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
   const IntD16 d16;
   const hn::RebindToUnsigned<IntD16> du16;
@@ -309,6 +332,8 @@ IntCodec::IntCodec(const CodecLayout& l, int int_max) : layout(l), bits(TurboBit
   if (layout.kind == CodecKind::kQ8_0) {
     max_int = 127;
     decode = &DecodeQ8Int;
+    decode_pairs = &DecodeQ8PairsInt;
+    for (int pos = 0; pos < layout.head_dim; ++pos) sum_dims[pos] = pos;
   } else {
     max_int = 8;
     decode = &DecodeQ4Int;
@@ -554,6 +579,40 @@ HWY_NOINLINE void ScoreTurboDecoded(const IntScan& s, const uint8_t* records, si
   }
 }
 
+// q8_0 keys and at most four rows: each block's bytes widened into
+// registers and dotted at once, the block's sums scaled into one float
+// vector per row and token (partial[r][j], summed across lanes later).
+template <int kRows>
+HWY_NOINLINE void ScoreQ8Decoded(const IntScan& s, const uint8_t* records, size_t record_bytes, int n) {
+  const IntD16 d16;
+  const IntD32 d32;
+  const IntDF df;
+  const hn::Rebind<int8_t, IntD16> d8;
+  constexpr int kVectors = kGgmlBlockValues / kL16;
+  const int blocks = s.key->layout.blocks, dim = s.dim;
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* record = records + j * record_bytes;
+    hn::Vec<IntDF> f[kRows];
+    for (int r = 0; r < kRows; ++r) f[r] = hn::Zero(df);
+    for (int b = 0; b < blocks; ++b) {
+      const int8_t* bytes = reinterpret_cast<const int8_t*>(record + static_cast<size_t>(b) * kQ8BlockBytes + 2);
+      hn::Vec<IntD16> k[kVectors];
+      for (int i = 0; i < kVectors; ++i) k[i] = hn::PromoteTo(d16, hn::LoadU(d8, bytes + i * kL16));
+      const float key_scale = s.key_scales[static_cast<size_t>(b) * kScanTile + j];
+      for (int r = 0; r < kRows; ++r) {
+        const int16_t* q = s.q + static_cast<size_t>(r) * dim + b * kGgmlBlockValues;
+        auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
+        for (int i = 0; i < kVectors; ++i) {
+          sum0 = hn::ReorderWidenMulAccumulate(d32, k[i], hn::Load(d16, q + i * kL16), sum0, sum1);
+        }
+        f[r] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum0, sum1)),
+                          hn::Set(df, key_scale * s.q_unit[static_cast<size_t>(r) * blocks + b]), f[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) hn::Store(f[r], df, s.partial + (r * kScanTile + j) * kL32);
+  }
+}
+
 template <int kBv>
 void ScoreRowsInt(const IntScan& s, int r0, int rows, int n) {
   if (s.key->layout.blocks == 1) {
@@ -579,8 +638,16 @@ void ScoreTileInt(const ScanTask& task, IntScan& s, int64_t t0, int n, float* lo
   const uint8_t* records = c.key_record(task.head, t0);  // a tile lies in one page
   const size_t record_bytes = c.key_layout.code_size();
   BlockScales(*s.key, records, record_bytes, n, s.key_scales);
-  const bool in_registers = s.key->bits != 0 && s.key->layout.blocks == 1 && task.rows <= 4;
-  if (in_registers) {
+  const bool q8_in_registers = s.key->layout.kind == CodecKind::kQ8_0 && task.rows <= 4;
+  const bool in_registers = (s.key->bits != 0 && s.key->layout.blocks == 1 && task.rows <= 4) || q8_in_registers;
+  if (q8_in_registers) {
+    switch (task.rows) {
+      case 4: ScoreQ8Decoded<4>(s, records, record_bytes, n); break;
+      case 3: ScoreQ8Decoded<3>(s, records, record_bytes, n); break;
+      case 2: ScoreQ8Decoded<2>(s, records, record_bytes, n); break;
+      default: ScoreQ8Decoded<1>(s, records, record_bytes, n); break;
+    }
+  } else if (in_registers) {
     DispatchTurbo(s.key->layout.block_values, s.key->bits, [&](auto bv, auto bits) {
       switch (task.rows) {
         case 4: return ScoreTurboDecoded<4, bv.value, bits.value>(s, records, record_bytes, n);
