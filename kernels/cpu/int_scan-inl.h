@@ -197,37 +197,48 @@ void DecodeTurboInt(const IntCodec& c, const uint8_t* records, size_t record_byt
   }
 }
 
-// Value records as token pairs, the layout the weighted sums read: for pair
-// p (records 2p and 2p + 1; the second is the first again past n, its weight
-// being 0), each vector of kL16 int16 holds (a_i, b_i) for kL32 dims i (see
-// TurboPairDims). Indices interleaved before the lookups: one shuffle pass
-// serves both tokens.
+// Calls f(block of a, block of b, out) for every block of every token pair
+// (records 2p and 2p + 1; the second is the first again past n, its weight
+// being 0) of a tile; out takes the pair's 2 * block_values int16 of that
+// block.
+template <class F>
+HWY_INLINE void ForEachBlockPair(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n,
+                                 int16_t* out, F&& f) {
+  const int dim = c.layout.head_dim, bv = c.layout.block_values;
+  for (int p = 0; 2 * p < n; ++p) {
+    const uint8_t* a = records + 2 * p * record_bytes;
+    const uint8_t* b = 2 * p + 1 < n ? a + record_bytes : a;
+    for (int k = 0; k < c.layout.blocks; ++k) {
+      const size_t offset = static_cast<size_t>(k) * c.layout.block_bytes;
+      f(a + offset, b + offset, out + static_cast<size_t>(p) * 2 * dim + 2 * k * bv);
+    }
+  }
+}
+
+// Value records as token pairs, the layout the weighted sums read: each
+// vector of kL16 int16 holds (a_i, b_i) for kL32 dims i (see TurboPairDims).
+// Indices interleaved before the lookups: one shuffle pass serves both
+// tokens.
 template <int kB, int kBits>
 void DecodeTurboPairsInt(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
   const IntDU8 d8;
   const IntD16 d16;
   const auto lo_table = hn::LoadDup128(d8, c.table_lo);
   const auto hi_table = hn::LoadDup128(d8, c.table_hi);
-  const int dim = c.layout.head_dim;
-  for (int p = 0; 2 * p < n; ++p) {
-    const uint8_t* a = records + 2 * p * record_bytes;
-    const uint8_t* b = 2 * p + 1 < n ? a + record_bytes : a;
-    int16_t* o = out + static_cast<size_t>(p) * 2 * dim;
-    for (int k = 0; k < c.layout.blocks; ++k) {
-      const uint8_t* pa = a + static_cast<size_t>(k) * c.layout.block_bytes + kTurboScaleBytes;
-      const uint8_t* pb = b + static_cast<size_t>(k) * c.layout.block_bytes + kTurboScaleBytes;
-      for (int v = 0; v < kB / kL8; ++v, o += 4 * kL16) {
-        const auto ia = TurboIndices<kB, kBits>(pa, v), ib = TurboIndices<kB, kBits>(pb, v);
-        const auto x = hn::InterleaveLower(d8, ia, ib), y = hn::InterleaveUpper(d8, ia, ib);
-        const auto xl = hn::TableLookupBytes(lo_table, x), xh = hn::TableLookupBytes(hi_table, x);
-        const auto yl = hn::TableLookupBytes(lo_table, y), yh = hn::TableLookupBytes(hi_table, y);
-        hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, xl, xh)), d16, o);
-        hn::Store(hn::BitCast(d16, hn::InterleaveUpper(d8, xl, xh)), d16, o + kL16);
-        hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, yl, yh)), d16, o + 2 * kL16);
-        hn::Store(hn::BitCast(d16, hn::InterleaveUpper(d8, yl, yh)), d16, o + 3 * kL16);
-      }
+  ForEachBlockPair(c, records, record_bytes, n, out, [&](const uint8_t* a, const uint8_t* b, int16_t* o) {
+    const uint8_t* pa = a + kTurboScaleBytes;
+    const uint8_t* pb = b + kTurboScaleBytes;
+    for (int v = 0; v < kB / kL8; ++v, o += 4 * kL16) {
+      const auto ia = TurboIndices<kB, kBits>(pa, v), ib = TurboIndices<kB, kBits>(pb, v);
+      const auto x = hn::InterleaveLower(d8, ia, ib), y = hn::InterleaveUpper(d8, ia, ib);
+      const auto xl = hn::TableLookupBytes(lo_table, x), xh = hn::TableLookupBytes(hi_table, x);
+      const auto yl = hn::TableLookupBytes(lo_table, y), yh = hn::TableLookupBytes(hi_table, y);
+      hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, xl, xh)), d16, o);
+      hn::Store(hn::BitCast(d16, hn::InterleaveUpper(d8, xl, xh)), d16, o + kL16);
+      hn::Store(hn::BitCast(d16, hn::InterleaveLower(d8, yl, yh)), d16, o + 2 * kL16);
+      hn::Store(hn::BitCast(d16, hn::InterleaveUpper(d8, yl, yh)), d16, o + 3 * kL16);
     }
-  }
+  });
 }
 
 // Dimension (within its block) of int32 lane pos of DecodeTurboPairsInt's
@@ -257,21 +268,15 @@ void DecodeQ8Int(const IntCodec& c, const uint8_t* records, size_t record_bytes,
 void DecodeQ8PairsInt(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {
   const IntD16 d16;
   const hn::Rebind<int8_t, IntD16> d8;
-  const int dim = c.layout.head_dim;
-  for (int p = 0; 2 * p < n; ++p) {
-    const uint8_t* a = records + 2 * p * record_bytes;
-    const uint8_t* b = 2 * p + 1 < n ? a + record_bytes : a;
-    int16_t* o = out + static_cast<size_t>(p) * 2 * dim;
-    for (int k = 0; k < c.layout.blocks; ++k) {
-      const auto* qa = reinterpret_cast<const int8_t*>(a + static_cast<size_t>(k) * kQ8BlockBytes + 2);
-      const auto* qb = reinterpret_cast<const int8_t*>(b + static_cast<size_t>(k) * kQ8BlockBytes + 2);
-      for (int i = 0; i < kGgmlBlockValues; i += kL16, o += 2 * kL16) {
-        const auto x = hn::LoadU(d8, qa + i), y = hn::LoadU(d8, qb + i);
-        hn::Store(hn::PromoteTo(d16, hn::InterleaveLower(d8, x, y)), d16, o);
-        hn::Store(hn::PromoteTo(d16, hn::InterleaveUpper(d8, x, y)), d16, o + kL16);
-      }
+  ForEachBlockPair(c, records, record_bytes, n, out, [&](const uint8_t* a, const uint8_t* b, int16_t* o) {
+    const auto* qa = reinterpret_cast<const int8_t*>(a + 2);
+    const auto* qb = reinterpret_cast<const int8_t*>(b + 2);
+    for (int i = 0; i < kGgmlBlockValues; i += kL16, o += 2 * kL16) {
+      const auto x = hn::LoadU(d8, qa + i), y = hn::LoadU(d8, qb + i);
+      hn::Store(hn::PromoteTo(d16, hn::InterleaveLower(d8, x, y)), d16, o);
+      hn::Store(hn::PromoteTo(d16, hn::InterleaveUpper(d8, x, y)), d16, o + kL16);
     }
-  }
+  });
 }
 
 void DecodeQ4Int(const IntCodec& c, const uint8_t* records, size_t record_bytes, int n, int16_t* out) {

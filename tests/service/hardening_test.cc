@@ -71,10 +71,11 @@ Session SmallSession(const Client& client, uint64_t seed) {
   return *session;
 }
 
-constexpr int kHeavyTokens = 32768, kHeavyKv = 8, kHeavyQ = 32, kHeavyQueries = 128;
+constexpr int kHeavyTokens = 16384, kHeavyKv = 8, kHeavyQ = 32, kHeavyQueries = 64;
 
 // A one-layer session whose Attend of kHeavyQueries queries takes a good
-// fraction of a second on two cores (about 0.5 s with AVX2's integer scan).
+// fraction of a second on two cores (about 0.15 s with AVX2's integer scan;
+// twice the queries where a test needs it to outlast 150 ms).
 Session HeavySession(const Client& client) {
   SessionOptions options;
   options.layers = 1;
@@ -90,13 +91,13 @@ Session HeavySession(const Client& client) {
   return *session;
 }
 
-v1::AttendRequest HeavyAttend(const Session& session) {
+v1::AttendRequest HeavyAttend(const Session& session, int queries = kHeavyQueries) {
   v1::AttendRequest request;
   request.set_session_id(session.id());
-  const auto q = GaussianVectors(kHeavyQueries * kHeavyQ, kDim, 2);
+  const auto q = GaussianVectors(queries * kHeavyQ, kDim, 2);
   v1::Tensor* tensor = request.mutable_queries();
   tensor->set_dtype(v1::DTYPE_F32);
-  for (int64_t d : {int64_t{kHeavyQueries}, int64_t{kHeavyQ}, int64_t{kDim}}) tensor->add_shape(d);
+  for (int64_t d : {int64_t{queries}, int64_t{kHeavyQ}, int64_t{kDim}}) tensor->add_shape(d);
   tensor->set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float)));
   return request;
 }
@@ -317,10 +318,10 @@ TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
   const Session session = HeavySession(*client);
-  const v1::AttendRequest request = HeavyAttend(session);
+  const v1::AttendRequest request = HeavyAttend(session, 2 * kHeavyQueries);
   auto stub = v1::KvCacheService::NewStub(Channel());
-  // One call runs; five wait behind it on the session and give up after
-  // 100 ms; more than six at once are refused.
+  // One call runs (about 0.3 s); five wait behind it on the session and give
+  // up after 100 ms; more than six at once are refused.
   std::thread first([&] { EXPECT_TRUE(AttendOnce(*stub, request).ok()); });
   absl::SleepFor(absl::Milliseconds(50));
   std::vector<std::thread> impatient;
@@ -342,7 +343,7 @@ TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
   // Once the session is free, the expired calls' work is dropped, not run.
   ASSERT_TRUE(session.Info().ok());
   const std::string metrics = Scrape(daemon.MetricsAddress());
-  EXPECT_EQ(Sample(metrics, "turbokv_attended_queries_total"), kHeavyQueries) << metrics;
+  EXPECT_EQ(Sample(metrics, "turbokv_attended_queries_total"), 2 * kHeavyQueries) << metrics;
   EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"CANCELLED\",method=\"Attend\"}"), expired.load());
 
   // Sessions are capped.
