@@ -329,19 +329,19 @@ IntCodec::IntCodec(const CodecLayout& l, int int_max) : layout(l), bits(TurboBit
   }
   for (int p = 0; p < layout.head_dim; ++p) order[p] = p;
   sum_dims.resize(layout.head_dim);
-  for (int pos = 0; pos < layout.head_dim; ++pos) {  // lanes 0-3, then 4-7, of each 8-position block
-    const int chunk = pos / kL16, lane = pos % kL16;
-    const int upper = lane / kL32, i = lane % kL32;
-    sum_dims[pos] = chunk * kL16 + (i / 4) * 8 + upper * 4 + i % 4;
-  }
   if (layout.kind == CodecKind::kQ8_0) {
     max_int = 127;
     decode = &DecodeQ8Int;
     decode_pairs = &DecodeQ8PairsInt;
     for (int pos = 0; pos < layout.head_dim; ++pos) sum_dims[pos] = pos;
-  } else {
-    max_int = 8;
-    decode = &DecodeQ4Int;
+    return;
+  }
+  max_int = 8;
+  decode = &DecodeQ4Int;
+  for (int pos = 0; pos < layout.head_dim; ++pos) {  // lanes 0-3, then 4-7, of each 8-position block
+    const int chunk = pos / kL16, lane = pos % kL16;
+    const int upper = lane / kL32, i = lane % kL32;
+    sum_dims[pos] = chunk * kL16 + (i / 4) * 8 + upper * 4 + i % 4;
   }
 }
 
@@ -473,13 +473,27 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
   }
   if (int_values) {
     value = &CachedIntCodec(c.value_layout, kValueIntMax);
-    // Odd tiles leave the last pair's second row stale, with weight 0.
-    decoded = w.decoded.Get(static_cast<size_t>(kScanTile) * dim);
+    // q4_0 only; odd tiles leave the last pair's second row stale, with weight 0.
+    if (value->decode_pairs == nullptr) decoded = w.decoded.Get(static_cast<size_t>(kScanTile) * dim);
     pairs = w.pairs.Get(static_cast<size_t>(kScanTile) * dim);
     value_scales = w.value_scales.Get(static_cast<size_t>(value->layout.blocks) * kScanTile);
     weights = w.weights.Get(4 * kScanTile);
     weight_max = std::min(32767, static_cast<int>(2147483647LL / (int64_t{kScanTile} * value->max_int)));
   }
+}
+
+// <k, q> of one key block of kVectors vectors (key(i) gives vector i, from
+// registers or memory) and one query row, as int32 lanes still to be summed.
+template <int kVectors, class Key>
+HWY_INLINE hn::Vec<IntD32> DotLanes(const Key& key, const int16_t* q) {
+  const IntD16 d16;
+  const IntD32 d32;
+  auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
+  HWY_UNROLL(16)
+  for (int i = 0; i < kVectors; ++i) {
+    sum0 = hn::ReorderWidenMulAccumulate(d32, key(i), hn::Load(d16, q + i * kL16), sum0, sum1);
+  }
+  return hn::Add(sum0, sum1);
 }
 
 // Raw scores of the tile's n decoded keys against rows r0 .. r0 + kRows into
@@ -488,7 +502,6 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
 template <int kRows, int kBv>
 HWY_NOINLINE void ScoreGroupInt(const IntScan& s, int r0, int n) {
   const IntD16 d16;
-  const IntD32 d32;
   const IntDF df;
   const int blocks = s.key->layout.blocks, dim = s.dim;
   const int16_t* q[kRows];
@@ -509,14 +522,10 @@ HWY_NOINLINE void ScoreGroupInt(const IntScan& s, int r0, int n) {
       // Row by row, the key's vectors reloaded from L1: interleaving the rows
       // over shared key registers makes GCC compute every product first and
       // spill them.
+      const auto key = [&](int i) { return hn::Load(d16, k + base + i * kL16); };
       for (int r = 0; r < kRows; ++r) {
-        auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
-        HWY_UNROLL(16)
-        for (int i = 0; i < kBv; i += kL16) {
-          sum0 = hn::ReorderWidenMulAccumulate(d32, hn::Load(d16, k + base + i), hn::Load(d16, q[r] + base + i),
-                                               sum0, sum1);
-        }
-        f[r] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum0, sum1)), hn::Set(df, key_scale * q_unit[r][b]), f[r]);
+        const auto dot = DotLanes<kBv / kL16>(key, q[r] + base);
+        f[r] = hn::MulAdd(hn::ConvertTo(df, dot), hn::Set(df, key_scale * q_unit[r][b]), f[r]);
       }
     }
     for (int r = 0; r < kRows; ++r) hn::Store(f[r], df, partial[r] + j * kL32);
@@ -537,14 +546,8 @@ HWY_NOINLINE void ScoreOneBlockInt(const IntScan& s, int r0, int n) {
   }
   const int16_t* k = s.keys;
   for (int j = 0; j < n; ++j, k += kBv) {
-    for (int r = 0; r < kRows; ++r) {
-      auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
-      HWY_UNROLL(16)
-      for (int i = 0; i < kBv; i += kL16) {
-        sum0 = hn::ReorderWidenMulAccumulate(d32, hn::Load(d16, k + i), hn::Load(d16, q[r] + i), sum0, sum1);
-      }
-      hn::Store(hn::Add(sum0, sum1), d32, partial[r] + j * kL32);
-    }
+    const auto key = [&](int i) { return hn::Load(d16, k + i * kL16); };
+    for (int r = 0; r < kRows; ++r) hn::Store(DotLanes<kBv / kL16>(key, q[r]), d32, partial[r] + j * kL32);
   }
 }
 
@@ -574,13 +577,8 @@ HWY_NOINLINE void ScoreTurboDecoded(const IntScan& s, const uint8_t* records, si
       k[2 * v] = hn::BitCast(d16, hn::InterleaveLower(d8, lo, hi));
       k[2 * v + 1] = hn::BitCast(d16, hn::InterleaveUpper(d8, lo, hi));
     }
-    for (int r = 0; r < kRows; ++r) {
-      auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
-      for (int i = 0; i < kB / kL16; ++i) {
-        sum0 = hn::ReorderWidenMulAccumulate(d32, k[i], hn::Load(d16, q[r] + i * kL16), sum0, sum1);
-      }
-      hn::Store(hn::Add(sum0, sum1), d32, partial[r] + j * kL32);
-    }
+    const auto key = [&](int i) { return k[i]; };
+    for (int r = 0; r < kRows; ++r) hn::Store(DotLanes<kB / kL16>(key, q[r]), d32, partial[r] + j * kL32);
   }
 }
 
@@ -590,7 +588,6 @@ HWY_NOINLINE void ScoreTurboDecoded(const IntScan& s, const uint8_t* records, si
 template <int kRows>
 HWY_NOINLINE void ScoreQ8Decoded(const IntScan& s, const uint8_t* records, size_t record_bytes, int n) {
   const IntD16 d16;
-  const IntD32 d32;
   const IntDF df;
   const hn::Rebind<int8_t, IntD16> d8;
   constexpr int kVectors = kGgmlBlockValues / kL16;
@@ -604,14 +601,11 @@ HWY_NOINLINE void ScoreQ8Decoded(const IntScan& s, const uint8_t* records, size_
       hn::Vec<IntD16> k[kVectors];
       for (int i = 0; i < kVectors; ++i) k[i] = hn::PromoteTo(d16, hn::LoadU(d8, bytes + i * kL16));
       const float key_scale = s.key_scales[static_cast<size_t>(b) * kScanTile + j];
+      const auto key = [&](int i) { return k[i]; };
       for (int r = 0; r < kRows; ++r) {
-        const int16_t* q = s.q + static_cast<size_t>(r) * dim + b * kGgmlBlockValues;
-        auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
-        for (int i = 0; i < kVectors; ++i) {
-          sum0 = hn::ReorderWidenMulAccumulate(d32, k[i], hn::Load(d16, q + i * kL16), sum0, sum1);
-        }
-        f[r] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum0, sum1)),
-                          hn::Set(df, key_scale * s.q_unit[static_cast<size_t>(r) * blocks + b]), f[r]);
+        const auto dot = DotLanes<kVectors>(key, s.q + static_cast<size_t>(r) * dim + b * kGgmlBlockValues);
+        f[r] = hn::MulAdd(hn::ConvertTo(df, dot), hn::Set(df, key_scale * s.q_unit[static_cast<size_t>(r) * blocks + b]),
+                          f[r]);
       }
     }
     for (int r = 0; r < kRows; ++r) hn::Store(f[r], df, s.partial + (r * kScanTile + j) * kL32);
