@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "kernels/codec.h"
 #include "service/status_macros.h"
+#include "service/store/record_io.h"
 
 namespace turbokv {
 namespace {
@@ -25,71 +26,11 @@ constexpr char kMagic[8] = {'T', 'K', 'V', 'S', 'N', 'A', 'P', '\n'};
 constexpr uint32_t kVersion = 1;
 constexpr char kManifestMagic[] = "turbokv snapshot manifest 1";
 
-template <typename T>
-void Put(std::string* out, T value) {
-  char bytes[sizeof(T)];
-  std::memcpy(bytes, &value, sizeof(T));  // little-endian hosts only, as the wire format
-  out->append(bytes, sizeof(T));
-}
-
-void PutString(std::string* out, const std::string& s) {
-  Put<uint16_t>(out, static_cast<uint16_t>(s.size()));
-  out->append(s);
-}
-
-// Reads little-endian fields, remembering whether it ran past the end.
-class Reader {
- public:
-  explicit Reader(absl::string_view bytes) : bytes_(bytes) {}
-  template <typename T>
-  T Get() {
-    T value{};
-    if (bytes_.size() < sizeof(T)) {
-      short_ = true;
-      return value;
-    }
-    std::memcpy(&value, bytes_.data(), sizeof(T));
-    bytes_.remove_prefix(sizeof(T));
-    return value;
-  }
-  absl::string_view Take(size_t n) {
-    if (bytes_.size() < n) {
-      short_ = true;
-      return {};
-    }
-    absl::string_view taken = bytes_.substr(0, n);
-    bytes_.remove_prefix(n);
-    return taken;
-  }
-  std::string GetString() { return std::string(Take(Get<uint16_t>())); }
-  bool short_read() const { return short_; }
-  size_t left() const { return bytes_.size(); }
-
- private:
-  absl::string_view bytes_;
-  bool short_ = false;
-};
-
 absl::Status Errno(absl::string_view what, const std::string& path) {
   return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
 }
 
 }  // namespace
-
-uint32_t Crc32c(absl::string_view bytes, uint32_t crc) {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0x82F63B78u ^ (c >> 1) : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  crc ^= 0xFFFFFFFFu;
-  for (unsigned char b : bytes) crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8);
-  return crc ^ 0xFFFFFFFFu;
-}
 
 namespace {
 
@@ -188,32 +129,13 @@ constexpr uint32_t kMaxHeaderBytes = 1 << 20;
 absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tokens) {
   Reader header(bytes);
   SnapshotHeader s;
-  s.id = header.GetString();
-  s.tenant = header.GetString();
-  SessionConfig& c = s.config;
-  c.layers = header.Get<int32_t>();
-  c.kv_heads = header.Get<int32_t>();
-  c.q_heads = header.Get<int32_t>();
-  c.head_dim = header.Get<int32_t>();
-  c.key_codec = static_cast<CodecKind>(header.Get<uint8_t>());
-  c.value_codec = static_cast<CodecKind>(header.Get<uint8_t>());
-  c.rotation_seed = header.Get<uint64_t>();
-  c.max_tokens = header.Get<int64_t>();
-  c.idle_ttl = absl::Nanoseconds(header.Get<int64_t>());
-  s.created = absl::FromUnixNanos(header.Get<int64_t>());
-  const int32_t stored_page_tokens = header.Get<int32_t>();
-  if (header.short_read() || c.layers < 1 || c.layers > kMaxLayers || c.kv_heads < 1 || c.kv_heads > kMaxHeads ||
-      c.q_heads < c.kv_heads || c.q_heads > kMaxHeads || c.q_heads % c.kv_heads != 0 || c.max_tokens < 1) {
-    return absl::DataLossError("the snapshot header is malformed");
-  }
-  if (stored_page_tokens != page_tokens) {
-    return absl::DataLossError(absl::StrCat("the snapshot has pages of ", stored_page_tokens,
-                                            " tokens, this turbokvd uses ", page_tokens));
-  }
-  for (int l = 0; l < c.layers; ++l) s.tokens.push_back(header.Get<int64_t>());
+  absl::StatusOr<SessionHeader> session = GetSessionHeader(header, page_tokens, "the snapshot");
+  if (!session.ok()) return session.status();
+  static_cast<SessionHeader&>(s) = *std::move(session);
+  for (int l = 0; l < s.config.layers; ++l) s.tokens.push_back(header.Get<int64_t>());
   if (header.short_read() || header.left() != 0) return absl::DataLossError("the snapshot header is malformed");
   for (int64_t tokens : s.tokens) {
-    if (tokens < 0 || tokens > c.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
+    if (tokens < 0 || tokens > s.config.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
   }
   return s;
 }
@@ -222,21 +144,8 @@ absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tok
 
 absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCache& session,
                                        const std::vector<LayerCache>& layers, int page_tokens) {
-  const SessionConfig& c = session.config();
   std::string header;
-  PutString(&header, session.id());
-  PutString(&header, session.tenant());
-  Put<int32_t>(&header, c.layers);
-  Put<int32_t>(&header, c.kv_heads);
-  Put<int32_t>(&header, c.q_heads);
-  Put<int32_t>(&header, c.head_dim);
-  Put<uint8_t>(&header, static_cast<uint8_t>(c.key_codec));
-  Put<uint8_t>(&header, static_cast<uint8_t>(c.value_codec));
-  Put<uint64_t>(&header, c.rotation_seed);
-  Put<int64_t>(&header, c.max_tokens);
-  Put<int64_t>(&header, absl::ToInt64Nanoseconds(c.idle_ttl));
-  Put<int64_t>(&header, absl::ToUnixNanos(session.created()));
-  Put<int32_t>(&header, page_tokens);
+  PutSessionHeader(&header, SessionHeader{session.id(), session.tenant(), session.config(), session.created(), page_tokens});
   for (const LayerCache& layer : layers) Put<int64_t>(&header, layer.tokens());
   std::string start(kMagic, sizeof(kMagic));
   Put<uint32_t>(&start, kVersion);
@@ -281,12 +190,11 @@ absl::StatusOr<std::shared_ptr<SessionCache>> ReadSnapshot(const std::string& pa
   std::string header_text(header_bytes, '\0');
   if (!in.Read(header_text.data(), header_bytes)) return absl::DataLossError("the snapshot is truncated");
   TURBOKV_ASSIGN_OR_RETURN(SnapshotHeader header, ParseHeader(header_text, page_tokens));
-  absl::StatusOr<CodecLayout> key = CheckCodecSpec(CodecSpec{header.config.key_codec, header.config.head_dim, 0});
-  absl::StatusOr<CodecLayout> value = CheckCodecSpec(CodecSpec{header.config.value_codec, header.config.head_dim, 0});
-  if (!key.ok() || !value.ok()) return absl::DataLossError("the snapshot names an unknown codec or head_dim");
+  const CodecLayout key = MakeCodecLayout(header.config.key_codec, header.config.head_dim);
+  const CodecLayout value = MakeCodecLayout(header.config.value_codec, header.config.head_dim);
   // The pages the header promises must be exactly what the file holds.
   const uint64_t page_bytes =
-      static_cast<uint64_t>(header.config.kv_heads) * page_tokens * (key->code_size() + value->code_size());
+      static_cast<uint64_t>(header.config.kv_heads) * page_tokens * (key.code_size() + value.code_size());
   uint64_t left = size - 16 - header_bytes - 4;
   for (int64_t tokens : header.tokens) {
     const uint64_t pages = static_cast<uint64_t>(tokens / page_tokens + (tokens % page_tokens != 0));

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "service/store/record_io.h"
 #include "service/store/session_store.h"
 
 namespace turbokv {
@@ -27,16 +28,8 @@ constexpr char kManifestName[] = "MANIFEST";
 // be written; never loaded, kept for an operator.
 constexpr char kStaleSuffix[] = ".stale";
 
-// CRC-32C (Castagnoli) of `bytes`, continuing from `crc` (the CRC of the
-// bytes before them; 0 to start).
-uint32_t Crc32c(absl::string_view bytes, uint32_t crc = 0);
-
 // A snapshot's header, as read.
-struct SnapshotHeader {
-  std::string id;
-  std::string tenant;
-  SessionConfig config;
-  absl::Time created;
+struct SnapshotHeader : SessionHeader {
   std::vector<int64_t> tokens;  // per layer
 };
 

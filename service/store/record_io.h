@@ -1,0 +1,71 @@
+// Little-endian record fields, CRC-32C and the encoding of a session's
+// configuration: what the snapshot files and the tiers' records share
+// (docs/FORMAT.md).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "service/store/session_store.h"
+
+namespace turbokv {
+
+// CRC-32C (Castagnoli) of `bytes`, continuing from `crc` (the CRC of the
+// bytes before them; 0 to start).
+uint32_t Crc32c(absl::string_view bytes, uint32_t crc = 0);
+
+template <typename T>
+void Put(std::string* out, T value) {
+  char bytes[sizeof(T)];
+  std::memcpy(bytes, &value, sizeof(T));  // little-endian hosts only, as the wire format
+  out->append(bytes, sizeof(T));
+}
+
+// A u16 length, then the bytes (strings of at most 65535 bytes).
+void PutString(std::string* out, const std::string& s);
+
+// Reads little-endian fields, remembering whether it ran past the end.
+class Reader {
+ public:
+  explicit Reader(absl::string_view bytes) : bytes_(bytes) {}
+  template <typename T>
+  T Get() {
+    T value{};
+    if (bytes_.size() < sizeof(T)) {
+      short_ = true;
+      return value;
+    }
+    std::memcpy(&value, bytes_.data(), sizeof(T));
+    bytes_.remove_prefix(sizeof(T));
+    return value;
+  }
+  absl::string_view Take(size_t n);
+  std::string GetString() { return std::string(Take(Get<uint16_t>())); }
+  bool short_read() const { return short_; }
+  size_t left() const { return bytes_.size(); }
+
+ private:
+  absl::string_view bytes_;
+  bool short_ = false;
+};
+
+// A session's id, tenant, configuration, creation time and page size, as
+// the snapshot header and the tiers' manifest records hold them.
+struct SessionHeader {
+  std::string id;
+  std::string tenant;
+  SessionConfig config;
+  absl::Time created;
+  int32_t page_tokens = 0;
+};
+void PutSessionHeader(std::string* out, const SessionHeader& header);
+// Reads one and checks it against the limits CreateSession enforces (so
+// that nothing is sized from a bad record) and against this daemon's
+// page_tokens; DATA_LOSS naming `what` ("the snapshot") otherwise.
+absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what);
+
+}  // namespace turbokv
