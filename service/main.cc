@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "google/protobuf/stubs/logging.h"
 #include "service/byte_size.h"
@@ -29,7 +30,18 @@ Flags (--name=value or --name value):
   --threads=N              kernel threads, 0 = one per core (default 0)
   --memory-budget=SIZE     bytes of compressed pages, e.g. 4GiB (default 4GiB)
   --eviction=reject|lru    when the budget is full: refuse the write, or evict
-                           least recently used idle sessions (default reject)
+                           least recently used idle sessions (with
+                           --spill-dir: demote them to disk) (default reject)
+  --spill-dir=DIR          a disk tier: sealed pages are written through to
+                           segment files in DIR, idle sessions are demoted
+                           there before memory runs out and come back on
+                           their next call, and a restart finds them (default
+                           none)
+  --spill-budget=SIZE      most bytes of live records in --spill-dir (default 64GiB)
+  --memory-watermarks=HIGH,LOW  with --spill-dir: past HIGH x the budget, idle
+                           sessions are demoted until LOW x (default 0.9,0.8);
+                           the same fractions of --spill-budget drop the
+                           oldest sessions on disk
   --session-ttl=DURATION   delete sessions idle this long, 0 = never (default 1h)
   --max-message-bytes=SIZE largest gRPC message in or out (default 64MiB)
   --max-tokens=N           most tokens a layer of a session may hold (default 1048576)
@@ -137,6 +149,19 @@ int main(int argc, char** argv) {
       if (!absl::SimpleAtoi(value, &options.max_tokens) || options.max_tokens < 1) return Fail(flag + ": expected a count >= 1");
     } else if (name == "snapshot-dir") {
       options.snapshot_dir = value;
+    } else if (name == "spill-dir") {
+      options.spill_dir = value;
+    } else if (name == "spill-budget") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok()) return Fail(absl::StrCat("--spill-budget: ", bytes.status().message()));
+      options.spill_budget = *bytes;
+    } else if (name == "memory-watermarks") {
+      const std::vector<std::string> parts = absl::StrSplit(value, ',');
+      if (parts.size() != 2 || !absl::SimpleAtod(parts[0], &options.high_watermark) ||
+          !absl::SimpleAtod(parts[1], &options.low_watermark) || !(options.low_watermark > 0) ||
+          !(options.low_watermark < options.high_watermark) || !(options.high_watermark <= 1)) {
+        return Fail(flag + ": expected HIGH,LOW with 0 < LOW < HIGH <= 1, e.g. 0.9,0.8");
+      }
     } else if (name == "auth-tokens-file") {
       options.auth_tokens_file = value;
     } else if (name == "admin-tenant") {
@@ -223,6 +248,19 @@ int main(int argc, char** argv) {
                    "MANIFEST: the last run did not finish its drain); they may be older than what clients last "
                    "wrote: %s\n",
                    loaded.unverified.size(), absl::StrJoin(loaded.unverified, ", ").c_str());
+    }
+  }
+  if (!options.spill_dir.empty()) {
+    const turbokv::TierScanReport& spilled = (*server)->spilled();
+    std::fprintf(stderr,
+                 "turbokvd: spill tier %s (budget %s): %lld session(s) on disk, %s of live records; %lld record(s) "
+                 "read, %lld torn or failing their CRC (skipped)\n",
+                 options.spill_dir.c_str(), turbokv::FormatByteSize(options.spill_budget).c_str(),
+                 static_cast<long long>(spilled.loaded), turbokv::FormatByteSize(static_cast<size_t>(spilled.bytes)).c_str(),
+                 static_cast<long long>(spilled.records), static_cast<long long>(spilled.torn));
+    for (const auto& [id, status] : spilled.damaged) {
+      std::fprintf(stderr, "turbokvd: session %s not restored from the spill tier (%s): %s\n", id.c_str(),
+                   absl::StatusCodeToString(status.code()).c_str(), std::string(status.message()).c_str());
     }
   }
   std::fprintf(stderr,

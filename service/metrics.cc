@@ -103,6 +103,31 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
                         .Register(r);
   lru_evictions_ = &evictions.Add({{"reason", "lru"}});
   ttl_expiries_ = &evictions.Add({{"reason", "ttl"}});
+  disk_drops_ = &evictions.Add({{"reason", "disk_full"}});
+  auto& tier_sessions = BuildGauge()
+                            .Name("turbokv_tier_sessions")
+                            .Help("Sessions by where their pages are: memory (resident) or disk (demoted to --spill-dir)")
+                            .Register(r);
+  tier_sessions_[0] = &tier_sessions.Add({{"tier", "memory"}});
+  tier_sessions_[1] = &tier_sessions.Add({{"tier", "disk"}});
+  auto gauge = [&](const char* name, const char* help) { return &BuildGauge().Name(name).Help(help).Register(r).Add({}); };
+  auto counter = [&](const char* name, const char* help) {
+    return &BuildCounter().Name(name).Help(help).Register(r).Add({});
+  };
+  spill_bytes_ = gauge("turbokv_spill_bytes", "Bytes of live records in --spill-dir");
+  spill_file_bytes_ = gauge("turbokv_spill_file_bytes", "Bytes of the segment files in --spill-dir, dead records included");
+  spill_budget_bytes_ = gauge("turbokv_spill_budget_bytes", "--spill-budget");
+  spill_queued_bytes_ = gauge("turbokv_spill_queued_bytes", "Bytes waiting for the spill writer");
+  demotions_ = counter("turbokv_demotions_total", "Sessions demoted from memory to the spill tier");
+  promotions_ = counter("turbokv_promotions_total", "Sessions brought back from the spill tier into memory");
+  spill_write_errors_ = counter("turbokv_spill_write_errors_total", "Records the spill writer could not write");
+  spill_crc_failures_ = counter("turbokv_spill_crc_failures_total",
+                                "Spill records that failed their CRC when read (at start or on promotion)");
+  promotion_duration_ = &BuildHistogram()
+                             .Name("turbokv_promotion_duration_seconds")
+                             .Help("Time to bring a demoted session back into memory")
+                             .Register(r)
+                             .Add({}, LatencyBuckets());
 }
 
 Metrics::~Metrics() = default;
@@ -148,6 +173,18 @@ void Metrics::SetRestored(const SnapshotReport& report) {
 
 void Metrics::SetQueued(int64_t work) { queued_->Set(static_cast<double>(work)); }
 
+void Metrics::ObservePromotion(double seconds) { promotion_duration_->Observe(seconds); }
+
+namespace {
+
+// Adds what a running total gained since `seen` to a counter.
+void Advance(prometheus::Counter* counter, int64_t total, int64_t* seen) {
+  counter->Increment(static_cast<double>(total - *seen));
+  *seen = total;
+}
+
+}  // namespace
+
 void Metrics::SetStore(const StoreSnapshot& s) {
   sessions_->Set(static_cast<double>(s.sessions));
   tokens_->Set(static_cast<double>(s.tokens));
@@ -155,10 +192,19 @@ void Metrics::SetStore(const StoreSnapshot& s) {
   budget_bytes_->Set(static_cast<double>(s.budget_bytes));
   fp16_bytes_->Set(static_cast<double>(s.fp16_bytes));
   compression_ratio_->Set(s.bytes_used > 0 ? static_cast<double>(s.fp16_bytes) / s.bytes_used : 0.0);
-  lru_evictions_->Increment(static_cast<double>(s.lru_evictions - lru_seen_));
-  ttl_expiries_->Increment(static_cast<double>(s.ttl_expiries - ttl_seen_));
-  lru_seen_ = s.lru_evictions;
-  ttl_seen_ = s.ttl_expiries;
+  Advance(lru_evictions_, s.lru_evictions, &lru_seen_);
+  Advance(ttl_expiries_, s.ttl_expiries, &ttl_seen_);
+  Advance(disk_drops_, s.disk_drops, &disk_drops_seen_);
+  tier_sessions_[0]->Set(static_cast<double>(s.resident_sessions));
+  tier_sessions_[1]->Set(static_cast<double>(s.demoted_sessions));
+  spill_bytes_->Set(static_cast<double>(s.tier.live_bytes));
+  spill_file_bytes_->Set(static_cast<double>(s.tier.bytes));
+  spill_budget_bytes_->Set(static_cast<double>(s.tier.budget_bytes));
+  spill_queued_bytes_->Set(static_cast<double>(s.tier.queued_bytes));
+  Advance(demotions_, s.demotions, &demotions_seen_);
+  Advance(promotions_, s.promotions, &promotions_seen_);
+  Advance(spill_write_errors_, s.tier.write_errors, &write_errors_seen_);
+  Advance(spill_crc_failures_, s.tier.crc_failures, &crc_failures_seen_);
 }
 
 }  // namespace turbokv

@@ -52,6 +52,8 @@ class Metrics {
   void SetRestored(const SnapshotReport& report);
   // Work waiting in the executor's queue.
   void SetQueued(int64_t work);
+  // A demoted session brought back into memory by a call.
+  void ObservePromotion(double seconds);
 
  private:
   const std::string device_;
@@ -84,8 +86,25 @@ class Metrics {
   prometheus::Gauge* compression_ratio_;
   prometheus::Counter* lru_evictions_;
   prometheus::Counter* ttl_expiries_;
-  int64_t lru_seen_ = 0;  // under SetStore's single caller
+  prometheus::Counter* disk_drops_;
+  prometheus::Gauge* tier_sessions_[2] = {};  // memory, disk
+  prometheus::Gauge* spill_bytes_;
+  prometheus::Gauge* spill_file_bytes_;
+  prometheus::Gauge* spill_budget_bytes_;
+  prometheus::Gauge* spill_queued_bytes_;
+  prometheus::Counter* demotions_;
+  prometheus::Counter* promotions_;
+  prometheus::Counter* spill_write_errors_;
+  prometheus::Counter* spill_crc_failures_;
+  prometheus::Histogram* promotion_duration_;
+  // Totals already counted, under SetStore's single caller.
+  int64_t lru_seen_ = 0;
   int64_t ttl_seen_ = 0;
+  int64_t disk_drops_seen_ = 0;
+  int64_t demotions_seen_ = 0;
+  int64_t promotions_seen_ = 0;
+  int64_t write_errors_seen_ = 0;
+  int64_t crc_failures_seen_ = 0;
 };
 
 }  // namespace turbokv

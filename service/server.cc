@@ -28,6 +28,7 @@
 #include "service/executor.h"
 #include "service/handler/handler.h"
 #include "service/rpc/kv_cache_service.h"
+#include "service/store/tiers/disk_tier.h"
 
 namespace turbokv {
 
@@ -153,7 +154,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   store.snapshot_dir = options.snapshot_dir;
   store.max_sessions = options.max_sessions;
   store.max_tenant_sessions = options.max_tenant_sessions;
-  server->store_ = std::make_unique<SessionStore>(store);
+  store.high_watermark = options.high_watermark;
+  store.low_watermark = options.low_watermark;
+  std::unique_ptr<Tier> tier;
+  if (!options.spill_dir.empty()) {
+    DiskTierOptions disk;
+    disk.dir = options.spill_dir;
+    disk.budget_bytes = options.spill_budget;
+    disk.page_tokens = options.page_tokens;
+    absl::StatusOr<std::unique_ptr<DiskTier>> opened = DiskTier::Open(disk);
+    if (!opened.ok()) return opened.status();
+    tier = *std::move(opened);
+  }
+  server->store_ = std::make_unique<SessionStore>(store, std::move(tier));
   HandlerOptions handler;
   handler.kernel_pool = server->kernel_pool_.get();
   handler.max_tokens = options.max_tokens;
@@ -183,6 +196,11 @@ absl::Status Server::Start() {
     if (!loaded.ok()) return loaded.status();
     loaded_ = *std::move(loaded);
     metrics_->SetRestored(loaded_);
+  }
+  if (!options_.spill_dir.empty()) {
+    absl::StatusOr<TierScanReport> spilled = store_->LoadTier(absl::Now());
+    if (!spilled.ok()) return spilled.status();
+    spilled_ = *std::move(spilled);
   }
   metrics_->SetStore(store_->Snapshot());
   if (!options_.metrics_listen.empty()) {
@@ -258,12 +276,23 @@ void Server::ExpireLoop() {
   // back to the kernel, so the process's memory follows the pool's.
   constexpr size_t kTrimBytes = size_t{8} << 20;
   size_t used_at_trim = store_->pool().used_bytes();
+  std::string last_demotion_error;
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_expiry_.wait_for(lock, absl::ToChronoNanoseconds(options_.expiry_interval),
                                 [this] { return stopping_; })) {
     lock.unlock();
     const int expired = store_->ExpireIdle(absl::Now());
     if (expired > 0) std::fprintf(stderr, "turbokvd: %d idle session(s) expired\n", expired);
+    const SessionStore::RebalanceReport rebalanced = store_->Rebalance();
+    for (const std::string& id : rebalanced.dropped) {
+      std::fprintf(stderr, "turbokvd: session %s dropped: the spill tier is over its high watermark\n", id.c_str());
+    }
+    // A failure is logged when it first happens, not every pass.
+    const std::string error(rebalanced.error.message());
+    if (!error.empty() && error != last_demotion_error) {
+      std::fprintf(stderr, "turbokvd: demotion failed, sessions stay in memory: %s\n", error.c_str());
+    }
+    last_demotion_error = error;
     const size_t used = store_->pool().used_bytes();
     if (used + kTrimBytes < used_at_trim) {
       malloc_trim(0);
@@ -304,6 +333,14 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();
   absl::Status status;
+  if (store_ != nullptr && !options_.spill_dir.empty()) {
+    // Every session's unsealed tail joins its sealed pages on disk: a
+    // restart on the same spill dir finds it whole.
+    status = store_->FlushTier(absl::Now() + snapshot_deadline);
+    if (!status.ok()) {
+      std::fprintf(stderr, "turbokvd: spill tier not flushed: %s\n", std::string(status.message()).c_str());
+    }
+  }
   if (store_ != nullptr && !options_.snapshot_dir.empty()) {
     absl::StatusOr<SnapshotReport> saved =
         store_->SaveSnapshots(absl::Now() + snapshot_deadline, /*final=*/true);

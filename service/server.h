@@ -53,6 +53,16 @@ struct ServerOptions {
   // Sessions are loaded from here at start and written here on Shutdown and
   // on the Snapshot call (empty: in memory only).
   std::string snapshot_dir;
+  // The disk tier (empty: none): sealed pages are written through to
+  // segment files here, idle sessions are demoted here instead of evicted,
+  // and a restart brings back what it holds. At most spill_budget bytes of
+  // live records.
+  std::string spill_dir;
+  size_t spill_budget = size_t{64} << 30;
+  // Of the memory budget (and of spill_budget): past high, the background
+  // pass demotes idle sessions (drops the oldest on disk) down to low.
+  double high_watermark = 0.90;
+  double low_watermark = 0.80;
   // "TOKEN TENANT" lines: every call needs "authorization: Bearer TOKEN" and
   // sees only its tenant's sessions. Empty: no authentication.
   std::string auth_tokens_file;
@@ -83,8 +93,9 @@ class Server {
   // listener and starts serving. UNAVAILABLE naming the address that could
   // not be bound.
   absl::Status Start();
-  // What Start loaded from the snapshot dir.
+  // What Start loaded from the snapshot dir, and found on the spill tier.
   const SnapshotReport& loaded() const { return loaded_; }
+  const TierScanReport& spilled() const { return spilled_; }
 
   // Health turns NOT_SERVING and new calls get UNAVAILABLE while the
   // listeners stay open; calls in flight get until `deadline` from now to
@@ -128,6 +139,7 @@ class Server {
   std::string health_endpoint_;
   std::vector<std::string> endpoints_;
   SnapshotReport loaded_;
+  TierScanReport spilled_;
 
   std::mutex mutex_;
   std::condition_variable stop_expiry_;

@@ -90,6 +90,9 @@ absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, 
     writes[i].values = values + i * layer_values;
   }
   CommitChunks(writes);
+  // Pages this chunk sealed go to the spill tier behind the call (later,
+  // from the background pass, when the writer's queue is full).
+  store_->WriteThrough(session, /*force=*/false).IgnoreError();
   StoredChunk chunk;
   for (const ChunkWrite& write : writes) {
     chunk.before.push_back(write.before);

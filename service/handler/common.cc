@@ -51,6 +51,7 @@ void ConfigToProto(const SessionConfig& config, v1::SessionConfig* proto) {
   proto->set_rotation_seed(config.rotation_seed);
   proto->set_max_tokens(config.max_tokens);
   *proto->mutable_idle_ttl() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(config.idle_ttl));
+  proto->set_pinned(config.pinned);
 }
 
 absl::Status CheckLayer(const SessionConfig& config, int layer, absl::string_view field) {

@@ -24,8 +24,18 @@ absl::Status Handler::GoneStatus(const std::string& id, const std::string& tenan
   return again.ok() ? absl::NotFoundError(absl::StrCat("no session ", ShowId(id))) : again.status();
 }
 
+absl::Status Handler::Promote(SessionCache& session, absl::Span<const SessionCache* const> held) {
+  if (session.resident()) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  absl::Status status = store_->Promote(session, held);
+  if (status.ok() && options_.metrics != nullptr) {
+    options_.metrics->ObservePromotion(absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  return status;
+}
+
 absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::string& id, const std::string& tenant,
-                                                                  std::unique_lock<std::mutex>* lock) {
+                                                                  std::unique_lock<std::mutex>* lock, bool promote) {
   if (id.empty()) return absl::InvalidArgumentError("session_id is empty");
   absl::StatusOr<std::shared_ptr<SessionCache>> session = store_->Find(id, tenant, absl::Now());
   if (!session.ok()) return session.status();
@@ -33,6 +43,10 @@ absl::StatusOr<std::shared_ptr<SessionCache>> Handler::FindLocked(const std::str
   if ((*session)->gone()) {
     lock->unlock();
     return GoneStatus(id, tenant);
+  }
+  if (promote) {
+    const SessionCache* held[] = {session->get()};
+    TURBOKV_RETURN_IF_ERROR(Promote(**session, held));
   }
   return session;
 }
@@ -88,6 +102,13 @@ Handler::LockedBatch Handler::FindLockedBatch(const google::protobuf::RepeatedPt
     batch.held.push_back(batch.sessions[i].get());
     batch.locks.push_back(std::move(lock));
   }
+  for (size_t i : order) {
+    if (batch.sessions[i] == nullptr) continue;
+    if (absl::Status status = Promote(*batch.sessions[i], batch.held); !status.ok()) {
+      batch.status[i] = status;
+      batch.sessions[i].reset();
+    }
+  }
   return batch;
 }
 
@@ -95,8 +116,12 @@ v1::SessionInfo Handler::Info(const SessionCache& session) const {
   v1::SessionInfo info;
   info.set_session_id(session.id());
   ConfigToProto(session.config(), info.mutable_config());
-  for (const LayerCache& layer : session.layers()) info.add_layer_tokens(layer.tokens());
+  for (int l = 0; l < session.config().layers; ++l) info.add_layer_tokens(session.layer_tokens(l));
   info.set_bytes_used(static_cast<int64_t>(session.bytes_used()));
+  info.set_residency(!session.resident() ? v1::RESIDENCY_DISK
+                     : session.on_tier() ? v1::RESIDENCY_MEMORY_AND_DISK
+                                         : v1::RESIDENCY_MEMORY);
+  info.set_disk_bytes(static_cast<int64_t>(store_->TierBytes(session)));
   info.set_fp16_bytes(static_cast<int64_t>(session.fp16_bytes()));
   const absl::Time now = absl::Now();
   *info.mutable_age() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(now - session.created()));

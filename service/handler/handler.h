@@ -98,13 +98,18 @@ class Handler {
 
   // Writes every session to the snapshot dir.
   absl::StatusOr<v1::SnapshotResponse> Snapshot(const v1::SnapshotRequest& request, const std::string& tenant = "");
+  // Brings demoted sessions back into memory; a status per session.
+  absl::StatusOr<v1::PrefetchResponse> Prefetch(const v1::PrefetchRequest& request, const std::string& tenant = "");
 
   SessionStore& store() { return *store_; }
 
  private:
-  // The session, locked, or NOT_FOUND.
+  // The session, locked and (unless !promote) in memory, or NOT_FOUND.
   absl::StatusOr<std::shared_ptr<SessionCache>> FindLocked(const std::string& id, const std::string& tenant,
-                                                           std::unique_lock<std::mutex>* lock);
+                                                           std::unique_lock<std::mutex>* lock, bool promote = true);
+  // Brings a demoted session (locked, as are those in `held`) back into
+  // memory, timed in the metrics.
+  absl::Status Promote(SessionCache& session, absl::Span<const SessionCache* const> held);
   // FindLocked, then INVALID_ARGUMENT unless `layer` is one of the session's.
   absl::StatusOr<std::shared_ptr<SessionCache>> FindLockedLayer(const std::string& id, const std::string& tenant,
                                                                 int layer, std::unique_lock<std::mutex>* lock);

@@ -82,6 +82,8 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
     const absl::Status gone = GoneStatus(session.id(), session.tenant());
     return absl::Status(gone.code(), absl::StrCat(gone.message(), " (while being read)"));
   }
+  const SessionCache* held[] = {&session};
+  TURBOKV_RETURN_IF_ERROR(Promote(session, held));  // demoted between two messages
   const LayerCache& layer = session.layers()[l];
   const int64_t n = std::min(cursor.tokens_per_message, cursor.ends[cursor.layer_index] - cursor.position);
   if (cursor.position + n > layer.tokens()) {

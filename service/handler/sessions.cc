@@ -59,6 +59,7 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
     return absl::InvalidArgumentError(absl::StrCat("config.idle_ttl = ", absl::FormatDuration(ttl), " must not be negative"));
   }
   config.idle_ttl = ttl == absl::ZeroDuration() ? options_.session_ttl : ttl;
+  config.pinned = proto.pinned();
 
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, store_->Create(config, tenant, absl::Now()));
   v1::CreateSessionResponse response;
@@ -70,7 +71,8 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
 absl::StatusOr<v1::SessionInfo> Handler::GetSession(const v1::GetSessionRequest& request,
     const std::string& tenant) {
   std::unique_lock<std::mutex> lock;
-  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session,
+                           FindLocked(request.session_id(), tenant, &lock, /*promote=*/false));
   return Info(*session);
 }
 
@@ -99,7 +101,7 @@ absl::StatusOr<v1::SessionInfo> Handler::TruncateSession(const v1::TruncateSessi
   }
   std::unique_lock<std::mutex> lock;
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
-  for (LayerCache& layer : session->layers()) layer.Truncate(request.tokens());
+  store_->Truncate(*session, request.tokens());
   return Info(*session);
 }
 
@@ -160,7 +162,26 @@ absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&, const 
   response.set_compression_ratio(snapshot.bytes_used > 0 ? static_cast<double>(snapshot.fp16_bytes) / snapshot.bytes_used
                                                          : 0.0);
   response.set_device(options_.device);
-  response.set_evictions(snapshot.lru_evictions + snapshot.ttl_expiries);
+  response.set_evictions(snapshot.lru_evictions + snapshot.ttl_expiries + snapshot.disk_drops);
+  response.set_resident_sessions(snapshot.resident_sessions);
+  response.set_demoted_sessions(snapshot.demoted_sessions);
+  response.set_demotions(snapshot.demotions);
+  response.set_promotions(snapshot.promotions);
+  response.set_spill_bytes(snapshot.tier.live_bytes);
+  response.set_spill_budget_bytes(snapshot.tier.budget_bytes);
+  return response;
+}
+
+absl::StatusOr<v1::PrefetchResponse> Handler::Prefetch(const v1::PrefetchRequest& request, const std::string& tenant) {
+  LockedBatch locked = FindLockedBatch(request.session_ids(), tenant);
+  v1::PrefetchResponse response;
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < locked.status.size(); ++i) {
+    v1::ItemStatus* item = response.add_status();
+    item->set_code(static_cast<int>(locked.status[i].code()));
+    item->set_message(std::string(locked.status[i].message()));
+    if (locked.sessions[i] != nullptr) locked.sessions[i]->Touch(now);
+  }
   return response;
 }
 

@@ -82,6 +82,10 @@ template <>
 std::vector<std::string> Keys(const v1::DecodeRequest& request) {
   return {request.session_ids().begin(), request.session_ids().end()};
 }
+template <>
+std::vector<std::string> Keys(const v1::PrefetchRequest& request) {
+  return {request.session_ids().begin(), request.session_ids().end()};
+}
 
 // Calls, and bytes of requests and of replies not yet taken by their
 // client, in flight per tenant.
@@ -528,6 +532,7 @@ KvCacheService::KvCacheService(Handler* handler, Executor* executor, Metrics* me
   RegisterReadKv();
   RegisterUnary("Stats", &Handler::Stats);
   RegisterUnary("Snapshot", &Handler::Snapshot);
+  RegisterUnary("Prefetch", &Handler::Prefetch);
 }
 
 KvCacheService::~KvCacheService() = default;

@@ -1,5 +1,7 @@
 #include "service/store/page_pool.h"
 
+#include "service/store/tiers/tier.h"
+
 #include <sys/mman.h>
 
 #include <new>
@@ -45,7 +47,7 @@ absl::StatusOr<std::shared_ptr<Page>> PagePool::Allocate(size_t bytes) {
     used_.fetch_sub(bytes, std::memory_order_relaxed);
     return absl::ResourceExhaustedError(absl::StrCat("out of host memory allocating ", bytes, " bytes"));
   }
-  return std::shared_ptr<Page>(new Page{data, bytes}, [this, mapped](Page* page) {
+  return std::shared_ptr<Page>(new Page{data, bytes, nullptr}, [this, mapped](Page* page) {
     used_.fetch_sub(page->bytes, std::memory_order_relaxed);
     if (mapped) {
       munmap(page->data, page->bytes);

@@ -12,9 +12,15 @@
 
 namespace turbokv {
 
+class TierRecord;
+
 struct Page {
   uint8_t* data = nullptr;
   size_t bytes = 0;
+  // The record of this page on the spill tier, once it is sealed (full) and
+  // queued there; shared by every session holding the page. Guarded by the
+  // store (SessionStore::WriteThrough).
+  std::shared_ptr<TierRecord> record;
 };
 
 class PagePool {

@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "service/store/session_store.h"
+#include "service/store/session_config.h"
 
 namespace turbokv {
 

@@ -53,15 +53,22 @@ std::string NewSessionId() {
 SessionCache::SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now)
     : id_(std::move(id)), tenant_(std::move(tenant)), config_(config), created_(now), last_used_ns_(absl::ToUnixNanos(now)) {}
 
+SessionCache::~SessionCache() = default;
+
 size_t SessionCache::bytes_used() const {
   size_t bytes = 0;
   for (const LayerCache& layer : layers_) bytes += layer.bytes();
   return bytes;
 }
 
+int64_t SessionCache::layer_tokens(int layer) const {
+  const size_t l = static_cast<size_t>(layer);
+  return resident() ? layers_[l].tokens() : demoted_->layers[l].tokens;
+}
+
 int64_t SessionCache::tokens() const {
   int64_t tokens = 0;
-  for (const LayerCache& layer : layers_) tokens += layer.tokens();
+  for (int l = 0; l < config_.layers && (!resident() || !layers_.empty()); ++l) tokens += layer_tokens(l);
   return tokens;
 }
 
@@ -82,11 +89,24 @@ size_t SessionMetadataBytes(const SessionConfig& config) {
   return sizeof(SessionCache) + kCodecMetadataBytes + static_cast<size_t>(config.layers) * kLayerMetadataBytes;
 }
 
-SessionStore::SessionStore(const StoreOptions& options)
-    : options_(options), pool_(options.budget_bytes) {}
+SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier)
+    : options_(options), pool_(options.budget_bytes), tier_(std::move(tier)) {}
+
+SessionStore::~SessionStore() {
+  // The sessions' records are still theirs on the tier: going away here
+  // must not reclaim them.
+  if (tier_ != nullptr) tier_->Close();
+}
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Build(std::string id, std::string tenant,
                                                                   const SessionConfig& config, absl::Time created) {
+  auto session = std::make_shared<SessionCache>(std::move(id), std::move(tenant), config, created);
+  if (absl::Status status = Materialize(*session); !status.ok()) return status;
+  return session;
+}
+
+absl::Status SessionStore::Materialize(SessionCache& session) {
+  const SessionConfig& config = session.config();
   const CodecSpec key_spec{config.key_codec, config.head_dim,
                            DeriveRotationSeed(config.rotation_seed, RotationStream::kKeys)};
   const CodecSpec value_spec{config.value_codec, config.head_dim,
@@ -99,21 +119,27 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Build(std::string id
   std::shared_ptr<const Codec> values = *std::move(value_codec);
   absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config));
   if (!charge.ok()) return charge.status();
-  auto session = std::make_shared<SessionCache>(std::move(id), std::move(tenant), config, created);
-  session->charge_ = *std::move(charge);
-  session->layers_.reserve(config.layers);
+  session.charge_ = *std::move(charge);
+  session.layers_.reserve(config.layers);
   for (int l = 0; l < config.layers; ++l) {
-    session->layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
+    session.layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
   }
-  return session;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const SessionConfig& config,
                                                                    const std::string& tenant, absl::Time now) {
+  if (absl::Status room = MakeRoom(SessionMetadataBytes(config), {}); !room.ok()) return room;
   absl::StatusOr<std::shared_ptr<SessionCache>> session = Build(NewSessionId(), tenant, config, now);
   if (!session.ok()) return session.status();
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (absl::Status inserted = Insert(*session); !inserted.ok()) return inserted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (absl::Status inserted = Insert(*session); !inserted.ok()) return inserted;
+  }
+  if (tier_ != nullptr) {
+    std::lock_guard<std::mutex> lock((*session)->mutex());
+    WriteTierManifest(**session);
+  }
   return session;
 }
 
@@ -142,16 +168,24 @@ absl::Status SessionStore::Delete(const std::string& id, const std::string& tena
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(const SessionCache& source, int64_t prefix,
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(SessionCache& source, int64_t prefix,
                                                             absl::Time now) {
+  // The fork shares the source's records on the tier as it shares its
+  // pages: every sealed page gets one first (best effort: what is not on
+  // the tier yet is the fork's unsealed tail there).
+  if (tier_ != nullptr) WriteThrough(source, true).IgnoreError();
   absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(source.config()));
   if (!charge.ok()) return charge.status();
   auto fork = std::make_shared<SessionCache>(NewSessionId(), source.tenant(), source.config(), now);
   fork->charge_ = *std::move(charge);
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
+  if (tier_ != nullptr) WriteTierManifest(*fork);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (absl::Status inserted = Insert(fork); !inserted.ok()) return inserted;
+  if (absl::Status inserted = Insert(fork); !inserted.ok()) {
+    Drop(fork.get());
+    return inserted;
+  }
   return fork;
 }
 
@@ -173,7 +207,15 @@ StoreSnapshot SessionStore::Snapshot() const {
     ++snapshot.sessions;
     snapshot.tokens += session->tokens();
     snapshot.fp16_bytes += static_cast<int64_t>(session->fp16_bytes());
+    ++(session->resident() ? snapshot.resident_sessions : snapshot.demoted_sessions);
   }
+  if (tier_ != nullptr) {
+    snapshot.spill = true;
+    snapshot.tier = tier_->Stats();
+  }
+  snapshot.demotions = demotions_.load();
+  snapshot.promotions = promotions_.load();
+  snapshot.disk_drops = disk_drops_.load();
   snapshot.bytes_used = static_cast<int64_t>(pool_.used_bytes());
   snapshot.budget_bytes = static_cast<int64_t>(pool_.budget_bytes());
   snapshot.lru_evictions = lru_evictions_.load();
@@ -203,6 +245,11 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots(absl::Time deadline, 
     {
       std::lock_guard<std::mutex> lock(session->mutex());
       if (session->gone()) continue;
+      if (!session->resident()) {
+        // On the spill tier whole: an older snapshot must not stand in for it.
+        RemoveSnapshot(session->id());
+        continue;
+      }
       frozen.reserve(session->layers().size());
       for (const LayerCache& layer : session->layers()) frozen.push_back(layer.Fork(layer.tokens()));
     }
@@ -299,7 +346,7 @@ absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
     if (!status.ok()) {
       report.failed.emplace_back(id, status);
       std::lock_guard<std::mutex> lock(mutex_);
-      damaged_[id] = std::string(status.message());  // kept on disk, answered with DATA_LOSS
+      damaged_[id] = absl::StrCat("from its snapshot: ", status.message());  // kept on disk, answered with DATA_LOSS
       continue;
     }
     (*loaded)->Touch(now);
@@ -315,7 +362,7 @@ absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
         dir, "/", name));
     report.failed.emplace_back(id, status);
     std::lock_guard<std::mutex> lock(mutex_);
-    damaged_[id] = std::string(status.message());
+    damaged_[id] = absl::StrCat("from its snapshot: ", status.message());
   }
   if (manifest.ok()) unlink((dir + "/" + kManifestName).c_str());
   return report;
@@ -329,7 +376,7 @@ size_t SessionStore::session_count() const {
 absl::Status SessionStore::NotFound(const std::string& id, const std::string& tenant) const {
   auto damaged = damaged_.find(id);
   if (damaged != damaged_.end()) {
-    return absl::DataLossError(absl::StrCat("session ", ShowId(id), " could not be restored from its snapshot: ", damaged->second));
+    return absl::DataLossError(absl::StrCat("session ", ShowId(id), " could not be restored ", damaged->second));
   }
   auto gone = gone_reasons_.find(id);
   if (gone != gone_reasons_.end() && gone->second.first == tenant) {
@@ -367,6 +414,9 @@ void SessionStore::Drop(SessionCache* session) {
   session->gone_ = true;
   session->layers_.clear();
   session->charge_.reset();
+  if (tier_ != nullptr && session->on_tier()) tier_->PutTombstone(session->id(), session->tenant());
+  session->manifest_.reset();
+  session->demoted_.reset();
 }
 
 void SessionStore::RememberGone(const SessionCache& session, std::string reason, std::atomic<int64_t>* counter) {
@@ -386,21 +436,29 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   const size_t budget = pool_.budget_bytes();
   auto fits = [&] { return bytes <= budget && pool_.used_bytes() <= budget - bytes; };
   if (fits()) return absl::OkStatus();
-  auto refuse = [&](const std::string& why) {
-    return absl::ResourceExhaustedError(absl::StrCat("memory budget exceeded: ", pool_.used_bytes(), " bytes used, ",
-                                                     bytes, " needed, budget ", budget, " bytes", why));
+  auto refuse = [&](const std::string& why, absl::StatusCode code = absl::StatusCode::kResourceExhausted) {
+    std::string tier;
+    if (tier_ != nullptr) {
+      const TierStats stats = tier_->Stats();
+      tier = absl::StrCat("; spill tier: ", stats.live_bytes + stats.queued_bytes, " bytes used of ",
+                          stats.budget_bytes);
+    }
+    return absl::Status(code, absl::StrCat("memory budget exceeded: ", pool_.used_bytes(), " bytes used, ", bytes,
+                                           " needed, budget ", budget, " bytes", why, tier));
   };
   if (options_.eviction != EvictionPolicy::kLru) return refuse("");
-  if (bytes > budget) return refuse(" (more than the whole budget: nothing was evicted)");
-  std::lock_guard<std::mutex> lock(mutex_);
+  const char* verb = tier_ != nullptr ? "demot" : "evict";
+  if (bytes > budget) return refuse(absl::StrCat(" (more than the whole budget: nothing was ", verb, "ed)"));
+  std::unique_lock<std::mutex> lock(mutex_);
   std::vector<std::shared_ptr<SessionCache>> candidates;
   for (const auto& [id, session] : sessions_) {
     if (std::find(held.begin(), held.end(), session.get()) == held.end()) candidates.push_back(session);
   }
   std::sort(candidates.begin(), candidates.end(),
             [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
-  // First prove that evicting enough idle sessions, oldest first, frees the
-  // bytes: a page counts once every holder of it is among the victims.
+  // First prove that evicting (or demoting) enough idle sessions, oldest
+  // first, frees the bytes: a page counts once every holder of it is among
+  // the victims.
   const size_t used = pool_.used_bytes();
   const size_t needed = used > budget - bytes ? used - (budget - bytes) : 0;
   size_t freeable = 0;
@@ -411,7 +469,8 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     if (freeable >= needed) break;
     // A session with a call in flight is not idle: skip it.
     std::unique_lock<std::mutex> candidate_lock(candidate->mutex(), std::try_to_lock);
-    if (!candidate_lock.owns_lock() || candidate->gone()) continue;
+    if (!candidate_lock.owns_lock() || candidate->gone() || !candidate->resident()) continue;
+    if (tier_ != nullptr && candidate->config().pinned) continue;
     freeable += SessionMetadataBytes(candidate->config());
     for (const LayerCache& layer : candidate->layers()) {
       for (const std::shared_ptr<Page>& page : layer.pages()) {
@@ -422,16 +481,331 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     victims.push_back(candidate.get());
   }
   if (freeable < needed) {
-    return refuse(absl::StrCat("; evicting every idle session would free only ", freeable,
-                               " bytes, so none was evicted"));
+    return refuse(absl::StrCat("; ", verb, "ing every idle session would free only ", freeable, " bytes, so none was ",
+                               verb, "ed"));
   }
-  for (SessionCache* victim : victims) {
-    Drop(victim);
-    RememberGone(*victim, "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
+  if (tier_ != nullptr) {
+    // Demotion writes to the tier: not under the store's mutex.
+    lock.unlock();
+    for (SessionCache* victim : victims) {
+      if (absl::Status status = Demote(*victim); !status.ok()) {
+        return refuse(absl::StrCat("; demoting an idle session to the spill tier failed: ", status.message()),
+                      absl::IsUnavailable(status) ? absl::StatusCode::kUnavailable
+                                                  : absl::StatusCode::kResourceExhausted);
+      }
+    }
+  } else {
+    for (SessionCache* victim : victims) {
+      Drop(victim);
+      RememberGone(*victim, "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
+    }
   }
   victim_locks.clear();
   if (fits()) return absl::OkStatus();
-  return refuse(" (after evicting; another call took the room first)");
+  return refuse(absl::StrCat(" (after ", verb, "ing; another call took the room first)"));
+}
+
+PageKey SessionStore::Key(const SessionCache& session, int layer, int index, int tokens) {
+  const SessionConfig& c = session.config();
+  return PageKey{session.id(), session.tenant(), layer, index, tokens, c.key_codec, c.value_codec, c.rotation_seed};
+}
+
+absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
+  if (tier_ == nullptr || !session.resident() || session.gone()) return absl::OkStatus();
+  const int64_t pt = options_.page_tokens;
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const LayerCache& layer = session.layers()[l];
+    const std::vector<std::shared_ptr<Page>>& pages = layer.pages();
+    const size_t full = static_cast<size_t>(layer.tokens() / pt);
+    size_t first = full;
+    {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      while (first > 0 && pages[first - 1]->record == nullptr) --first;
+    }
+    for (size_t i = first; i < full; ++i) {
+      absl::StatusOr<std::shared_ptr<TierRecord>> record =
+          tier_->PutPage(Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt)), *pages[i], force);
+      if (!record.ok()) return record.status();
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      if (pages[i]->record == nullptr) pages[i]->record = *std::move(record);  // else a fork's came first
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session, bool tails) {
+  TierSession image;
+  image.header = SessionHeader{session.id(), session.tenant(), session.config(), session.created(),
+                               options_.page_tokens};
+  image.pinned = session.config().pinned;
+  const int64_t pt = options_.page_tokens;
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const LayerCache& layer = session.layers()[l];
+    const std::vector<std::shared_ptr<Page>>& pages = layer.pages();
+    const size_t full = static_cast<size_t>(layer.tokens() / pt);
+    TierLayer out;
+    {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      for (size_t i = 0; i < full && pages[i]->record != nullptr; ++i) out.pages.push_back(pages[i]->record);
+    }
+    out.tokens = static_cast<int64_t>(out.pages.size()) * pt;
+    if (tails && out.pages.size() == full && layer.tokens() % pt != 0) {
+      absl::StatusOr<std::shared_ptr<TierRecord>> tail = tier_->PutPage(
+          Key(session, static_cast<int>(l), static_cast<int>(full), static_cast<int>(layer.tokens() % pt)),
+          *pages[full], true);
+      if (!tail.ok()) return tail.status();
+      out.pages.push_back(*std::move(tail));
+      out.tokens = layer.tokens();
+    }
+    image.layers.push_back(std::move(out));
+  }
+  return image;
+}
+
+void SessionStore::WriteTierManifest(SessionCache& session) {
+  absl::StatusOr<TierSession> image = TierImage(session, false);
+  if (image.ok()) session.manifest_ = tier_->PutManifest(*image);
+}
+
+namespace {
+
+// Waits for every record of `image` and its manifest; the first error.
+absl::Status WaitForImage(Tier& tier, const TierSession& image, const TierRecord& manifest) {
+  for (const TierLayer& layer : image.layers) {
+    for (const auto& page : layer.pages) {
+      if (absl::Status status = tier.Wait(*page); !status.ok()) return status;
+    }
+  }
+  return tier.Wait(manifest);
+}
+
+}  // namespace
+
+absl::Status SessionStore::Demote(SessionCache& session) {
+  if (tier_ == nullptr) return absl::FailedPreconditionError("turbokvd runs without --spill-dir");
+  if (!session.resident() || session.gone()) return absl::OkStatus();
+  absl::Status status = WriteThrough(session, true);
+  absl::StatusOr<TierSession> image = status.ok() ? TierImage(session, true) : status;
+  if (image.ok()) {
+    for (size_t l = 0; l < image->layers.size(); ++l) {
+      if (image->layers[l].tokens != session.layers()[l].tokens()) {
+        image = absl::UnavailableError("a sealed page of the session is not on the spill tier");
+        break;
+      }
+    }
+  }
+  std::shared_ptr<TierRecord> manifest;
+  if (image.ok()) {
+    manifest = tier_->PutManifest(*image);
+    status = WaitForImage(*tier_, *image, *manifest);
+  } else {
+    status = image.status();
+  }
+  if (!status.ok()) {
+    // Pages whose record failed get a new one at the next try.
+    std::vector<std::pair<Page*, std::shared_ptr<TierRecord>>> records;
+    {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      for (const LayerCache& layer : session.layers()) {
+        for (const std::shared_ptr<Page>& page : layer.pages()) {
+          if (page->record != nullptr) records.emplace_back(page.get(), page->record);
+        }
+      }
+    }
+    for (auto& [page, record] : records) {
+      if (tier_->Wait(*record).ok()) continue;
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      if (page->record == record) page->record.reset();
+    }
+    return status;
+  }
+  image->manifest = manifest;
+  session.manifest_ = std::move(manifest);
+  session.layers_.clear();
+  session.charge_.reset();
+  session.demoted_ = std::make_unique<TierSession>(*std::move(image));
+  demotions_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const SessionCache* const> held) {
+  if (session.resident()) return absl::OkStatus();
+  const TierSession& image = *session.demoted_;
+  const SessionConfig& config = session.config();
+  const size_t page_bytes =
+      static_cast<size_t>(config.kv_heads) * options_.page_tokens *
+      (MakeCodecLayout(config.key_codec, config.head_dim).code_size() +
+       MakeCodecLayout(config.value_codec, config.head_dim).code_size());
+  size_t bytes = SessionMetadataBytes(config);
+  for (const TierLayer& layer : image.layers) bytes += layer.pages.size() * page_bytes;
+  if (absl::Status status = MakeRoom(bytes, held); !status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()),
+                                                    " is on the spill tier and cannot come back into memory: ",
+                                                    status.message()));
+  }
+  absl::Status status = Materialize(session);
+  for (size_t l = 0; status.ok() && l < image.layers.size(); ++l) {
+    size_t next = 0;
+    const TierLayer& layer = image.layers[l];
+    status = session.layers_[l].LoadPages(layer.tokens, [&](uint8_t* data, size_t n) {
+      return tier_->Read(*layer.pages[next++], data, n);
+    });
+  }
+  if (!status.ok()) {
+    session.layers_.clear();
+    session.charge_.reset();
+    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()),
+                                                    " could not be read back from the spill tier: ", status.message()));
+  }
+  {
+    // Its sealed pages are on the tier already.
+    std::lock_guard<std::mutex> lock(records_mutex_);
+    const int64_t pt = options_.page_tokens;
+    for (size_t l = 0; l < image.layers.size(); ++l) {
+      const std::vector<std::shared_ptr<Page>>& pages = session.layers_[l].pages();
+      for (size_t i = 0; i < static_cast<size_t>(image.layers[l].tokens / pt); ++i) {
+        pages[i]->record = image.layers[l].pages[i];
+      }
+    }
+  }
+  session.demoted_.reset();
+  promotions_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+void SessionStore::Truncate(SessionCache& session, int64_t n) {
+  for (LayerCache& layer : session.layers()) layer.Truncate(n);
+  if (tier_ == nullptr) return;
+  {
+    // A partly filled last page that only this session holds is written in
+    // place from now on: it is not its record any more.
+    std::lock_guard<std::mutex> lock(records_mutex_);
+    for (LayerCache& layer : session.layers()) {
+      if (layer.tokens() % options_.page_tokens != 0 && layer.pages().back().use_count() == 1) {
+        layer.pages().back()->record.reset();
+      }
+    }
+  }
+  WriteTierManifest(session);
+}
+
+size_t SessionStore::TierBytes(const SessionCache& session) {
+  if (!session.on_tier()) return 0;
+  size_t bytes = session.manifest_->bytes();
+  if (!session.resident()) {
+    for (const TierLayer& layer : session.demoted_->layers) {
+      for (const auto& page : layer.pages) bytes += page->bytes();
+    }
+    return bytes;
+  }
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  for (const LayerCache& layer : session.layers()) {
+    for (const std::shared_ptr<Page>& page : layer.pages()) {
+      if (page->record != nullptr) bytes += page->record->bytes();
+    }
+  }
+  return bytes;
+}
+
+SessionStore::RebalanceReport SessionStore::Rebalance() {
+  RebalanceReport report;
+  if (tier_ == nullptr) return report;
+  std::vector<std::shared_ptr<SessionCache>> sessions = List();
+  // Write-through that the request path left for later (its queue was full).
+  for (const std::shared_ptr<SessionCache>& session : sessions) {
+    std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
+    if (lock.owns_lock() && !WriteThrough(*session, false).ok()) break;
+  }
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
+  const double budget = static_cast<double>(pool_.budget_bytes());
+  if (static_cast<double>(pool_.used_bytes()) > options_.high_watermark * budget) {
+    for (const std::shared_ptr<SessionCache>& session : sessions) {
+      if (static_cast<double>(pool_.used_bytes()) <= options_.low_watermark * budget) break;
+      std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
+      if (!lock.owns_lock() || session->gone() || !session->resident() || session->config().pinned) continue;
+      if (absl::Status status = Demote(*session); !status.ok()) {
+        report.error = status;
+        break;
+      }
+      ++report.demoted;
+    }
+  }
+  const TierStats stats = tier_->Stats();
+  const double tier_budget = static_cast<double>(stats.budget_bytes);
+  int64_t live = stats.live_bytes + stats.queued_bytes;
+  if (static_cast<double>(live) > options_.high_watermark * tier_budget) {
+    // The oldest sessions on disk only go, whole, until the tier is under
+    // its low watermark.
+    for (const std::shared_ptr<SessionCache>& session : sessions) {
+      if (static_cast<double>(live) <= options_.low_watermark * tier_budget) break;
+      std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
+      if (!session_lock.owns_lock() || session->gone() || session->resident()) continue;
+      live -= static_cast<int64_t>(TierBytes(*session));
+      std::lock_guard<std::mutex> lock(mutex_);
+      Drop(session.get());
+      RememberGone(*session, "dropped: the spill tier was over its high watermark (--spill-budget), oldest first",
+                   &disk_drops_);
+      report.dropped.push_back(session->id());
+    }
+  }
+  return report;
+}
+
+absl::Status SessionStore::FlushTier(absl::Time deadline) {
+  if (tier_ == nullptr) return absl::OkStatus();
+  absl::Status first_error;
+  int failed = 0;
+  for (const std::shared_ptr<SessionCache>& session : List()) {
+    std::lock_guard<std::mutex> lock(session->mutex());
+    if (session->gone() || !session->resident()) continue;
+    absl::Status status = absl::Now() > deadline ? absl::DeadlineExceededError("the drain's deadline passed")
+                                                 : WriteThrough(*session, true);
+    absl::StatusOr<TierSession> image = status.ok() ? TierImage(*session, true) : status;
+    if (image.ok()) {
+      std::shared_ptr<TierRecord> manifest = tier_->PutManifest(*image);
+      status = WaitForImage(*tier_, *image, *manifest);
+      if (status.ok()) session->manifest_ = std::move(manifest);
+    } else {
+      status = image.status();
+    }
+    if (!status.ok()) {
+      ++failed;
+      if (first_error.ok()) first_error = absl::Status(status.code(), absl::StrCat("session ", session->id(), ": ", status.message()));
+    }
+  }
+  if (absl::Status status = tier_->Sync(); !status.ok() && first_error.ok()) first_error = status;
+  if (!first_error.ok() && failed > 0) {
+    return absl::Status(first_error.code(), absl::StrCat(failed, " session(s) not flushed to the spill tier; ",
+                                                         first_error.message()));
+  }
+  return first_error;
+}
+
+absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
+  if (tier_ == nullptr) return TierScanReport();
+  absl::StatusOr<TierScanReport> report = tier_->Scan();
+  if (!report.ok()) return report.status();
+  std::vector<TierSession> sessions = std::move(report->sessions);
+  report->sessions.clear();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (TierSession& image : sessions) {
+    if (sessions_.count(image.header.id) != 0) continue;  // its snapshot holds it whole
+    SessionConfig config = image.header.config;
+    config.pinned = image.pinned;
+    auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
+    session->Touch(now);
+    session->manifest_ = image.manifest;
+    const std::string id = image.header.id;
+    session->demoted_ = std::make_unique<TierSession>(std::move(image));
+    if (absl::Status status = Insert(session); !status.ok()) {
+      report->damaged.emplace_back(id, status);
+      continue;
+    }
+    ++report->loaded;
+  }
+  for (const auto& [id, status] : report->damaged) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
+  return report;
 }
 
 int SessionStore::ExpireIdle(absl::Time now) {

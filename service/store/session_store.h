@@ -19,25 +19,10 @@
 #include "kernels/codec.h"
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
+#include "service/store/session_config.h"
+#include "service/store/tiers/tier.h"
 
 namespace turbokv {
-
-// Limits of a session's shape (CreateSession and snapshots enforce them).
-constexpr int kMaxLayers = 1024;
-constexpr int kMaxHeads = 1024;  // kv heads, and query heads
-
-// A session's configuration, checked and with every default filled in.
-struct SessionConfig {
-  int layers = 0;
-  int kv_heads = 0;
-  int q_heads = 0;
-  int head_dim = 0;
-  CodecKind key_codec = CodecKind::kTurbo3;
-  CodecKind value_codec = CodecKind::kTurbo3;
-  uint64_t rotation_seed = 0;
-  int64_t max_tokens = 0;  // per layer
-  absl::Duration idle_ttl = absl::ZeroDuration();
-};
 
 // What the store holds, summed over sessions.
 struct StoreSnapshot {
@@ -48,11 +33,19 @@ struct StoreSnapshot {
   int64_t fp16_bytes = 0;  // the same tokens in fp16
   int64_t lru_evictions = 0;  // since start
   int64_t ttl_expiries = 0;   // since start
+  // With a spill tier:
+  bool spill = false;
+  int64_t resident_sessions = 0;  // in memory (the others are on disk only)
+  int64_t demoted_sessions = 0;   // on disk only
+  int64_t demotions = 0;          // since start
+  int64_t promotions = 0;
+  int64_t disk_drops = 0;         // sessions dropped because the spill budget was full
+  TierStats tier;
 };
 
 enum class EvictionPolicy {
   kReject,  // a full budget refuses the write
-  kLru,     // a full budget evicts least recently used idle sessions first
+  kLru,     // a full budget evicts (with a spill tier: demotes) least recently used idle sessions first
 };
 
 struct StoreOptions {
@@ -65,6 +58,12 @@ struct StoreOptions {
   // Most sessions in the store, and of one tenant.
   int64_t max_sessions = 10000;
   int64_t max_tenant_sessions = 10000;
+  // With a spill tier: Rebalance demotes least recently used idle sessions
+  // once memory use passes high_watermark x budget, down to low_watermark;
+  // and drops the oldest sessions on disk only once the tier's use passes
+  // its high watermark, down to its low one.
+  double high_watermark = 0.90;
+  double low_watermark = 0.80;
 };
 
 // What a session's metadata (its object, layer tables and codecs) costs in
@@ -87,6 +86,7 @@ class SessionCache {
   // tenant: who created it (empty without --auth-tokens-file); only calls
   // from the same tenant find it.
   SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now);
+  ~SessionCache();
 
   const std::string& id() const { return id_; }
   const std::string& tenant() const { return tenant_; }
@@ -103,11 +103,18 @@ class SessionCache {
   std::vector<LayerCache>& layers() { return layers_; }
   const std::vector<LayerCache>& layers() const { return layers_; }
 
-  // Under mutex(): bytes of the pages held (shared pages included) and
-  // what the same tokens take in fp16.
+  // Under mutex(): false while the session is on the spill tier only
+  // (demoted): its layers are then empty and calls promote it first.
+  bool resident() const { return demoted_ == nullptr; }
+  // Under mutex(): whether it is on the spill tier (its manifest, and its
+  // sealed pages as they are written through).
+  bool on_tier() const { return manifest_ != nullptr; }
+  // Under mutex(): bytes of the pages held in memory (shared pages
+  // included) and what the same tokens take in fp16.
   size_t bytes_used() const;
   size_t fp16_bytes() const;
-  int64_t tokens() const;  // summed over layers
+  int64_t tokens() const;  // summed over layers, wherever they are
+  int64_t layer_tokens(int layer) const;
 
  private:
   friend class SessionStore;
@@ -121,11 +128,16 @@ class SessionCache {
   bool gone_ = false;
   std::vector<LayerCache> layers_;
   std::shared_ptr<const void> charge_;  // SessionMetadataBytes held in the budget
+  std::unique_ptr<TierSession> demoted_;  // its state on the tier while demoted
+  std::shared_ptr<TierRecord> manifest_;  // its latest manifest on the tier
 };
 
 class SessionStore {
  public:
-  explicit SessionStore(const StoreOptions& options);
+  // tier: where sessions are demoted to and sealed pages written through
+  // (null: none, memory only).
+  explicit SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier = nullptr);
+  ~SessionStore();
   SessionStore(const SessionStore&) = delete;
   SessionStore& operator=(const SessionStore&) = delete;
 
@@ -145,7 +157,7 @@ class SessionStore {
 
   // A new session of the same tenant holding the first `prefix` tokens of
   // every layer of `source` (whose mutex the caller holds), sharing its pages.
-  absl::StatusOr<std::shared_ptr<SessionCache>> Fork(const SessionCache& source, int64_t prefix, absl::Time now);
+  absl::StatusOr<std::shared_ptr<SessionCache>> Fork(SessionCache& source, int64_t prefix, absl::Time now);
 
   std::vector<std::shared_ptr<SessionCache>> List() const;
 
@@ -160,6 +172,40 @@ class SessionStore {
 
   // Deletes sessions idle longer than their TTL; returns how many.
   int ExpireIdle(absl::Time now);
+
+  // With a spill tier (all OK and no-ops without one):
+  // Brings a demoted session (whose mutex the caller holds) back into
+  // memory, making room as MakeRoom does (demoting others, never those in
+  // `held`). DATA_LOSS when a record fails its CRC, RESOURCE_EXHAUSTED
+  // naming both tiers when memory cannot take it.
+  absl::Status Promote(SessionCache& session, absl::Span<const SessionCache* const> held);
+  // Queues the session's sealed pages that are not on the tier yet (under
+  // its mutex); with !force only while the writer's queue has room.
+  absl::Status WriteThrough(SessionCache& session, bool force);
+  // Writes the session's sealed pages and tail and drops its memory (under
+  // its mutex). The error says why it stays in memory.
+  absl::Status Demote(SessionCache& session);
+  // Truncates every layer of the session (under its mutex) to n tokens and
+  // records it on the tier.
+  void Truncate(SessionCache& session, int64_t n);
+  // The background pass: catches up on write-through, demotes idle sessions
+  // above the memory high watermark, drops the oldest sessions on disk only
+  // above the tier's.
+  struct RebalanceReport {
+    int demoted = 0;
+    std::vector<std::string> dropped;  // ids, dropped because the tier was full
+    absl::Status error;                // why a demotion failed, if one did
+  };
+  RebalanceReport Rebalance();
+  // Writes every resident session's tail and manifest and syncs the tier
+  // (the drain): a restart on the same spill dir finds them whole.
+  absl::Status FlushTier(absl::Time deadline);
+  // Registers the sessions the tier held at start (on disk only); a
+  // session already loaded from a snapshot keeps the snapshot's state.
+  absl::StatusOr<TierScanReport> LoadTier(absl::Time now);
+  // Under the session's mutex: the bytes of its records on the tier.
+  size_t TierBytes(const SessionCache& session);
+  Tier* tier() { return tier_.get(); }
 
   // Writes every session to options().snapshot_dir (each atomically; pages
   // are shared with a frozen copy under the session's mutex and written
@@ -202,11 +248,24 @@ class SessionStore {
   absl::Status Insert(std::shared_ptr<SessionCache> session);
   // Under mutex_: removes the session from the map and its tenant's count.
   void Erase(const std::string& id);
-  // Under the session's mutex: empties it and returns its bytes to the pool.
-  static void Drop(SessionCache* session);
+  // Under the session's mutex: empties it, returns its bytes to the pool
+  // and (with a tier) writes its tombstone.
+  void Drop(SessionCache* session);
+  // Codecs and empty layers for the session, its metadata charged.
+  absl::Status Materialize(SessionCache& session);
+  // The session's state on the tier: each layer's sealed pages that have
+  // records, in order, and (with tails) its partly filled last page,
+  // written now. Under the session's mutex.
+  absl::StatusOr<TierSession> TierImage(const SessionCache& session, bool tails);
+  // Writes a manifest of the session's sealed pages (under its mutex).
+  void WriteTierManifest(SessionCache& session);
+  // The key of a page record of the session.
+  static PageKey Key(const SessionCache& session, int layer, int index, int tokens);
 
   const StoreOptions options_;
   PagePool pool_;
+  std::unique_ptr<Tier> tier_;
+  std::mutex records_mutex_;  // guards Page::record
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<SessionCache>> sessions_;
   std::unordered_map<std::string, int64_t> tenant_sessions_;
@@ -218,6 +277,9 @@ class SessionStore {
   std::mutex save_mutex_;  // one SaveSnapshots at a time; never under mutex_
   std::atomic<int64_t> lru_evictions_{0};
   std::atomic<int64_t> ttl_expiries_{0};
+  std::atomic<int64_t> demotions_{0};
+  std::atomic<int64_t> promotions_{0};
+  std::atomic<int64_t> disk_drops_{0};
 };
 
 // 128 random bits as 26 lowercase base32 characters.

@@ -1,0 +1,643 @@
+#include "service/store/tiers/disk_tier.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "service/byte_size.h"
+
+namespace turbokv {
+namespace {
+
+constexpr char kMagic[4] = {'T', 'K', 'V', 'R'};
+constexpr uint16_t kVersion = 1;
+constexpr size_t kFrameBytes = 24;  // magic, version, type, 0, lsn, header bytes, payload bytes
+constexpr size_t kCrcBytes = 4;
+constexpr uint32_t kMaxHeaderBytes = 1 << 24;
+constexpr char kSegmentPrefix[] = "seg-";
+constexpr char kSegmentSuffix[] = ".tkvl";
+
+enum RecordType : uint8_t { kPage = 1, kManifest = 2, kTombstone = 3 };
+
+std::string SegmentName(uint64_t number) { return absl::StrFormat("%s%08d%s", kSegmentPrefix, number, kSegmentSuffix); }
+
+absl::Status Errno(absl::string_view what, const std::string& path) {
+  const int error = errno;
+  const std::string message = absl::StrCat(what, " ", path, ": ", std::strerror(error));
+  return error == ENOSPC || error == EDQUOT ? absl::ResourceExhaustedError(message) : absl::UnavailableError(message);
+}
+
+std::string Frame(RecordType type, uint64_t lsn, const std::string& header, size_t payload) {
+  std::string out(kMagic, sizeof(kMagic));
+  Put<uint16_t>(&out, kVersion);
+  Put<uint8_t>(&out, type);
+  Put<uint8_t>(&out, 0);
+  Put<uint64_t>(&out, lsn);
+  Put<uint32_t>(&out, static_cast<uint32_t>(header.size()));
+  Put<uint32_t>(&out, static_cast<uint32_t>(payload));
+  out += header;
+  return out;
+}
+
+bool ReadAll(int fd, void* out, size_t n, uint64_t offset) {
+  for (size_t done = 0; done < n;) {
+    const ssize_t got = pread(fd, static_cast<char*>(out) + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    done += static_cast<size_t>(got);
+  }
+  return true;
+}
+
+}  // namespace
+
+struct DiskTier::Segment {
+  uint64_t number = 0;
+  std::string path;
+  int fd = -1;
+  size_t size = 0;  // bytes of whole records
+  size_t live = 0;  // of records still held
+  std::set<std::string> sessions;    // with page or manifest records here
+  std::set<std::string> tombstones;  // with tombstones here (and their tenants)
+  std::map<std::string, std::string> tombstone_tenants;
+};
+
+class DiskTier::Record final : public TierRecord {
+ public:
+  Record(DiskTier* tier, uint64_t lsn, size_t bytes) : TierRecord(lsn, bytes), tier_(tier) {}
+  ~Record() override {
+    std::lock_guard<std::mutex> lock(tier_->mutex_);
+    tier_->Release(this);
+  }
+
+  // Under the tier's mutex.
+  Segment* segment = nullptr;  // once written
+  uint64_t offset = 0;
+  bool done = false;
+  absl::Status status;
+
+ private:
+  DiskTier* const tier_;
+};
+
+struct DiskTier::Job {
+  RecordType type = kPage;
+  uint64_t lsn = 0;
+  std::weak_ptr<Record> record;  // none for tombstones; expired: nobody needs it any more
+  std::string session;
+  std::string tenant;
+  std::string head;  // the frame, header and payload
+  size_t bytes = 0;  // the whole record
+};
+
+DiskTier::DiskTier(const DiskTierOptions& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& options) {
+  const std::string& dir = options.dir;
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot create --spill-dir ", dir, ": ", std::strerror(errno)));
+  }
+  const std::string probe = dir + "/.probe";
+  const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0 || write(fd, "x", 1) != 1) {
+    const std::string why = std::strerror(errno);
+    if (fd >= 0) close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("cannot write in --spill-dir ", dir, ": ", why));
+  }
+  close(fd);
+  unlink(probe.c_str());
+  return std::unique_ptr<DiskTier>(new DiskTier(options));
+}
+
+DiskTier::~DiskTier() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  work_.notify_all();
+  if (writer_.joinable()) writer_.join();
+  for (auto& [number, segment] : segments_) {
+    if (segment->fd >= 0) {
+      fdatasync(segment->fd);
+      close(segment->fd);
+    }
+  }
+}
+
+absl::Status DiskTier::OpenActive() {
+  const uint64_t number = segments_.empty() ? 1 : segments_.rbegin()->first + 1;
+  auto segment = std::make_unique<Segment>();
+  segment->number = number;
+  segment->path = options_.dir + "/" + SegmentName(number);
+  segment->fd = open(segment->path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (segment->fd < 0) return Errno("cannot create", segment->path);
+  const int dir_fd = open(options_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    fsync(dir_fd);
+    close(dir_fd);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  Segment* previous = active_;
+  active_ = segment.get();
+  segments_.emplace(number, std::move(segment));
+  if (previous != nullptr) MaybeRemove(previous);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TierScanReport> DiskTier::Scan() {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(options_.dir.c_str())) {
+    while (dirent* entry = readdir(d)) {
+      const std::string name = entry->d_name;
+      if (absl::StartsWith(name, kSegmentPrefix) && absl::EndsWith(name, kSegmentSuffix)) names.push_back(name);
+    }
+    closedir(d);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("cannot read --spill-dir ", options_.dir, ": ", std::strerror(errno)));
+  }
+  std::sort(names.begin(), names.end());
+  TierScanReport report;
+  struct PageInfo {
+    uint64_t lsn;
+    std::string session;
+    int32_t layer, index, tokens;
+    CodecKind key_codec, value_codec;
+    uint64_t seed;
+  };
+  struct ManifestInfo {
+    uint64_t lsn;
+    std::string header;  // its header bytes, parsed once chosen
+  };
+  std::unordered_map<uint64_t, std::shared_ptr<Record>> records;
+  std::unordered_map<std::string, std::vector<PageInfo>> pages;
+  std::unordered_map<std::string, ManifestInfo> newest_manifest;
+  std::unordered_map<std::string, uint64_t> tombstone;
+  std::map<std::string, std::string> damaged;
+  uint64_t max_lsn = 0;
+  for (const std::string& name : names) {
+    uint64_t number = 0;
+    const std::string digits = name.substr(std::strlen(kSegmentPrefix),
+                                           name.size() - std::strlen(kSegmentPrefix) - std::strlen(kSegmentSuffix));
+    if (!absl::SimpleAtoi(digits, &number)) continue;
+    auto segment = std::make_unique<Segment>();
+    segment->number = number;
+    segment->path = options_.dir + "/" + name;
+    segment->fd = open(segment->path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (segment->fd < 0) return Errno("cannot open", segment->path);
+    struct stat st;
+    if (fstat(segment->fd, &st) != 0) return Errno("cannot stat", segment->path);
+    const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+    uint64_t offset = 0;
+    std::string buffer;
+    while (offset + kFrameBytes + kCrcBytes <= file_size) {
+      char frame[kFrameBytes];
+      if (!ReadAll(segment->fd, frame, kFrameBytes, offset)) break;
+      Reader in(absl::string_view(frame, kFrameBytes));
+      const absl::string_view magic = in.Take(4);
+      const uint16_t version = in.Get<uint16_t>();
+      const uint8_t type = in.Get<uint8_t>();
+      in.Get<uint8_t>();
+      const uint64_t lsn = in.Get<uint64_t>();
+      const uint32_t header_bytes = in.Get<uint32_t>(), payload_bytes = in.Get<uint32_t>();
+      const uint64_t bytes = kFrameBytes + uint64_t{header_bytes} + payload_bytes + kCrcBytes;
+      if (magic != absl::string_view(kMagic, 4) || header_bytes > kMaxHeaderBytes || offset + bytes > file_size) {
+        ++report.torn;  // a torn tail (or not a record): nothing after it is framed
+        break;
+      }
+      buffer.resize(bytes);
+      if (!ReadAll(segment->fd, buffer.data(), bytes, offset)) break;
+      uint32_t stored = 0;
+      std::memcpy(&stored, buffer.data() + bytes - kCrcBytes, kCrcBytes);
+      const uint64_t at = offset;
+      offset += bytes;
+      if (Crc32c(absl::string_view(buffer.data(), bytes - kCrcBytes)) != stored) {
+        ++report.torn;
+        ++crc_failures_;
+        continue;
+      }
+      ++report.records;
+      max_lsn = std::max(max_lsn, lsn);
+      segment->size = offset;
+      Reader header(absl::string_view(buffer.data() + kFrameBytes, header_bytes));
+      const std::string session = header.GetString();
+      if (version != kVersion) {
+        damaged[session] = absl::StrCat("its records on disk are of spill format version ", version,
+                                        ", this turbokvd reads ", kVersion);
+        continue;
+      }
+      const std::string tenant = header.GetString();
+      if (type == kTombstone) {
+        tombstone[session] = std::max(tombstone[session], lsn);
+        segment->tombstones.insert(session);
+        segment->tombstone_tenants[session] = tenant;
+        continue;
+      }
+      segment->sessions.insert(session);
+      auto record = std::make_shared<Record>(this, lsn, bytes);
+      record->segment = segment.get();
+      record->offset = at;
+      record->done = true;
+      segment->live += bytes;
+      live_bytes_ += static_cast<int64_t>(bytes);
+      records[lsn] = record;
+      if (type == kManifest) {
+        ManifestInfo& newest = newest_manifest[session];
+        if (lsn > newest.lsn) newest = ManifestInfo{lsn, std::string(buffer.data() + kFrameBytes, header_bytes)};
+      } else if (type == kPage) {
+        PageInfo info{lsn, session, header.Get<int32_t>(), header.Get<int32_t>(), header.Get<int32_t>(),
+                      static_cast<CodecKind>(header.Get<uint8_t>()), static_cast<CodecKind>(header.Get<uint8_t>()),
+                      header.Get<uint64_t>()};
+        if (!header.short_read()) pages[session].push_back(info);
+      }
+    }
+    segments_.emplace(number, std::move(segment));
+  }
+  next_lsn_ = max_lsn + 1;
+  written_lsn_ = max_lsn;
+  const int pt = options_.page_tokens;
+  for (auto& [id, manifest] : newest_manifest) {
+    auto dead = tombstone.find(id);
+    if (dead != tombstone.end() && dead->second > manifest.lsn) continue;
+    if (damaged.count(id) != 0) continue;
+    Reader in(manifest.header);
+    absl::StatusOr<SessionHeader> header = GetSessionHeader(in, pt, "its manifest on disk");
+    if (!header.ok()) {
+      damaged[id] = std::string(header.status().message());
+      continue;
+    }
+    TierSession session;
+    session.header = *std::move(header);
+    session.pinned = in.Get<uint8_t>() != 0;
+    session.manifest = records[manifest.lsn];
+    const SessionConfig& config = session.header.config;
+    bool malformed = false;
+    for (int l = 0; l < config.layers; ++l) {
+      TierLayer layer;
+      layer.tokens = in.Get<int64_t>();
+      const uint32_t count = in.Get<uint32_t>();
+      if (in.short_read() || layer.tokens < 0 || layer.tokens > config.max_tokens ||
+          count != static_cast<uint64_t>((layer.tokens + pt - 1) / pt)) {
+        malformed = true;
+        break;
+      }
+      for (uint32_t i = 0; i < count; ++i) {
+        auto found = records.find(in.Get<uint64_t>());
+        if (found == records.end()) {
+          // A page it names was never written (a crash): the layer ends there.
+          layer.tokens = std::min<int64_t>(layer.tokens, int64_t{i} * pt);
+          break;
+        }
+        layer.pages.push_back(found->second);
+      }
+      session.layers.push_back(std::move(layer));
+    }
+    if (malformed || in.short_read()) {
+      damaged[id] = "its manifest on disk is malformed";
+      continue;
+    }
+    // Pages sealed after the manifest extend (or replace the tail of) their layer.
+    std::vector<PageInfo>& later = pages[id];
+    std::sort(later.begin(), later.end(), [](const PageInfo& a, const PageInfo& b) { return a.lsn < b.lsn; });
+    for (const PageInfo& page : later) {
+      if (page.lsn < manifest.lsn || page.layer < 0 || page.layer >= config.layers || page.index < 0 ||
+          page.tokens < 1 || page.tokens > pt) {
+        continue;
+      }
+      if (page.key_codec != config.key_codec || page.value_codec != config.value_codec ||
+          page.seed != config.rotation_seed) {
+        malformed = true;
+        break;
+      }
+      TierLayer& layer = session.layers[static_cast<size_t>(page.layer)];
+      if (static_cast<size_t>(page.index) > layer.pages.size()) continue;  // after a page that is missing
+      layer.pages.resize(static_cast<size_t>(page.index));
+      layer.pages.push_back(records[page.lsn]);
+      layer.tokens = int64_t{page.index} * pt + page.tokens;
+    }
+    if (malformed) {
+      damaged[id] = "its page records on disk do not match its manifest's codecs";
+      continue;
+    }
+    report.sessions.push_back(std::move(session));
+  }
+  for (auto& [id, why] : damaged) report.damaged.emplace_back(id, absl::DataLossError(why));
+  // Records no session holds die here (and segments left without live
+  // records go); the writer appends to a new segment.
+  records.clear();
+  newest_manifest.clear();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<Segment*> all;
+    for (auto& [number, segment] : segments_) all.push_back(segment.get());
+    for (Segment* segment : all) MaybeRemove(segment);
+  }
+  for (const TierSession& session : report.sessions) {
+    report.bytes += static_cast<int64_t>(session.manifest->bytes());
+    for (const TierLayer& layer : session.layers) {
+      for (const auto& page : layer.pages) report.bytes += static_cast<int64_t>(page->bytes());
+    }
+  }
+  if (absl::Status status = OpenActive(); !status.ok()) return status;
+  writer_ = std::thread([this] { WriterLoop(); });
+  return report;
+}
+
+uint64_t DiskTier::Enqueue(Job job) {
+  job.lsn = next_lsn_++;
+  queued_bytes_ += static_cast<int64_t>(job.bytes);
+  const uint64_t lsn = job.lsn;
+  queue_.push_back(std::move(job));
+  work_.notify_one();
+  return lsn;
+}
+
+absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key, const Page& page, bool force) {
+  std::string header;
+  PutString(&header, key.session);
+  PutString(&header, key.tenant);
+  Put<int32_t>(&header, key.layer);
+  Put<int32_t>(&header, key.index);
+  Put<int32_t>(&header, key.tokens);
+  Put<uint8_t>(&header, static_cast<uint8_t>(key.key_codec));
+  Put<uint8_t>(&header, static_cast<uint8_t>(key.value_codec));
+  Put<uint64_t>(&header, key.rotation_seed);
+  const size_t bytes = kFrameBytes + header.size() + page.bytes + kCrcBytes;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "spill budget exceeded: ", FormatByteSize(static_cast<size_t>(live_bytes_ + queued_bytes_)), " on disk, ",
+        FormatByteSize(bytes), " needed, --spill-budget ", FormatByteSize(options_.budget_bytes)));
+  }
+  if (!force && static_cast<size_t>(queued_bytes_) + bytes > options_.max_queued_bytes) {
+    return absl::UnavailableError(absl::StrCat("the spill writer has ", FormatByteSize(queued_bytes_), " queued"));
+  }
+  auto record = std::make_shared<Record>(this, next_lsn_, bytes);
+  Job job;
+  job.type = kPage;
+  job.record = record;
+  job.session = key.session;
+  job.head = Frame(kPage, next_lsn_, header, page.bytes);
+  job.head.append(reinterpret_cast<const char*>(page.data), page.bytes);
+  job.bytes = bytes;
+  Enqueue(std::move(job));
+  return std::shared_ptr<TierRecord>(std::move(record));
+}
+
+std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
+  std::string header;
+  PutSessionHeader(&header, session.header);
+  Put<uint8_t>(&header, session.pinned ? 1 : 0);
+  for (const TierLayer& layer : session.layers) {
+    Put<int64_t>(&header, layer.tokens);
+    Put<uint32_t>(&header, static_cast<uint32_t>(layer.pages.size()));
+    for (const auto& page : layer.pages) Put<uint64_t>(&header, page->lsn());
+  }
+  const size_t bytes = kFrameBytes + header.size() + kCrcBytes;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto record = std::make_shared<Record>(this, next_lsn_, bytes);
+  Job job;
+  job.type = kManifest;
+  job.record = record;
+  job.session = session.header.id;
+  job.head = Frame(kManifest, next_lsn_, header, 0);
+  job.bytes = bytes;
+  Enqueue(std::move(job));
+  return record;
+}
+
+void DiskTier::PutTombstone(const std::string& session, const std::string& tenant) {
+  std::string header;
+  PutString(&header, session);
+  PutString(&header, tenant);
+  std::lock_guard<std::mutex> lock(mutex_);
+  Job job;
+  job.type = kTombstone;
+  job.session = session;
+  job.tenant = tenant;
+  job.head = Frame(kTombstone, next_lsn_, header, 0);
+  job.bytes = kFrameBytes + header.size() + kCrcBytes;
+  Enqueue(std::move(job));
+}
+
+absl::Status DiskTier::WriteRecord(const std::string& bytes, Segment** segment, uint64_t* offset) {
+  Segment* active;
+  size_t size;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    active = active_;
+    size = active_->size;
+  }
+  if (size > 0 && size + bytes.size() > options_.segment_bytes) {
+    if (fdatasync(active->fd) != 0) return Errno("cannot sync", active->path);
+    unsynced_ = 0;
+    if (absl::Status status = OpenActive(); !status.ok()) return status;
+    std::lock_guard<std::mutex> lock(mutex_);
+    active = active_;
+    size = 0;
+  }
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = pwrite(active->fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(size + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      absl::Status status = Errno("cannot write", active->path);
+      // Nothing half-written stays: the segment ends at its last whole record.
+      if (ftruncate(active->fd, static_cast<off_t>(size)) != 0) {
+        std::fprintf(stderr, "turbokvd: cannot cut %s back after a failed write: %s\n", active->path.c_str(),
+                     std::strerror(errno));
+      }
+      return status;
+    }
+    done += static_cast<size_t>(n);
+  }
+  unsynced_ += bytes.size();
+  if (unsynced_ >= options_.sync_bytes) {
+    if (fdatasync(active->fd) != 0) return Errno("cannot sync", active->path);
+    unsynced_ = 0;
+  }
+  *segment = active;
+  *offset = size;
+  return absl::OkStatus();
+}
+
+void DiskTier::WriterLoop() {
+  std::string bytes;
+  for (;;) {
+    Job job;
+    std::shared_ptr<Record> record;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      record = job.record.lock();
+    }
+    absl::Status status;
+    Segment* segment = nullptr;
+    uint64_t offset = 0;
+    if (record != nullptr || job.type == kTombstone) {
+      bytes = std::move(job.head);
+      Put<uint32_t>(&bytes, Crc32c(bytes));
+      status = WriteRecord(bytes, &segment, &offset);
+      if (!status.ok()) {
+        std::fprintf(stderr, "turbokvd: spill write failed, the session stays in memory: %s\n",
+                     std::string(status.message()).c_str());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queued_bytes_ -= static_cast<int64_t>(job.bytes);
+      written_lsn_ = job.lsn;
+      if (!status.ok()) {
+        ++write_errors_;
+      } else if (segment != nullptr) {
+        segment->size = offset + bytes.size();
+        ++records_written_;
+        if (job.type == kTombstone) {
+          segment->tombstones.insert(job.session);
+          segment->tombstone_tenants[job.session] = job.tenant;
+        } else {
+          segment->sessions.insert(job.session);
+        }
+      }
+      if (record != nullptr) {
+        record->done = true;
+        record->status = status;
+        if (status.ok()) {
+          record->segment = segment;
+          record->offset = offset;
+          segment->live += record->bytes();
+          live_bytes_ += static_cast<int64_t>(record->bytes());
+        }
+      }
+    }
+    written_.notify_all();
+    record.reset();  // may be the last handle: Release takes the mutex
+  }
+}
+
+void DiskTier::Release(Record* record) {
+  if (record->segment == nullptr) return;
+  record->segment->live -= record->bytes();
+  live_bytes_ -= static_cast<int64_t>(record->bytes());
+  MaybeRemove(record->segment);
+}
+
+void DiskTier::MaybeRemove(Segment* segment) {
+  if (closed_ || segment == active_ || segment->live > 0) return;
+  // A tombstone here still matters while an older segment holds records of
+  // its session: written again (at the log's end) before this one goes.
+  for (const std::string& session : segment->tombstones) {
+    for (auto& [number, older] : segments_) {
+      if (number >= segment->number) break;
+      if (older->sessions.count(session) != 0) {
+        std::string header;
+        PutString(&header, session);
+        PutString(&header, segment->tombstone_tenants[session]);
+        Job job;
+        job.type = kTombstone;
+        job.session = session;
+        job.tenant = segment->tombstone_tenants[session];
+        job.head = Frame(kTombstone, next_lsn_, header, 0);
+        job.bytes = kFrameBytes + header.size() + kCrcBytes;
+        Enqueue(std::move(job));
+        break;
+      }
+    }
+  }
+  close(segment->fd);
+  unlink(segment->path.c_str());
+  segments_.erase(segment->number);
+}
+
+absl::Status DiskTier::Wait(const TierRecord& record) {
+  const auto& r = static_cast<const Record&>(record);
+  std::unique_lock<std::mutex> lock(mutex_);
+  written_.wait(lock, [&] { return r.done || written_lsn_ >= r.lsn(); });
+  if (!r.done) return absl::UnavailableError("the spill writer dropped the record");
+  return r.status;
+}
+
+absl::Status DiskTier::Read(const TierRecord& record, uint8_t* out, size_t bytes) {
+  const auto& r = static_cast<const Record&>(record);
+  int fd;
+  uint64_t offset;
+  std::string path;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    written_.wait(lock, [&] { return r.done; });
+    if (!r.status.ok()) return r.status;
+    fd = r.segment->fd;
+    offset = r.offset;
+    path = r.segment->path;
+  }
+  std::string buffer(r.bytes(), '\0');
+  if (!ReadAll(fd, buffer.data(), buffer.size(), offset)) return Errno("cannot read", path);
+  uint32_t stored = 0;
+  std::memcpy(&stored, buffer.data() + buffer.size() - kCrcBytes, kCrcBytes);
+  Reader in(buffer);
+  in.Take(4);
+  in.Get<uint16_t>();
+  const uint8_t type = in.Get<uint8_t>();
+  in.Get<uint8_t>();
+  in.Get<uint64_t>();
+  const uint32_t header_bytes = in.Get<uint32_t>(), payload_bytes = in.Get<uint32_t>();
+  if (Crc32c(absl::string_view(buffer.data(), buffer.size() - kCrcBytes)) != stored) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++crc_failures_;
+    return absl::DataLossError(absl::StrCat("a page record at ", path, " offset ", offset, " fails its CRC"));
+  }
+  if (type != kPage || payload_bytes != bytes || kFrameBytes + header_bytes + payload_bytes + kCrcBytes != buffer.size()) {
+    return absl::DataLossError(absl::StrCat("the record at ", path, " offset ", offset, " is not a page of ", bytes,
+                                            " bytes"));
+  }
+  std::memcpy(out, buffer.data() + kFrameBytes + header_bytes, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status DiskTier::Sync() {
+  uint64_t lsn;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    lsn = next_lsn_ - 1;
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  written_.wait(lock, [&] { return written_lsn_ >= lsn; });
+  for (auto& [number, segment] : segments_) {
+    if (fdatasync(segment->fd) != 0 && segment.get() == active_) return Errno("cannot sync", segment->path);
+  }
+  return absl::OkStatus();
+}
+
+void DiskTier::Close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  closed_ = true;
+}
+
+TierStats DiskTier::Stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TierStats stats;
+  for (const auto& [number, segment] : segments_) stats.bytes += static_cast<int64_t>(segment->size);
+  stats.live_bytes = live_bytes_;
+  stats.budget_bytes = static_cast<int64_t>(options_.budget_bytes);
+  stats.queued_bytes = queued_bytes_;
+  stats.records_written = records_written_;
+  stats.write_errors = write_errors_;
+  stats.crc_failures = crc_failures_;
+  return stats;
+}
+
+}  // namespace turbokv

@@ -1,0 +1,119 @@
+// Where pages go below memory (docs/DESIGN §8): a tier holds records of
+// sealed pages, session manifests and tombstones, written behind the request
+// path, read back on promotion, and scanned at start. The disk segment log
+// (disk_tier.h) is one; a shared tier is another. No gRPC types.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/codec.h"
+#include "service/store/page_pool.h"
+#include "service/store/record_io.h"
+
+namespace turbokv {
+
+// One record on a tier. Its bytes stay on the tier while a handle to it is
+// held (by a page, a demoted session, a fork); when the last handle goes the
+// record is dead and the tier may reclaim its space.
+class TierRecord {
+ public:
+  virtual ~TierRecord() = default;
+  uint64_t lsn() const { return lsn_; }  // the tier's sequence number: later records have larger ones
+  size_t bytes() const { return bytes_; }  // on the tier, framing included
+
+ protected:
+  TierRecord(uint64_t lsn, size_t bytes) : lsn_(lsn), bytes_(bytes) {}
+
+ private:
+  const uint64_t lsn_;
+  const size_t bytes_;
+};
+
+// What a page record says of its page: whose, where in the layer, how many
+// tokens of it are filled (page_tokens once sealed; fewer for a session's
+// tail written when it is demoted or drained).
+struct PageKey {
+  std::string session;
+  std::string tenant;
+  int32_t layer = 0;
+  int32_t index = 0;  // tokens [index * page_tokens, index * page_tokens + tokens)
+  int32_t tokens = 0;
+  CodecKind key_codec = CodecKind::kTurbo3;
+  CodecKind value_codec = CodecKind::kTurbo3;
+  uint64_t rotation_seed = 0;
+};
+
+// A session's state on a tier: its header and, per layer, its length and the
+// records of its pages in order (the last one may be partly filled).
+struct TierLayer {
+  int64_t tokens = 0;
+  std::vector<std::shared_ptr<TierRecord>> pages;
+};
+struct TierSession {
+  SessionHeader header;
+  bool pinned = false;
+  std::vector<TierLayer> layers;
+  std::shared_ptr<TierRecord> manifest;  // the record that describes it
+};
+
+// What a tier held at start.
+struct TierScanReport {
+  std::vector<TierSession> sessions;  // (SessionStore::LoadTier takes them: empty after it)
+  int64_t loaded = 0;                 // sessions registered by SessionStore::LoadTier
+  // Sessions whose records could not be used (another format version, a
+  // manifest naming records that are gone), with DATA_LOSS saying why.
+  std::vector<std::pair<std::string, absl::Status>> damaged;
+  int64_t records = 0;      // records read
+  int64_t torn = 0;         // records that failed their CRC or were cut short: skipped
+  int64_t bytes = 0;        // of the live records
+};
+
+struct TierStats {
+  int64_t bytes = 0;         // on the tier: live records and dead ones not yet reclaimed
+  int64_t live_bytes = 0;    // records still held
+  int64_t budget_bytes = 0;
+  int64_t queued_bytes = 0;  // waiting for the writer
+  int64_t records_written = 0;
+  int64_t write_errors = 0;
+  int64_t crc_failures = 0;  // records read back (at start or on promotion) that failed their CRC
+};
+
+class Tier {
+ public:
+  virtual ~Tier() = default;
+  virtual const char* name() const = 0;  // "disk"
+
+  // Reads what the tier holds (once, before any Put).
+  virtual absl::StatusOr<TierScanReport> Scan() = 0;
+
+  // Queues a record of a page's bytes (copied) and returns its handle.
+  // RESOURCE_EXHAUSTED when the tier's budget cannot take it; UNAVAILABLE
+  // when the writer's queue is full and !force (the caller tries later).
+  virtual absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const Page& page, bool force) = 0;
+  // Queues a manifest: the session's state from now on (records listed by
+  // lsn; page records of the session with larger lsns extend it).
+  virtual std::shared_ptr<TierRecord> PutManifest(const TierSession& session) = 0;
+  // Queues a tombstone: the session's records are dead, at every start.
+  virtual void PutTombstone(const std::string& session, const std::string& tenant) = 0;
+
+  // Until `record` and everything queued before it is written: OK, or the
+  // error that failed it (nothing half-written stays behind).
+  virtual absl::Status Wait(const TierRecord& record) = 0;
+  // The payload of a page record into out[bytes]; DATA_LOSS when it fails
+  // its CRC or is not a page of that size.
+  virtual absl::Status Read(const TierRecord& record, uint8_t* out, size_t bytes) = 0;
+  // Flushes what is written to stable storage.
+  virtual absl::Status Sync() = 0;
+  // From now on records whose handles go stay on the tier (the store is
+  // going away; its sessions are still there at the next start).
+  virtual void Close() = 0;
+
+  virtual TierStats Stats() const = 0;
+};
+
+}  // namespace turbokv

@@ -1,0 +1,370 @@
+// The disk tier under the store, on real files: write-through, demotion and
+// promotion bit-exact, restart from the segment log (with forks, truncation,
+// deletion, torn records and another format version), the budgets.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "service/store/session_store.h"
+#include "service/store/tiers/disk_tier.h"
+#include "tests/kernels/codec_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::turbokv::testing::GaussianVectors;
+
+constexpr int kLayers = 2, kHeads = 2, kDim = 128, kPage = 64;
+
+std::string FreshDir(const std::string& name) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "spill-", name, "-", getpid());
+  std::system(("rm -rf " + dir).c_str());
+  return dir;
+}
+
+std::vector<std::string> Segments(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* entry = readdir(d)) {
+      if (absl::EndsWith(entry->d_name, ".tkvl")) names.push_back(dir + "/" + entry->d_name);
+    }
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+struct Store {
+  std::unique_ptr<SessionStore> store;
+  TierScanReport scan;
+};
+
+Store OpenStore(const std::string& dir, size_t budget = size_t{64} << 20, size_t spill_budget = size_t{1} << 30,
+                EvictionPolicy eviction = EvictionPolicy::kLru) {
+  DiskTierOptions disk;
+  disk.dir = dir;
+  disk.budget_bytes = spill_budget;
+  disk.page_tokens = kPage;
+  disk.segment_bytes = size_t{1} << 20;
+  auto tier = DiskTier::Open(disk);
+  EXPECT_TRUE(tier.ok()) << tier.status();
+  StoreOptions options;
+  options.budget_bytes = budget;
+  options.eviction = eviction;
+  options.page_tokens = kPage;
+  Store out;
+  out.store = std::make_unique<SessionStore>(options, *std::move(tier));
+  auto scan = out.store->LoadTier(absl::Now());
+  EXPECT_TRUE(scan.ok()) << scan.status();
+  if (scan.ok()) out.scan = *std::move(scan);
+  return out;
+}
+
+SessionConfig Config() {
+  SessionConfig config;
+  config.layers = kLayers;
+  config.kv_heads = kHeads;
+  config.q_heads = kHeads;
+  config.head_dim = kDim;
+  config.key_codec = CodecKind::kTurbo3;
+  config.value_codec = CodecKind::kQ8_0;
+  config.rotation_seed = 7;
+  config.max_tokens = 1 << 20;
+  return config;
+}
+
+// Appends n tokens to every layer of the session (locked here), as the
+// handler does: the pages it seals are written through.
+void Append(SessionStore& store, SessionCache& session, int64_t n, uint64_t seed) {
+  std::lock_guard<std::mutex> lock(session.mutex());
+  ASSERT_TRUE(store.Promote(session, {&session}).ok());
+  for (int l = 0; l < kLayers; ++l) {
+    LayerCache& layer = session.layers()[l];
+    const auto k = GaussianVectors(n * kHeads, kDim, seed + l), v = GaussianVectors(n * kHeads, kDim, seed + 10 + l);
+    const SessionCache* held[] = {&session};
+    ASSERT_TRUE(store.MakeRoom(layer.BytesToAppend(layer.tokens(), n), held).ok());
+    auto appended = layer.Append(layer.tokens(), n, k.data(), v.data());
+    ASSERT_TRUE(appended.ok()) << appended.status();
+  }
+  EXPECT_TRUE(store.WriteThrough(session, false).ok());
+}
+
+// Every layer's keys and values as decoded, after promoting the session.
+std::vector<float> Contents(SessionStore& store, SessionCache& session) {
+  std::lock_guard<std::mutex> lock(session.mutex());
+  const SessionCache* held[] = {&session};
+  const absl::Status promoted = store.Promote(session, held);
+  EXPECT_TRUE(promoted.ok()) << promoted;
+  std::vector<float> out;
+  if (!promoted.ok()) return out;
+  for (const LayerCache& layer : session.layers()) {
+    std::vector<float> k(static_cast<size_t>(layer.tokens()) * kHeads * kDim), v(k.size());
+    layer.Read(0, layer.tokens(), k.data(), v.data());
+    out.insert(out.end(), k.begin(), k.end());
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+std::vector<int64_t> LayerTokens(SessionCache& session) {
+  std::lock_guard<std::mutex> lock(session.mutex());
+  std::vector<int64_t> tokens;
+  for (int l = 0; l < session.config().layers; ++l) tokens.push_back(session.layer_tokens(l));
+  return tokens;
+}
+
+TEST(SpillTest, DemotionDropsMemoryAndPromotionBringsItBackBitExact) {
+  const std::string dir = FreshDir("roundtrip");
+  Store s = OpenStore(dir);
+  auto session = s.store->Create(Config(), "tenant", absl::Now());
+  ASSERT_TRUE(session.ok());
+  Append(*s.store, **session, 200, 1);  // three sealed pages and a tail of 8
+  const std::vector<float> before = Contents(*s.store, **session);
+  const size_t used = s.store->pool().used_bytes();
+  {
+    std::lock_guard<std::mutex> lock((*session)->mutex());
+    ASSERT_TRUE(s.store->Demote(**session).ok());
+    EXPECT_FALSE((*session)->resident());
+    EXPECT_EQ((*session)->bytes_used(), 0u);
+    EXPECT_EQ((*session)->tokens(), 2 * 200);
+    EXPECT_GT(s.store->TierBytes(**session), 0u);
+  }
+  EXPECT_LT(s.store->pool().used_bytes(), used / 10);
+  EXPECT_EQ(Contents(*s.store, **session), before);
+  const StoreSnapshot snapshot = s.store->Snapshot();
+  EXPECT_EQ(snapshot.demotions, 1);
+  EXPECT_EQ(snapshot.promotions, 1);
+  // It goes on where it was.
+  Append(*s.store, **session, 10, 5);
+  EXPECT_EQ(LayerTokens(**session), (std::vector<int64_t>{210, 210}));
+}
+
+TEST(SpillTest, ARestartFindsEverySealedPageAndAFlushedTail) {
+  const std::string dir = FreshDir("restart");
+  std::string kept, flushed, forked, truncated, deleted;
+  std::vector<float> kept_sealed, flushed_all, fork_all, truncated_all;
+  {
+    Store s = OpenStore(dir);
+    auto a = s.store->Create(Config(), "t1", absl::Now());
+    auto b = s.store->Create(Config(), "t2", absl::Now());
+    auto c = s.store->Create(Config(), "t1", absl::Now());
+    auto d = s.store->Create(Config(), "t1", absl::Now());
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok() && d.ok());
+    Append(*s.store, **a, 130, 1);  // two sealed pages, a tail of 2
+    Append(*s.store, **b, 70, 2);
+    Append(*s.store, **c, 256, 3);
+    Append(*s.store, **d, 64, 4);
+    kept = (*a)->id();
+    flushed = (*b)->id();
+    truncated = (*c)->id();
+    deleted = (*d)->id();
+    {
+      std::lock_guard<std::mutex> lock((*a)->mutex());
+      auto fork = s.store->Fork(**a, 100, absl::Now());
+      ASSERT_TRUE(fork.ok());
+      forked = (*fork)->id();
+    }
+    {
+      std::lock_guard<std::mutex> lock((*c)->mutex());
+      s.store->Truncate(**c, 150);  // two sealed pages kept, the third cut to 22 tokens
+    }
+    ASSERT_TRUE(s.store->Delete(deleted, "t1").ok());
+    kept_sealed = Contents(*s.store, **a);
+    truncated_all = Contents(*s.store, **c);
+    flushed_all = Contents(*s.store, **b);
+    {
+      // b's tail is written (as the drain does for all).
+      std::lock_guard<std::mutex> lock((*b)->mutex());
+      ASSERT_TRUE(s.store->Demote(**b).ok());
+    }
+    ASSERT_TRUE(s.store->tier()->Sync().ok());
+  }  // no drain: a crash, as far as the tails of a and c go
+  Store s = OpenStore(dir);
+  EXPECT_EQ(s.scan.loaded, 4);
+  EXPECT_EQ(s.scan.torn, 0);
+  EXPECT_TRUE(s.scan.damaged.empty());
+  auto a = s.store->Find(kept, "t1", absl::Now());
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(LayerTokens(**a), (std::vector<int64_t>{128, 128}));  // the unsealed tail is lost
+  std::vector<float> a_now = Contents(*s.store, **a);
+  const size_t layer_values = size_t{128} * kHeads * kDim;
+  // Layer 0's keys: the first 128 tokens as they were.
+  EXPECT_TRUE(std::equal(a_now.begin(), a_now.begin() + layer_values, kept_sealed.begin()));
+  auto b = s.store->Find(flushed, "t2", absl::Now());
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(LayerTokens(**b), (std::vector<int64_t>{70, 70}));
+  EXPECT_EQ(Contents(*s.store, **b), flushed_all);
+  EXPECT_FALSE(s.store->Find(flushed, "t1", absl::Now()).ok()) << "another tenant's session";
+  auto fork = s.store->Find(forked, "t1", absl::Now());
+  ASSERT_TRUE(fork.ok());
+  EXPECT_EQ(LayerTokens(**fork), (std::vector<int64_t>{64, 64}));  // its sealed pages (shared with a)
+  auto c = s.store->Find(truncated, "t1", absl::Now());
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(LayerTokens(**c), (std::vector<int64_t>{128, 128}));
+  std::vector<float> c_now = Contents(*s.store, **c);
+  EXPECT_TRUE(std::equal(c_now.begin(), c_now.begin() + layer_values, truncated_all.begin()));
+  EXPECT_FALSE(s.store->Find(deleted, "t1", absl::Now()).ok()) << "a deleted session stays deleted";
+}
+
+TEST(SpillTest, TornAndForeignRecordsAreSkippedAndFailOnlyTheirSession) {
+  const std::string dir = FreshDir("torn");
+  std::string good, other;
+  {
+    Store s = OpenStore(dir);
+    auto a = s.store->Create(Config(), "", absl::Now());
+    auto b = s.store->Create(Config(), "", absl::Now());
+    ASSERT_TRUE(a.ok() && b.ok());
+    Append(*s.store, **a, 128, 1);
+    Append(*s.store, **b, 128, 2);
+    good = (*a)->id();
+    other = (*b)->id();
+    ASSERT_TRUE(s.store->tier()->Sync().ok());
+  }
+  const std::vector<std::string> segments = Segments(dir);
+  ASSERT_FALSE(segments.empty());
+  // A torn tail: half a record at the end of the last segment.
+  {
+    std::ofstream out(segments.back(), std::ios::binary | std::ios::app);
+    const std::string half = std::string("TKVR\x01\x00\x01\x00", 8) + std::string(40, '\x7f');
+    out.write(half.data(), static_cast<std::streamsize>(half.size()));
+  }
+  // A record of b in another format version: b's manifest is rewritten so.
+  {
+    std::fstream file(segments.front(), std::ios::binary | std::ios::in | std::ios::out);
+    std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    // Find b's id in a record header, step back to its frame.
+    const size_t at = bytes.find(other);
+    ASSERT_NE(at, std::string::npos);
+    const size_t frame = bytes.rfind("TKVR", at);
+    ASSERT_NE(frame, std::string::npos);
+    bytes[frame + 4] = 9;  // version 9
+    // The CRC still has to hold for the record to be read as a record.
+    uint32_t header = 0, payload = 0;
+    std::memcpy(&header, bytes.data() + frame + 16, 4);
+    std::memcpy(&payload, bytes.data() + frame + 20, 4);
+    const size_t body = 24 + header + payload;
+    const uint32_t crc = Crc32c(absl::string_view(bytes.data() + frame, body));
+    std::memcpy(bytes.data() + frame + body, &crc, 4);
+    file.seekp(0);
+    file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  Store s = OpenStore(dir);
+  EXPECT_EQ(s.scan.torn, 1);
+  auto a = s.store->Find(good, "", absl::Now());
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(LayerTokens(**a), (std::vector<int64_t>{128, 128}));
+  auto b = s.store->Find(other, "", absl::Now());
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kDataLoss) << b.status();
+  EXPECT_TRUE(absl::StrContains(b.status().message(), "spill format version 9")) << b.status();
+}
+
+TEST(SpillTest, AFullBudgetDemotesInsteadOfEvictingAndNothingIsLost) {
+  const std::string dir = FreshDir("lru");
+  // Pages of 64 tokens x 2 heads x (52 + 136) bytes: ~24 KiB; 16 sessions
+  // of 2 layers x 4 pages take ~3 MiB against a 1 MiB budget.
+  Store s = OpenStore(dir, size_t{1} << 20);
+  std::vector<std::shared_ptr<SessionCache>> sessions;
+  std::vector<std::vector<float>> contents;
+  for (int i = 0; i < 16; ++i) {
+    auto session = s.store->Create(Config(), "", absl::Now());
+    ASSERT_TRUE(session.ok()) << session.status();
+    Append(*s.store, **session, 250, 100 + i);
+    contents.push_back(Contents(*s.store, **session));
+    sessions.push_back(*session);
+  }
+  EXPECT_LE(s.store->pool().used_bytes(), size_t{1} << 20);
+  EXPECT_GT(s.store->Snapshot().demotions, 8);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(Contents(*s.store, *sessions[i]), contents[i]) << "session " << i;
+  EXPECT_EQ(s.store->Snapshot().lru_evictions, 0);
+}
+
+TEST(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
+  const std::string dir = FreshDir("full");
+  Store s = OpenStore(dir, size_t{1} << 20, size_t{1} << 20);
+  absl::Status last;
+  for (int i = 0; i < 16 && last.ok(); ++i) {
+    auto session = s.store->Create(Config(), "", absl::Now());
+    if (!session.ok()) {
+      last = session.status();
+      break;
+    }
+    std::lock_guard<std::mutex> lock((*session)->mutex());
+    LayerCache& layer = (*session)->layers()[0];
+    const auto k = GaussianVectors(250 * kHeads, kDim, i);
+    const SessionCache* held[] = {session->get()};
+    last = s.store->MakeRoom(layer.BytesToAppend(0, 250), held);
+    if (last.ok()) last = layer.Append(0, 250, k.data(), k.data()).status();
+    s.store->WriteThrough(**session, false).IgnoreError();
+  }
+  ASSERT_FALSE(last.ok());
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+  EXPECT_TRUE(absl::StrContains(last.message(), "memory budget")) << last;
+  EXPECT_TRUE(absl::StrContains(last.message(), "spill")) << last;
+}
+
+TEST(SpillTest, TheBackgroundPassDemotesAboveTheWatermarkAndDropsTheOldestOnDisk) {
+  const std::string dir = FreshDir("watermarks");
+  const size_t page = size_t{kHeads} * kPage *
+                      (MakeCodecLayout(CodecKind::kTurbo3, kDim).code_size() +
+                       MakeCodecLayout(CodecKind::kQ8_0, kDim).code_size());
+  // 10 sessions of 2 layers x 500 tokens: 160 pages in memory at most, 140
+  // sealed ones written through.
+  const size_t memory = 150 * page, disk = 160 * page;
+  Store s = OpenStore(dir, memory, disk);
+  std::vector<std::shared_ptr<SessionCache>> sessions;
+  for (int i = 0; i < 10; ++i) {
+    auto session = s.store->Create(Config(), "", absl::Now());
+    ASSERT_TRUE(session.ok());
+    Append(*s.store, **session, 500, 300 + i);
+    sessions.push_back(*session);
+  }
+  ASSERT_GT(static_cast<double>(s.store->pool().used_bytes()), 0.9 * memory);
+  // One pass: idle sessions are demoted below the memory low watermark;
+  // then the tier, past its high watermark with their tails, drops the
+  // oldest sessions on disk only, whole, below its low one.
+  const SessionStore::RebalanceReport report = s.store->Rebalance();
+  EXPECT_TRUE(report.error.ok()) << report.error;
+  EXPECT_GT(report.demoted, 0);
+  EXPECT_LE(static_cast<double>(s.store->pool().used_bytes()), 0.8 * memory);
+  ASSERT_FALSE(report.dropped.empty());
+  EXPECT_EQ(report.dropped.front(), sessions.front()->id());
+  const TierStats stats = s.store->tier()->Stats();
+  EXPECT_LE(static_cast<double>(stats.live_bytes + stats.queued_bytes), 0.8 * disk);
+  auto gone = s.store->Find(sessions.front()->id(), "", absl::Now());
+  ASSERT_FALSE(gone.ok());
+  EXPECT_TRUE(absl::StrContains(gone.status().message(), "spill tier")) << gone.status();
+  EXPECT_EQ(s.store->Snapshot().disk_drops, static_cast<int64_t>(report.dropped.size()));
+}
+
+TEST(SpillTest, ADirectoryThatCannotBeWrittenIsRefusedNamingIt) {
+  if (geteuid() == 0) {
+    // root writes anywhere: a path under a regular file cannot be created.
+    const std::string file = FreshDir("file");
+    std::ofstream(file) << "x";
+    auto tier = DiskTier::Open(DiskTierOptions{file + "/spill"});
+    ASSERT_FALSE(tier.ok());
+    EXPECT_TRUE(absl::StrContains(tier.status().message(), file + "/spill")) << tier.status();
+    return;
+  }
+  const std::string dir = FreshDir("readonly");
+  ASSERT_EQ(mkdir(dir.c_str(), 0500), 0);
+  auto tier = DiskTier::Open(DiskTierOptions{dir});
+  ASSERT_FALSE(tier.ok());
+  EXPECT_TRUE(absl::StrContains(tier.status().message(), dir)) << tier.status();
+}
+
+}  // namespace
+}  // namespace turbokv
