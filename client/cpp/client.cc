@@ -13,6 +13,13 @@ namespace {
 size_t ValueBytes(v1::DType dtype) { return dtype == v1::DTYPE_F32 ? 4 : 2; }
 
 // The deadline of a unary call (streams: with_deadline false) and the bearer token.
+// A batch's per-item statuses.
+std::vector<absl::Status> ItemStatuses(const google::protobuf::RepeatedPtrField<v1::ItemStatus>& items) {
+  std::vector<absl::Status> status;
+  for (const v1::ItemStatus& item : items) status.emplace_back(static_cast<absl::StatusCode>(item.code()), item.message());
+  return status;
+}
+
 void Prepare(grpc::ClientContext* context, const ClientOptions& options, bool with_deadline = true) {
   if (with_deadline && options.timeout > absl::ZeroDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
@@ -221,9 +228,7 @@ absl::StatusOr<DecodeResult> DecodeStream::Read() {
   result.output = Floats(response.output());
   result.lse = Floats(response.lse());
   result.tokens.assign(response.tokens().begin(), response.tokens().end());
-  for (const v1::ItemStatus& item : response.status()) {
-    result.status.emplace_back(static_cast<absl::StatusCode>(item.code()), item.message());
-  }
+  result.status = ItemStatuses(response.status());
   result.top_k_tokens.assign(response.top_k_tokens().begin(), response.top_k_tokens().end());
   result.top_k_logits.assign(response.top_k_logits().begin(), response.top_k_logits().end());
   result.failed = response.failed();
@@ -432,6 +437,7 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
   config->set_max_tokens(options.max_tokens);
   *config->mutable_idle_ttl() =
       google::protobuf::util::TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(options.idle_ttl));
+  config->set_pinned(options.pinned);
   absl::StatusOr<v1::CreateSessionResponse> response =
       Call(&v1::KvCacheService::Stub::CreateSession, *stub_, *options_, request);
   if (!response.ok()) return response.status();
@@ -469,6 +475,14 @@ absl::StatusOr<v1::StatsResponse> Client::Stats() const {
 
 absl::StatusOr<v1::SnapshotResponse> Client::Snapshot() const {
   return Call(&v1::KvCacheService::Stub::Snapshot, *stub_, *options_, v1::SnapshotRequest());
+}
+
+absl::StatusOr<std::vector<absl::Status>> Client::Prefetch(const std::vector<std::string>& ids) const {
+  v1::PrefetchRequest request;
+  for (const std::string& id : ids) request.add_session_ids(id);
+  absl::StatusOr<v1::PrefetchResponse> response = Call(&v1::KvCacheService::Stub::Prefetch, *stub_, *options_, request);
+  if (!response.ok()) return response.status();
+  return ItemStatuses(response->status());
 }
 
 }  // namespace turbokv

@@ -51,6 +51,7 @@ struct SessionOptions {
   std::optional<uint64_t> rotation_seed;  // unset: the daemon draws one
   int64_t max_tokens = 0;                 // 0: the daemon's limit
   absl::Duration idle_ttl = absl::ZeroDuration();  // zero: the daemon's --session-ttl
+  bool pinned = false;  // never demoted to the daemon's --spill-dir
 };
 
 struct Attention {
@@ -243,6 +244,9 @@ class Client {
   absl::StatusOr<v1::StatsResponse> Stats() const;
   // Writes every session to the daemon's --snapshot-dir now.
   absl::StatusOr<v1::SnapshotResponse> Snapshot() const;
+  // Brings sessions demoted to the daemon's --spill-dir back into memory
+  // ahead of use: a status per id (OK, NOT_FOUND, RESOURCE_EXHAUSTED, ...).
+  absl::StatusOr<std::vector<absl::Status>> Prefetch(const std::vector<std::string>& ids) const;
   // A Decode stream: batched decode steps over many sessions.
   std::unique_ptr<DecodeStream> OpenDecodeStream() const;
 

@@ -29,12 +29,14 @@ usage: turbokv [--target=ADDR] COMMAND [ARGS] [--flag=value ...]
 
 commands:
   create [--layers=N --kv-heads=N --q-heads=N --head-dim=N --key-codec=C --value-codec=C
-          --max-tokens=N --ttl=DURATION]       create a session, print its id
+          --max-tokens=N --ttl=DURATION --pinned=true]
+                                              create a session, print its id
   list                                        every session (JSON lines)
   get ID                                      one session (JSON)
   delete ID
   stats                                       the daemon's totals (JSON)
   snapshot                                    write every session to turbokvd's --snapshot-dir now
+  prefetch ID...                              bring sessions back from turbokvd's --spill-dir
   append-random ID [--tokens=N --chunk=N --layer=L|all]
                                               append random fp16 keys/values
   attend-random ID [--layer=L --queries=N --calls=N]
@@ -110,6 +112,9 @@ absl::Status Create(const turbokv::Client& client, Args& args) {
   options.value_codec = *value;
   const std::string ttl = args.Flag("ttl", "0");
   if (!absl::ParseDuration(ttl, &options.idle_ttl)) return absl::InvalidArgumentError("--ttl: expected a duration like 30m");
+  const std::string pinned = args.Flag("pinned", "false");
+  if (pinned != "true" && pinned != "false") return absl::InvalidArgumentError("--pinned: expected true or false");
+  options.pinned = pinned == "true";
   absl::StatusOr<turbokv::Session> session = client.CreateSession(options);
   if (!session.ok()) return session.status();
   std::printf("%s\n", session->id().c_str());
@@ -311,6 +316,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "turbokv %s: expected one session id\n", args.command.c_str());
     return 2;
   }
+  if (args.command == "prefetch" && args.positional.empty()) {
+    std::fprintf(stderr, "turbokv prefetch: expected session ids\n");
+    return 2;
+  }
   turbokv::ClientOptions client_options;
   client_options.auth_token = args.Flag("token", "");
   for (const auto& [flag, field] : {std::pair<const char*, std::string*>{"tls-ca", &client_options.tls_root_certs},
@@ -356,6 +365,15 @@ int main(int argc, char** argv) {
     absl::StatusOr<turbokv::v1::SnapshotResponse> snapshot = client->Snapshot();
     status = snapshot.status();
     if (snapshot.ok()) std::printf("%s\n", Json(*snapshot).c_str());
+  } else if (args.command == "prefetch") {
+    absl::StatusOr<std::vector<absl::Status>> prefetched = client->Prefetch(args.positional);
+    status = prefetched.status();
+    for (size_t i = 0; prefetched.ok() && i < prefetched->size(); ++i) {
+      const absl::Status& one = (*prefetched)[i];
+      std::printf("%s %s%s%s\n", args.positional[i].c_str(), absl::StatusCodeToString(one.code()).c_str(),
+                  one.ok() ? "" : ": ", std::string(one.message()).c_str());
+      if (!one.ok() && status.ok()) status = absl::Status(one.code(), "not every session was prefetched");
+    }
   } else if (args.command == "append-random") {
     status = AppendRandom(*client, args);
   } else if (args.command == "attend-random") {

@@ -35,6 +35,12 @@ class TurbokvError(Exception):
         self.message = message
 
 
+def _item_errors(status) -> list:
+    """A batch's per-item statuses: None for OK, else the TurbokvError."""
+    return [None if item.code == 0 else TurbokvError(_STATUS_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message)
+            for item in status]
+
+
 def _raise(error: grpc.RpcError) -> None:
     raise TurbokvError(error.code(), error.details()) from None
 
@@ -309,9 +315,7 @@ class DecodeStream:
             self._fail(TurbokvError(error.code(), error.details()))
         except StopIteration:
             self._fail(TurbokvError(grpc.StatusCode.UNAVAILABLE, "the Decode stream ended without a response"))
-        errors = [None if item.code == 0 else TurbokvError(_STATUS_CODES.get(item.code, grpc.StatusCode.UNKNOWN),
-                                                           item.message)
-                  for item in response.status]
+        errors = _item_errors(response.status)
         return _result(response, top_k, DecodeResult, session_ids=session_ids,
                        tokens=np.array(response.tokens, dtype=np.int64), errors=errors)
 
@@ -442,13 +446,14 @@ class Client:
 
     def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: str = "turbo3",
                        value_codec: str = "turbo3", rotation_seed: Optional[int] = None, max_tokens: int = 0,
-                       idle_ttl: Optional[float] = None) -> Session:
+                       idle_ttl: Optional[float] = None, pinned: bool = False) -> Session:
+        """pinned: never demoted to turbokvd's --spill-dir while idle."""
         for name in (key_codec, value_codec):
             if name not in _CODECS:
                 raise ValueError(f"unknown codec {name!r}: use one of {', '.join(_CODECS)}")
         config = pb.SessionConfig(
             shape=pb.ModelShape(layers=layers, kv_heads=kv_heads, q_heads=q_heads, head_dim=head_dim),
-            key_codec=_CODECS[key_codec], value_codec=_CODECS[value_codec], max_tokens=max_tokens,
+            key_codec=_CODECS[key_codec], value_codec=_CODECS[value_codec], max_tokens=max_tokens, pinned=pinned,
         )
         if rotation_seed is not None:
             config.rotation_seed = rotation_seed
@@ -498,6 +503,17 @@ class Client:
             return self._stub.Snapshot(pb.SnapshotRequest(), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             _raise(error)
+
+    def prefetch(self, sessions: Sequence[Union[Session, str]]) -> list:
+        """Brings sessions demoted to turbokvd's --spill-dir back into memory
+        ahead of use. Returns, per session, None when it is in memory or the
+        TurbokvError saying why not (NOT_FOUND, RESOURCE_EXHAUSTED, ...)."""
+        ids = [s.id if isinstance(s, Session) else s for s in sessions]
+        try:
+            response = self._stub.Prefetch(pb.PrefetchRequest(session_ids=ids), timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            _raise(error)
+        return _item_errors(response.status)
 
     def stats(self) -> pb.StatsResponse:
         try:
