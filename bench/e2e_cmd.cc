@@ -4,10 +4,15 @@
 // round trip (a health check) on the same channel. With --batch B: one decode
 // step over every layer for B sessions through a Decode stream, the same work
 // as B x L unary Step calls, and the kernels alone on the same batches,
-// interleaved.
+// interleaved. With --spill: the disk tier (RunSpill).
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -15,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/cli.h"
@@ -24,6 +30,7 @@
 #include "kernels/half.h"
 #include "service/handler/handler.h"
 #include "service/server.h"
+#include "service/store/session_store.h"
 #include "service/tensor.h"
 
 namespace turbokv::bench {
@@ -254,6 +261,177 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
   return 0;
 }
 
+// The segment files of `dir`, written back and dropped from the page cache,
+// so that what reads them next reads the disk. Returns their bytes.
+int64_t DropFromPageCache(const std::string& dir) {
+  int64_t bytes = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* entry = readdir(d)) {
+      if (!absl::EndsWith(entry->d_name, ".tkvl")) continue;
+      const int fd = open((dir + "/" + entry->d_name).c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;
+      fdatasync(fd);
+      posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+      struct stat st;
+      if (fstat(fd, &st) == 0) bytes += st.st_size;
+      close(fd);
+    }
+    closedir(d);
+  }
+  return bytes;
+}
+
+// Reads every segment file of `dir` front to back, 1 MiB at a time.
+int64_t ReadSequentially(const std::string& dir) {
+  int64_t bytes = 0;
+  std::vector<char> buffer(size_t{1} << 20);
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* entry = readdir(d)) {
+      if (!absl::EndsWith(entry->d_name, ".tkvl")) continue;
+      const int fd = open((dir + "/" + entry->d_name).c_str(), O_RDONLY | O_CLOEXEC);
+      for (ssize_t n; fd >= 0 && (n = read(fd, buffer.data(), buffer.size())) > 0;) bytes += n;
+      if (fd >= 0) close(fd);
+    }
+    closedir(d);
+  }
+  return bytes;
+}
+
+// --spill: the disk tier. (a) Promotion of a demoted session from disk
+// (page cache dropped) against a plain sequential read of the segment files,
+// round by round; (b) Step p99 on one session while another client prefills
+// sessions that are then demoted, against the same prefills deleted instead
+// (and alone, and while a session is promoted over and over).
+int RunSpill(const Shape& shape, long long rounds, long long calls, const SessionOptions& session_options, bool json) {
+  const std::string dir = absl::StrCat("/tmp/turbokv-bench-spill-", getpid());
+  ServerOptions server_options;
+  const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");
+  server_options.listen = {socket};
+  server_options.device = "cpu";
+  server_options.threads = static_cast<int>(shape.threads);
+  server_options.memory_budget = size_t{16} << 30;
+  server_options.metrics_listen = "";
+  server_options.spill_dir = dir;
+  absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(server_options);
+  if (!server.ok() || !(*server)->Start().ok()) {
+    std::fprintf(stderr, "turbokv-bench e2e --spill: the server did not start\n");
+    return 1;
+  }
+  std::unique_ptr<Client> client = Client::Connect(socket);
+  if (!client->WaitUntilServing(absl::Seconds(10)).ok()) return 1;
+  const size_t token_values = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
+  constexpr size_t kSlack = size_t{1} << 20;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> pool(static_cast<size_t>(shape.layers) * shape.chunk * token_values + kSlack);
+  for (uint16_t& b : pool) b = FloatToHalfBits(normal(rng));
+  absl::StatusOr<Session> idle = client->CreateSession(session_options);
+  absl::StatusOr<Session> busy = client->CreateSession(session_options);
+  if (!idle.ok() || !busy.ok() || Prefill(*idle, shape, pool, kSlack, 1) < 0 || Prefill(*busy, shape, pool, kSlack, 2) < 0) {
+    return 1;
+  }
+  SessionStore& store = (*server)->store();
+  auto demote = [&](const Session& session) {
+    absl::StatusOr<std::shared_ptr<SessionCache>> found = store.Find(session.id(), "", absl::Now());
+    if (!found.ok()) return false;
+    std::lock_guard<std::mutex> lock((*found)->mutex());
+    return store.Demote(**found).ok();
+  };
+  // (a) Promotion against a sequential read, alternating.
+  std::vector<double> promote_mb_s, read_mb_s;
+  int64_t session_bytes = 0;
+  for (long long r = 0; r < rounds; ++r) {
+    if (!demote(*idle) || !store.tier()->Sync().ok()) return 1;
+    session_bytes = idle->Info()->disk_bytes();
+    DropFromPageCache(dir);
+    auto start = Clock::now();
+    absl::StatusOr<std::vector<absl::Status>> prefetched = client->Prefetch({idle->id()});
+    const double promote_us = Micros(start);
+    if (!prefetched.ok() || !(*prefetched)[0].ok()) return 1;
+    promote_mb_s.push_back(session_bytes / promote_us);
+    const int64_t file_bytes = DropFromPageCache(dir);
+    start = Clock::now();
+    const int64_t read = ReadSequentially(dir);
+    read_mb_s.push_back(read / Micros(start));
+    if (read != file_bytes) return 1;
+  }
+  // (b) Step p99, alone and with demotion and promotion going on.
+  std::vector<float> key(token_values), value(token_values), query(static_cast<size_t>(shape.q_heads) * shape.head_dim);
+  for (float& x : query) x = normal(rng);
+  int64_t position = shape.tokens;
+  auto steps = [&](long long n) {
+    std::vector<double> us;
+    for (long long i = 0; i < n; ++i, ++position) {
+      for (float& x : key) x = normal(rng);
+      for (float& x : value) x = normal(rng);
+      const auto start = Clock::now();
+      if (!busy->Step(0, position, TensorData::F32(key), TensorData::F32(value), TensorData::F32(query)).ok()) return us;
+      us.push_back(Micros(start));
+    }
+    return us;
+  };
+  const std::vector<double> alone = steps(calls);
+  // Step while another client keeps prefilling sessions of an eighth the
+  // length, each deleted (`demote` false) or demoted (true) once full, and
+  // while another session is promoted from disk over and over.
+  Shape background = shape;
+  background.tokens = std::max(1LL, shape.tokens / 8);
+  auto with_background = [&](int mode, int* cycles) {
+    std::atomic<bool> stop{false};
+    std::thread worker([&] {
+      for (uint64_t salt = 10; !stop.load(); ++salt) {
+        if (mode == 2) {
+          if (!demote(*idle) || !client->Prefetch({idle->id()}).ok()) return;
+        } else {
+          absl::StatusOr<Session> other = client->CreateSession(session_options);
+          if (!other.ok() || Prefill(*other, background, pool, kSlack, salt) < 0) return;
+          if (mode == 1 ? !demote(*other) : !other->Delete().ok()) return;
+        }
+        ++*cycles;
+      }
+    });
+    std::vector<double> us = steps(calls);
+    stop.store(true);
+    worker.join();
+    return us;
+  };
+  int prefilled = 0, demoted = 0, promoted = 0;
+  const std::vector<double> busy_alone = with_background(0, &prefilled);
+  const std::vector<double> demoting = with_background(1, &demoted);
+  const std::vector<double> promoting = with_background(2, &promoted);
+  (*server)->Shutdown(absl::Seconds(1)).IgnoreError();
+  server->reset();
+  std::system(("rm -rf " + dir).c_str());
+  for (const auto* v : {&alone, &busy_alone, &demoting, &promoting}) {
+    if (v->size() != static_cast<size_t>(calls)) return 1;
+  }
+  const double promote = Percentile(promote_mb_s, 0.5), sequential = Percentile(read_mb_s, 0.5);
+  const double p99_alone = Percentile(alone, 0.99), p99_prefill = Percentile(busy_alone, 0.99),
+               p99_demoting = Percentile(demoting, 0.99), p99_promoting = Percentile(promoting, 0.99);
+  if (json) {
+    std::printf("{\"tokens\": %lld, \"layers\": %lld, \"session_bytes\": %lld, \"promote_mb_per_s\": %.0f, "
+                "\"sequential_read_mb_per_s\": %.0f, \"step_p99_us\": %.0f, \"step_p99_prefilling_us\": %.0f, "
+                "\"step_p99_prefilling_demoting_us\": %.0f, \"step_p99_promoting_us\": %.0f}\n",
+                shape.tokens, shape.layers, static_cast<long long>(session_bytes), promote, sequential, p99_alone,
+                p99_prefill, p99_demoting, p99_promoting);
+    return 0;
+  }
+  std::printf("disk tier: a %lld-layer, %lld-token session (%s), %lld threads, page cache dropped before each read\n\n",
+              shape.layers, shape.tokens, v1::Codec_Name(session_options.key_codec).c_str(), shape.threads);
+  std::printf("| measure | value |\n|---|---:|\n");
+  std::printf("| promotion from disk, %.1f MB (median of %lld) | %.0f MB/s |\n", session_bytes / 1e6, rounds, promote);
+  std::printf("| sequential read of the same segment files | %.0f MB/s |\n", sequential);
+  std::printf("| Step p99 (%lld calls), nothing else running | %.0f us |\n", calls, p99_alone);
+  std::printf("| Step p99, another client prefilling %lld-token sessions, each deleted (%d) | %.0f us |\n",
+              background.tokens, prefilled, p99_prefill);
+  std::printf("| Step p99, the same, each demoted to disk once full (%d) | %.0f us |\n", demoted, p99_demoting);
+  std::printf("| Step p99, another session promoted from disk over and over (%d) | %.0f us |\n", promoted,
+              p99_promoting);
+  std::printf("\npromotion / sequential read = %.2f; Step p99 with demotion / without = %.2f (target <= 1.5: %s)\n",
+              promote / sequential, p99_demoting / p99_prefill, p99_demoting <= 1.5 * p99_prefill ? "met" : "NOT met");
+  return 0;
+}
+
 }  // namespace
 
 int RunE2e(int argc, char** argv) {
@@ -261,14 +439,16 @@ int RunE2e(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"tokens", "kv-heads", "q-heads", "head-dim", "layers", "threads", "chunk", "calls", "codec",
-                      "batch", "steps"},
-                     {"json"}, &error)) {
+                      "batch", "steps", "rounds"},
+                     {"json", "spill"}, &error)) {
     return UsageError(error);
   }
-  long long tokens, kv_heads, q_heads, head_dim, layers, threads, chunk, calls, batch = 0, steps;
-  if (!options.GetInt("tokens", 32768, &tokens, &error) || !options.GetInt("kv-heads", 8, &kv_heads, &error) ||
-      !options.GetInt("q-heads", 32, &q_heads, &error) || !options.GetInt("head-dim", 128, &head_dim, &error) ||
-      !options.GetInt("layers", 1, &layers, &error) || !options.GetInt("threads", 2, &threads, &error) ||
+  const bool spill = options.Has("spill");
+  long long tokens, kv_heads, q_heads, head_dim, layers, threads, chunk, calls, batch = 0, steps, rounds;
+  if (!options.GetInt("tokens", spill ? 8192 : 32768, &tokens, &error) ||
+      !options.GetInt("kv-heads", 8, &kv_heads, &error) || !options.GetInt("q-heads", 32, &q_heads, &error) ||
+      !options.GetInt("head-dim", 128, &head_dim, &error) || !options.GetInt("layers", spill ? 32 : 1, &layers, &error) ||
+      !options.GetInt("threads", 2, &threads, &error) || !options.GetInt("rounds", 5, &rounds, &error) ||
       !options.GetInt("chunk", DefaultChunk(layers, kv_heads, head_dim), &chunk, &error) ||
       !options.GetInt("calls", 200, &calls, &error) ||
       (options.Has("batch") && !options.GetInt("batch", 1, &batch, &error)) ||
@@ -280,6 +460,16 @@ int RunE2e(int argc, char** argv) {
     return UsageError("--codec: f16, q8_0, q4_0, turbo2, turbo3 or turbo4");
   }
 
+  SessionOptions session_options;
+  session_options.layers = static_cast<int>(layers);
+  session_options.kv_heads = static_cast<int>(kv_heads);
+  session_options.q_heads = static_cast<int>(q_heads);
+  session_options.head_dim = static_cast<int>(head_dim);
+  session_options.key_codec = session_options.value_codec = codec;
+  if (spill) {
+    return RunSpill(Shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk}, rounds, calls, session_options,
+                    options.Has("json"));
+  }
   ServerOptions server_options;
   const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");
   server_options.listen = {socket};
@@ -293,12 +483,6 @@ int RunE2e(int argc, char** argv) {
     return 1;
   }
   std::unique_ptr<Client> client = Client::Connect(socket);
-  SessionOptions session_options;
-  session_options.layers = static_cast<int>(layers);
-  session_options.kv_heads = static_cast<int>(kv_heads);
-  session_options.q_heads = static_cast<int>(q_heads);
-  session_options.head_dim = static_cast<int>(head_dim);
-  session_options.key_codec = session_options.value_codec = codec;
   if (batch > 0) {
     if (!client->WaitUntilServing(absl::Seconds(10)).ok()) return 1;
     const int rc = RunBatch(Shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk}, batch, steps,

@@ -22,7 +22,9 @@ constexpr char kUsage[] =
     "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
     "                            [--impl cpu|cuda] [--target AVX2|SSE4|...] [--chunk-tokens N] [--json]\n"
     "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
-    "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]] [--json]\n";
+    "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]] [--json]\n"
+    "       turbokv-bench e2e --spill [--tokens 8192] [--layers 32] [--rounds 5] [--calls N] ...\n"
+    "                         the disk tier: promotion MB/s against a sequential read, Step p99 while demoting\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);

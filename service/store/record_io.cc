@@ -8,7 +8,9 @@
 
 namespace turbokv {
 
-uint32_t Crc32c(absl::string_view bytes, uint32_t crc) {
+namespace {
+
+uint32_t Crc32cTable(absl::string_view bytes, uint32_t crc) {
   static const std::array<uint32_t, 256> table = [] {
     std::array<uint32_t, 256> t{};
     for (uint32_t i = 0; i < 256; ++i) {
@@ -18,8 +20,38 @@ uint32_t Crc32c(absl::string_view bytes, uint32_t crc) {
     }
     return t;
   }();
-  crc ^= 0xFFFFFFFFu;
   for (unsigned char b : bytes) crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8);
+  return crc;
+}
+
+#if defined(__x86_64__)
+// SSE4.2's crc32 instruction computes CRC-32C: about 8 bytes a cycle here
+// against about one for the table (pages are checked on every read back).
+__attribute__((target("sse4.2"))) uint32_t Crc32cSse42(absl::string_view bytes, uint32_t crc) {
+  const char* p = bytes.data();
+  size_t n = bytes.size();
+  uint64_t c = crc;
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    c = __builtin_ia32_crc32di(c, word);
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  for (; n > 0; ++p, --n) c32 = __builtin_ia32_crc32qi(c32, static_cast<unsigned char>(*p));
+  return c32;
+}
+#endif
+
+}  // namespace
+
+uint32_t Crc32c(absl::string_view bytes, uint32_t crc) {
+  crc ^= 0xFFFFFFFFu;
+#if defined(__x86_64__)
+  static const bool sse42 = __builtin_cpu_supports("sse4.2");
+  crc = sse42 ? Crc32cSse42(bytes, crc) : Crc32cTable(bytes, crc);
+#else
+  crc = Crc32cTable(bytes, crc);
+#endif
   return crc ^ 0xFFFFFFFFu;
 }
 

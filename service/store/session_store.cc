@@ -643,6 +643,9 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
                                                     " is on the spill tier and cannot come back into memory: ",
                                                     status.message()));
   }
+  std::vector<std::shared_ptr<TierRecord>> records;
+  for (const TierLayer& layer : image.layers) records.insert(records.end(), layer.pages.begin(), layer.pages.end());
+  tier_->WillRead(records);
   absl::Status status = Materialize(session);
   for (size_t l = 0; status.ok() && l < image.layers.size(); ++l) {
     size_t next = 0;

@@ -113,6 +113,11 @@ def check_sidecar(test: unittest.TestCase, deployment: dict):
     volume = [v for v in spec["volumes"] if v["name"] == "turbokv-socket"][0]
     test.assertIn("emptyDir", volume)
     test.assertIn({"name": "turbokv-socket", "mountPath": socket_dir}, worker["volumeMounts"])
+    # The spill dir is a volume of its own, bounded.
+    spill = [m for m in sidecar["volumeMounts"] if m["name"] == "turbokv-spill"][0]["mountPath"]
+    test.assertEqual(args["--spill-dir"], spill)
+    spill_volume = [v for v in spec["volumes"] if v["name"] == "turbokv-spill"][0]
+    test.assertIn("sizeLimit", spill_volume["emptyDir"])
     env = {e["name"]: e["value"] for e in worker["env"]}
     test.assertEqual(env["TURBOKV_TARGET"], args["--listen"])
     health_port = int(args["--health-listen"].rsplit(":", 1)[1])
@@ -184,7 +189,8 @@ class DeployTest(unittest.TestCase):
             s2.close()
             # The deployment's flags, with the socket and ports moved somewhere free here.
             local = {"--listen": f"unix://{tmp}/turbokv.sock", "--health-listen": f"127.0.0.1:{health}",
-                     "--metrics-listen": f"127.0.0.1:{metrics}", "--memory-budget": "1GiB"}
+                     "--metrics-listen": f"127.0.0.1:{metrics}", "--memory-budget": "1GiB",
+                     "--spill-dir": f"{tmp}/spill", "--spill-budget": "1GiB"}
             flags = [f"{k}={local.get(k, v)}" for k, v in (a.split("=", 1) for a in args)]
             log = open(os.path.join(tmp, "log"), "w")
             daemon = subprocess.Popen([os.environ["TURBOKVD"], *flags], stderr=log)

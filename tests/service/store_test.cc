@@ -52,6 +52,22 @@ struct Tokens {
   const float* value(int64_t t) const { return v.data() + t * kHeads * kDim; }
 };
 
+// The check values of RFC 3720 (iSCSI) and "123456789"; pieces chain.
+TEST(Crc32cTest, MatchesTheStandardCheckValues) {
+  std::string zeros(32, '\0'), ones(32, '\xff'), ascending(32, '\0');
+  for (int i = 0; i < 32; ++i) ascending[i] = static_cast<char>(i);
+  EXPECT_EQ(Crc32c(zeros), 0x8A9136AAu);
+  EXPECT_EQ(Crc32c(ones), 0x62A8AB43u);
+  EXPECT_EQ(Crc32c(ascending), 0x46DD794Eu);
+  EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);
+  std::string long_text;
+  for (int i = 0; i < 1000; ++i) long_text += static_cast<char>(i * 7 + 3);
+  for (size_t cut : {0, 1, 7, 8, 9, 500, 999, 1000}) {
+    const absl::string_view all(long_text);
+    EXPECT_EQ(Crc32c(all.substr(cut), Crc32c(all.substr(0, cut))), Crc32c(all)) << cut;
+  }
+}
+
 TEST(PagePoolTest, BudgetIsEnforcedAndReturned) {
   PagePool pool(1000);
   auto a = pool.Allocate(600);

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -584,28 +585,50 @@ absl::Status DiskTier::Read(const TierRecord& record, uint8_t* out, size_t bytes
     offset = r.offset;
     path = r.segment->path;
   }
-  std::string buffer(r.bytes(), '\0');
-  if (!ReadAll(fd, buffer.data(), buffer.size(), offset)) return Errno("cannot read", path);
+  // The frame and header, the payload straight into `out`, the CRC: one read.
+  if (r.bytes() < kFrameBytes + bytes + kCrcBytes) {
+    return absl::DataLossError(absl::StrCat("the record at ", path, " offset ", offset, " is not a page of ", bytes,
+                                            " bytes"));
+  }
+  std::string head(r.bytes() - bytes - kCrcBytes, '\0');
   uint32_t stored = 0;
-  std::memcpy(&stored, buffer.data() + buffer.size() - kCrcBytes, kCrcBytes);
-  Reader in(buffer);
+  iovec parts[3] = {{head.data(), head.size()}, {out, bytes}, {&stored, kCrcBytes}};
+  const size_t total = r.bytes();
+  ssize_t got;
+  do {
+    got = preadv(fd, parts, 3, static_cast<off_t>(offset));
+  } while (got < 0 && errno == EINTR);
+  if (got < 0) return Errno("cannot read", path);
+  if (static_cast<size_t>(got) != total) return absl::DataLossError(absl::StrCat(path, " is cut short at offset ", offset));
+  Reader in(head);
   in.Take(4);
   in.Get<uint16_t>();
   const uint8_t type = in.Get<uint8_t>();
   in.Get<uint8_t>();
   in.Get<uint64_t>();
   const uint32_t header_bytes = in.Get<uint32_t>(), payload_bytes = in.Get<uint32_t>();
-  if (Crc32c(absl::string_view(buffer.data(), buffer.size() - kCrcBytes)) != stored) {
+  const uint32_t crc = Crc32c(absl::string_view(reinterpret_cast<const char*>(out), bytes), Crc32c(head));
+  if (crc != stored) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++crc_failures_;
     return absl::DataLossError(absl::StrCat("a page record at ", path, " offset ", offset, " fails its CRC"));
   }
-  if (type != kPage || payload_bytes != bytes || kFrameBytes + header_bytes + payload_bytes + kCrcBytes != buffer.size()) {
+  if (type != kPage || payload_bytes != bytes || kFrameBytes + header_bytes != head.size()) {
     return absl::DataLossError(absl::StrCat("the record at ", path, " offset ", offset, " is not a page of ", bytes,
                                             " bytes"));
   }
-  std::memcpy(out, buffer.data() + kFrameBytes + header_bytes, bytes);
   return absl::OkStatus();
+}
+
+void DiskTier::WillRead(const std::vector<std::shared_ptr<TierRecord>>& records) {
+  // The kernel reads them ahead, all at once, while Read takes one at a time.
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& record : records) {
+    const auto& r = static_cast<const Record&>(*record);
+    if (r.done && r.segment != nullptr) {
+      posix_fadvise(r.segment->fd, static_cast<off_t>(r.offset), static_cast<off_t>(r.bytes()), POSIX_FADV_WILLNEED);
+    }
+  }
 }
 
 absl::Status DiskTier::Sync() {

@@ -48,6 +48,7 @@ class DiskTier final : public Tier {
   void PutTombstone(const std::string& session, const std::string& tenant) override;
   absl::Status Wait(const TierRecord& record) override;
   absl::Status Read(const TierRecord& record, uint8_t* out, size_t bytes) override;
+  void WillRead(const std::vector<std::shared_ptr<TierRecord>>& records) override;
   absl::Status Sync() override;
   void Close() override;
   TierStats Stats() const override;

@@ -107,6 +107,9 @@ class Tier {
   // The payload of a page record into out[bytes]; DATA_LOSS when it fails
   // its CRC or is not a page of that size.
   virtual absl::Status Read(const TierRecord& record, uint8_t* out, size_t bytes) = 0;
+  // A hint: these records are about to be read (the tier may start reading
+  // them all now).
+  virtual void WillRead(const std::vector<std::shared_ptr<TierRecord>>& records) = 0;
   // Flushes what is written to stable storage.
   virtual absl::Status Sync() = 0;
   // From now on records whose handles go stay on the tier (the store is
