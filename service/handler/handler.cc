@@ -27,7 +27,7 @@ absl::Status Handler::GoneStatus(const std::string& id, const std::string& tenan
 absl::Status Handler::Promote(SessionCache& session, absl::Span<const SessionCache* const> held) {
   if (session.resident()) return absl::OkStatus();
   const absl::Time start = absl::Now();
-  absl::Status status = store_->Promote(session, held);
+  absl::Status status = store_->Promote(session, held, options_.kernel_pool);
   if (status.ok() && options_.metrics != nullptr) {
     options_.metrics->ObservePromotion(absl::ToDoubleSeconds(absl::Now() - start));
   }

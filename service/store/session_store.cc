@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "service/store/snapshot.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/rotation.h"
 
 namespace turbokv {
@@ -628,7 +629,8 @@ absl::Status SessionStore::Demote(SessionCache& session) {
   return absl::OkStatus();
 }
 
-absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const SessionCache* const> held) {
+absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
+                                   ThreadPool* pool) {
   if (session.resident()) return absl::OkStatus();
   const TierSession& image = *session.demoted_;
   const SessionConfig& config = session.config();
@@ -647,12 +649,29 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
   for (const TierLayer& layer : image.layers) records.insert(records.end(), layer.pages.begin(), layer.pages.end());
   tier_->WillRead(records);
   absl::Status status = Materialize(session);
-  for (size_t l = 0; status.ok() && l < image.layers.size(); ++l) {
-    size_t next = 0;
-    const TierLayer& layer = image.layers[l];
-    status = session.layers_[l].LoadPages(layer.tokens, [&](uint8_t* data, size_t n) {
-      return tier_->Read(*layer.pages[next++], data, n);
-    });
+  if (status.ok()) {
+    // Layers load in parallel: one thread's reads wait on the disk while
+    // another's pages are checked and copied.
+    std::vector<absl::Status> loaded(image.layers.size());
+    auto load = [&](int64_t l) {
+      size_t next = 0;
+      const TierLayer& layer = image.layers[static_cast<size_t>(l)];
+      loaded[static_cast<size_t>(l)] =
+          session.layers_[static_cast<size_t>(l)].LoadPages(layer.tokens, [&](uint8_t* data, size_t n) {
+            return tier_->Read(*layer.pages[next++], data, n);
+          });
+    };
+    if (pool != nullptr) {
+      pool->ParallelFor(static_cast<int64_t>(image.layers.size()), load);
+    } else {
+      for (size_t l = 0; l < image.layers.size(); ++l) load(static_cast<int64_t>(l));
+    }
+    for (const absl::Status& one : loaded) {
+      if (!one.ok()) {
+        status = one;
+        break;
+      }
+    }
   }
   if (!status.ok()) {
     session.layers_.clear();

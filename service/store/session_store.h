@@ -24,6 +24,8 @@
 
 namespace turbokv {
 
+class ThreadPool;
+
 // What the store holds, summed over sessions.
 struct StoreSnapshot {
   int64_t sessions = 0;
@@ -177,8 +179,10 @@ class SessionStore {
   // Brings a demoted session (whose mutex the caller holds) back into
   // memory, making room as MakeRoom does (demoting others, never those in
   // `held`). DATA_LOSS when a record fails its CRC, RESOURCE_EXHAUSTED
-  // naming both tiers when memory cannot take it.
-  absl::Status Promote(SessionCache& session, absl::Span<const SessionCache* const> held);
+  // naming both tiers when memory cannot take it. Reads layers on `pool`
+  // when given.
+  absl::Status Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
+                       ThreadPool* pool = nullptr);
   // Queues the session's sealed pages that are not on the tier yet (under
   // its mutex); with !force only while the writer's queue has room.
   absl::Status WriteThrough(SessionCache& session, bool force);

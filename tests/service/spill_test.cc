@@ -291,6 +291,25 @@ TEST(SpillTest, AFullBudgetDemotesInsteadOfEvictingAndNothingIsLost) {
   EXPECT_EQ(s.store->Snapshot().lru_evictions, 0);
 }
 
+TEST(SpillTest, APinnedSessionIsNeverDemoted) {
+  const std::string dir = FreshDir("pinned");
+  Store s = OpenStore(dir, size_t{1} << 20);
+  SessionConfig pinned_config = Config();
+  pinned_config.pinned = true;
+  auto pinned = s.store->Create(pinned_config, "", absl::Now());
+  ASSERT_TRUE(pinned.ok());
+  Append(*s.store, **pinned, 250, 1);
+  for (int i = 0; i < 12; ++i) {
+    auto session = s.store->Create(Config(), "", absl::Now());
+    ASSERT_TRUE(session.ok());
+    Append(*s.store, **session, 250, 10 + i);
+  }
+  s.store->Rebalance();
+  EXPECT_GT(s.store->Snapshot().demotions, 4);
+  std::lock_guard<std::mutex> lock((*pinned)->mutex());
+  EXPECT_TRUE((*pinned)->resident());
+}
+
 TEST(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
   const std::string dir = FreshDir("full");
   Store s = OpenStore(dir, size_t{1} << 20, size_t{1} << 20);
@@ -347,6 +366,62 @@ TEST(SpillTest, TheBackgroundPassDemotesAboveTheWatermarkAndDropsTheOldestOnDisk
   ASSERT_FALSE(gone.ok());
   EXPECT_TRUE(absl::StrContains(gone.status().message(), "spill tier")) << gone.status();
   EXPECT_EQ(s.store->Snapshot().disk_drops, static_cast<int64_t>(report.dropped.size()));
+}
+
+// Deleted sessions leave dead records in segments that a live one still
+// uses: the writer copies the live records forward and the files shrink back
+// to about what is live; the kept sessions read back as before and survive a
+// restart.
+TEST(SpillTest, SegmentsOfMostlyDeadRecordsAreCompacted) {
+  const std::string dir = FreshDir("compact");
+  std::vector<std::string> kept;
+  std::vector<std::vector<float>> contents;
+  {
+    Store s = OpenStore(dir);  // 1 MiB segments
+    std::vector<std::shared_ptr<SessionCache>> sessions;
+    for (int i = 0; i < 24; ++i) {
+      auto session = s.store->Create(Config(), "", absl::Now());
+      ASSERT_TRUE(session.ok());
+      sessions.push_back(*session);
+    }
+    // Interleaved appends: every segment holds pages of every session.
+    for (int round = 0; round < 4; ++round) {
+      for (int i = 0; i < 24; ++i) Append(*s.store, *sessions[i], 64, 1000 * round + i);
+    }
+    for (int i = 0; i < 24; ++i) {
+      if (i % 6 == 0) {
+        kept.push_back(sessions[i]->id());
+        contents.push_back(Contents(*s.store, *sessions[i]));
+      } else {
+        ASSERT_TRUE(s.store->Delete(sessions[i]->id(), "").ok());
+      }
+    }
+    TierStats stats = s.store->tier()->Stats();
+    for (absl::Time until = absl::Now() + absl::Seconds(10);
+         stats.bytes * 3 > stats.live_bytes * 4 + (2 << 20) && absl::Now() < until; absl::SleepFor(absl::Milliseconds(20))) {
+      stats = s.store->tier()->Stats();
+    }
+    EXPECT_GT(stats.compactions, 0);
+    EXPECT_LE(stats.bytes * 3, stats.live_bytes * 4 + (2 << 20)) << stats.bytes << " bytes of files, " << stats.live_bytes
+                                                                  << " live";
+    for (size_t k = 0; k < kept.size(); ++k) {
+      auto session = s.store->Find(kept[k], "", absl::Now());
+      ASSERT_TRUE(session.ok());
+      {
+        std::lock_guard<std::mutex> lock((*session)->mutex());
+        ASSERT_TRUE(s.store->Demote(**session).ok());
+      }
+      EXPECT_EQ(Contents(*s.store, **session), contents[k]);
+    }
+  }
+  Store s = OpenStore(dir);
+  EXPECT_EQ(s.scan.loaded, static_cast<int64_t>(kept.size()));
+  EXPECT_EQ(s.scan.torn, 0);
+  for (size_t k = 0; k < kept.size(); ++k) {
+    auto session = s.store->Find(kept[k], "", absl::Now());
+    ASSERT_TRUE(session.ok());
+    EXPECT_EQ(Contents(*s.store, **session), contents[k]);
+  }
 }
 
 TEST(SpillTest, ADirectoryThatCannotBeWrittenIsRefusedNamingIt) {

@@ -154,5 +154,44 @@ class AuthenticatedClientTest(unittest.TestCase):
             os.unlink(tokens.name)
 
 
+class SpillTierTest(unittest.TestCase):
+    def test_demoted_sessions_come_back_and_prefetch_and_pinned(self):
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="turbokv-py-spill-") as spill:
+            # 2 MiB of memory: the sessions below take about 8 MiB.
+            daemon = Daemon("--memory-budget=2MiB", "--eviction=lru", f"--spill-dir={spill}")
+            try:
+                client = turbokv.Client(daemon.target)
+                client.wait_until_ready(20)
+                rng = np.random.default_rng(5)
+                pinned = client.create_session(LAYERS, KV, Q, D, pinned=True)
+                self.assertTrue(pinned.info().config.pinned)
+                sessions, stored = [], []
+                for _ in range(8):
+                    s = client.create_session(LAYERS, KV, Q, D, value_codec="q8_0")
+                    k = rng.standard_normal((LAYERS, 512, KV, D), dtype=np.float32)
+                    s.append(None, 0, k, k)
+                    stored.append(s.read_kv(1))
+                    sessions.append(s)
+                residency = [s.info().residency for s in sessions]
+                self.assertIn(turbokv.RESIDENCY_DISK, residency)
+                self.assertEqual(pinned.info().residency, turbokv.RESIDENCY_MEMORY_AND_DISK)
+                demoted = [s for s in sessions if s.info().residency == turbokv.RESIDENCY_DISK]
+                self.assertEqual(client.prefetch([demoted[0], "no-such-session"])[0], None)
+                errors = client.prefetch(["no-such-session"])
+                self.assertEqual(errors[0].code, grpc.StatusCode.NOT_FOUND)
+                for s, (k, v) in zip(sessions, stored):
+                    k2, v2 = s.read_kv(1)
+                    np.testing.assert_array_equal(k2, k)
+                    np.testing.assert_array_equal(v2, v)
+                stats = client.stats()
+                self.assertGreater(stats.demotions, 0)
+                self.assertGreater(stats.promotions, 0)
+                client.close()
+                self.assertEqual(daemon.stop(), 0)
+            finally:
+                daemon.close()
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -12,6 +12,10 @@
         batch.raise_for_status().output                            # [B, 1, q_heads, head_dim]
 
 Failures raise turbokv.TurbokvError carrying the gRPC status code and message.
+With turbokvd's --spill-dir, session.info().residency is RESIDENCY_MEMORY,
+RESIDENCY_DISK (demoted: the next call brings it back) or
+RESIDENCY_MEMORY_AND_DISK; client.prefetch(sessions) brings them back ahead
+of use, and create_session(..., pinned=True) keeps one in memory.
 """
 
 from turbokv.client import (  # noqa: F401
@@ -23,3 +27,4 @@ from turbokv.client import (  # noqa: F401
     TurbokvError,
     merge_attention,
 )
+from turbokv.v1.turbokv_pb2 import RESIDENCY_DISK, RESIDENCY_MEMORY, RESIDENCY_MEMORY_AND_DISK  # noqa: F401,E402

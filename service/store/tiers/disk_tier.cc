@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -74,6 +75,8 @@ struct DiskTier::Segment {
   std::set<std::string> sessions;    // with page or manifest records here
   std::set<std::string> tombstones;  // with tombstones here (and their tenants)
   std::map<std::string, std::string> tombstone_tenants;
+  std::set<Record*> records;  // the live ones
+  int pins = 0;               // reads and a compaction in progress: not removed meanwhile
 };
 
 class DiskTier::Record final : public TierRecord {
@@ -251,6 +254,7 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
       record->segment = segment.get();
       record->offset = at;
       record->done = true;
+      segment->records.insert(record.get());
       segment->live += bytes;
       live_bytes_ += static_cast<int64_t>(bytes);
       records[lsn] = record;
@@ -480,7 +484,17 @@ void DiskTier::WriterLoop() {
     std::shared_ptr<Record> record;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      work_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      // Idle: reclaim a segment that is mostly dead records, one at a time.
+      while (!stopping_ && queue_.empty()) {
+        Segment* victim = CompactionVictim();
+        if (victim == nullptr) {
+          work_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+          break;
+        }
+        lock.unlock();
+        Compact(victim);
+        lock.lock();
+      }
       if (queue_.empty()) return;
       job = std::move(queue_.front());
       queue_.pop_front();
@@ -520,6 +534,7 @@ void DiskTier::WriterLoop() {
         if (status.ok()) {
           record->segment = segment;
           record->offset = offset;
+          segment->records.insert(record.get());
           segment->live += record->bytes();
           live_bytes_ += static_cast<int64_t>(record->bytes());
         }
@@ -530,15 +545,70 @@ void DiskTier::WriterLoop() {
   }
 }
 
+DiskTier::Segment* DiskTier::CompactionVictim() const {
+  size_t bytes = 0, dead = 0;
+  Segment* victim = nullptr;
+  for (const auto& [number, segment] : segments_) {
+    bytes += segment->size;
+    if (segment.get() == active_) continue;
+    dead += segment->size - segment->live;
+    if (victim == nullptr || segment->size - segment->live > victim->size - victim->live) victim = segment.get();
+  }
+  // Dead records past a quarter of the files (and a segment's worth): the
+  // segment with the most of them goes, once its live ones are copied.
+  if (victim == nullptr || dead * 4 <= bytes || dead < options_.segment_bytes || victim->live * 2 > victim->size) {
+    return nullptr;
+  }
+  return victim;
+}
+
+void DiskTier::Compact(Segment* segment) {
+  struct Live {
+    Record* record;
+    uint64_t offset;
+    size_t bytes;
+  };
+  std::vector<Live> live;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++segment->pins;
+    for (Record* record : segment->records) live.push_back(Live{record, record->offset, record->bytes()});
+  }
+  std::string bytes;
+  for (const Live& one : live) {
+    // The record as it is (its lsn and CRC unchanged) at the log's end.
+    bytes.resize(one.bytes);
+    Segment* to = nullptr;
+    uint64_t offset = 0;
+    if (!ReadAll(segment->fd, bytes.data(), one.bytes, one.offset) || !WriteRecord(bytes, &to, &offset).ok()) break;
+    Reader header(absl::string_view(bytes).substr(kFrameBytes));
+    const std::string session = header.GetString();
+    std::lock_guard<std::mutex> lock(mutex_);
+    to->size = offset + bytes.size();
+    to->sessions.insert(session);
+    if (segment->records.erase(one.record) == 0) continue;  // it died meanwhile
+    segment->live -= one.bytes;
+    one.record->segment = to;
+    one.record->offset = offset;
+    to->records.insert(one.record);
+    to->live += one.bytes;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++compactions_;
+  --segment->pins;
+  MaybeRemove(segment);
+}
+
 void DiskTier::Release(Record* record) {
   if (record->segment == nullptr) return;
+  record->segment->records.erase(record);
   record->segment->live -= record->bytes();
   live_bytes_ -= static_cast<int64_t>(record->bytes());
   MaybeRemove(record->segment);
 }
 
 void DiskTier::MaybeRemove(Segment* segment) {
-  if (closed_ || segment == active_ || segment->live > 0) return;
+  if (closed_ || segment == active_ || segment->live > 0 || segment->pins > 0) return;
   // A tombstone here still matters while an older segment holds records of
   // its session: written again (at the log's end) before this one goes.
   for (const std::string& session : segment->tombstones) {
@@ -577,6 +647,7 @@ absl::Status DiskTier::Read(const TierRecord& record, uint8_t* out, size_t bytes
   int fd;
   uint64_t offset;
   std::string path;
+  Segment* segment;
   {
     std::unique_lock<std::mutex> lock(mutex_);
     written_.wait(lock, [&] { return r.done; });
@@ -584,7 +655,14 @@ absl::Status DiskTier::Read(const TierRecord& record, uint8_t* out, size_t bytes
     fd = r.segment->fd;
     offset = r.offset;
     path = r.segment->path;
+    ++r.segment->pins;  // a compaction may move the record meanwhile: its old segment stays until this read is done
+    segment = r.segment;
   }
+  const auto unpin = absl::MakeCleanup([&] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --segment->pins;
+    MaybeRemove(segment);
+  });
   // The frame and header, the payload straight into `out`, the CRC: one read.
   if (r.bytes() < kFrameBytes + bytes + kCrcBytes) {
     return absl::DataLossError(absl::StrCat("the record at ", path, " offset ", offset, " is not a page of ", bytes,
@@ -660,6 +738,7 @@ TierStats DiskTier::Stats() const {
   stats.records_written = records_written_;
   stats.write_errors = write_errors_;
   stats.crc_failures = crc_failures_;
+  stats.compactions = compactions_;
   return stats;
 }
 

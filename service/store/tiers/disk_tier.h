@@ -2,7 +2,9 @@
 // segment files seg-NNNNNNNN.tkvl (docs/FORMAT.md, "Spill segments"), written
 // by one writer thread from a bounded queue, fdatasync'ed every sync_bytes
 // and at each segment's end. A segment whose records are all dead is
-// removed (tombstones it holds that still matter are written again first).
+// removed (tombstones it holds that still matter are written again first);
+// once dead records pass a quarter of the files, the writer, when idle,
+// copies the live records of the deadest segment to the log's end.
 // At start the segments are scanned and the sessions rebuilt: the newest
 // manifest of each, then its page records written after it.
 #pragma once
@@ -70,6 +72,12 @@ class DiskTier final : public Tier {
   void Release(Record* record);
   // Under mutex_: removes a closed segment without live records.
   void MaybeRemove(Segment* segment);
+  // Under mutex_: the closed segment to compact, when dead records take
+  // more than a quarter of the files; or null.
+  Segment* CompactionVictim() const;
+  // The writer, when idle: copies the segment's live records to the log's
+  // end and removes it.
+  void Compact(Segment* segment);
   absl::Status OpenActive();
 
   const DiskTierOptions options_;
@@ -89,6 +97,7 @@ class DiskTier final : public Tier {
   int64_t records_written_ = 0;
   int64_t write_errors_ = 0;
   int64_t crc_failures_ = 0;
+  int64_t compactions_ = 0;
   std::thread writer_;
 };
 

@@ -81,6 +81,7 @@ struct TierStats {
   int64_t records_written = 0;
   int64_t write_errors = 0;
   int64_t crc_failures = 0;  // records read back (at start or on promotion) that failed their CRC
+  int64_t compactions = 0;   // segments whose live records were moved so that they could go
 };
 
 class Tier {
