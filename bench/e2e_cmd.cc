@@ -85,6 +85,15 @@ double Prefill(const Session& session, const Shape& shape, const std::vector<uin
   return Micros(start_time) / 1e6;
 }
 
+// fp16 input for Prefill, made before the clock starts: chunks are windows
+// at pseudo-random offsets into a pool one chunk plus `slack` values long.
+std::vector<uint16_t> Fp16Pool(const Shape& shape, size_t slack, std::mt19937* rng) {
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> pool(static_cast<size_t>(shape.layers) * shape.chunk * shape.kv_heads * shape.head_dim + slack);
+  for (uint16_t& b : pool) b = FloatToHalfBits(normal(*rng));
+  return pool;
+}
+
 // --batch B: (a) Decode stream, (b) B x L unary Steps, (c) the kernels alone,
 // (d) the handler's Decode in process (no gRPC, no client), one whole decode
 // step (every layer) of each in turn.
@@ -94,8 +103,7 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
   constexpr size_t kSlack = size_t{1} << 20;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  std::vector<uint16_t> pool(static_cast<size_t>(shape.layers) * shape.chunk * token_values + kSlack);
-  for (uint16_t& b : pool) b = FloatToHalfBits(normal(rng));
+  const std::vector<uint16_t> pool = Fp16Pool(shape, kSlack, &rng);
   std::vector<Session> sessions;
   std::vector<std::string> ids;
   double prefill_seconds = 0;
@@ -323,8 +331,7 @@ int RunSpill(const Shape& shape, long long rounds, long long calls, const Sessio
   constexpr size_t kSlack = size_t{1} << 20;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  std::vector<uint16_t> pool(static_cast<size_t>(shape.layers) * shape.chunk * token_values + kSlack);
-  for (uint16_t& b : pool) b = FloatToHalfBits(normal(rng));
+  const std::vector<uint16_t> pool = Fp16Pool(shape, kSlack, &rng);
   absl::StatusOr<Session> idle = client->CreateSession(session_options);
   absl::StatusOr<Session> busy = client->CreateSession(session_options);
   if (!idle.ok() || !busy.ok() || Prefill(*idle, shape, pool, kSlack, 1) < 0 || Prefill(*busy, shape, pool, kSlack, 2) < 0) {
@@ -496,16 +503,13 @@ int RunE2e(int argc, char** argv) {
     return 1;
   }
 
-  // fp16 input, made before the clock starts: chunks are windows at
-  // pseudo-random offsets into a pool one chunk plus kSlack values long.
   const size_t token_values = static_cast<size_t>(kv_heads) * head_dim;
   constexpr size_t kSlack = size_t{1} << 20;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  std::vector<uint16_t> pool_bits(static_cast<size_t>(layers) * chunk * token_values + kSlack);
-  for (uint16_t& b : pool_bits) b = FloatToHalfBits(normal(rng));
-  const double append_seconds =
-      Prefill(*session, Shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk}, pool_bits, kSlack, 0);
+  const Shape shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk};
+  const std::vector<uint16_t> pool_bits = Fp16Pool(shape, kSlack, &rng);
+  const double append_seconds = Prefill(*session, shape, pool_bits, kSlack, 0);
   if (append_seconds < 0) return 1;
   const double token_layers_per_s = tokens * layers / append_seconds;
   const double input_mb_per_s = tokens * layers * token_values * 2 * 2 / append_seconds / 1e6;

@@ -360,13 +360,11 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
   return report;
 }
 
-uint64_t DiskTier::Enqueue(Job job) {
+void DiskTier::Enqueue(Job job) {
   job.lsn = next_lsn_++;
   queued_bytes_ += static_cast<int64_t>(job.bytes);
-  const uint64_t lsn = job.lsn;
   queue_.push_back(std::move(job));
   work_.notify_one();
-  return lsn;
 }
 
 absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key, const Page& page, bool force) {
@@ -424,10 +422,14 @@ std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
 }
 
 void DiskTier::PutTombstone(const std::string& session, const std::string& tenant) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  EnqueueTombstone(session, tenant);
+}
+
+void DiskTier::EnqueueTombstone(const std::string& session, const std::string& tenant) {
   std::string header;
   PutString(&header, session);
   PutString(&header, tenant);
-  std::lock_guard<std::mutex> lock(mutex_);
   Job job;
   job.type = kTombstone;
   job.session = session;
@@ -615,16 +617,7 @@ void DiskTier::MaybeRemove(Segment* segment) {
     for (auto& [number, older] : segments_) {
       if (number >= segment->number) break;
       if (older->sessions.count(session) != 0) {
-        std::string header;
-        PutString(&header, session);
-        PutString(&header, segment->tombstone_tenants[session]);
-        Job job;
-        job.type = kTombstone;
-        job.session = session;
-        job.tenant = segment->tombstone_tenants[session];
-        job.head = Frame(kTombstone, next_lsn_, header, 0);
-        job.bytes = kFrameBytes + header.size() + kCrcBytes;
-        Enqueue(std::move(job));
+        EnqueueTombstone(session, segment->tombstone_tenants[session]);
         break;
       }
     }

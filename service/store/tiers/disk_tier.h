@@ -63,8 +63,10 @@ class DiskTier final : public Tier {
   struct Job;
   explicit DiskTier(const DiskTierOptions& options);
 
-  // Under mutex_: queues a job and returns its lsn.
-  uint64_t Enqueue(Job job);
+  // Under mutex_: queues a job (its lsn: the next one).
+  void Enqueue(Job job);
+  // Under mutex_: queues a tombstone of the session.
+  void EnqueueTombstone(const std::string& session, const std::string& tenant);
   void WriterLoop();
   // Writes one record to the active segment (rolling it when full).
   absl::Status WriteRecord(const std::string& bytes, Segment** segment, uint64_t* offset);
