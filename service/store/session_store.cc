@@ -69,7 +69,11 @@ int64_t SessionCache::layer_tokens(int layer) const {
 
 int64_t SessionCache::tokens() const {
   int64_t tokens = 0;
-  for (int l = 0; l < config_.layers && (!resident() || !layers_.empty()); ++l) tokens += layer_tokens(l);
+  if (!resident()) {
+    for (const TierLayer& layer : demoted_->layers) tokens += layer.tokens;
+    return tokens;
+  }
+  for (const LayerCache& layer : layers_) tokens += layer.tokens();
   return tokens;
 }
 
@@ -210,10 +214,7 @@ StoreSnapshot SessionStore::Snapshot() const {
     snapshot.fp16_bytes += static_cast<int64_t>(session->fp16_bytes());
     ++(session->resident() ? snapshot.resident_sessions : snapshot.demoted_sessions);
   }
-  if (tier_ != nullptr) {
-    snapshot.spill = true;
-    snapshot.tier = tier_->Stats();
-  }
+  if (tier_ != nullptr) snapshot.tier = tier_->Stats();
   snapshot.demotions = demotions_.load();
   snapshot.promotions = promotions_.load();
   snapshot.disk_drops = disk_drops_.load();

@@ -35,9 +35,8 @@ struct StoreSnapshot {
   int64_t fp16_bytes = 0;  // the same tokens in fp16
   int64_t lru_evictions = 0;  // since start
   int64_t ttl_expiries = 0;   // since start
-  // With a spill tier:
-  bool spill = false;
-  int64_t resident_sessions = 0;  // in memory (the others are on disk only)
+  int64_t resident_sessions = 0;  // in memory (all of them without a spill tier)
+  // With a spill tier (zeros without):
   int64_t demoted_sessions = 0;   // on disk only
   int64_t demotions = 0;          // since start
   int64_t promotions = 0;

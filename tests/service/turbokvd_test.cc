@@ -270,6 +270,9 @@ TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
       {{"--max-message-bytes=2GiB"}, "expected a size below 2GiB"},
       {{"--tenant-max-calls=0"}, "--tenant-max-calls=0: expected a count >= 1"},
       {{"--admin-tenant=ops"}, "--admin-tenant needs --auth-tokens-file"},
+      {{"--spill-dir=/proc/turbokv-spill"}, "cannot create --spill-dir /proc/turbokv-spill"},
+      {{"--spill-budget=much"}, "--spill-budget: 'much' is not a size"},
+      {{"--memory-watermarks=0.8,0.9"}, "--memory-watermarks=0.8,0.9: expected HIGH,LOW with 0 < LOW < HIGH <= 1"},
   };
   for (const Case& c : cases) {
     Daemon daemon(c.flags);
