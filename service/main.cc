@@ -69,7 +69,7 @@ Flags (--name=value or --name value):
   --max-tenant-sessions=N  most sessions one tenant holds (default 10000)
   --tls-cert=PEM --tls-key=PEM  TLS on TCP listeners
   --tls-client-ca=PEM      require client certificates signed by this CA (mTLS)
-  --help
+  --help, --version
 )";
 
 // Termination signals: each drains (calls finish, snapshots are written)
@@ -110,6 +110,10 @@ int main(int argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (arg == "--version") {
+      std::printf("turbokvd %s\n", TURBOKV_VERSION);
       return 0;
     }
     if (!absl::StartsWith(arg, "--")) return Fail(absl::StrCat("unexpected argument '", arg, "'"));
@@ -291,8 +295,13 @@ int main(int argc, char** argv) {
   const absl::Status stopped = (*server)->Shutdown(shutdown_deadline, snapshot_deadline);
   if (!stopped.ok()) {
     std::fprintf(stderr, "turbokvd: stopped with an error: %s\n", std::string(stopped.message()).c_str());
-    return 1;
+  } else {
+    std::fprintf(stderr, "turbokvd: stopped\n");
   }
-  std::fprintf(stderr, "turbokvd: stopped\n");
-  return 0;
+  // The drain has written and synced everything it owes (snapshots, the
+  // spill tier). What the destructors have left is freeing memory, and the
+  // gRPC server's teardown, which after a drain that cancelled calls was
+  // seen to wait 8.8 s more (one run in about ten): the process ends here.
+  std::fflush(stderr);
+  std::_Exit(stopped.ok() ? 0 : 1);
 }

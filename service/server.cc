@@ -1,10 +1,14 @@
 #include "service/server.h"
 
 #include <malloc.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -37,6 +41,28 @@ namespace {
 constexpr absl::Duration kRefusalWindow = absl::Milliseconds(200);
 constexpr int kMetricsThreads = 8;
 constexpr int kMetricsRequestTimeoutMs = 2000;
+constexpr char kServiceName[] = "turbokv.v1.KvCacheService";
+
+// unix:///path or unix:path -> /path.
+std::string UnixSocketPath(absl::string_view address) {
+  absl::ConsumePrefix(&address, "unix://");
+  absl::ConsumePrefix(&address, "unix:");
+  return std::string(address);
+}
+
+// Whether a process accepts connections on the unix socket at `path` (a
+// file left by one that died refuses them).
+bool UnixSocketServed(const std::string& path) {
+  sockaddr_un address{};
+  if (path.size() >= sizeof(address.sun_path)) return false;
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool served = connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
+  close(fd);
+  return served;
+}
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
   std::ifstream in(path);
@@ -210,8 +236,11 @@ absl::Status Server::Start() {
       exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
           "listening_ports", options_.metrics_listen, "num_threads", std::to_string(kMetricsThreads),
           "request_timeout_ms", std::to_string(kMetricsRequestTimeoutMs)});
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", options_.metrics_listen, ": ", e.what()));
+    } catch (const std::exception&) {
+      // civetweb says only "null context when constructing CivetServer".
+      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", options_.metrics_listen,
+                                                 " (--metrics-listen): the port is in use or the address is not "
+                                                 "this host's"));
     }
     exposer_->RegisterCollectable(metrics_->registry());
     const std::vector<int> ports = exposer_->GetListeningPorts();
@@ -224,12 +253,21 @@ absl::Status Server::Start() {
   std::vector<int> ports(options_.listen.size(), 0);
   for (size_t i = 0; i < options_.listen.size(); ++i) {
     const bool unix_socket = absl::StartsWith(options_.listen[i], "unix:");
+    // gRPC would replace a socket file another process serves on (and
+    // remove it at exit, leaving that process unreachable): refused.
+    if (unix_socket && UnixSocketServed(UnixSocketPath(options_.listen[i]))) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen[i],
+                                                 ": another process (a turbokvd?) is serving on it"));
+    }
     builder.AddListeningPort(options_.listen[i], unix_socket ? grpc::InsecureServerCredentials() : tcp_credentials_,
                              &ports[i]);
   }
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_concurrent_streams);
+  // No SO_REUSEPORT: a second daemon on the same port fails to bind rather
+  // than share the port's calls with the first.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service_.get());
   // Unix sockets are created 0660: the daemon's user and group only.
   const mode_t umask_before = umask(0117);
@@ -245,10 +283,7 @@ absl::Status Server::Start() {
     }
     if (absl::StartsWith(address, "unix:")) {
       endpoints_.push_back(address);
-      absl::string_view path = address;
-      absl::ConsumePrefix(&path, "unix://");
-      absl::ConsumePrefix(&path, "unix:");
-      chmod(std::string(path).c_str(), 0660);
+      chmod(UnixSocketPath(address).c_str(), 0660);
     } else {
       endpoints_.push_back(absl::StrCat(address.substr(0, address.rfind(':')), ":", ports[i]));
     }
@@ -258,14 +293,19 @@ absl::Status Server::Start() {
     grpc::ServerBuilder health;
     int port = 0;
     health.AddListeningPort(options_.health_listen, grpc::InsecureServerCredentials(), &port);
+    health.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     health_server_ = health.BuildAndStart();
     if (health_server_ == nullptr || port == 0) {
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.health_listen, " (--health-listen)"));
     }
     health_endpoint_ = absl::StrCat(options_.health_listen.substr(0, options_.health_listen.rfind(':')), ":", port);
     health_server_->GetHealthCheckService()->SetServingStatus(true);
+    health_server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   }
+  // Health answers for the server ("") and for the service by name; the
+  // drain turns both NOT_SERVING.
   server_->GetHealthCheckService()->SetServingStatus(true);
+  server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   expiry_thread_ = std::thread([this] { ExpireLoop(); });
   return absl::OkStatus();
 }
@@ -312,8 +352,10 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
     if (stopping_) return absl::OkStatus();
     stopping_ = true;
   }
+  // The housekeeping loop stops at its next wait; it is joined once the
+  // calls are done, since it may be waiting for a busy session's lock (to
+  // count it) and the drain must not wait for that.
   stop_expiry_.notify_all();
-  if (expiry_thread_.joinable()) expiry_thread_.join();
   // Drain while still listening, so that health checks see NOT_SERVING and
   // new calls get a clear UNAVAILABLE; then cancel what is left: work queued
   // for a cancelled call is dropped, not computed.
@@ -332,6 +374,7 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
   if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();
+  if (expiry_thread_.joinable()) expiry_thread_.join();
   absl::Status status;
   if (store_ != nullptr && !options_.spill_dir.empty()) {
     // Every session's unsealed tail joins its sealed pages on disk: a

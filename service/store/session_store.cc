@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -498,6 +499,8 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     }
   } else {
     for (SessionCache* victim : victims) {
+      std::fprintf(stderr, "turbokvd: session %s evicted (least recently used, idle %s) to make room in the memory budget\n",
+                   victim->id().c_str(), absl::FormatDuration(absl::Now() - victim->last_used()).c_str());
       Drop(victim);
       RememberGone(*victim, "evicted (least recently used) to make room in the memory budget", &lru_evictions_);
     }

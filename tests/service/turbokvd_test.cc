@@ -157,6 +157,7 @@ TEST(TurbokvdTest, BudgetIsEnforcedWithRejectAndWithLru) {
       auto gone = first->Info();
       EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
       EXPECT_THAT(std::string(gone.status().message()), HasSubstr("evicted"));
+      EXPECT_THAT(daemon.Log(), HasSubstr("session " + first->id() + " evicted (least recently used"));
     }
     EXPECT_EQ(daemon.Stop(SIGINT), 0);
   }
@@ -279,6 +280,68 @@ TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
     EXPECT_EQ(daemon.Wait(), 2) << c.message;
     EXPECT_THAT(daemon.Log(), HasSubstr(c.message));
   }
+}
+
+TEST(TurbokvdTest, VersionPrintsItAndExits) {
+  Daemon daemon({"--version"});
+  EXPECT_EQ(daemon.Wait(), 0);
+  Daemon help({"--help"});
+  EXPECT_EQ(help.Wait(), 0);
+}
+
+// A second daemon on the address of a running one refuses to start, and the
+// first goes on serving on both its unix socket and its TCP port.
+TEST(TurbokvdTest, ASecondDaemonOnTheSameAddressesRefusesToStart) {
+  Daemon first({"--listen=" + Socket(), "--listen=127.0.0.1:0", "--device=cpu", "--health-listen=127.0.0.1:0"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << first.Log();
+  const std::string log = first.Log();
+  const std::string mark = "listening on " + Socket() + ", ";
+  const size_t at = log.find(mark);
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string tcp = log.substr(at + mark.size(), log.find('\n', at) - at - mark.size());
+  const std::string metrics = first.MetricsAddress();
+  const std::string health_mark = "health checks only on ";
+  const size_t health_at = log.find(health_mark);
+  const std::string health = log.substr(health_at + health_mark.size(),
+                                        log.find('\n', health_at) - health_at - health_mark.size());
+  struct Case {
+    std::vector<std::string> flags;
+    std::string message;
+  };
+  const Case cases[] = {
+      {{"--listen=" + Socket(), "--metrics-listen=127.0.0.1:0"},
+       "cannot listen on " + Socket() + ": another process (a turbokvd?) is serving on it"},
+      {{"--listen=" + tcp, "--metrics-listen=127.0.0.1:0"}, "cannot listen on " + tcp},
+      {{"--listen=unix:///tmp/turbokvd-second-" + std::to_string(getpid()) + ".sock", "--metrics-listen=" + metrics},
+       "cannot serve metrics on " + metrics + " (--metrics-listen): the port is in use"},
+      {{"--listen=unix:///tmp/turbokvd-second-" + std::to_string(getpid()) + ".sock", "--metrics-listen=127.0.0.1:0",
+        "--health-listen=" + health},
+       "cannot listen on " + health + " (--health-listen)"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> flags = c.flags;
+    flags.push_back("--device=cpu");
+    Daemon second(flags);
+    EXPECT_EQ(second.Wait(), 2) << c.message;
+    EXPECT_THAT(second.Log(), HasSubstr(c.message));
+    EXPECT_THAT(second.Log(), ::testing::Not(HasSubstr("CivetServer")));
+  }
+  EXPECT_TRUE(client->Stats().ok()) << "the first daemon's socket is still there";
+  auto over_tcp = Client::Connect(tcp);
+  EXPECT_TRUE(over_tcp->Stats().ok());
+  // Health answers for the service by name too.
+  auto channel = grpc::CreateChannel(Socket(), grpc::InsecureChannelCredentials());
+  auto health_stub = grpc::health::v1::Health::NewStub(channel);
+  for (const char* service : {"", "turbokv.v1.KvCacheService"}) {
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    ASSERT_TRUE(health_stub->Check(&context, request, &response).ok()) << service;
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  EXPECT_EQ(first.Stop(SIGTERM), 0);
 }
 
 TEST(TurbokvdTest, AListenerThatCannotBeBoundFailsTheStart) {
