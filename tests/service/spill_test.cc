@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "service/store/record_io.h"
 #include "service/store/session_store.h"
 #include "service/store/tiers/disk_tier.h"
 #include "tests/kernels/codec_testing.h"
@@ -269,6 +270,53 @@ TEST(SpillTest, TornAndForeignRecordsAreSkippedAndFailOnlyTheirSession) {
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), absl::StatusCode::kDataLoss) << b.status();
   EXPECT_TRUE(absl::StrContains(b.status().message(), "spill format version 9")) << b.status();
+}
+
+// A manifest naming a page record that is gone (here: the first page of layer 0,
+// damaged on disk) cuts that layer there; the layers after it still come
+// back whole.
+TEST(SpillTest, AMissingPageCutsOnlyItsLayer) {
+  const std::string dir = FreshDir("missing");
+  std::string id;
+  {
+    Store s = OpenStore(dir);
+    auto session = s.store->Create(Config(), "", absl::Now());
+    ASSERT_TRUE(session.ok());
+    Append(*s.store, **session, 130, 1);
+    id = (*session)->id();
+    std::lock_guard<std::mutex> lock((*session)->mutex());
+    ASSERT_TRUE(s.store->Demote(**session).ok());  // the tails (2 tokens) are written now
+    ASSERT_TRUE(s.store->tier()->Sync().ok());
+  }
+  // Walk the records: the page record of layer 0, index 0 gets a flipped byte.
+  bool damaged = false;
+  for (const std::string& path : Segments(dir)) {
+    std::fstream file(path, std::ios::binary | std::ios::in | std::ios::out);
+    std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    for (size_t at = 0; at + 28 <= bytes.size() && !damaged;) {
+      uint32_t header = 0, payload = 0;
+      std::memcpy(&header, bytes.data() + at + 16, 4);
+      std::memcpy(&payload, bytes.data() + at + 20, 4);
+      Reader in(absl::string_view(bytes).substr(at + 24, header));
+      in.GetString();
+      in.GetString();
+      const int32_t layer = in.Get<int32_t>(), index = in.Get<int32_t>();
+      if (bytes[at + 6] == 1 && layer == 0 && index == 0) {
+        bytes[at + 24 + header] ^= 1;
+        file.seekp(0);
+        file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+        damaged = true;
+      }
+      at += 24 + header + payload + 4;
+    }
+  }
+  ASSERT_TRUE(damaged);
+  Store s = OpenStore(dir);
+  EXPECT_EQ(s.scan.torn, 1);
+  EXPECT_TRUE(s.scan.damaged.empty());
+  auto session = s.store->Find(id, "", absl::Now());
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ(LayerTokens(**session), (std::vector<int64_t>{0, 130}));
 }
 
 TEST(SpillTest, AFullBudgetDemotesInsteadOfEvictingAndNothingIsLost) {

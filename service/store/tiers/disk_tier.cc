@@ -298,12 +298,16 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
         malformed = true;
         break;
       }
+      // Every lsn is read (the next layer's entry follows them); a page it
+      // names that is not there (a crash, or its record failed its CRC)
+      // ends the layer.
+      bool missing = false;
       for (uint32_t i = 0; i < count; ++i) {
         auto found = records.find(in.Get<uint64_t>());
-        if (found == records.end()) {
-          // A page it names was never written (a crash): the layer ends there.
-          layer.tokens = std::min<int64_t>(layer.tokens, int64_t{i} * pt);
-          break;
+        if (missing || found == records.end()) {
+          if (!missing) layer.tokens = std::min<int64_t>(layer.tokens, int64_t{i} * pt);
+          missing = true;
+          continue;
         }
         layer.pages.push_back(found->second);
       }
