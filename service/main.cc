@@ -17,9 +17,13 @@
 #include "absl/time/time.h"
 #include "google/protobuf/stubs/logging.h"
 #include "service/byte_size.h"
+#include "service/log.h"
 #include "service/server.h"
 
 namespace {
+
+using turbokv::LogLevel;
+using turbokv::Logf;
 
 constexpr char kUsage[] = R"(turbokvd: KV-cache compression service (gRPC turbokv.v1.KvCacheService)
 
@@ -27,7 +31,9 @@ Flags (--name=value or --name value):
   --listen=ADDR            unix:///path or host:port (port 0: any); repeatable
                            (default unix:///tmp/turbokv.sock)
   --device=auto|cpu|cuda:N where sessions live and kernels run (default auto)
-  --threads=N              kernel threads, 0 = one per core (default 0)
+  --threads=N              kernel threads, 0 = one per core this process may
+                           use: its CPU affinity, capped by its cgroup's CPU
+                           quota (a container's CPU limit) (default 0)
   --memory-budget=SIZE     bytes of compressed pages, e.g. 4GiB (default 4GiB)
   --eviction=reject|lru    when the budget is full: refuse the write, or evict
                            least recently used idle sessions (with
@@ -233,70 +239,67 @@ int main(int argc, char** argv) {
   // everything (2 arenas: 7 MiB, with the same calls per second).
   if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, 2);
   google::protobuf::SetLogHandler(&DropProtobufLog);
+  turbokv::RouteGrpcLog();
 
   absl::StatusOr<std::unique_ptr<turbokv::Server>> server = turbokv::Server::Create(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));
-  std::fprintf(stderr, "turbokvd: device %s (%s)\n", (*server)->device().c_str(), (*server)->device_reason().c_str());
+  Logf(LogLevel::kInfo, "device %s (%s)", (*server)->device().c_str(), (*server)->device_reason().c_str());
   if (absl::Status status = (*server)->Start(); !status.ok()) return Fail(std::string(status.message()));
   if (!options.snapshot_dir.empty()) {
     const turbokv::SnapshotReport& loaded = (*server)->loaded();
-    std::fprintf(stderr, "turbokvd: loaded %lld session(s), %s, from %s\n", static_cast<long long>(loaded.sessions),
+    Logf(LogLevel::kInfo, "loaded %lld session(s), %s, from %s", static_cast<long long>(loaded.sessions),
                  turbokv::FormatByteSize(static_cast<size_t>(loaded.bytes)).c_str(), options.snapshot_dir.c_str());
     for (const auto& [id, status] : loaded.failed) {
-      std::fprintf(stderr, "turbokvd: session %s not restored (%s): %s\n", id.c_str(),
+      Logf(LogLevel::kWarning, "session %s not restored (%s): %s", id.c_str(),
                    absl::StatusCodeToString(status.code()).c_str(), std::string(status.message()).c_str());
     }
     if (!loaded.unverified.empty()) {
-      std::fprintf(stderr,
-                   "turbokvd: WARNING: %zu session(s) restored from files not proven to be their last state (no "
+      Logf(LogLevel::kWarning,
+                   "%zu session(s) restored from files not proven to be their last state (no "
                    "MANIFEST: the last run did not finish its drain); they may be older than what clients last "
-                   "wrote: %s\n",
+                   "wrote: %s",
                    loaded.unverified.size(), absl::StrJoin(loaded.unverified, ", ").c_str());
     }
   }
   if (!options.spill_dir.empty()) {
     const turbokv::TierScanReport& spilled = (*server)->spilled();
-    std::fprintf(stderr,
-                 "turbokvd: spill tier %s (budget %s): %lld session(s) on disk, %s of live records; %lld record(s) "
-                 "read, %lld torn or failing their CRC (skipped)\n",
+    Logf(LogLevel::kInfo,
+                 "spill tier %s (budget %s): %lld session(s) on disk, %s of live records; %lld record(s) "
+                 "read, %lld torn or failing their CRC (skipped)",
                  options.spill_dir.c_str(), turbokv::FormatByteSize(options.spill_budget).c_str(),
                  static_cast<long long>(spilled.loaded), turbokv::FormatByteSize(static_cast<size_t>(spilled.bytes)).c_str(),
                  static_cast<long long>(spilled.records), static_cast<long long>(spilled.torn));
     for (const auto& [id, status] : spilled.damaged) {
-      std::fprintf(stderr, "turbokvd: session %s not restored from the spill tier (%s): %s\n", id.c_str(),
+      Logf(LogLevel::kWarning, "session %s not restored from the spill tier (%s): %s", id.c_str(),
                    absl::StatusCodeToString(status.code()).c_str(), std::string(status.message()).c_str());
     }
   }
-  std::fprintf(stderr,
-               "turbokvd: memory budget %s, eviction %s, session ttl %s, max message %s\n"
-               "turbokvd: listening on %s\n"
-               "turbokvd: metrics on %s\n"
-               "turbokvd: health checks only on %s\n"
-               "turbokvd: authentication %s, TCP %s\n",
-               turbokv::FormatByteSize(options.memory_budget).c_str(),
-               options.eviction == turbokv::EvictionPolicy::kLru ? "lru" : "reject",
-               options.session_ttl == absl::ZeroDuration() ? "none" : absl::FormatDuration(options.session_ttl).c_str(),
-               turbokv::FormatByteSize(options.max_message_bytes).c_str(),
-               absl::StrJoin((*server)->endpoints(), ", ").c_str(),
-               (*server)->metrics_endpoint().empty() ? "(off)" : (*server)->metrics_endpoint().c_str(),
-               (*server)->health_endpoint().empty() ? "(off)" : (*server)->health_endpoint().c_str(),
-               options.auth_tokens_file.empty() ? "off" : ("bearer tokens from " + options.auth_tokens_file).c_str(),
-               options.tls_cert.empty() ? "plaintext" : options.tls_client_ca.empty() ? "TLS" : "mTLS");
+  Logf(LogLevel::kInfo, "memory budget %s, eviction %s, session ttl %s, max message %s",
+       turbokv::FormatByteSize(options.memory_budget), options.eviction == turbokv::EvictionPolicy::kLru ? "lru" : "reject",
+       options.session_ttl == absl::ZeroDuration() ? "none" : absl::FormatDuration(options.session_ttl),
+       turbokv::FormatByteSize(options.max_message_bytes));
+  Logf(LogLevel::kInfo, "listening on %s", absl::StrJoin((*server)->endpoints(), ", "));
+  Logf(LogLevel::kInfo, "metrics on %s", (*server)->metrics_endpoint().empty() ? "(off)" : (*server)->metrics_endpoint());
+  Logf(LogLevel::kInfo, "health checks only on %s",
+       (*server)->health_endpoint().empty() ? "(off)" : (*server)->health_endpoint());
+  Logf(LogLevel::kInfo, "authentication %s, TCP %s",
+       options.auth_tokens_file.empty() ? "off" : "bearer tokens from " + options.auth_tokens_file,
+       options.tls_cert.empty() ? "plaintext" : options.tls_client_ca.empty() ? "TLS" : "mTLS");
 
   int signal = 0;
   for (;;) {
     sigwait(&signals, &signal);
     if (std::find(std::begin(kDrainSignals), std::end(kDrainSignals), signal) != std::end(kDrainSignals)) break;
-    std::fprintf(stderr, "turbokvd: %s ignored (SIGTERM, SIGINT, SIGQUIT and SIGHUP drain and stop)\n",
+    Logf(LogLevel::kWarning, "%s ignored (SIGTERM, SIGINT, SIGQUIT and SIGHUP drain and stop)",
                  SignalName(signal).c_str());
   }
-  std::fprintf(stderr, "turbokvd: %s, draining (calls get %s, snapshots %s more)\n", SignalName(signal).c_str(),
+  Logf(LogLevel::kInfo, "%s, draining (calls get %s, snapshots %s more)", SignalName(signal).c_str(),
                absl::FormatDuration(shutdown_deadline).c_str(), absl::FormatDuration(snapshot_deadline).c_str());
   const absl::Status stopped = (*server)->Shutdown(shutdown_deadline, snapshot_deadline);
   if (!stopped.ok()) {
-    std::fprintf(stderr, "turbokvd: stopped with an error: %s\n", std::string(stopped.message()).c_str());
+    Logf(LogLevel::kError, "stopped with an error: %s", std::string(stopped.message()).c_str());
   } else {
-    std::fprintf(stderr, "turbokvd: stopped\n");
+    Logf(LogLevel::kInfo, "stopped");
   }
   // The drain has written and synced everything it owes (snapshots, the
   // spill tier). What the destructors have left is freeing memory, and the

@@ -1,10 +1,26 @@
 #include "service/metrics.h"
 
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "kernels/cpu/cpu_codecs.h"
+#include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
+#include "service/error_side.h"
+#include "turbokv/v1/turbokv.pb.h"
 
 namespace turbokv {
 namespace {
@@ -16,6 +32,77 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   for (double b = 50e-6; b < 15; b *= 2) buckets.push_back(b);
   return buckets;
 }
+
+std::string ReadProcFile(const char* path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The process_* metrics of the Prometheus client conventions, from /proc.
+class ProcessCollector : public prometheus::Collectable {
+ public:
+  ProcessCollector() : ticks_(static_cast<double>(sysconf(_SC_CLK_TCK))), page_(static_cast<double>(sysconf(_SC_PAGESIZE))) {
+    // btime: the boot time, in seconds since the epoch.
+    for (absl::string_view line : absl::StrSplit(ReadProcFile("/proc/stat"), '\n')) {
+      if (absl::ConsumePrefix(&line, "btime ")) absl::SimpleAtod(line, &boot_time_);
+    }
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    // /proc/self/stat: "PID (COMM) STATE ..."; COMM may hold spaces, so the
+    // fields are counted from after its closing parenthesis: STATE is field 3.
+    const std::string stat = ReadProcFile("/proc/self/stat");
+    std::vector<std::string> fields;
+    if (const size_t close = stat.rfind(')'); close != std::string::npos) {
+      fields = absl::StrSplit(stat.substr(close + 2), ' ', absl::SkipEmpty());
+    }
+    auto field = [&](int number) {  // number as in proc(5)
+      double value = 0;
+      const size_t index = static_cast<size_t>(number - 3);
+      if (index < fields.size()) absl::SimpleAtod(fields[index], &value);
+      return value;
+    };
+    int open_fds = 0;
+    if (DIR* dir = opendir("/proc/self/fd"); dir != nullptr) {
+      while (const dirent* entry = readdir(dir)) {
+        if (entry->d_name[0] != '.') ++open_fds;
+      }
+      closedir(dir);
+      --open_fds;  // the one opendir holds
+    }
+    rlimit files{};
+    getrlimit(RLIMIT_NOFILE, &files);
+    std::vector<prometheus::MetricFamily> families;
+    auto add = [&](const char* name, const char* help, prometheus::MetricType type, double value) {
+      prometheus::MetricFamily family;
+      family.name = name;
+      family.help = help;
+      family.type = type;
+      prometheus::ClientMetric metric;
+      (type == prometheus::MetricType::Counter ? metric.counter.value : metric.gauge.value) = value;
+      family.metric.push_back(metric);
+      families.push_back(std::move(family));
+    };
+    using prometheus::MetricType;
+    add("process_cpu_seconds_total", "User and system CPU time spent, in seconds", MetricType::Counter,
+        (field(14) + field(15)) / ticks_);
+    add("process_start_time_seconds", "Start time of the process since the epoch, in seconds", MetricType::Gauge,
+        boot_time_ + field(22) / ticks_);
+    add("process_virtual_memory_bytes", "Virtual memory size in bytes", MetricType::Gauge, field(23));
+    add("process_resident_memory_bytes", "Resident memory size in bytes", MetricType::Gauge, field(24) * page_);
+    add("process_open_fds", "Open file descriptors", MetricType::Gauge, open_fds);
+    add("process_max_fds", "Most open file descriptors (RLIMIT_NOFILE)", MetricType::Gauge,
+        files.rlim_cur == RLIM_INFINITY ? -1.0 : static_cast<double>(files.rlim_cur));
+    return families;
+  }
+
+ private:
+  const double ticks_;
+  const double page_;
+  double boot_time_ = 0;
+};
 
 }  // namespace
 
@@ -30,8 +117,34 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
                        .Register(r);
   rpc_errors_ = &BuildCounter()
                      .Name("turbokv_rpc_errors_total")
-                     .Help("RPCs and stream messages that failed, by method and gRPC status code")
+                     .Help("RPCs and stream messages that failed, by method, gRPC status code and side: client (the "
+                           "request, or a limit of the caller's own) or server (the daemon's fault or capacity)")
                      .Register(r);
+  auto& inflight = BuildGauge()
+                       .Name("turbokv_inflight_calls")
+                       .Help("Calls in progress, streams counted while open, by method")
+                       .Register(r);
+  const google::protobuf::ServiceDescriptor* service =
+      v1::CreateSessionRequest::descriptor()->file()->FindServiceByName("KvCacheService");
+  for (int i = 0; i < service->method_count(); ++i) {
+    const std::string& name = service->method(i)->name();
+    inflight_.emplace(name, &inflight.Add({{"method", name}}));
+  }
+  BuildGauge()
+      .Name("turbokv_build_info")
+      .Help("Always 1: the daemon's version, the SIMD target its CPU kernels run, and its device")
+      .Register(r)
+      .Add({{"version", TURBOKV_VERSION}, {"simd", ChosenSimdTarget()}, {"device", device_}})
+      .Set(1);
+  tenant_sessions_ = &BuildGauge()
+                          .Name("turbokv_tenant_sessions")
+                          .Help("Sessions held per tenant (tenant=\"\" without --auth-tokens-file)")
+                          .Register(r);
+  tenant_bytes_ = &BuildGauge()
+                       .Name("turbokv_tenant_memory_bytes")
+                       .Help("Bytes of pages in memory per tenant (a page its forks share counted for each)")
+                       .Register(r);
+  process_ = std::make_shared<ProcessCollector>();
   appended_tokens_ = &BuildCounter()
                           .Name("turbokv_appended_tokens_total")
                           .Help("Token-layers newly stored by Append, Step and Decode (repeats not counted)")
@@ -85,13 +198,13 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
                  .Help("Tokens stored, summed over sessions and layers")
                  .Register(r)
                  .Add({});
-  auto& memory = BuildGauge()
-                     .Name("turbokv_memory_bytes")
-                     .Help("Compressed cache memory by device: used (shared pages once), budget, and what the stored tokens would take in fp16")
-                     .Register(r);
-  bytes_used_ = &memory.Add({{"device", device_}, {"kind", "used"}});
-  budget_bytes_ = &memory.Add({{"device", device_}, {"kind", "budget"}});
-  fp16_bytes_ = &memory.Add({{"device", device_}, {"kind", "fp16_equivalent"}});
+  auto device_gauge = [&](const char* name, const char* help) {
+    return &BuildGauge().Name(name).Help(help).Register(r).Add({{"device", device_}});
+  };
+  bytes_used_ = device_gauge("turbokv_memory_used_bytes", "Bytes of compressed pages held, shared pages once, by device");
+  budget_bytes_ = device_gauge("turbokv_memory_budget_bytes", "--memory-budget, by device");
+  fp16_bytes_ = device_gauge("turbokv_memory_fp16_equivalent_bytes",
+                             "What the stored tokens would take as an fp16 cache, by device");
   compression_ratio_ = &BuildGauge()
                             .Name("turbokv_compression_ratio")
                             .Help("fp16-equivalent bytes over bytes used")
@@ -132,20 +245,35 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
 
 Metrics::~Metrics() = default;
 
-void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds) {
+void Metrics::ObserveRpc(absl::string_view method, const absl::Status& status, double seconds) {
+  const absl::StatusCode code = status.code();
+  const ErrorSide side = SideOf(status);
   RpcSeries series;
   {
     std::lock_guard<std::mutex> lock(rpc_mutex_);
     RpcSeries& slot = rpc_series_[{std::string(method), code}];
     if (slot.duration == nullptr) {
-      const prometheus::Labels labels = {{"method", std::string(method)}, {"code", absl::StatusCodeToString(code)}};
+      prometheus::Labels labels = {{"method", std::string(method)}, {"code", absl::StatusCodeToString(code)}};
       slot.duration = &rpc_duration_->Add(labels, LatencyBuckets());
-      if (code != absl::StatusCode::kOk) slot.errors = &rpc_errors_->Add(labels);
+      if (code != absl::StatusCode::kOk) {
+        labels["side"] = "client";
+        slot.errors[0] = &rpc_errors_->Add(labels);
+        labels["side"] = "server";
+        slot.errors[1] = &rpc_errors_->Add(labels);
+      }
     }
     series = slot;
   }
   series.duration->Observe(seconds);
-  if (series.errors != nullptr) series.errors->Increment();
+  if (code != absl::StatusCode::kOk) series.errors[side == ErrorSide::kClient ? 0 : 1]->Increment();
+}
+
+void Metrics::CallStarted(absl::string_view method) {
+  if (auto it = inflight_.find(method); it != inflight_.end()) it->second->Increment();
+}
+
+void Metrics::CallEnded(absl::string_view method) {
+  if (auto it = inflight_.find(method); it != inflight_.end()) it->second->Decrement();
 }
 
 void Metrics::AddAppendedTokens(int64_t tokens) { appended_tokens_->Increment(static_cast<double>(tokens)); }
@@ -186,6 +314,23 @@ void Advance(prometheus::Counter* counter, int64_t total, int64_t* seen) {
 }  // namespace
 
 void Metrics::SetStore(const StoreSnapshot& s) {
+  for (auto it = tenants_.begin(); it != tenants_.end();) {
+    if (s.tenants.count(it->first) == 0) {
+      tenant_sessions_->Remove(it->second.first);
+      tenant_bytes_->Remove(it->second.second);
+      it = tenants_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (const auto& [tenant, use] : s.tenants) {
+    auto [it, added] = tenants_.try_emplace(tenant);
+    if (added) {
+      it->second = {&tenant_sessions_->Add({{"tenant", tenant}}), &tenant_bytes_->Add({{"tenant", tenant}})};
+    }
+    it->second.first->Set(static_cast<double>(use.sessions));
+    it->second.second->Set(static_cast<double>(use.bytes));
+  }
   sessions_->Set(static_cast<double>(s.sessions));
   tokens_->Set(static_cast<double>(s.tokens));
   bytes_used_->Set(static_cast<double>(s.bytes_used));

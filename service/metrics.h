@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include "service/store/session_store.h"
 
 namespace prometheus {
+class Collectable;
 class Registry;
 class Counter;
 class Gauge;
@@ -37,9 +39,17 @@ class Metrics {
   Metrics& operator=(const Metrics&) = delete;
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  // The process_* metrics (resident and virtual memory, CPU time, start
+  // time, open and most file descriptors), read from /proc at each scrape.
+  std::shared_ptr<prometheus::Collectable> process() const { return process_; }
 
-  // One RPC, or one message of a stream, finished with `code`.
-  void ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds);
+  // One RPC, or one message of a stream, finished with `status`: its
+  // duration by method and code, and a failure also by side (ErrorSide).
+  void ObserveRpc(absl::string_view method, const absl::Status& status, double seconds);
+  // A call of `method` (a KvCacheService method name) began, or ended:
+  // turbokv_inflight_calls.
+  void CallStarted(absl::string_view method);
+  void CallEnded(absl::string_view method);
   void AddAppendedTokens(int64_t tokens);
   void AddAttendedQueries(int64_t queries);
   void ObserveKernel(KernelOp op, double seconds);
@@ -58,16 +68,23 @@ class Metrics {
  private:
   const std::string device_;
   std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> process_;
   prometheus::Family<prometheus::Histogram>* rpc_duration_;
   prometheus::Family<prometheus::Counter>* rpc_errors_;
   // The series of each (method, code) seen, made once: a family's Add builds
   // a new metric object before it looks the labels up.
   struct RpcSeries {
     prometheus::Histogram* duration = nullptr;
-    prometheus::Counter* errors = nullptr;  // only for codes other than OK
+    prometheus::Counter* errors[2] = {};  // client, server; only for codes other than OK
   };
   std::mutex rpc_mutex_;
   std::map<std::pair<std::string, absl::StatusCode>, RpcSeries> rpc_series_;
+  // One series per method of the service, made at start (read-only after).
+  std::map<std::string, prometheus::Gauge*, std::less<>> inflight_;
+  // Per tenant (of --auth-tokens-file; "" without), under SetStore's single caller.
+  prometheus::Family<prometheus::Gauge>* tenant_sessions_;
+  prometheus::Family<prometheus::Gauge>* tenant_bytes_;
+  std::map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> tenants_;
   prometheus::Counter* appended_tokens_;
   prometheus::Counter* attended_queries_;
   prometheus::Histogram* encode_duration_;

@@ -10,13 +10,18 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "absl/cleanup/cleanup.h"
+#include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -31,12 +36,58 @@
 #include "service/device.h"
 #include "service/executor.h"
 #include "service/handler/handler.h"
+#include "service/log.h"
 #include "service/rpc/kv_cache_service.h"
 #include "service/store/tiers/disk_tier.h"
 
 namespace turbokv {
 
 namespace {
+
+// While listeners open, gRPC's log lines are kept here instead of logged:
+// a listener that fails is reported once, by the daemon, with the reason
+// taken from them.
+std::mutex grpc_log_mutex;
+std::string* grpc_log_kept = nullptr;
+
+void GrpcLog(gpr_log_func_args* args) {
+  {
+    std::lock_guard<std::mutex> lock(grpc_log_mutex);
+    if (grpc_log_kept != nullptr) {
+      absl::StrAppend(grpc_log_kept, args->message, "\n");
+      return;
+    }
+  }
+  Logf(args->severity == GPR_LOG_SEVERITY_ERROR ? LogLevel::kError : LogLevel::kInfo, "grpc: %s (%s:%d)", args->message,
+       args->file, args->line);
+}
+
+// Keeps gRPC's log lines in `kept` until the returned object goes.
+auto KeepGrpcLog(std::string* kept) {
+  {
+    std::lock_guard<std::mutex> lock(grpc_log_mutex);
+    grpc_log_kept = kept;
+  }
+  return absl::MakeCleanup([] {
+    std::lock_guard<std::mutex> lock(grpc_log_mutex);
+    grpc_log_kept = nullptr;
+  });
+}
+
+// The operating system's reasons in gRPC's error text (its os_error fields,
+// e.g. "Address already in use"), or `otherwise` when it gives none.
+std::string OsReasons(const std::string& grpc_said, const std::string& otherwise) {
+  std::vector<std::string> reasons;
+  const std::string field = "os_error:\"";
+  for (size_t at = grpc_said.find(field); at != std::string::npos; at = grpc_said.find(field, at)) {
+    at += field.size();
+    const size_t end = grpc_said.find('"', at);
+    if (end == std::string::npos) break;
+    std::string reason = grpc_said.substr(at, end - at);
+    if (std::find(reasons.begin(), reasons.end(), reason) == reasons.end()) reasons.push_back(std::move(reason));
+  }
+  return reasons.empty() ? otherwise : absl::StrJoin(reasons, "; ");
+}
 
 constexpr absl::Duration kRefusalWindow = absl::Milliseconds(200);
 constexpr int kMetricsThreads = 8;
@@ -154,12 +205,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     return absl::InvalidArgumentError("--session-ttl must not be negative");
   }
   std::unique_ptr<Server> server(new Server(options));
-  const int threads = options.threads > 0 ? options.threads
-                                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  int threads = options.threads;
+  std::string threads_why = "--threads";
+  if (threads == 0) {
+    const CoreAllowance cores = AvailableCores();
+    threads = cores.cores;
+    threads_why = absl::StrCat("--threads=0: ", cores.why);
+  }
   absl::StatusOr<DeviceChoice> device = ChooseDevice(options.device, threads);
   if (!device.ok()) return device.status();
   server->device_ = device->name;
-  server->device_reason_ = device->why;
+  server->device_reason_ = absl::StrCat(device->why, "; threads from ", threads_why);
   server->metrics_ = std::make_unique<Metrics>("cpu");
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromFile(options.auth_tokens_file);
@@ -243,6 +299,7 @@ absl::Status Server::Start() {
                                                  "this host's"));
     }
     exposer_->RegisterCollectable(metrics_->registry());
+    exposer_->RegisterCollectable(metrics_->process());
     const std::vector<int> ports = exposer_->GetListeningPorts();
     const std::string host = options_.metrics_listen.substr(0, options_.metrics_listen.rfind(':'));
     metrics_endpoint_ = absl::StrCat("http://", host, ":", ports.empty() ? 0 : ports[0], "/metrics");
@@ -271,15 +328,19 @@ absl::Status Server::Start() {
   builder.RegisterService(service_.get());
   // Unix sockets are created 0660: the daemon's user and group only.
   const mode_t umask_before = umask(0117);
-  server_ = builder.BuildAndStart();
+  std::string grpc_said;
+  {
+    auto keep = KeepGrpcLog(&grpc_said);
+    server_ = builder.BuildAndStart();
+  }
   umask(umask_before);
   for (size_t i = 0; i < options_.listen.size(); ++i) {
     const std::string& address = options_.listen[i];
     if (ports[i] == 0) {
       if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
       server_.reset();
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", address,
-                                                 " (in use, bad address or no permission)"));
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", address, ": ",
+                                                 OsReasons(grpc_said, "in use, bad address or no permission")));
     }
     if (absl::StartsWith(address, "unix:")) {
       endpoints_.push_back(address);
@@ -294,9 +355,14 @@ absl::Status Server::Start() {
     int port = 0;
     health.AddListeningPort(options_.health_listen, grpc::InsecureServerCredentials(), &port);
     health.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    health_server_ = health.BuildAndStart();
+    std::string health_said;
+    {
+      auto keep = KeepGrpcLog(&health_said);
+      health_server_ = health.BuildAndStart();
+    }
     if (health_server_ == nullptr || port == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.health_listen, " (--health-listen)"));
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.health_listen, " (--health-listen): ",
+                                                 OsReasons(health_said, "in use, bad address or no permission")));
     }
     health_endpoint_ = absl::StrCat(options_.health_listen.substr(0, options_.health_listen.rfind(':')), ":", port);
     health_server_->GetHealthCheckService()->SetServingStatus(true);
@@ -322,15 +388,15 @@ void Server::ExpireLoop() {
                                 [this] { return stopping_; })) {
     lock.unlock();
     const int expired = store_->ExpireIdle(absl::Now());
-    if (expired > 0) std::fprintf(stderr, "turbokvd: %d idle session(s) expired\n", expired);
+    if (expired > 0) Logf(LogLevel::kInfo, "%d idle session(s) expired", expired);
     const SessionStore::RebalanceReport rebalanced = store_->Rebalance();
     for (const std::string& id : rebalanced.dropped) {
-      std::fprintf(stderr, "turbokvd: session %s dropped: the spill tier is over its high watermark\n", id.c_str());
+      Logf(LogLevel::kWarning, "session %s dropped: the spill tier is over its high watermark", id.c_str());
     }
     // A failure is logged when it first happens, not every pass.
     const std::string error(rebalanced.error.message());
     if (!error.empty() && error != last_demotion_error) {
-      std::fprintf(stderr, "turbokvd: demotion failed, sessions stay in memory: %s\n", error.c_str());
+      Logf(LogLevel::kError, "demotion failed, sessions stay in memory: %s", error.c_str());
     }
     last_demotion_error = error;
     const size_t used = store_->pool().used_bytes();
@@ -381,7 +447,7 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
     // restart on the same spill dir finds it whole.
     status = store_->FlushTier(absl::Now() + snapshot_deadline);
     if (!status.ok()) {
-      std::fprintf(stderr, "turbokvd: spill tier not flushed: %s\n", std::string(status.message()).c_str());
+      Logf(LogLevel::kError, "spill tier not flushed: %s", std::string(status.message()).c_str());
     }
   }
   if (store_ != nullptr && !options_.snapshot_dir.empty()) {
@@ -389,12 +455,12 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
         store_->SaveSnapshots(absl::Now() + snapshot_deadline, /*final=*/true);
     if (!saved.ok()) {
       status = saved.status();
-      std::fprintf(stderr, "turbokvd: snapshots not written: %s\n", std::string(saved.status().message()).c_str());
+      Logf(LogLevel::kError, "snapshots not written: %s", std::string(saved.status().message()).c_str());
     } else {
-      std::fprintf(stderr, "turbokvd: wrote %lld session(s), %s, to %s\n", static_cast<long long>(saved->sessions),
+      Logf(LogLevel::kInfo, "wrote %lld session(s), %s, to %s", static_cast<long long>(saved->sessions),
                    FormatByteSize(static_cast<size_t>(saved->bytes)).c_str(), options_.snapshot_dir.c_str());
       for (const auto& [id, why] : saved->failed) {
-        std::fprintf(stderr, "turbokvd: session %s not written: %s\n", id.c_str(), std::string(why.message()).c_str());
+        Logf(LogLevel::kWarning, "session %s not written: %s", id.c_str(), std::string(why.message()).c_str());
       }
       if (!saved->failed.empty()) {
         status = absl::DataLossError(absl::StrCat(saved->failed.size(), " session(s) not written to ",
@@ -407,5 +473,7 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
   exposer_.reset();
   return status;
 }
+
+void RouteGrpcLog() { gpr_set_log_function(&GrpcLog); }
 
 }  // namespace turbokv

@@ -83,6 +83,11 @@ struct ServerOptions {
   std::string health_listen;
 };
 
+// Sends gRPC core's own log lines (its errors: a listener that fails, a
+// connection that breaks) to the daemon's log (service/log.h), as
+// "grpc: message (file:line)". Once, before the first server starts.
+void RouteGrpcLog();
+
 class Server {
  public:
   // Checks the options and chooses the device; nothing listens yet.

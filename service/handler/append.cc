@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/cpu/thread_pool.h"
+#include "service/error_side.h"
 #include "service/handler/common.h"
 #include "service/status_macros.h"
 #include "service/tensor.h"
@@ -131,8 +132,9 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
   const int64_t n = request.keys().shape(rank - 3);
   if (n < 1) return absl::InvalidArgumentError(absl::StrCat("keys.shape gives ", n, " tokens, expected at least 1"));
   if (n > config.max_tokens || request.start() > config.max_tokens - n) {
-    return absl::ResourceExhaustedError(absl::StrCat("a chunk of ", n, " tokens at start = ", request.start(),
-                                                     " goes past the session's max_tokens = ", config.max_tokens));
+    return CallerLimit(absl::ResourceExhaustedError(absl::StrCat("a chunk of ", n, " tokens at start = ", request.start(),
+                                                                 " goes past the session's max_tokens = ",
+                                                                 config.max_tokens)));
   }
   std::vector<int64_t> shape = {n, config.kv_heads, config.head_dim};
   if (rank == 4) shape.insert(shape.begin(), config.layers);

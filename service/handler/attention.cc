@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "kernels/attention.h"
+#include "service/error_side.h"
 #include "service/handler/common.h"
 #include "service/status_macros.h"
 #include "service/tensor.h"
@@ -113,8 +114,8 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
     return absl::InvalidArgumentError(absl::StrCat("position = ", request.position(), " must be >= 0"));
   }
   if (request.position() >= config.max_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat("position = ", request.position(),
-                                                     " is past the session's max_tokens = ", config.max_tokens));
+    return CallerLimit(absl::ResourceExhaustedError(
+        absl::StrCat("position = ", request.position(), " is past the session's max_tokens = ", config.max_tokens)));
   }
   TURBOKV_RETURN_IF_ERROR(CheckResultSize(1, config.q_heads, config.head_dim, params, options_.max_message_bytes));
   const std::vector<int64_t> kv_shape = {1, config.kv_heads, config.head_dim};
@@ -260,9 +261,9 @@ absl::Status CheckDecodeItem(const SessionCache& session, const v1::DecodeReques
                                                         " are missing"));
     }
     if (start > config.max_tokens - shape.k) {
-      return absl::ResourceExhaustedError(absl::StrCat(shape.k, " tokens at position ", start,
-                                                       " go past the max_tokens = ", config.max_tokens,
-                                                       " of session ", session.id()));
+      return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
+          shape.k, " tokens at position ", start, " go past the max_tokens = ", config.max_tokens, " of session ",
+          session.id())));
     }
   }
   return absl::OkStatus();

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/time_util.h"
+#include "service/error_side.h"
 
 namespace turbokv {
 
@@ -111,10 +112,9 @@ absl::Status CheckScoresFinite(const AttentionParams& params, absl::Span<const f
 absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const AttentionParams& params, size_t max_bytes) {
   const double bytes = static_cast<double>(n) * q_heads * (4.0 * head_dim + 4 + 12.0 * params.top_k);
   if (bytes > static_cast<double>(max_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat("the result of ", n, " queries x ", q_heads,
-                                                     " heads (top_k ", params.top_k, ") would take ",
-                                                     static_cast<int64_t>(bytes), " bytes, over the ", max_bytes,
-                                                     "-byte message limit: send fewer queries a call"));
+    return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
+        "the result of ", n, " queries x ", q_heads, " heads (top_k ", params.top_k, ") would take ",
+        static_cast<int64_t>(bytes), " bytes, over the ", max_bytes, "-byte message limit: send fewer queries a call")));
   }
   return absl::OkStatus();
 }

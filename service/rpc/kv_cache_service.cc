@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/descriptor.h"
+#include "service/error_side.h"
 
 namespace turbokv {
 namespace {
@@ -24,7 +25,7 @@ absl::Status CancelledBeforeRun() {
 }
 
 void Observe(Metrics* metrics, const char* method, const absl::Status& status, absl::Time start) {
-  if (metrics != nullptr) metrics->ObserveRpc(method, status.code(), absl::ToDoubleSeconds(absl::Now() - start));
+  if (metrics != nullptr) metrics->ObserveRpc(method, status, absl::ToDoubleSeconds(absl::Now() - start));
 }
 
 // The method's index in the service, as the generated code numbers them.
@@ -101,14 +102,14 @@ class InFlight {
     Use& use = use_[tenant];
     const std::string who = tenant.empty() ? std::string("the daemon's callers") : absl::StrCat("tenant '", tenant, "'");
     if (use.calls + 1 > limits_.tenant_calls) {
-      return absl::ResourceExhaustedError(absl::StrCat(who, " already have ", use.calls,
-                                                       " calls in flight, the most allowed (--tenant-max-calls); "
-                                                       "retry when some have finished"));
+      return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
+          who, " already have ", use.calls, " calls in flight, the most allowed (--tenant-max-calls); "
+          "retry when some have finished")));
     }
     if (use.calls > 0 && use.bytes + bytes > limits_.tenant_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(who, " already have ", use.bytes, " request bytes in ",
-                                                       use.calls, " calls in flight; ", bytes, " more would pass ",
-                                                       limits_.tenant_bytes, " (--tenant-max-inflight-bytes)"));
+      return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
+          who, " already have ", use.bytes, " request bytes in ", use.calls, " calls in flight; ", bytes,
+          " more would pass ", limits_.tenant_bytes, " (--tenant-max-inflight-bytes)")));
     }
     ++use.calls;
     use.bytes += bytes;
@@ -163,6 +164,18 @@ struct KvCacheService::Parts {
   Parts(Handler* handler, Executor* executor, Metrics* metrics, const ServiceLimits& limits)
       : handler(handler), executor(executor), metrics(metrics), in_flight(limits) {}
 
+  // A call of `method` began (counted before the draining check inside
+  // Tenant(), so that a drain that sees no call in flight also sees every
+  // later call refused), or ended.
+  void Began(const char* method) {
+    active.fetch_add(1);
+    if (metrics != nullptr) metrics->CallStarted(method);
+  }
+  void Ended(const char* method) {
+    if (metrics != nullptr) metrics->CallEnded(method);
+    active.fetch_sub(1);
+  }
+
   Handler* const handler;
   Executor* const executor;
   Metrics* const metrics;
@@ -183,7 +196,7 @@ class UnaryCall {
  public:
   using Method = absl::StatusOr<Response> (Handler::*)(const Request&, const std::string&);
 
-  // The caller has counted the call in parts->active; Done uncounts it.
+  // The caller has counted the call (Parts::Began); Done uncounts it.
   UnaryCall(Parts* parts, grpc::CallbackServerContext* context, const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
             Method method, const char* name)
       : parts_(parts),
@@ -231,9 +244,10 @@ class UnaryCall {
     if (admitted_bytes_ >= 0) parts_->in_flight.Release(tenant_, admitted_bytes_);
     Parts* parts = parts_;
     grpc::ServerUnaryReactor* reactor = reactor_;
+    const char* name = name_;
     delete this;
     reactor->Finish(ToGrpcStatus(status));
-    parts->active.fetch_sub(1);
+    parts->Ended(name);
   }
 
   Parts* const parts_;
@@ -263,7 +277,7 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
 
   // tenant: the caller's, or why the call is refused (draining,
   // unauthenticated): then it ends at once with that status. The caller has
-  // counted the call in parts->active; OnDone uncounts it.
+  // counted the call (Parts::Began); OnDone uncounts it.
   StreamCall(Parts* parts, grpc::CallbackServerContext* context, Method method, absl::StatusOr<std::string> tenant,
              bool drainable, const char* name)
       : parts_(parts), context_(context), method_(method), drainable_(drainable), name_(name) {
@@ -345,7 +359,7 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
       parts_->open.erase(this);
     }
     ReleaseHeld();
-    parts_->active.fetch_sub(1);
+    parts_->Ended(name_);
     Unref();
   }
 
@@ -438,7 +452,7 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
 class ReadKvCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // tenant: the caller's, or why the call is refused. The caller has
-  // counted this call in parts->active; OnDone uncounts it.
+  // counted this call (Parts::Began); OnDone uncounts it.
   ReadKvCall(Parts* parts, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
              absl::StatusOr<std::string> tenant)
       : parts_(parts), context_(context), in_(*request), start_(absl::Now()) {
@@ -466,7 +480,7 @@ class ReadKvCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void OnDone() override {
     if (admitted_bytes_ >= 0) parts_->in_flight.Release(tenant_, admitted_bytes_);
-    parts_->active.fetch_sub(1);
+    parts_->Ended("ReadKv");
     delete this;
   }
 
@@ -547,10 +561,7 @@ void KvCacheService::RegisterUnary(const char* name,
       new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
           [this, name, method](grpc::CallbackServerContext* context, const grpc::ByteBuffer* in,
                                grpc::ByteBuffer* out) {
-            // Counted before the draining check inside Tenant(), so that a
-            // drain that sees no call in flight also sees every later call
-            // refused.
-            parts_->active.fetch_add(1);
+            parts_->Began(name);
             auto* call = new UnaryCall<Request, Response>(parts_.get(), context, in, out, method, name);
             return call->Start(Tenant(context));
           }));
@@ -563,7 +574,7 @@ void KvCacheService::RegisterStream(const char* name,
   MarkMethodRawCallback(MethodIndex(name),
                         new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
                             [this, name, method, drainable](grpc::CallbackServerContext* context) {
-                              parts_->active.fetch_add(1);  // before Tenant()'s draining check
+                              parts_->Began(name);
                               return new StreamCall<Request, Response>(parts_.get(), context, method, Tenant(context),
                                                                        drainable, name);
                             }));
@@ -573,7 +584,7 @@ void KvCacheService::RegisterReadKv() {
   MarkMethodRawCallback(MethodIndex("ReadKv"),
                         new grpc::internal::CallbackServerStreamingHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
                             [this](grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-                              parts_->active.fetch_add(1);  // before Tenant()'s draining check
+                              parts_->Began("ReadKv");
                               return new ReadKvCall(parts_.get(), context, request, Tenant(context));
                             }));
 }

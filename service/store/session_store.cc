@@ -17,6 +17,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "service/error_side.h"
+#include "service/log.h"
 #include "service/store/snapshot.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/rotation.h"
@@ -211,6 +213,9 @@ StoreSnapshot SessionStore::Snapshot() const {
     std::lock_guard<std::mutex> lock(session->mutex());
     if (session->gone()) continue;
     ++snapshot.sessions;
+    StoreSnapshot::TenantUse& tenant = snapshot.tenants[session->tenant()];
+    ++tenant.sessions;
+    tenant.bytes += static_cast<int64_t>(session->bytes_used());
     snapshot.tokens += session->tokens();
     snapshot.fp16_bytes += static_cast<int64_t>(session->fp16_bytes());
     ++(session->resident() ? snapshot.resident_sessions : snapshot.demoted_sessions);
@@ -395,9 +400,9 @@ absl::Status SessionStore::Insert(std::shared_ptr<SessionCache> session) {
   }
   int64_t& count = tenant_sessions_[session->tenant()];
   if (count >= options_.max_tenant_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat("the ", count, " sessions", Who(session->tenant()),
-                                                     " are the most one tenant may hold (--max-tenant-sessions); "
-                                                     "delete some"));
+    return CallerLimit(absl::ResourceExhaustedError(absl::StrCat("the ", count, " sessions", Who(session->tenant()),
+                                                                 " are the most one tenant may hold "
+                                                                 "(--max-tenant-sessions); delete some")));
   }
   ++count;
   const std::string id = session->id();
@@ -499,7 +504,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     }
   } else {
     for (SessionCache* victim : victims) {
-      std::fprintf(stderr, "turbokvd: session %s evicted (least recently used, idle %s) to make room in the memory budget\n",
+      Logf(LogLevel::kInfo, "session %s evicted (least recently used, idle %s) to make room in the memory budget",
                    victim->id().c_str(), absl::FormatDuration(absl::Now() - victim->last_used()).c_str());
       Drop(victim);
       RememberGone(*victim, "evicted (least recently used) to make room in the memory budget", &lru_evictions_);

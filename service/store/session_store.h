@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,6 +43,11 @@ struct StoreSnapshot {
   int64_t promotions = 0;
   int64_t disk_drops = 0;         // sessions dropped because the spill budget was full
   TierStats tier;
+  struct TenantUse {
+    int64_t sessions = 0;
+    int64_t bytes = 0;  // pages in memory; a page forks share counted for each
+  };
+  std::map<std::string, TenantUse> tenants;  // by tenant ("" without authentication)
 };
 
 enum class EvictionPolicy {

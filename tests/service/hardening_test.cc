@@ -176,8 +176,8 @@ TEST(HardeningTest, AMessageThatDoesNotParseIsInvalidArgumentAndAStreamNeverEnds
     ASSERT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
   }
   const std::string metrics = Scrape(daemon.MetricsAddress());
-  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"INVALID_ARGUMENT\",method=\"GetSession\"}"), 201);
-  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"INVALID_ARGUMENT\",method=\"Append\"}"), 1);
+  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"INVALID_ARGUMENT\",method=\"GetSession\",side=\"client\"}"), 201);
+  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"INVALID_ARGUMENT\",method=\"Append\",side=\"client\"}"), 1);
   EXPECT_THAT(daemon.Log(), Not(HasSubstr("libprotobuf")));
 
   // A 10 KB id comes back cut, as NOT_FOUND (not as an oversized message).
@@ -349,7 +349,7 @@ TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
   ASSERT_TRUE(session.Info().ok());
   const std::string metrics = Scrape(daemon.MetricsAddress());
   EXPECT_EQ(Sample(metrics, "turbokv_attended_queries_total"), 2 * kHeavyQueries) << metrics;
-  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"CANCELLED\",method=\"Attend\"}"), expired.load());
+  EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"CANCELLED\",method=\"Attend\",side=\"client\"}"), expired.load());
 
   // Sessions are capped.
   SessionOptions small;

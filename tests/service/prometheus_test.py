@@ -72,7 +72,7 @@ class PrometheusTest(unittest.TestCase):
                 self.assertEqual(query("turbokv_sessions"), 1)
                 self.assertEqual(query("turbokv_tokens_stored"), 512)
                 self.assertEqual(query("turbokv_appended_tokens_total"), 512)
-                self.assertEqual(query('turbokv_memory_bytes{kind="budget",device="cpu"}'), 4 * 2**30)
+                self.assertEqual(query('turbokv_memory_budget_bytes{device="cpu"}'), 4 * 2**30)
                 self.assertGreater(query("turbokv_compression_ratio"), 4.5)
                 self.assertEqual(query('sum(turbokv_rpc_duration_seconds_count{method="CreateSession"})'), 1)
                 self.assertEqual(query('up{job="turbokvd"}'), 1)

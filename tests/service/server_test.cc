@@ -2,21 +2,25 @@
 // port, driven through the C++ client.
 #include "service/server.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
+#include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "service/device.h"
 #include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/service/metrics_testing.h"
 
 namespace turbokv {
 namespace {
@@ -334,32 +338,11 @@ TEST_P(ServerTest, ShutdownLetsStreamsFinishAndRefusesNewCalls) {
   EXPECT_FALSE(client_->Health().ok());  // no longer listening
 }
 
-// GET of an http://host:port/path URL over a plain socket: the body.
-std::string HttpGet(const std::string& url) {
-  const std::string rest = url.substr(url.find("//") + 2);
-  const std::string host_port = rest.substr(0, rest.find('/'));
-  const std::string path = rest.substr(rest.find('/'));
-  const int port = std::stoi(host_port.substr(host_port.find(':') + 1));
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: " + host_port + "\r\n\r\n";
-  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return "";
-  }
-  std::string response;
-  char buffer[4096];
-  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
-  close(fd);
-  const size_t body = response.find("\r\n\r\n");
-  return body == std::string::npos ? "" : response.substr(body + 4);
+// The host:port of the server's metrics endpoint (http://HOST:PORT/metrics).
+std::string MetricsAddress(const Server& server) {
+  const std::string& url = server.metrics_endpoint();
+  const size_t start = url.find("//") + 2;
+  return url.substr(start, url.find('/', start) - start);
 }
 
 TEST_P(ServerTest, MetricsCountWhatHappened) {
@@ -371,17 +354,137 @@ TEST_P(ServerTest, MetricsCountWhatHappened) {
   ASSERT_TRUE(session.Attend(0, TensorData::F32(q)).ok());
   EXPECT_FALSE(client_->GetSession("missing").ok());
   absl::SleepFor(absl::Milliseconds(100));  // the gauges refresh every 20 ms here
-  const std::string text = HttpGet(server_->metrics_endpoint());
+  const std::string text = testing::Scrape(MetricsAddress(*server_));
   EXPECT_THAT(text, HasSubstr("turbokv_sessions 1"));
   EXPECT_THAT(text, HasSubstr("turbokv_tokens_stored 150"));
   EXPECT_THAT(text, HasSubstr("turbokv_appended_tokens_total 150"));
   EXPECT_THAT(text, HasSubstr("turbokv_attended_queries_total 3"));
-  EXPECT_THAT(text, HasSubstr("turbokv_memory_bytes{device=\"cpu\",kind=\"budget\"} 268435456"));
-  EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"NOT_FOUND\",method=\"GetSession\"} 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_memory_budget_bytes{device=\"cpu\"} 268435456"));
+  EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"NOT_FOUND\",method=\"GetSession\",side=\"client\"} 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"NOT_FOUND\",method=\"GetSession\",side=\"server\"} 0"));
+  EXPECT_THAT(text, HasSubstr("turbokv_tenant_sessions{tenant=\"\"} 1"));
+  EXPECT_GT(testing::Sample(text, "turbokv_tenant_memory_bytes{tenant=\"\"}"), 0);
+  EXPECT_GT(testing::Sample(text, "turbokv_memory_used_bytes{device=\"cpu\"}"), 0);
+  EXPECT_THAT(text, HasSubstr("turbokv_build_info{device=\"cpu\",simd=\""));
+  EXPECT_THAT(text, HasSubstr("version=\"" TURBOKV_VERSION "\"} 1"));
+  EXPECT_GT(testing::Sample(text, "process_resident_memory_bytes"), 1 << 20);
+  EXPECT_GT(testing::Sample(text, "process_open_fds"), 2);
+  EXPECT_GT(testing::Sample(text, "process_start_time_seconds"), absl::ToUnixSeconds(absl::Now()) - 3600);
+  EXPECT_LE(testing::Sample(text, "process_start_time_seconds"), absl::ToUnixSeconds(absl::Now()));
+  EXPECT_THAT(text, HasSubstr("turbokv_inflight_calls{method=\"Step\"} 0"));
   EXPECT_THAT(text, HasSubstr("turbokv_rpc_duration_seconds_count{code=\"OK\",method=\"Append\"} 2"));
   EXPECT_THAT(text, HasSubstr("turbokv_kernel_duration_seconds_count{device=\"cpu\",op=\"attend\"} 1"));
   EXPECT_THAT(text, HasSubstr("turbokv_evictions_total{reason=\"lru\"} 0"));
   EXPECT_THAT(text, ::testing::Not(HasSubstr(session.id())));
+}
+
+// A stream counts in turbokv_inflight_calls while it is open; failures are
+// counted by side: a session's own max_tokens is the client's, the memory
+// budget the server's.
+TEST(ServerMetricsTest, OpenStreamsAndClientFromServerErrors) {
+  ServerOptions options;
+  options.listen = {"unix://" + SocketPath()};
+  options.device = "cpu";
+  options.threads = 2;
+  options.memory_budget = size_t{1} << 20;
+  options.metrics_listen = "127.0.0.1:0";
+  auto server = Server::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = Client::Connect("unix://" + SocketPath());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(10)).ok());
+  const std::string metrics = MetricsAddress(**server);
+
+  auto decode = client->OpenDecodeStream();
+  SessionOptions small;
+  small.layers = kLayers;
+  small.kv_heads = kKv;
+  small.q_heads = kQ;
+  small.max_tokens = 64;
+  auto capped = client->CreateSession(small);
+  ASSERT_TRUE(capped.ok()) << capped.status();
+  std::string text = testing::Scrape(metrics);
+  EXPECT_THAT(text, HasSubstr("turbokv_inflight_calls{method=\"Decode\"} 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_inflight_calls{method=\"Append\"} 0"));
+  EXPECT_TRUE(decode->Finish().ok());
+
+  const auto k = GaussianVectors(100 * kKv, kDim, 1);
+  auto past = capped->Append(0, 0, TensorData::F32(k), TensorData::F32(k));
+  ASSERT_EQ(past.status().code(), absl::StatusCode::kResourceExhausted) << past.status();
+  // 1 MiB of budget: 8,000 tokens of 2 kv heads (about 200 bytes each) do not fit.
+  small.max_tokens = 0;
+  auto full = client->CreateSession(small);
+  ASSERT_TRUE(full.ok()) << full.status();
+  const auto kb = GaussianVectors(8000 * kKv, kDim, 3);
+  auto refused = full->Append(0, 0, TensorData::F32(kb), TensorData::F32(kb));
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  ASSERT_THAT(std::string(refused.status().message()), HasSubstr("memory budget"));
+  text = testing::Scrape(metrics);
+  EXPECT_THAT(text, HasSubstr("turbokv_inflight_calls{method=\"Decode\"} 0"));
+  EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"RESOURCE_EXHAUSTED\",method=\"Append\",side=\"client\"} 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"RESOURCE_EXHAUSTED\",method=\"Append\",side=\"server\"} 1"));
+  EXPECT_TRUE((*server)->Shutdown(absl::Seconds(1)).ok());
+}
+
+// Writes `text` to root/path, making the folders on the way.
+void WriteUnder(const std::string& root, const std::string& path, const std::string& text) {
+  std::string dir = root;
+  const size_t slash = path.rfind('/');
+  for (absl::string_view part : absl::StrSplit(slash == std::string::npos ? "" : path.substr(0, slash), '/',
+                                               absl::SkipEmpty())) {
+    dir = absl::StrCat(dir, "/", part);
+    mkdir(dir.c_str(), 0755);
+  }
+  std::ofstream(root + "/" + path) << text << "\n";
+}
+
+// --threads=0 on cgroup trees as the kernel lays them out (v2: cpu.max on
+// the way from the process's cgroup to the root; v1: the cpu controller's
+// cfs quota and period).
+TEST(AvailableCoresTest, TheTightestCgroupQuotaCapsTheAffinityMask) {
+  cpu_set_t mask;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mask), &mask), 0);
+  const int cpus = CPU_COUNT(&mask);
+  const std::string root = absl::StrCat(::testing::TempDir(), "cgroups-", getpid());
+  mkdir(root.c_str(), 0755);
+  struct Case {
+    std::string name;
+    std::vector<std::pair<std::string, std::string>> files;  // path under root, text
+    int cores;
+    std::string why;
+  };
+  const Case cases[] = {
+      {"v2-no-quota", {{"proc", "0::/"}, {"v2a/cpu.max", "max 100000"}}, cpus, "in the affinity mask"},
+      {"v2-half-a-cpu", {{"proc", "0::/pod/c"}, {"v2b/pod/c/cpu.max", "50000 100000"}}, 1, "cgroup CPU quota 0.50"},
+      {"v2-tighter-parent",
+       {{"proc", "0::/pod/c"}, {"v2c/pod/cpu.max", "150000 100000"}, {"v2c/pod/c/cpu.max", "400000 100000"}},
+       std::min(cpus, 2),
+       "cgroup CPU quota 1.50"},
+      {"v1-one-cpu",
+       {{"proc", "4:memory:/x\n3:cpu,cpuacct:/pod\n0::/"},
+        {"v1/cpu,cpuacct/pod/cpu.cfs_quota_us", "100000"},
+        {"v1/cpu,cpuacct/pod/cpu.cfs_period_us", "100000"}},
+       1,
+       "cgroup CPU quota 1.00"},
+      {"v1-no-quota",
+       {{"proc", "3:cpu,cpuacct:/pod"},
+        {"v1n/cpu,cpuacct/pod/cpu.cfs_quota_us", "-1"},
+        {"v1n/cpu,cpuacct/pod/cpu.cfs_period_us", "100000"}},
+       cpus,
+       "in the affinity mask"},
+  };
+  for (const Case& c : cases) {
+    const std::string tree = absl::StrCat(root, "/", c.name);
+    mkdir(tree.c_str(), 0755);
+    std::string mount;
+    for (const auto& [path, text] : c.files) {
+      WriteUnder(tree, path, text);
+      if (path != "proc") mount = path.substr(0, path.find('/'));
+    }
+    const CoreAllowance allowance = AvailableCores(tree + "/" + mount, tree + "/proc");
+    EXPECT_EQ(allowance.cores, c.cores) << c.name << ": " << allowance.why;
+    EXPECT_THAT(allowance.why, HasSubstr(c.why)) << c.name;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(UnixAndTcp, ServerTest, ::testing::Bool(),

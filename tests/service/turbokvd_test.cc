@@ -1,6 +1,7 @@
 // The real turbokvd binary, started as a process and driven through the C++
 // client: start-up log, calls, budget and eviction, bad flags, SIGTERM.
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -57,6 +59,32 @@ TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
   EXPECT_THAT(log, HasSubstr("listening on " + Socket()));
   EXPECT_THAT(log, HasSubstr("SIGTERM, draining"));
   EXPECT_THAT(log, HasSubstr("stopped"));
+  // One event a line, each with its time (UTC, RFC 3339) and level.
+  for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+    EXPECT_THAT(std::string(line),
+                ::testing::MatchesRegex("20[0-9][0-9]-[01][0-9]-[0-3][0-9]T[0-2][0-9]:[0-5][0-9]:[0-6][0-9]\\.[0-9]{6}Z "
+                                        "(INFO|WARNING|ERROR) .+"));
+  }
+}
+
+// --threads=0 counts the CPUs the process may run on, not every core.
+TEST(TurbokvdTest, ThreadsZeroFollowsTheAffinityMask) {
+  cpu_set_t mask;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mask), &mask), 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &mask)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  // The daemon inherits the test's mask, set to one CPU while it starts.
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--metrics-listen="});
+  ASSERT_EQ(sched_setaffinity(0, sizeof(mask), &mask), 0);
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+  EXPECT_THAT(daemon.Log(), HasSubstr(", 1 thread) "));
+  EXPECT_THAT(daemon.Log(), HasSubstr("threads from --threads=0: 1 CPU in the affinity mask"));
 }
 
 // A worker holds its Decode stream open for its whole life: SIGTERM ends it
@@ -312,12 +340,12 @@ TEST(TurbokvdTest, ASecondDaemonOnTheSameAddressesRefusesToStart) {
   const Case cases[] = {
       {{"--listen=" + Socket(), "--metrics-listen=127.0.0.1:0"},
        "cannot listen on " + Socket() + ": another process (a turbokvd?) is serving on it"},
-      {{"--listen=" + tcp, "--metrics-listen=127.0.0.1:0"}, "cannot listen on " + tcp},
+      {{"--listen=" + tcp, "--metrics-listen=127.0.0.1:0"}, "cannot listen on " + tcp + ": Address already in use"},
       {{"--listen=unix:///tmp/turbokvd-second-" + std::to_string(getpid()) + ".sock", "--metrics-listen=" + metrics},
        "cannot serve metrics on " + metrics + " (--metrics-listen): the port is in use"},
       {{"--listen=unix:///tmp/turbokvd-second-" + std::to_string(getpid()) + ".sock", "--metrics-listen=127.0.0.1:0",
         "--health-listen=" + health},
-       "cannot listen on " + health + " (--health-listen)"},
+       "cannot listen on " + health + " (--health-listen): Address already in use"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> flags = c.flags;
@@ -326,6 +354,7 @@ TEST(TurbokvdTest, ASecondDaemonOnTheSameAddressesRefusesToStart) {
     EXPECT_EQ(second.Wait(), 2) << c.message;
     EXPECT_THAT(second.Log(), HasSubstr(c.message));
     EXPECT_THAT(second.Log(), ::testing::Not(HasSubstr("CivetServer")));
+    EXPECT_THAT(second.Log(), ::testing::Not(HasSubstr("chttp2"))) << "gRPC's own error text, raw";
   }
   EXPECT_TRUE(client->Stats().ok()) << "the first daemon's socket is still there";
   auto over_tcp = Client::Connect(tcp);

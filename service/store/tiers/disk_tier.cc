@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "service/byte_size.h"
+#include "service/log.h"
 
 namespace turbokv {
 namespace {
@@ -466,7 +467,7 @@ absl::Status DiskTier::WriteRecord(const std::string& bytes, Segment** segment, 
       absl::Status status = Errno("cannot write", active->path);
       // Nothing half-written stays: the segment ends at its last whole record.
       if (ftruncate(active->fd, static_cast<off_t>(size)) != 0) {
-        std::fprintf(stderr, "turbokvd: cannot cut %s back after a failed write: %s\n", active->path.c_str(),
+        Logf(LogLevel::kError, "cannot cut %s back after a failed write: %s", active->path.c_str(),
                      std::strerror(errno));
       }
       return status;
@@ -514,7 +515,7 @@ void DiskTier::WriterLoop() {
       Put<uint32_t>(&bytes, Crc32c(bytes));
       status = WriteRecord(bytes, &segment, &offset);
       if (!status.ok()) {
-        std::fprintf(stderr, "turbokvd: spill write failed, the session stays in memory: %s\n",
+        Logf(LogLevel::kError, "spill write failed, the session stays in memory: %s",
                      std::string(status.message()).c_str());
       }
     }
