@@ -1,0 +1,205 @@
+"""The `turbokv` CLI binary against a real turbokvd on a unix socket: strict
+flags (exit 2 naming the flag), per-command help, --timeout against a dead
+target, --output json parsed with every field and int64s as numbers, and the
+documented exit statuses. Needs $TURBOKVD and $TURBOKV_CLI."""
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+import unittest
+
+CLI = os.environ.get("TURBOKV_CLI", "")
+TURBOKVD = os.environ.get("TURBOKVD", "")
+BUDGET = 1 << 30
+
+
+class CliTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="turbokv-cli-")
+        cls.target = f"unix://{cls.tmp.name}/turbokv.sock"
+        cls.log = open(os.path.join(cls.tmp.name, "turbokvd.log"), "w+")
+        cls.daemon = subprocess.Popen([TURBOKVD, f"--listen={cls.target}", "--device=cpu", "--threads=1",
+                                       "--memory-budget=1GiB", "--metrics-listen=127.0.0.1:0",
+                                       f"--snapshot-dir={cls.tmp.name}/snapshots"], stderr=cls.log)
+        # The CLI waits for the daemon to come up, within its --timeout.
+        ready = cls.run_cli(cls, "stats", "--timeout=30s")
+        if ready.returncode != 0:
+            cls.tearDownClass()
+            raise RuntimeError(f"turbokvd did not come up: {ready.stderr}")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.terminate()
+        cls.daemon.wait(timeout=60)
+        cls.log.close()
+        cls.tmp.cleanup()
+
+    def run_cli(self, *args, target=None):
+        return subprocess.run([CLI, f"--target={target or self.target}", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    def ok(self, *args):
+        out = self.run_cli(*args)
+        self.assertEqual(out.returncode, 0, f"turbokv {' '.join(args)}: {out.stderr}")
+        return out.stdout
+
+    def json(self, *args):
+        return json.loads(self.ok(*args, "--output=json"))
+
+    def usage_error(self, args, *named):
+        out = self.run_cli(*args)
+        self.assertEqual(out.returncode, 2, f"turbokv {' '.join(args)}: {out.stdout} {out.stderr}")
+        for text in named:
+            self.assertIn(text, out.stderr)
+        return out.stderr
+
+    def session(self, *flags):
+        return self.ok("create", "--layers=2", "--kv-heads=2", "--q-heads=4", "--head-dim=128", *flags).strip()
+
+    def sessions(self):
+        return {s["session_id"] for s in self.json("list")["sessions"]}
+
+    def test_an_unknown_flag_exits_2_naming_it_and_does_nothing(self):
+        before = self.ok("list").splitlines()
+        stderr = self.usage_error(["create", "--layer", "2"], "unknown flag --layer", "did you mean --layers?")
+        self.assertNotIn("warning", stderr)
+        self.assertEqual(self.ok("list").splitlines(), before)  # no session was made
+        self.usage_error(["stats", "--layers=2"], "unknown flag --layers")
+        self.usage_error(["list", "-x"], "-x")
+        # Rejected before any call: a dead target is not even tried.
+        out = self.run_cli("create", "--layer=2", target=f"unix://{self.tmp.name}/nobody.sock")
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("unknown flag --layer", out.stderr)
+
+    def test_bad_values_exit_2_with_the_range(self):
+        session = self.session()
+        self.usage_error(["append-random", session, "--chunk", "0"], "--chunk=0", "from 1 to")
+        self.usage_error(["append-random", session, "--tokens", "-5"], "--tokens=-5", "from 1 to")
+        self.usage_error(["append-random", session, "--tokens=many"], "--tokens=many", "not an integer")
+        self.usage_error(["attend-random", session, "--layer", "-3"], "--layer=-3", "from 0 to")
+        self.usage_error(["append-random", session, "--layer=2"], "--layer=2", "the session has 2 layers")
+        self.usage_error(["attend-random", session, "--layer=5"], "--layer=5", "the session has 2 layers")
+        self.usage_error(["create", "--layers=0"], "--layers=0", "from 1 to 1024")
+        self.usage_error(["create", "--head-dim=8192"], "--head-dim=8192", "from 64 to 4096")
+        self.usage_error(["create", "--key-codec=turbo9"], "--key-codec=turbo9", "turbo3")
+        self.usage_error(["create", "--ttl=-1s"], "--ttl=-1s")
+        self.usage_error(["create", "--pinned=maybe"], "--pinned=maybe", "true or false")
+        self.usage_error(["stats", "--timeout=5"], "--timeout=5", "duration")
+        self.usage_error(["stats", "--timeout=0s"], "--timeout=0s", "from 1ms")
+        self.usage_error(["stats", "--output=yaml"], "--output=yaml", "table or json")
+        self.usage_error(["create", "--layers=2", "--layers=3"], "--layers is given twice")
+        self.usage_error(["get"], "expected one session id")
+        self.usage_error(["list", "extra"], "takes no arguments")
+        self.usage_error(["frobnicate"], "unknown command 'frobnicate'")
+        # A value only the daemon can judge: INVALID_ARGUMENT is a usage error too.
+        self.usage_error(["create", "--head-dim=96"], "INVALID_ARGUMENT", "head_dim")
+        # None of them stored anything.
+        self.assertEqual(self.json("get", session)["layer_tokens"], [0, 0])
+        self.assertEqual(self.sessions() & {session}, {session})
+
+    def test_a_dead_target_fails_within_the_timeout(self):
+        for target in (f"unix://{self.tmp.name}/nobody.sock", "127.0.0.1:1"):
+            start = time.monotonic()
+            out = self.run_cli("stats", "--timeout=1s", target=target)
+            elapsed = time.monotonic() - start
+            self.assertEqual(out.returncode, 3, out.stderr)
+            self.assertRegex(out.stderr, "DEADLINE_EXCEEDED|UNAVAILABLE")
+            self.assertIn(target, out.stderr)
+            self.assertLess(elapsed, 10, out.stderr)  # it waited a fixed 30 s
+        # The default is a few seconds too.
+        start = time.monotonic()
+        out = self.run_cli("list", target=f"unix://{self.tmp.name}/nobody.sock")
+        self.assertEqual(out.returncode, 3, out.stderr)
+        self.assertIn("No such file or directory", out.stderr)
+        self.assertLess(time.monotonic() - start, 20)
+
+    def test_json_has_every_field_with_int64_as_numbers(self):
+        created = self.json("create", "--layers=2", "--kv-heads=2", "--q-heads=4", "--max-tokens=4096")
+        config = created["config"]
+        self.assertEqual(config["shape"], {"layers": 2, "kv_heads": 2, "q_heads": 4, "head_dim": 128})
+        self.assertIs(config["pinned"], False)
+        self.assertEqual(config["max_tokens"], 4096)
+        self.assertIsInstance(config["rotation_seed"], int)
+        self.assertEqual(config["key_codec"], "CODEC_TURBO3")
+        session = created["session_id"]
+
+        info = self.json("get", session)
+        self.assertEqual(info["layer_tokens"], [0, 0])
+        for field in ("bytes_used", "fp16_bytes", "disk_bytes"):
+            self.assertEqual(info[field], 0, field)
+            self.assertIsInstance(info[field], int, field)
+        self.assertIsInstance(info["age"], (int, float))
+        self.assertEqual(info["residency"], "RESIDENCY_MEMORY")
+
+        appended = self.json("append-random", session, "--tokens=100", "--chunk=32", "--layer=1")
+        self.assertEqual((appended["layer"], appended["tokens"], appended["layer_tokens"]), (1, 100, 100))
+        info = self.json("get", session)
+        self.assertEqual(info["layer_tokens"], [0, 100])
+        self.assertIsInstance(info["bytes_used"], int)
+        self.assertGreater(info["bytes_used"], 0)
+        self.assertEqual(info["fp16_bytes"], 100 * 2 * 128 * 2 * 2)
+        self.assertIn(session, self.sessions())
+
+        attended = self.json("attend-random", session, "--layer=1", "--calls=2", "--queries=3")
+        self.assertEqual((attended["layer"], attended["calls"], attended["queries"]), (1, 2, 3))
+        self.assertGreater(attended["p50_us"], 0)
+
+        stats = self.json("stats")
+        self.assertEqual(stats["budget_bytes"], BUDGET)
+        for field in ("evictions", "demoted_sessions", "demotions", "promotions", "spill_bytes", "spill_budget_bytes"):
+            self.assertEqual(stats[field], 0, field)
+        self.assertGreaterEqual(stats["tokens"], 100)
+
+        decoded = self.json("decode-random", "--batch=2", "--layers=2", "--steps=2", "--kv-heads=2", "--q-heads=4")
+        self.assertEqual((decoded["batch"], decoded["layers"], decoded["steps"]), (2, 2, 2))
+        self.assertGreater(decoded["p99_us"], 0)
+
+        snapshot = self.json("snapshot")
+        self.assertGreaterEqual(snapshot["sessions"], 1)
+        self.assertIsInstance(snapshot["bytes"], int)
+        self.assertIsInstance(snapshot["duration"], (int, float))
+
+        prefetched = self.json("prefetch", session)
+        self.assertEqual(prefetched, {"results": [{"session_id": session, "code": "OK", "message": ""}]})
+
+    def test_help_per_command(self):
+        top = self.run_cli("--help")
+        self.assertEqual(top.returncode, 0)
+        for command in ("create", "list", "get", "delete", "stats", "snapshot", "prefetch", "append-random",
+                        "attend-random", "decode-random", "demo"):
+            self.assertRegex(top.stdout, rf"\n  {command}\b")
+        self.assertIn("exit status", top.stdout)
+        for args in (["create", "--help"], ["help", "create"]):
+            out = self.run_cli(*args)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertTrue(out.stdout.startswith("usage: turbokv create"), out.stdout)
+            self.assertRegex(out.stdout, r"--layers=N .*1 to 1024 \(default 32\)")
+            self.assertRegex(out.stdout, r"--key-codec=CODEC .*\(default turbo3\)")
+            self.assertRegex(out.stdout, r"--timeout=DURATION .*\(default 5s\)")
+            self.assertNotIn("--batch", out.stdout)  # decode-random's
+        append = self.ok("append-random", "--help")
+        self.assertRegex(append, r"--chunk=N .*\(default 128\)")
+        self.assertRegex(append, r"--layer=L\|all .*\(default all\)")
+        self.assertRegex(self.ok("help", "snapshot"), r"--timeout=DURATION .*\(default 60s\)")
+        self.assertNotIn("--output", self.ok("help", "delete"))
+        self.usage_error(["help", "frobnicate"], "unknown command 'frobnicate'")
+
+    def test_exit_statuses(self):
+        out = self.run_cli("get", "nosuchsession")
+        self.assertEqual(out.returncode, 4, out.stderr)
+        self.assertIn("NOT_FOUND", out.stderr)
+        self.assertEqual(self.run_cli("delete", "nosuchsession").returncode, 4)
+        # Past the session's max_tokens: RESOURCE_EXHAUSTED, a call failure.
+        small = self.session("--max-tokens=64")
+        out = self.run_cli("append-random", small, "--tokens=128", "--chunk=64")
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn("RESOURCE_EXHAUSTED", out.stderr)
+        self.assertEqual(self.ok("delete", small), "")
+        self.assertNotIn(small, self.sessions())
+
+
+if __name__ == "__main__":
+    unittest.main()
