@@ -6,13 +6,19 @@ import subprocess
 import tempfile
 import unittest
 
-import turbokv
+
+def socket_target() -> "tuple[tempfile.TemporaryDirectory, str]":
+    """A private folder and a unix:// target in it where nothing listens yet."""
+    folder = tempfile.TemporaryDirectory(prefix="turbokv-py-")
+    return folder, f"unix://{folder.name}/turbokv.sock"
 
 
 class Daemon:
-    def __init__(self, *flags: str):
-        self._dir = tempfile.TemporaryDirectory(prefix="turbokv-py-")
-        self.target = f"unix://{self._dir.name}/turbokv.sock"
+    """turbokvd on a unix socket; at = (folder, target) of socket_target() to
+    listen on a target chosen before the daemon starts."""
+
+    def __init__(self, *flags: str, at: "tuple[tempfile.TemporaryDirectory, str] | None" = None):
+        self._dir, self.target = at or socket_target()
         self.log_path = os.path.join(self._dir.name, "turbokvd.log")
         self._log = open(self.log_path, "w")
         self._process = subprocess.Popen(
@@ -26,6 +32,13 @@ class Daemon:
         code = self._process.wait(timeout=30)
         self._log.close()
         return code
+
+    def pause(self) -> None:
+        """SIGSTOP: the daemon hangs, its connections open."""
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._process.send_signal(signal.SIGCONT)
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -44,6 +57,7 @@ class DaemonTestCase(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
+        import turbokv  # here: install_test.py runs Daemon without the package on its path
         cls.daemon = Daemon("--memory-budget=256MiB")
         cls.client = turbokv.Client(cls.daemon.target)
         cls.client.wait_until_ready(20)

@@ -1,13 +1,17 @@
 """The Python client against the real turbokvd: numpy in and out, errors as
 TurbokvError with the gRPC code, attention checked against numpy."""
 
+import inspect
+import os
+import re
+import threading
 import unittest
 
 import grpc
 import numpy as np
 
 import turbokv
-from daemon import Daemon, DaemonTestCase
+from daemon import Daemon, DaemonTestCase, socket_target
 
 LAYERS, KV, Q, D = 2, 2, 8, 128
 
@@ -191,6 +195,203 @@ class SpillTierTest(unittest.TestCase):
                 self.assertEqual(daemon.stop(), 0)
             finally:
                 daemon.close()
+
+
+class ResultsAndErrorsTest(DaemonTestCase):
+    """Defects of issue 15: read_kv(None), read-only results, one exception
+    type, client-side errors hidden behind UNKNOWN in a stream."""
+
+    def setUp(self):
+        self.rng = np.random.default_rng(3)
+
+    def session(self, codec="f16", **kwargs):
+        s = self.client.create_session(LAYERS, KV, Q, D, key_codec=codec, value_codec=codec, **kwargs)
+        self.addCleanup(s.delete)
+        return s
+
+    def test_read_kv_of_every_layer(self):
+        s = self.session()
+        keys = self.rng.standard_normal((LAYERS, 40, KV, D)).astype(np.float16)
+        values = self.rng.standard_normal((LAYERS, 40, KV, D)).astype(np.float16)
+        s.append(None, 0, keys, values)
+        stored_k, stored_v = s.read_kv(None)  # docs/API.md: no layer means every layer
+        self.assertEqual(stored_k.shape, (LAYERS, 40, KV, D))
+        np.testing.assert_array_equal(stored_k, keys.astype(np.float32))
+        np.testing.assert_array_equal(stored_v, values.astype(np.float32))
+        part, _ = s.read_kv(None, start=10, end=25, dtype=np.float16)
+        self.assertEqual(part.dtype, np.float16)
+        np.testing.assert_array_equal(part, keys[:, 10:25])
+        s.append(0, 40, keys[0, :5], values[0, :5])  # layer 0 now holds 45 tokens, layer 1 40
+        with self.assertRaisesRegex(ValueError, "layer 0: 45, layer 1: 40"):
+            s.read_kv(None)
+        self.assertEqual(s.read_kv(None, end=40)[0].shape, (LAYERS, 40, KV, D))
+        empty = self.session()
+        self.assertEqual(empty.read_kv(None)[0].shape, (LAYERS, 0, KV, D))
+
+    def test_results_are_writable_arrays_of_their_own(self):
+        s = self.session()
+        keys = self.rng.standard_normal((20, KV, D), dtype=np.float32)
+        s.append(0, 0, keys, keys)
+        result = s.attend(0, self.rng.standard_normal((2, Q, D), dtype=np.float32), top_k=2)
+        stored_k, stored_v = s.read_kv(0)
+        _, stepped = s.step(0, 20, keys[0], keys[0], self.rng.standard_normal((Q, D), dtype=np.float32))
+        with self.client.decode_stream() as stream:
+            batch = stream.attend(0, [s], self.rng.standard_normal((1, Q, D), dtype=np.float32), [20])
+        for array in (result.output, result.lse, result.top_k_tokens, result.top_k_logits, stored_k, stored_v,
+                      stepped.output, batch.output, batch.lse):
+            self.assertTrue(array.flags.writeable)
+            array[...] = 0  # raised "assignment destination is read-only" before
+        self.assertFalse(stored_v.any())
+        self.assertEqual(stored_k.shape, (20, KV, D))
+
+    def test_exceptions_by_code(self):
+        with self.assertRaises(turbokv.SessionNotFound) as missing:
+            self.client.session("no-such-session")
+        self.assertIsInstance(missing.exception, LookupError)
+        self.assertIsInstance(missing.exception, turbokv.TurbokvError)
+        self.assertEqual(missing.exception.code, grpc.StatusCode.NOT_FOUND)
+        self.assertIn("no-such-session", missing.exception.details)
+        with self.assertRaises(turbokv.InvalidArgument) as bad:
+            self.client.create_session(1, 1, 1, 100)
+        self.assertIsInstance(bad.exception, ValueError)
+        self.assertIn("config.shape.head_dim", bad.exception.details)
+        s = self.session(max_tokens=16)
+        keys = np.zeros((10, KV, D), dtype=np.float32)
+        s.append(0, 0, keys, keys)
+        with self.assertRaises(turbokv.FailedPrecondition):
+            s.append(0, 12, keys[:4], keys[:4])  # a gap at 10, 11
+        with self.assertRaises(turbokv.BudgetExceeded) as full:
+            s.append(0, 10, keys, keys)  # 20 tokens past max_tokens 16
+        self.assertEqual(full.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        with self.client.decode_stream() as stream:
+            batch = stream.attend(0, ["no-such-session"], np.zeros((1, Q, D), np.float32), [0])
+        self.assertIsInstance(batch.errors[0], turbokv.SessionNotFound)
+        self.assertIsInstance(self.client.prefetch(["no-such-session"])[0], turbokv.SessionNotFound)
+
+    def test_a_bad_chunk_in_a_stream_raises_itself_and_the_chunks_before_it_stay(self):
+        s = self.session()
+        keys = self.rng.standard_normal((30, KV, D), dtype=np.float32)
+        with self.assertRaisesRegex(TypeError, "keys must hold floating-point values"):  # was UNKNOWN: Exception iterating requests!
+            s.append_stream([(0, 0, keys[:10], keys[:10]), (0, 10, keys[10:20], keys[10:20]),
+                             (0, 20, keys[20:].astype(np.int32), keys[20:])])
+        self.assertEqual(list(s.info().layer_tokens), [20, 0])
+
+        def chunks():
+            yield 1, 0, keys[:10], keys[:10]
+            raise RuntimeError("the model failed")
+        with self.assertRaisesRegex(RuntimeError, "the model failed"):
+            s.append_stream(chunks())
+        self.assertEqual(list(s.info().layer_tokens), [20, 10])
+        with self.assertRaisesRegex(TypeError, "each chunk must be a tuple"):
+            s.append_stream([[0, 20, keys, keys]])
+        with self.assertRaisesRegex(ValueError, r"keys must be \[tokens, kv_heads=2, head_dim=128\], got shape \(30, 3, 128\)"):
+            s.append(0, 20, np.zeros((30, 3, D), np.float32), np.zeros((30, 3, D), np.float32))
+
+    def test_arguments_are_checked_before_anything_is_sent(self):
+        s = self.session()
+        keys = np.zeros((4, KV, D), np.float32)
+        q = np.zeros((1, Q, D), np.float32)
+        bad = [
+            (ValueError, "layer must be in \\[0, 2\\), got 2", lambda: s.append(2, 0, keys, keys)),
+            (ValueError, "start must be >= 0", lambda: s.append(0, -1, keys, keys)),
+            (TypeError, "layer must be an integer", lambda: s.append(0.5, 0, keys, keys)),
+            (ValueError, "keys and values must have one shape", lambda: s.append(0, 0, keys, keys[:2])),
+            (ValueError, "layers=2", lambda: s.append(None, 0, keys, keys)),
+            (ValueError, "queries must be \\[n, q_heads=8", lambda: s.attend(0, np.zeros((1, 4, D), np.float32))),
+            (ValueError, "positions must be \\[n=1\\]", lambda: s.attend(0, q, positions=[0, 1])),
+            (ValueError, "positions must be >= 0", lambda: s.attend(0, q, positions=[-1])),
+            (ValueError, "top_k must be >= 0", lambda: s.attend(0, q, top_k=-1)),
+            (ValueError, "softmax_scale must be finite", lambda: s.attend(0, q, softmax_scale=float("nan"))),
+            (ValueError, "key must be \\[1=1, kv_heads=2", lambda: s.step(0, 0, keys, keys, q)),
+            (TypeError, "dtype must be float32 or float16", lambda: s.read_kv(0, dtype=np.int8)),
+            (ValueError, "end must be 0 \\(to the end\\) or >= start", lambda: s.read_kv(0, start=5, end=2)),
+            (ValueError, "prefix_tokens must be >= 0", lambda: s.fork(-1)),
+            (ValueError, "key_codec: unknown codec 'turbo9'", lambda: self.client.create_session(1, 1, 1, 64, "turbo9")),
+            (ValueError, "layers must be >= 1", lambda: self.client.create_session(0, 1, 1, 64)),
+            (ValueError, "timeout must be finite and >= 0", lambda: self.client.stats(timeout=-1)),
+        ]
+        sessions = len(self.client.list_sessions())
+        for error, pattern, call in bad:
+            with self.subTest(pattern):
+                with self.assertRaisesRegex(error, pattern):
+                    call()
+                self.assertNotIsInstance(error, turbokv.TurbokvError)
+        self.assertEqual(list(s.info().layer_tokens), [0, 0])
+        self.assertEqual(len(self.client.list_sessions()), sessions)
+
+    def test_version_is_the_projects(self):
+        root = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+        with open(os.path.join(root, "CMakeLists.txt")) as f:
+            project = re.search(r"project\(turbokv VERSION ([0-9.]+)", f.read()).group(1)
+        with open(os.path.join(root, "client", "python", "pyproject.toml")) as f:
+            package = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+        self.assertEqual(turbokv.__version__, project)
+        self.assertEqual(package, project)
+
+
+class DeadlineAndRetryTest(unittest.TestCase):
+    def test_calls_have_a_deadline_by_default_and_per_call(self):
+        default = inspect.signature(turbokv.Client).parameters["timeout"].default
+        self.assertGreater(default, 0)  # None before: no deadline
+        daemon = Daemon()
+        self.addCleanup(daemon.close)
+        client = turbokv.Client(daemon.target, timeout=0.5)
+        self.addCleanup(client.close)
+        client.wait_until_ready(20)
+        daemon.pause()  # connected, then hung: calls wait for an answer that does not come
+        try:
+            with self.assertRaises(turbokv.DeadlineExceeded) as hung:  # hung for ever before
+                client.stats()
+            self.assertIsInstance(hung.exception, TimeoutError)
+            self.assertEqual(hung.exception.attempts, 1)  # DEADLINE_EXCEEDED is not retried
+            with self.assertRaises(turbokv.DeadlineExceeded):
+                client.create_session(1, 1, 1, 64, timeout=0.2)
+        finally:
+            daemon.resume()
+        self.assertGreaterEqual(client.stats(timeout=20).budget_bytes, 0)  # answers again
+        self.assertEqual(daemon.stop(), 0)
+
+    def test_unavailable_is_retried_for_idempotent_calls_only(self):
+        folder, target = socket_target()  # nothing listens there
+        self.addCleanup(folder.cleanup)
+        client = turbokv.Client(target, retry=turbokv.RetryPolicy(max_attempts=3, initial_backoff=0.01,
+                                                                  max_backoff=0.02))
+        self.addCleanup(client.close)
+        for call in (client.stats, client.list_sessions, lambda: client.get_session("x"),
+                     lambda: client.prefetch(["x"])):
+            with self.assertRaises(turbokv.Unavailable) as down:
+                call()
+            self.assertEqual(down.exception.attempts, 3)
+            self.assertIsInstance(down.exception, ConnectionError)
+        session = turbokv.Session(client, "x", turbokv.client.pb.SessionConfig(
+            shape=turbokv.client.pb.ModelShape(layers=1, kv_heads=1, q_heads=1, head_dim=64)))
+        for call, attempts in ((lambda: session.attend(0, np.zeros((1, 1, 64), np.float32)), 3),
+                               (lambda: session.read_kv(0), 3),
+                               (lambda: client.create_session(1, 1, 1, 64), 1),
+                               (lambda: session.append(0, 0, np.zeros((1, 1, 64)), np.zeros((1, 1, 64))), 1),
+                               (lambda: session.step(0, 0, np.zeros((1, 64)), np.zeros((1, 64)), np.zeros((1, 64))), 1),
+                               (lambda: session.fork(0), 1), (lambda: session.truncate(0), 1),
+                               (lambda: client.delete_session("x"), 1)):
+            with self.assertRaises(turbokv.Unavailable) as down:
+                call()
+            self.assertEqual(down.exception.attempts, attempts)
+
+    def test_a_read_goes_through_once_the_daemon_is_up(self):
+        at = socket_target()
+        client = turbokv.Client(at[1], retry=turbokv.RetryPolicy(max_attempts=100, initial_backoff=0.05,
+                                                                 max_backoff=0.2))
+        with self.assertRaises(turbokv.Unavailable):
+            client.stats(timeout=1)  # no daemon yet: tries until the deadline
+        daemon = []
+        starter = threading.Timer(0.2, lambda: daemon.append(Daemon(at=at)))
+        starter.start()
+        try:
+            self.assertEqual(client.stats(timeout=60).sessions, 0)
+        finally:
+            starter.join()
+            client.close()
+            self.assertEqual(daemon[0].stop(), 0)
+            daemon[0].close()
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ class DecodeStreamTest(DaemonTestCase):
         self.assertEqual(result.failed, 1)
         self.assertIsNone(result.errors[0])
         self.assertIsNone(result.errors[2])
-        self.assertIsInstance(result.errors[1], turbokv.TurbokvError)
+        self.assertIsInstance(result.errors[1], turbokv.SessionNotFound)  # a TurbokvError by its code
         self.assertEqual(result.errors[1].code, grpc.StatusCode.NOT_FOUND)
         self.assertIn("no-such-session", result.errors[1].message)
         self.assertEqual(list(result.tokens), [41, 0, 51])
@@ -139,9 +139,14 @@ class DecodeStreamTest(DaemonTestCase):
         keys, queries = self.random(2, KV, D), self.random(2, Q, D)
         for args in ((batch, queries[:1], [8, 8]),  # queries for 1 session
                      (batch, queries, [8, 8, 8]),  # positions
-                     (batch, queries, [8.0, 8.0]),
+                     (batch, queries, [8, -1]),
                      ([], queries[:0], [])):  # no sessions
             with self.assertRaises(ValueError):
+                self.stream.attend(0, *args)
+        for args in ((batch, queries, [8.0, 8.0]),  # positions of another dtype
+                     (batch, queries.astype(np.int32), [8, 8]),
+                     (["", batch[1]], queries, [8, 8])):
+            with self.assertRaises(TypeError):
                 self.stream.attend(0, *args)
         with self.assertRaises(ValueError):
             self.stream.attend(-1, batch, queries, [0, 0])

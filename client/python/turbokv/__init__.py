@@ -11,20 +11,35 @@
         batch = stream.step(0, [session, other], k, v, q, positions)  # k, v, q: [B, heads, head_dim]
         batch.raise_for_status().output                            # [B, 1, q_heads, head_dim]
 
-Failures raise turbokv.TurbokvError carrying the gRPC status code and message.
+Tensors are numpy arrays or, when the program uses torch, torch tensors
+(float32, float16, bfloat16; CUDA tensors are copied to the host and results
+come back on the input's device). Arguments are checked before anything is
+sent (ValueError / TypeError naming the argument); failures of the daemon
+raise the subclass of turbokv.TurbokvError for their gRPC code
+(SessionNotFound, BudgetExceeded, InvalidArgument, ...). Calls have a default
+deadline (Client(timeout=60.0)) and idempotent reads are retried on
+UNAVAILABLE (Client(retry=turbokv.RetryPolicy(...))). turbokv.aio is the
+same API on asyncio.
+
 With turbokvd's --spill-dir, session.info().residency is RESIDENCY_MEMORY,
 RESIDENCY_DISK (demoted: the next call brings it back) or
 RESIDENCY_MEMORY_AND_DISK; client.prefetch(sessions) brings them back ahead
 of use, and create_session(..., pinned=True) keeps one in memory.
 """
 
-from turbokv.client import (  # noqa: F401
-    AttentionResult,
-    Client,
-    DecodeResult,
-    DecodeStream,
-    Session,
-    TurbokvError,
-    merge_attention,
+__version__ = "0.1.0"
+
+from turbokv._common import AttentionResult, DecodeResult, RetryPolicy, merge_attention  # noqa: E402
+from turbokv.client import Client, DecodeStream, Session  # noqa: E402
+from turbokv.errors import (  # noqa: E402
+    BudgetExceeded, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError,
+    SessionNotFound, TurbokvError, Unauthenticated, Unavailable,
 )
-from turbokv.v1.turbokv_pb2 import RESIDENCY_DISK, RESIDENCY_MEMORY, RESIDENCY_MEMORY_AND_DISK  # noqa: F401,E402
+from turbokv.v1.turbokv_pb2 import RESIDENCY_DISK, RESIDENCY_MEMORY, RESIDENCY_MEMORY_AND_DISK  # noqa: E402
+
+__all__ = [
+    "__version__", "Client", "Session", "DecodeStream", "AttentionResult", "DecodeResult", "RetryPolicy",
+    "merge_attention", "TurbokvError", "SessionNotFound", "BudgetExceeded", "InvalidArgument", "FailedPrecondition",
+    "Unavailable", "DeadlineExceeded", "PermissionDenied", "Unauthenticated", "ServiceError",
+    "RESIDENCY_MEMORY", "RESIDENCY_DISK", "RESIDENCY_MEMORY_AND_DISK",
+]

@@ -1,328 +1,237 @@
-"""turbokv.Client and turbokv.Session: numpy arrays in and out over gRPC."""
+"""turbokv.Client, turbokv.Session and turbokv.DecodeStream: the blocking client.
+
+Arrays go in as numpy arrays or torch tensors and come back the same way
+(torch results on the input's device). turbokv.aio has the same API on asyncio.
+"""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import queue
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+import time
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import grpc
 import numpy as np
-from google.protobuf import duration_pb2
 
+from turbokv import _common, _tensors
+from turbokv._common import (  # noqa: F401  (AttentionResult and DecodeResult are part of this module's API)
+    DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy, merge_attention,
+)
+from turbokv.errors import TurbokvError, Unavailable, error_for
 from turbokv.v1 import turbokv_pb2 as pb
 from turbokv.v1 import turbokv_pb2_grpc as pb_grpc
 
-_CODECS = {
-    "f16": pb.CODEC_F16,
-    "q8_0": pb.CODEC_Q8_0,
-    "q4_0": pb.CODEC_Q4_0,
-    "turbo2": pb.CODEC_TURBO2,
-    "turbo3": pb.CODEC_TURBO3,
-    "turbo4": pb.CODEC_TURBO4,
-}
-_DTYPES = {np.dtype(np.float32): pb.DTYPE_F32, np.dtype(np.float16): pb.DTYPE_F16}
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+T = TypeVar("T")
+Chunk = Tuple[Optional[int], int, Any, Any]
 
 
-class TurbokvError(Exception):
-    """A failed call: `code` is the grpc.StatusCode, `message` the daemon's words."""
+class _Requests:
+    """The requests of a client stream, built from the caller's items as gRPC
+    asks for them. An exception building one (a bad chunk, or one raised by
+    the caller's generator) ends the stream there, so that what was sent
+    before it is applied, and is kept to be raised to the caller as itself
+    (gRPC would report it as UNKNOWN "Exception iterating requests!")."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
+    def __init__(self, items: Iterable[Any], build: Callable[[Any], Any]):
+        self._items = items
+        self._build = build
+        self.error: Optional[BaseException] = None
 
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for item in self._items:
+                yield self._build(item)
+        except Exception as error:  # noqa: BLE001 (re-raised in the caller's thread)
+            self.error = error
 
-def _item_errors(status) -> list:
-    """A batch's per-item statuses: None for OK, else the TurbokvError."""
-    return [None if item.code == 0 else TurbokvError(_STATUS_CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.message)
-            for item in status]
-
-
-def _raise(error: grpc.RpcError) -> None:
-    raise TurbokvError(error.code(), error.details()) from None
-
-
-def _tensor(array, rank: int, name: str) -> pb.Tensor:
-    array = np.asarray(array)
-    if array.dtype not in _DTYPES:
-        array = array.astype(np.float32)
-    if array.ndim != rank:
-        raise ValueError(f"{name} must have {rank} dimensions, got shape {array.shape}")
-    array = np.ascontiguousarray(array)
-    return pb.Tensor(dtype=_DTYPES[array.dtype], shape=list(array.shape), data=array.tobytes())
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
-def _array(tensor: pb.Tensor) -> np.ndarray:
-    dtype = {pb.DTYPE_F32: np.float32, pb.DTYPE_F16: np.float16}.get(tensor.dtype)
-    if dtype is None:  # bf16: the high half of an f32
-        bits = np.frombuffer(tensor.data, dtype=np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(tuple(tensor.shape))
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(tuple(tensor.shape))
+class Session(_common.SessionBase):
+    """One session's calls (Client.create_session() or Client.session()).
 
+    Keys and values are [tokens, kv_heads, head_dim]; with layer=None,
+    [layers, tokens, kv_heads, head_dim]. Tensors are numpy arrays (float32,
+    float16; float64 is sent as float32) or torch tensors (float32, float16,
+    bfloat16, on any device). Shapes, dtypes and ranges are checked before
+    anything is sent (ValueError / TypeError naming the argument). Every call
+    takes timeout= in seconds (None: the client's)."""
 
-@dataclasses.dataclass
-class AttentionResult:
-    output: np.ndarray  # [n, q_heads, head_dim] float32
-    lse: np.ndarray  # [n, q_heads] natural-log log-sum-exp of the logits
-    top_k_tokens: Optional[np.ndarray] = None  # [n, q_heads, k] with top_k
-    top_k_logits: Optional[np.ndarray] = None
+    _client: "Client"
 
+    def append(self, layer: Optional[int], start: int, keys: Any, values: Any, *,
+               timeout: Optional[float] = None) -> int:
+        """Stores tokens [start, start + n) of `layer` (None: every layer);
+        returns the layer's new length. Positions already stored are
+        acknowledged, not stored again."""
+        request = self._append_request(layer, start, keys, values)
+        return self._append(iter([request]), timeout)
 
-def _result(result, top_k: int, cls=AttentionResult, **fields) -> AttentionResult:
-    """A pb.AttentionResult (or a pb.DecodeResponse: the same fields, a batch
-    dimension more) as a `cls` with numpy arrays; fields: cls's others."""
-    out = cls(output=_array(result.output), lse=_array(result.lse), **fields)
-    if top_k > 0:
-        shape = out.lse.shape + (top_k,)
-        out.top_k_tokens = np.array(result.top_k_tokens, dtype=np.int64).reshape(shape)
-        out.top_k_logits = np.array(result.top_k_logits, dtype=np.float32).reshape(shape)
-    return out
-
-
-def merge_attention(a: AttentionResult, b: AttentionResult) -> AttentionResult:
-    """Attention over two disjoint token sets merged exactly through their log-sum-exps."""
-    m = np.maximum(a.lse, b.lse)
-    wa, wb = np.exp(a.lse - m), np.exp(b.lse - m)
-    output = (wa[..., None] * a.output + wb[..., None] * b.output) / (wa + wb)[..., None]
-    return AttentionResult(output=output.astype(np.float32), lse=(m + np.log(wa + wb)).astype(np.float32))
-
-
-class Session:
-    """One session's calls. Keys and values are [tokens, kv_heads, head_dim]
-    (float32 or float16); with layer=None, [layers, tokens, kv_heads, head_dim]."""
-
-    def __init__(self, client: "Client", session_id: str, config: pb.SessionConfig):
-        self._client = client
-        self._stub = client._stub
-        self.id = session_id
-        self.config = config
-        self.layers = config.shape.layers
-        self.kv_heads = config.shape.kv_heads
-        self.q_heads = config.shape.q_heads
-        self.head_dim = config.shape.head_dim
-
-    def _request(self, layer: Optional[int], start: int, keys, values) -> pb.AppendRequest:
-        rank = 3 if layer is not None else 4
-        request = pb.AppendRequest(
-            session_id=self.id, start=start, keys=_tensor(keys, rank, "keys"), values=_tensor(values, rank, "values")
-        )
-        if layer is None:
-            request.all_layers = True
-        else:
-            request.layer = layer
-        return request
-
-    def append(self, layer: Optional[int], start: int, keys, values) -> int:
-        """Stores tokens [start, start + n); returns the layer's new length."""
-        return self.append_stream([(layer, start, keys, values)])
-
-    def append_stream(self, chunks: Iterable[Tuple[Optional[int], int, np.ndarray, np.ndarray]]) -> int:
+    def append_stream(self, chunks: Iterable[Chunk], *, timeout: Optional[float] = None) -> int:
         """Sends (layer, start, keys, values) chunks on one Append stream
         without waiting for each acknowledgement; returns the length after the
-        last one. The first failing chunk raises; the ones before it stay."""
-        requests: Iterator[pb.AppendRequest] = (self._request(*chunk) for chunk in chunks)
-        tokens = 0
-        try:
-            for response in self._stub.Append(requests, timeout=self._client._timeout, metadata=self._client._metadata):
-                tokens = response.tokens
-        except grpc.RpcError as error:
-            _raise(error)
+        last one. The first failing chunk raises (a chunk refused here raises
+        its ValueError or TypeError, as does an exception of the chunks'
+        generator); the ones before it stay. timeout covers the whole stream."""
+        requests = _Requests(chunks, self._chunk_request)
+        tokens = self._append(iter(requests), timeout)
+        requests.raise_error()
         return tokens
 
-    def attend(self, layer: int, queries, positions: Optional[Sequence[int]] = None, softmax_scale: float = 0.0,
-               softcap: float = 0.0, window: int = 0, top_k: int = 0) -> AttentionResult:
+    def _append(self, requests: Iterator[pb.AppendRequest], timeout: Optional[float]) -> int:
+        def attempt(deadline: Optional[float]) -> int:
+            tokens = 0
+            for response in self._client._stub.Append(requests, timeout=deadline, metadata=self._client._metadata):
+                tokens = response.tokens
+            return tokens
+        return self._client._invoke(attempt, timeout, idempotent=False)
+
+    def attend(self, layer: int, queries: Any, positions: Optional[Sequence[int]] = None, softmax_scale: float = 0.0,
+               softcap: float = 0.0, window: int = 0, top_k: int = 0, *,
+               timeout: Optional[float] = None) -> AttentionResult:
         """queries [n, q_heads, head_dim]; a query at position p sees tokens
-        [0, p] (no positions: every stored token)."""
-        request = pb.AttendRequest(
-            session_id=self.id, layer=layer, queries=_tensor(queries, 3, "queries"),
-            positions=list(positions) if positions is not None else [],
-            options=pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window, top_k=top_k),
-        )
-        try:
-            for response in self._stub.Attend(iter([request]), timeout=self._client._timeout, metadata=self._client._metadata):
-                return _result(response.result, top_k)
-        except grpc.RpcError as error:
-            _raise(error)
-        raise TurbokvError(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
+        [0, p] (no positions: every stored token). softmax_scale 0: 1/sqrt(head_dim);
+        softcap > 0: logits become softcap * tanh(logit / softcap); window > 0:
+        a query at p sees only tokens (p - window, p]; top_k > 0: also the k
+        highest logits per query head. Retried on UNAVAILABLE."""
+        request, kind = self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k)
 
-    def step(self, layer: int, position: int, key, value, query, softmax_scale: float = 0.0, softcap: float = 0.0,
-             window: int = 0, top_k: int = 0) -> Tuple[int, AttentionResult]:
-        """Appends one token ([kv_heads, head_dim] or [1, ...]) at `position`
-        and attends with its query; returns (layer length, result)."""
-        key, value, query = (np.asarray(x).reshape((1,) + np.shape(x)[-2:]) for x in (key, value, query))
-        request = pb.StepRequest(
-            session_id=self.id, layer=layer, position=position, key=_tensor(key, 3, "key"),
-            value=_tensor(value, 3, "value"), query=_tensor(query, 3, "query"),
-            options=pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window, top_k=top_k),
-        )
-        try:
-            response = self._stub.Step(request, timeout=self._client._timeout, metadata=self._client._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
-        return response.tokens, _result(response.result, top_k)
+        def attempt(deadline: Optional[float]) -> AttentionResult:
+            for response in self._client._stub.Attend(iter([request]), timeout=deadline,
+                                                      metadata=self._client._metadata):
+                return _common.result(response.result, top_k, kind)
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
+        return self._client._invoke(attempt, timeout, idempotent=True)
 
-    def read_kv(self, layer: int, start: int = 0, end: int = 0, dtype=np.float32) -> Tuple[np.ndarray, np.ndarray]:
-        """Decoded keys and values of tokens [start, end) (end 0: to the end)."""
-        if np.dtype(dtype) not in _DTYPES:
-            raise ValueError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
-        request = pb.ReadKvRequest(session_id=self.id, layers=[layer], start=start, end=end,
-                                   dtype=_DTYPES[np.dtype(dtype)])
-        keys, values = [], []
-        try:
-            for response in self._stub.ReadKv(request, timeout=self._client._timeout, metadata=self._client._metadata):
-                keys.append(_array(response.keys))
-                values.append(_array(response.values))
-        except grpc.RpcError as error:
-            _raise(error)
-        empty = np.zeros((0, self.kv_heads, self.head_dim), dtype=dtype)
-        return (np.concatenate(keys) if keys else empty), (np.concatenate(values) if values else empty)
+    def step(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float = 0.0,
+             softcap: float = 0.0, window: int = 0, top_k: int = 0, *,
+             timeout: Optional[float] = None) -> Tuple[int, AttentionResult]:
+        """Appends one token (key and value [kv_heads, head_dim] or [1, ...])
+        at `position` and attends with its query ([q_heads, head_dim] or
+        [1, ...]); returns (layer length, result of 1 query)."""
+        request, kind = self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k)
+        response = self._client._invoke(
+            lambda deadline: self._client._stub.Step(request, timeout=deadline, metadata=self._client._metadata),
+            timeout, idempotent=False)
+        return response.tokens, _common.result(response.result, top_k, kind)
 
-    def fork(self, prefix_tokens: int) -> "Session":
-        """A new session sharing the first prefix_tokens tokens (no copy)."""
-        try:
-            response = self._stub.ForkSession(
-                pb.ForkSessionRequest(source_session_id=self.id, prefix_tokens=prefix_tokens),
-                timeout=self._client._timeout, metadata=self._client._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
+    def read_kv(self, layer: Optional[int], start: int = 0, end: int = 0, dtype: Any = np.float32, *,
+                device: Any = None, timeout: Optional[float] = None) -> Tuple[Array, Array]:
+        """Decoded keys and values of tokens [start, end) (end 0: to the end):
+        [tokens, kv_heads, head_dim] of one layer, or with layer=None every
+        layer's, [layers, tokens, kv_heads, head_dim] (the layers must hold
+        the same number of tokens in the range, else ValueError). dtype
+        np.float32 or np.float16 gives numpy arrays; a torch dtype
+        (torch.float32, torch.float16, torch.bfloat16) or a device gives
+        torch tensors (on that device). Retried on UNAVAILABLE."""
+        request, kind = self._read_kv_request(layer, start, end, dtype, device)
+
+        def attempt(deadline: Optional[float]) -> List[pb.ReadKvResponse]:
+            return list(self._client._stub.ReadKv(request, timeout=deadline, metadata=self._client._metadata))
+        messages = self._client._invoke(attempt, timeout, idempotent=True)
+        return self._read_kv_result(layer, messages, request.dtype, kind)
+
+    def fork(self, prefix_tokens: int, *, timeout: Optional[float] = None) -> "Session":
+        """A new session sharing the first prefix_tokens tokens of every layer (no copy)."""
+        request = pb.ForkSessionRequest(source_session_id=self.id,
+                                        prefix_tokens=_tensors.index(prefix_tokens, "prefix_tokens"))
+        response = self._client._invoke(
+            lambda deadline: self._client._stub.ForkSession(request, timeout=deadline, metadata=self._client._metadata),
+            timeout, idempotent=False)
         return Session(self._client, response.session_id, response.session.config)
 
-    def truncate(self, tokens: int) -> pb.SessionInfo:
-        """Every layer keeps its first `tokens` tokens."""
-        try:
-            return self._stub.TruncateSession(pb.TruncateSessionRequest(session_id=self.id, tokens=tokens),
-                                              timeout=self._client._timeout, metadata=self._client._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
+    def truncate(self, tokens: int, *, timeout: Optional[float] = None) -> pb.SessionInfo:
+        """Every layer keeps its first `tokens` tokens; returns the session's info."""
+        request = pb.TruncateSessionRequest(session_id=self.id, tokens=_tensors.index(tokens, "tokens"))
+        return self._client._invoke(
+            lambda deadline: self._client._stub.TruncateSession(request, timeout=deadline,
+                                                                metadata=self._client._metadata),
+            timeout, idempotent=False)
 
-    def info(self) -> pb.SessionInfo:
-        return self._client.get_session(self.id)
+    def info(self, *, timeout: Optional[float] = None) -> pb.SessionInfo:
+        """Tokens per layer, bytes held, residency, configuration (Client.get_session)."""
+        return self._client.get_session(self.id, timeout=timeout)
 
-    def delete(self) -> None:
-        self._client.delete_session(self.id)
-
-
-@dataclasses.dataclass
-class DecodeResult(AttentionResult):
-    """One Decode message's results: AttentionResult's arrays with a batch
-    dimension first (B items of k queries each), so merge_attention takes a
-    DecodeResult as it is, plus each item's outcome.
-
-    output [B, k, q_heads, head_dim] float32, lse [B, k, q_heads] and, with
-    top_k, top_k_tokens / top_k_logits [B, k, q_heads, top_k]. tokens [B]: the
-    layer's length after the step (a failed item: its length as it stands, 0
-    when its session was not found). errors [B]: None for an item that
-    succeeded, else a TurbokvError with the item's gRPC code and message. A
-    failed item changed nothing of its session; its output is zeros and its
-    lse -inf."""
-
-    session_ids: List[str] = dataclasses.field(default_factory=list)
-    tokens: Optional[np.ndarray] = None
-    errors: List[Optional[TurbokvError]] = dataclasses.field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """Every item succeeded."""
-        return all(error is None for error in self.errors)
-
-    @property
-    def failed(self) -> int:
-        """How many items failed."""
-        return sum(error is not None for error in self.errors)
-
-    def raise_for_status(self) -> "DecodeResult":
-        """Raises the first failed item's TurbokvError; returns self when all succeeded."""
-        for error in self.errors:
-            if error is not None:
-                raise error
-        return self
-
-    def item(self, i: int) -> AttentionResult:
-        """Item i's k queries as an AttentionResult: output [k, q_heads, head_dim]."""
-        return AttentionResult(output=self.output[i], lse=self.lse[i],
-                               top_k_tokens=None if self.top_k_tokens is None else self.top_k_tokens[i],
-                               top_k_logits=None if self.top_k_logits is None else self.top_k_logits[i])
+    def delete(self, *, timeout: Optional[float] = None) -> None:
+        """Frees the session (pages a fork shares stay with the fork)."""
+        self._client.delete_session(self.id, timeout=timeout)
 
 
-class DecodeStream:
+class DecodeStream(_common.DecodeBase):
     """One Decode stream (Client.decode_stream()): each call is one layer's
     decode step for a batch of B sessions, sent as one message and answered in
     order. Items fail alone (DecodeResult.errors); a malformed message ends the
-    stream, raising TurbokvError from that call and every later one. Arguments
-    the daemon would refuse for their shapes raise ValueError here, before
-    anything is sent, and leave the stream open.
+    stream, raising its TurbokvError from that call and every later one.
+    Arguments the daemon would refuse for their shapes, dtypes or ranges raise
+    ValueError / TypeError here, before anything is sent, and leave the
+    stream open.
 
     step() and attend() send one message and wait for its result. To keep
     several messages in flight, send() each and receive() their results in
     the same order. One thread at a time; close() it (or use `with`)."""
 
     def __init__(self, client: "Client", timeout: Optional[float] = None):
+        super().__init__()
         self._requests: "queue.SimpleQueue[Optional[pb.DecodeRequest]]" = queue.SimpleQueue()
-        self._responses = client._stub.Decode(iter(self._requests.get, None), timeout=timeout,
-                                              metadata=client._metadata)
-        self._pending = collections.deque()  # (session ids, top_k) of messages sent and not received
-        self._error: Optional[TurbokvError] = None
-        self._closed = False
+        self._responses = client._stub.Decode(iter(self._requests.get, None),
+                                              timeout=_common.timeout_value(timeout), metadata=client._metadata)
 
-    def step(self, layer: int, sessions: Sequence[Union[Session, str]], keys, values, queries, positions, *,
-             softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0, top_k: int = 0) -> DecodeResult:
+    def step(self, layer: int, sessions: Sequence[Union[Session, str]], keys: Any, values: Any, queries: Any,
+             positions: Any, *, softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0,
+             top_k: int = 0) -> DecodeResult:
         """Stores each item's k new tokens and attends with its k queries.
 
         sessions: B Session objects or session ids, each once, all of one
         shape. keys, values [B, kv_heads, head_dim] (k = 1) or
-        [B, k, kv_heads, head_dim], float32 or float16; queries the same rank:
-        [B, q_heads, head_dim] or [B, k, q_heads, head_dim]. positions [B, k]:
-        query j of item i is at positions[i][j] and sees tokens [0, position];
-        item i's tokens go to positions[i][0] + 0 .. k - 1 (consecutive, the
-        first at most the layer's length; positions already stored are
-        acknowledged, not stored twice). positions [B] means each item's
-        first position, the others following it. Options as in Session.attend."""
+        [B, k, kv_heads, head_dim] (numpy or torch, as for Session.append);
+        queries the same rank: [B, q_heads, head_dim] or
+        [B, k, q_heads, head_dim]. positions [B, k]: query j of item i is at
+        positions[i][j] and sees tokens [0, position]; item i's tokens go to
+        positions[i][0] + 0 .. k - 1 (consecutive, the first at most the
+        layer's length; positions already stored are acknowledged, not stored
+        twice). positions [B] means each item's first position, the others
+        following it. Options as in Session.attend. Results are numpy arrays,
+        or torch tensors on the queries' device."""
         if keys is None or values is None:
             raise ValueError("step needs keys and values; attend() sends queries alone")
-        return self._call(layer, sessions, queries, positions, keys, values, softmax_scale, softcap, window, top_k)
+        self._check_idle()
+        self.send(layer, sessions, queries, positions, keys, values, softmax_scale=softmax_scale, softcap=softcap,
+                  window=window, top_k=top_k)
+        return self.receive()
 
-    def attend(self, layer: int, sessions: Sequence[Union[Session, str]], queries, positions,
-               **options) -> DecodeResult:
+    def attend(self, layer: int, sessions: Sequence[Union[Session, str]], queries: Any, positions: Any, *,
+               softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0, top_k: int = 0) -> DecodeResult:
         """Attention only: as step() without keys and values; every position
         must be stored already, and positions [B, k] need not be consecutive."""
-        return self._call(layer, sessions, queries, positions, None, None, **options)
+        self._check_idle()
+        self.send(layer, sessions, queries, positions, softmax_scale=softmax_scale, softcap=softcap, window=window,
+                  top_k=top_k)
+        return self.receive()
 
-    def send(self, layer: int, sessions: Sequence[Union[Session, str]], queries, positions, keys=None,
-             values=None, *, softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0,
-             top_k: int = 0) -> None:
+    def send(self, layer: int, sessions: Sequence[Union[Session, str]], queries: Any, positions: Any,
+             keys: Any = None, values: Any = None, *, softmax_scale: float = 0.0, softcap: float = 0.0,
+             window: int = 0, top_k: int = 0) -> None:
         """Sends a message without waiting for its result: receive() it
         later. With keys and values (both or neither) it is a step(), without
         them an attend(); the arguments mean what they mean there."""
-        request = self._request(layer, sessions, queries, positions, keys, values,
-                                pb.AttentionOptions(softmax_scale=softmax_scale, softcap=softcap, window=window,
-                                                    top_k=top_k))
         self._check_open()
-        self._pending.append((list(request.session_ids), top_k))
-        self._requests.put(request)
+        self._requests.put(self._request(layer, sessions, queries, positions, keys, values, softmax_scale, softcap,
+                                         window, top_k))
 
     def receive(self) -> DecodeResult:
         """The result of the oldest message sent and not yet received."""
         self._check_open()
         if not self._pending:
             raise RuntimeError("receive() with no message awaiting its result")
-        session_ids, top_k = self._pending.popleft()
         try:
             response = next(self._responses)
         except grpc.RpcError as error:
-            self._fail(TurbokvError(error.code(), error.details()))
+            self._fail(error_for(error.code(), error.details()))
         except StopIteration:
-            self._fail(TurbokvError(grpc.StatusCode.UNAVAILABLE, "the Decode stream ended without a response"))
-        errors = _item_errors(response.status)
-        return _result(response, top_k, DecodeResult, session_ids=session_ids,
-                       tokens=np.array(response.tokens, dtype=np.int64), errors=errors)
-
-    @property
-    def pending(self) -> int:
-        """Messages sent whose results are not received yet."""
-        return len(self._pending)
+            self._fail(Unavailable(grpc.StatusCode.UNAVAILABLE, "the Decode stream ended without a response"))
+        return self._result(response)
 
     def close(self) -> None:
         """Ends the stream once the daemon has answered what was sent; results
@@ -341,93 +250,54 @@ class DecodeStream:
     def __enter__(self) -> "DecodeStream":
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is not None:
             self._responses.cancel()  # no need to wait for what was sent
         self.close()
 
-    def _call(self, layer, sessions, queries, positions, keys, values, softmax_scale: float = 0.0,
-              softcap: float = 0.0, window: int = 0, top_k: int = 0) -> DecodeResult:
-        if self._pending:
-            raise RuntimeError(f"{len(self._pending)} results of send() are not received yet: receive() them first")
-        self.send(layer, sessions, queries, positions, keys, values, softmax_scale=softmax_scale, softcap=softcap,
-                  window=window, top_k=top_k)
-        return self.receive()
-
-    def _check_open(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._closed:
-            raise RuntimeError("the Decode stream is closed")
-
-    def _fail(self, error: TurbokvError) -> None:
-        self._error = error
-        self._pending.clear()
-        raise error
-
-    @staticmethod
-    def _request(layer, sessions, queries, positions, keys, values, options) -> pb.DecodeRequest:
-        if layer < 0:
-            raise ValueError(f"layer must be >= 0, got {layer}")
-        ids = [s.id if isinstance(s, Session) else s for s in sessions]
-        if not ids or not all(isinstance(i, str) and i for i in ids):
-            raise ValueError("sessions must be one or more Session objects or session ids")
-        b = len(ids)
-        queries = np.asarray(queries)
-        if queries.ndim not in (3, 4) or queries.shape[0] != b:
-            raise ValueError(f"queries must be [{b}, q_heads, head_dim] or [{b}, k, q_heads, head_dim] for "
-                             f"{b} sessions, got shape {queries.shape}")
-        k = queries.shape[1] if queries.ndim == 4 else 1
-        positions = np.asarray(positions)
-        if positions.dtype.kind not in "iu":
-            raise ValueError(f"positions must be integers, got {positions.dtype}")
-        if positions.shape == (b,):
-            positions = positions[:, None] + np.arange(k)
-        if positions.shape != (b, k):
-            raise ValueError(f"positions must be [{b}] or [{b}, {k}] for queries {queries.shape}, "
-                             f"got shape {positions.shape}")
-        request = pb.DecodeRequest(layer=layer, session_ids=ids, positions=positions.astype(np.int64).ravel().tolist(),
-                                   queries=_tensor(queries, queries.ndim, "queries"), options=options)
-        if (keys is None) != (values is None):
-            raise ValueError("keys and values: send both or neither")
-        if keys is not None:
-            keys, values = np.asarray(keys), np.asarray(values)
-            if (keys.shape != values.shape or keys.shape[:-2] != queries.shape[:-2]
-                    or keys.shape[-1:] != queries.shape[-1:]):
-                expected = "[B, kv_heads, head_dim]" if queries.ndim == 3 else "[B, k, kv_heads, head_dim]"
-                raise ValueError(f"keys and values must both be {expected} like queries {queries.shape}, "
-                                 f"got {keys.shape} and {values.shape}")
-            request.keys.CopyFrom(_tensor(keys, queries.ndim, "keys"))
-            request.values.CopyFrom(_tensor(values, queries.ndim, "values"))
-        return request
-
 
 class Client:
-    """A channel to turbokvd: unix:///path or host:port.
+    """A channel to turbokvd: target is unix:///path or host:port.
 
+    timeout: the default deadline of each call in seconds (a stream's covers
+    the whole stream; None: no deadline); each call's timeout= overrides it.
+    retry: how idempotent calls are retried on UNAVAILABLE (RetryPolicy).
     token: sent as "authorization: Bearer TOKEN" (turbokvd --auth-tokens-file).
     root_certificates: PEM bytes of the CA that signed turbokvd's certificate,
     for TLS to a TCP listener; private_key and certificate_chain: this
-    client's, for mTLS."""
+    client's, for mTLS. Failures raise TurbokvError subclasses by gRPC code
+    (turbokv.errors)."""
 
     def __init__(self, target: str = "unix:///tmp/turbokv.sock", max_message_bytes: int = 64 << 20,
-                 timeout: Optional[float] = None, token: Optional[str] = None,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
                  root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
-                 certificate_chain: Optional[bytes] = None):
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-        ]
+                 certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy()):
+        options = _common.channel_options(max_message_bytes)
+        self._timeout = _common.timeout_value(timeout)
+        if not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a turbokv.RetryPolicy, got {type(retry).__name__}")
+        self._retry = retry
         if root_certificates is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
             self._channel = grpc.secure_channel(target, credentials, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.KvCacheServiceStub(self._channel)
-        self._timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def _invoke(self, attempt: Callable[[Optional[float]], T], timeout: Optional[float], idempotent: bool) -> T:
+        """Runs attempt(deadline in seconds) until it succeeds, retrying
+        UNAVAILABLE for idempotent calls; a failure raises its TurbokvError."""
+        attempts = _common.Attempts(self._retry, self._timeout if timeout is None else _common.timeout_value(timeout),
+                                    idempotent)
+        while True:
+            try:
+                return attempt(attempts.remaining())
+            except grpc.RpcError as error:
+                wait = attempts.retry_after(error)
+                if wait is None:
+                    raise attempts.error(error) from None
+            time.sleep(wait)
 
     def close(self) -> None:
         self._channel.close()
@@ -435,57 +305,52 @@ class Client:
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def wait_until_ready(self, timeout: float = 10.0) -> None:
+        """Waits until the channel is connected; Unavailable after `timeout` seconds."""
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise TurbokvError(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
 
     def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: str = "turbo3",
                        value_codec: str = "turbo3", rotation_seed: Optional[int] = None, max_tokens: int = 0,
-                       idle_ttl: Optional[float] = None, pinned: bool = False) -> Session:
-        """pinned: never demoted to turbokvd's --spill-dir while idle."""
-        for name in (key_codec, value_codec):
-            if name not in _CODECS:
-                raise ValueError(f"unknown codec {name!r}: use one of {', '.join(_CODECS)}")
-        config = pb.SessionConfig(
-            shape=pb.ModelShape(layers=layers, kv_heads=kv_heads, q_heads=q_heads, head_dim=head_dim),
-            key_codec=_CODECS[key_codec], value_codec=_CODECS[value_codec], max_tokens=max_tokens, pinned=pinned,
-        )
-        if rotation_seed is not None:
-            config.rotation_seed = rotation_seed
-        if idle_ttl is not None:
-            config.idle_ttl.CopyFrom(duration_pb2.Duration(seconds=int(idle_ttl), nanos=int(idle_ttl % 1 * 1e9)))
-        try:
-            response = self._stub.CreateSession(pb.CreateSessionRequest(config=config), timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
+                       idle_ttl: Optional[float] = None, pinned: bool = False, *,
+                       timeout: Optional[float] = None) -> Session:
+        """A new session of the model shape. Codecs: f16, q8_0, q4_0, turbo2,
+        turbo3, turbo4; rotation_seed: the turbo codecs' (random when None);
+        max_tokens per layer (0: the daemon's); idle_ttl in seconds (None:
+        the daemon's --session-ttl); pinned: never demoted to --spill-dir."""
+        request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
+                                         max_tokens, idle_ttl, pinned)
+        response = self._invoke(
+            lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=False)
         return Session(self, response.session_id, response.config)
 
-    def session(self, session_id: str) -> Session:
-        """A handle on an existing session."""
-        return Session(self, session_id, self.get_session(session_id).config)
+    def session(self, session_id: str, *, timeout: Optional[float] = None) -> Session:
+        """A handle on an existing session (SessionNotFound when there is none)."""
+        return Session(self, session_id, self.get_session(session_id, timeout=timeout).config)
 
-    def get_session(self, session_id: str) -> pb.SessionInfo:
-        try:
-            return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
+    def get_session(self, session_id: str, *, timeout: Optional[float] = None) -> pb.SessionInfo:
+        """A session's info: layer_tokens, bytes_used, fp16_bytes, residency, config, age, idle."""
+        request = pb.GetSessionRequest(session_id=_common.session_ids([session_id], "session_id")[0])
+        return self._invoke(lambda deadline: self._stub.GetSession(request, timeout=deadline, metadata=self._metadata),
+                            timeout, idempotent=True)
 
-    def list_sessions(self) -> list:
-        try:
-            return list(self._stub.ListSessions(pb.ListSessionsRequest(), timeout=self._timeout, metadata=self._metadata).sessions)
-        except grpc.RpcError as error:
-            _raise(error)
+    def list_sessions(self, *, timeout: Optional[float] = None) -> List[pb.SessionInfo]:
+        """Every session of this caller's tenant."""
+        return list(self._invoke(
+            lambda deadline: self._stub.ListSessions(pb.ListSessionsRequest(), timeout=deadline,
+                                                     metadata=self._metadata),
+            timeout, idempotent=True).sessions)
 
-    def delete_session(self, session_id: str) -> None:
-        try:
-            self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
+    def delete_session(self, session_id: str, *, timeout: Optional[float] = None) -> None:
+        request = pb.DeleteSessionRequest(session_id=_common.session_ids([session_id], "session_id")[0])
+        self._invoke(lambda deadline: self._stub.DeleteSession(request, timeout=deadline, metadata=self._metadata),
+                     timeout, idempotent=False)
 
     def decode_stream(self, timeout: Optional[float] = None) -> DecodeStream:
         """A Decode stream for batched decoding, held open across steps:
@@ -497,26 +362,26 @@ class Client:
         timeout is for single calls and does not apply); None: no deadline."""
         return DecodeStream(self, timeout)
 
-    def snapshot(self) -> pb.SnapshotResponse:
+    def snapshot(self, *, timeout: Optional[float] = None) -> pb.SnapshotResponse:
         """Writes every session to turbokvd's --snapshot-dir now."""
-        try:
-            return self._stub.Snapshot(pb.SnapshotRequest(), timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
+        return self._invoke(
+            lambda deadline: self._stub.Snapshot(pb.SnapshotRequest(), timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=False)
 
-    def prefetch(self, sessions: Sequence[Union[Session, str]]) -> list:
+    def prefetch(self, sessions: Sequence[Union[Session, str]], *,
+                 timeout: Optional[float] = None) -> List[Optional[TurbokvError]]:
         """Brings sessions demoted to turbokvd's --spill-dir back into memory
         ahead of use. Returns, per session, None when it is in memory or the
-        TurbokvError saying why not (NOT_FOUND, RESOURCE_EXHAUSTED, ...)."""
-        ids = [s.id if isinstance(s, Session) else s for s in sessions]
-        try:
-            response = self._stub.Prefetch(pb.PrefetchRequest(session_ids=ids), timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
-        return _item_errors(response.status)
+        error saying why not (SessionNotFound, BudgetExceeded, ...). Retried
+        on UNAVAILABLE."""
+        request = pb.PrefetchRequest(session_ids=_common.session_ids(sessions))
+        response = self._invoke(
+            lambda deadline: self._stub.Prefetch(request, timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=True)
+        return _common.item_errors(response.status)
 
-    def stats(self) -> pb.StatsResponse:
-        try:
-            return self._stub.Stats(pb.StatsRequest(), timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            _raise(error)
+    def stats(self, *, timeout: Optional[float] = None) -> pb.StatsResponse:
+        """The daemon's totals: sessions, tokens, bytes_used, budget_bytes, compression_ratio, device, ..."""
+        return self._invoke(
+            lambda deadline: self._stub.Stats(pb.StatsRequest(), timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=True)

@@ -1,0 +1,464 @@
+"""What turbokv.Client and turbokv.aio.Client share: results, merge_attention,
+the retry policy, and the requests each call sends, built and checked before
+anything goes on the wire."""
+
+from __future__ import annotations
+
+import collections
+import collections.abc
+import dataclasses
+import random
+import time
+from typing import TYPE_CHECKING, Any, Deque, Iterable, List, Optional, Sequence, Tuple, Union
+
+import grpc
+import numpy as np
+from google.protobuf import duration_pb2
+
+from turbokv import _tensors
+from turbokv.errors import TurbokvError, error_for
+from turbokv.v1 import turbokv_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+Array = Union[np.ndarray, "torch.Tensor"]
+"""A numpy array, or a torch tensor when the input was one."""
+
+CODECS = {
+    "f16": pb.CODEC_F16,
+    "q8_0": pb.CODEC_Q8_0,
+    "q4_0": pb.CODEC_Q4_0,
+    "turbo2": pb.CODEC_TURBO2,
+    "turbo3": pb.CODEC_TURBO3,
+    "turbo4": pb.CODEC_TURBO4,
+}
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How idempotent calls (GetSession, ListSessions, Stats, ReadKv, Attend,
+    Prefetch) are retried when turbokvd is UNAVAILABLE: at most max_attempts
+    tries in all, waiting initial_backoff seconds before the second, then
+    multiplier times longer each time up to max_backoff (each wait drawn
+    between half and all of that, so that clients spread out). Retries stop
+    at the call's deadline. Calls that change a session (Append, Step,
+    CreateSession, ForkSession, TruncateSession, DeleteSession, Decode) are
+    never retried. RetryPolicy(max_attempts=1) turns retries off."""
+
+    max_attempts: int = 4
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        _tensors.index(self.max_attempts, "max_attempts", low=1)
+        for name in ("initial_backoff", "max_backoff", "multiplier"):
+            _tensors.number(getattr(self, name), name)
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier must be >= 1, got {self.multiplier}")
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1 the first)."""
+        ceiling = min(self.max_backoff, self.initial_backoff * self.multiplier ** (attempt - 1))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+@dataclasses.dataclass
+class AttentionResult:
+    """Attention of n queries over a set of tokens.
+
+    output [n, q_heads, head_dim] float32; lse [n, q_heads], the natural-log
+    log-sum-exp of the logits (-inf for a query that saw no token); with
+    top_k, top_k_tokens (int64) and top_k_logits [n, q_heads, top_k]. numpy
+    arrays, or torch tensors on the queries' device when the queries were
+    torch tensors; always writable, owned by the caller."""
+
+    output: Array
+    lse: Array
+    top_k_tokens: Optional[Array] = None
+    top_k_logits: Optional[Array] = None
+
+
+@dataclasses.dataclass
+class DecodeResult(AttentionResult):
+    """One Decode message's results: AttentionResult's arrays with a batch
+    dimension first (B items of k queries each), so merge_attention takes a
+    DecodeResult as it is, plus each item's outcome.
+
+    output [B, k, q_heads, head_dim] float32, lse [B, k, q_heads] and, with
+    top_k, top_k_tokens / top_k_logits [B, k, q_heads, top_k]. tokens [B]
+    (int64, numpy): the layer's length after the step (a failed item: its
+    length as it stands, 0 when its session was not found). errors [B]: None
+    for an item that succeeded, else the TurbokvError subclass of the item's
+    gRPC code (SessionNotFound, FailedPrecondition, ...). A failed item
+    changed nothing of its session; its output is zeros and its lse -inf."""
+
+    session_ids: List[str] = dataclasses.field(default_factory=list)
+    tokens: Optional[np.ndarray] = None
+    errors: List[Optional[TurbokvError]] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every item succeeded."""
+        return all(error is None for error in self.errors)
+
+    @property
+    def failed(self) -> int:
+        """How many items failed."""
+        return sum(error is not None for error in self.errors)
+
+    def raise_for_status(self) -> "DecodeResult":
+        """Raises the first failed item's error; returns self when all succeeded."""
+        for error in self.errors:
+            if error is not None:
+                raise error
+        return self
+
+    def item(self, i: int) -> AttentionResult:
+        """Item i's k queries as an AttentionResult: output [k, q_heads, head_dim]."""
+        return AttentionResult(output=self.output[i], lse=self.lse[i],
+                               top_k_tokens=None if self.top_k_tokens is None else self.top_k_tokens[i],
+                               top_k_logits=None if self.top_k_logits is None else self.top_k_logits[i])
+
+
+def merge_attention(a: AttentionResult, b: AttentionResult) -> AttentionResult:
+    """Attention over two disjoint token sets, merged exactly through their
+    log-sum-exps (numpy or torch, as the inputs are).
+
+    A side over no tokens has lse -inf (its output is not read: it may be
+    zeros or NaN): merged with the other side it gives that side exactly;
+    two empty sides give output zeros and lse -inf."""
+    if tuple(a.output.shape) != tuple(b.output.shape) or tuple(a.lse.shape) != tuple(b.lse.shape):
+        raise ValueError(f"merge_attention needs results of one shape, got output {tuple(a.output.shape)} and "
+                         f"{tuple(b.output.shape)}, lse {tuple(a.lse.shape)} and {tuple(b.lse.shape)}")
+    if _tensors.is_torch(a.output):
+        xp = _tensors.torch_module()
+        f32 = xp.float32
+        lse_a, lse_b, out_a, out_b = (x.to(f32) for x in (a.lse, b.lse, a.output, b.output))
+    else:
+        xp = np
+        f32 = np.float32
+        lse_a, lse_b, out_a, out_b = (np.asarray(x, dtype=f32) for x in (a.lse, b.lse, a.output, b.output))
+    m = xp.maximum(lse_a, lse_b)
+    m = xp.where(xp.isneginf(m), xp.zeros_like(m), m)  # both sides empty: no shift (the weights are 0)
+    wa, wb = xp.exp(lse_a - m), xp.exp(lse_b - m)
+    total = wa + wb
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mixed = (wa[..., None] * out_a + wb[..., None] * out_b) / total[..., None]
+        lse = m + xp.log(total)
+    empty_a, empty_b = (wa == 0)[..., None], (wb == 0)[..., None]
+    output = xp.where(empty_a & empty_b, xp.zeros_like(mixed),
+                      xp.where(empty_a, out_b, xp.where(empty_b, out_a, mixed)))
+    return AttentionResult(output=output, lse=lse)
+
+
+def item_errors(status: Iterable[pb.ItemStatus]) -> List[Optional[TurbokvError]]:
+    """A batch's per-item statuses: None for OK, else the error of the item's code."""
+    return [None if item.code == 0 else error_for(item.code, item.message) for item in status]
+
+
+def session_ids(sessions: Sequence[Any], name: str = "sessions") -> List[str]:
+    """Session objects or ids as ids; ValueError / TypeError naming what is wrong."""
+    if isinstance(sessions, (str, bytes)) or not isinstance(sessions, collections.abc.Iterable):
+        raise TypeError(f"{name} must be a sequence of Session objects or session ids, got {type(sessions).__name__}")
+    ids = []
+    for i, s in enumerate(sessions):
+        sid = getattr(s, "id", s)
+        if not isinstance(sid, str) or not sid:
+            raise TypeError(f"{name}[{i}] must be a Session or a session id, got {s!r}")
+        ids.append(sid)
+    return ids
+
+
+def options(softmax_scale: float, softcap: float, window: int, top_k: int) -> pb.AttentionOptions:
+    return pb.AttentionOptions(softmax_scale=_tensors.number(softmax_scale, "softmax_scale"),
+                               softcap=_tensors.number(softcap, "softcap"),
+                               window=_tensors.index(window, "window"), top_k=_tensors.index(top_k, "top_k"))
+
+
+def result(message: Any, top_k: int, kind: _tensors.Kind, cls: type = AttentionResult, **fields: Any) -> Any:
+    """A pb.AttentionResult (or a pb.DecodeResponse: the same fields, a batch
+    dimension more) as `cls` with arrays of `kind`; fields: cls's others."""
+    out = cls(output=_tensors.decode(message.output, kind), lse=_tensors.decode(message.lse, kind), **fields)
+    if top_k > 0:
+        shape = tuple(out.lse.shape) + (top_k,)
+        out.top_k_tokens = _tensors.wrap(np.array(message.top_k_tokens, dtype=np.int64).reshape(shape), kind)
+        out.top_k_logits = _tensors.wrap(np.array(message.top_k_logits, dtype=np.float32).reshape(shape), kind)
+    return out
+
+
+def read_kv_dtype(dtype: Any, device: Any) -> Tuple[int, _tensors.Kind]:
+    """ReadKv's dtype and the Kind of its results: a numpy dtype (float32,
+    float16) gives numpy arrays, a torch dtype (float32, float16, bfloat16)
+    or a device gives torch tensors."""
+    torch = _tensors.torch_module()
+    if torch is not None and isinstance(dtype, torch.dtype):
+        wire = {torch.float32: pb.DTYPE_F32, torch.float16: pb.DTYPE_F16, torch.bfloat16: pb.DTYPE_BF16}.get(dtype)
+        if wire is None:
+            raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        return wire, _tensors.Kind(torch.device(device if device is not None else "cpu"))
+    try:
+        wire = {np.dtype(np.float32): pb.DTYPE_F32, np.dtype(np.float16): pb.DTYPE_F16}.get(np.dtype(dtype))
+    except TypeError:
+        wire = None
+    if wire is None:
+        raise TypeError(f"dtype must be float32 or float16 (numpy), or a torch dtype, got {dtype!r}")
+    if device is None:
+        return wire, _tensors.NUMPY
+    if torch is None:
+        raise TypeError("device needs torch: import torch first")
+    return wire, _tensors.Kind(torch.device(device))
+
+
+class SessionBase:
+    """What Session and turbokv.aio.Session share: the session's shape and the requests of its calls."""
+
+    def __init__(self, client: Any, session_id: str, config: pb.SessionConfig):
+        self._client = client
+        self.id = session_id
+        self.config = config
+        self.layers = config.shape.layers
+        self.kv_heads = config.shape.kv_heads
+        self.q_heads = config.shape.q_heads
+        self.head_dim = config.shape.head_dim
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.id!r}, layers={self.layers}, kv_heads={self.kv_heads}, "
+                f"q_heads={self.q_heads}, head_dim={self.head_dim})")
+
+    def _layer(self, layer: Any) -> int:
+        return _tensors.index(layer, "layer", 0, self.layers)
+
+    def _append_request(self, layer: Optional[int], start: int, keys: Any, values: Any) -> pb.AppendRequest:
+        dims = [("tokens", None), ("kv_heads", self.kv_heads), ("head_dim", self.head_dim)]
+        if layer is None:
+            dims.insert(0, ("layers", self.layers))
+        request = pb.AppendRequest(session_id=self.id, start=_tensors.index(start, "start"))
+        request.keys.CopyFrom(_tensors.encode(keys, "keys", dims)[0])
+        request.values.CopyFrom(_tensors.encode(values, "values", dims)[0])
+        if tuple(request.keys.shape) != tuple(request.values.shape):
+            raise ValueError(f"keys and values must have one shape, got {tuple(request.keys.shape)} and "
+                             f"{tuple(request.values.shape)}")
+        if layer is None:
+            request.all_layers = True
+        else:
+            request.layer = self._layer(layer)
+        return request
+
+    def _chunk_request(self, chunk: Any) -> pb.AppendRequest:
+        if not isinstance(chunk, tuple) or len(chunk) != 4:
+            raise TypeError(f"each chunk must be a tuple (layer, start, keys, values), got {type(chunk).__name__}")
+        return self._append_request(*chunk)
+
+    def _attend_request(self, layer: int, queries: Any, positions: Optional[Any], softmax_scale: float,
+                        softcap: float, window: int, top_k: int) -> Tuple[pb.AttendRequest, _tensors.Kind]:
+        tensor, kind = _tensors.encode(queries, "queries", [("n", None), ("q_heads", self.q_heads),
+                                                            ("head_dim", self.head_dim)])
+        request = pb.AttendRequest(session_id=self.id, layer=self._layer(layer), queries=tensor,
+                                   options=options(softmax_scale, softcap, window, top_k))
+        if positions is not None:
+            positions = _tensors.integers(positions, "positions")
+            if positions.shape != (tensor.shape[0],):
+                raise ValueError(f"positions must be [n={tensor.shape[0]}] (one per query), got shape {positions.shape}")
+            request.positions.extend(positions.tolist())
+        return request, kind
+
+    def _step_request(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float,
+                      softcap: float, window: int, top_k: int) -> Tuple[pb.StepRequest, _tensors.Kind]:
+        def one(x: Any, name: str, heads: Tuple[str, int]) -> Tuple[pb.Tensor, _tensors.Kind]:
+            dims = [heads, ("head_dim", self.head_dim)]
+            if len(x.shape if hasattr(x, "shape") else np.shape(x)) == 2:
+                tensor, kind = _tensors.encode(x, name, dims)
+                tensor.shape.insert(0, 1)
+                return tensor, kind
+            return _tensors.encode(x, name, [("1", 1)] + dims)
+
+        request = pb.StepRequest(session_id=self.id, layer=self._layer(layer),
+                                 position=_tensors.index(position, "position"),
+                                 key=one(key, "key", ("kv_heads", self.kv_heads))[0],
+                                 value=one(value, "value", ("kv_heads", self.kv_heads))[0],
+                                 options=options(softmax_scale, softcap, window, top_k))
+        query_tensor, kind = one(query, "query", ("q_heads", self.q_heads))
+        request.query.CopyFrom(query_tensor)
+        return request, kind
+
+    def _read_kv_request(self, layer: Optional[int], start: int, end: int, dtype: Any,
+                         device: Any) -> Tuple[pb.ReadKvRequest, _tensors.Kind]:
+        wire, kind = read_kv_dtype(dtype, device)
+        start, end = _tensors.index(start, "start"), _tensors.index(end, "end")
+        if end != 0 and end < start:
+            raise ValueError(f"end must be 0 (to the end) or >= start = {start}, got {end}")
+        layers = [] if layer is None else [self._layer(layer)]
+        return pb.ReadKvRequest(session_id=self.id, layers=layers, start=start, end=end, dtype=wire), kind
+
+    def _read_kv_result(self, layer: Optional[int], messages: List[pb.ReadKvResponse], dtype: int,
+                        kind: _tensors.Kind) -> Tuple[Array, Array]:
+        """The messages of a ReadKv as (keys, values): [tokens, kv_heads,
+        head_dim] for one layer, [layers, tokens, kv_heads, head_dim] for all."""
+        layers = [layer] if layer is not None else list(range(self.layers))
+        parts = {l: ([], []) for l in layers}
+        for message in messages:
+            parts[message.layer][0].append(_tensors.decode(message.keys, kind))
+            parts[message.layer][1].append(_tensors.decode(message.values, kind))
+        lengths = {l: sum(int(x.shape[0]) for x in parts[l][0]) for l in layers}
+        if len(set(lengths.values())) > 1:
+            counts = ", ".join(f"layer {l}: {n}" for l, n in lengths.items())
+            raise ValueError(f"read_kv(None) returns every layer as one array, but the layers hold different numbers "
+                             f"of tokens in the range ({counts}): read them one layer at a time, or pass end")
+        if kind.torch:
+            torch = _tensors.torch_module()
+            xp, cat = torch, torch.cat
+            torch_dtype = {pb.DTYPE_F32: torch.float32, pb.DTYPE_F16: torch.float16}.get(dtype, torch.bfloat16)
+
+            def empty() -> Array:
+                return torch.zeros((0, self.kv_heads, self.head_dim), device=kind.device, dtype=torch_dtype)
+        else:
+            xp, cat = np, np.concatenate
+            np_dtype = np.float32 if dtype == pb.DTYPE_F32 else np.float16
+
+            def empty() -> Array:
+                return np.zeros((0, self.kv_heads, self.head_dim), dtype=np_dtype)
+        keys, values = ([cat(parts[l][i]) if parts[l][i] else empty() for l in layers] for i in (0, 1))
+        if layer is not None:
+            return keys[0], values[0]
+        return xp.stack(keys), xp.stack(values)
+
+
+def create_request(layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: str, value_codec: str,
+                   rotation_seed: Optional[int], max_tokens: int, idle_ttl: Optional[float],
+                   pinned: bool) -> pb.CreateSessionRequest:
+    shape = pb.ModelShape(layers=_tensors.index(layers, "layers", 1), kv_heads=_tensors.index(kv_heads, "kv_heads", 1),
+                          q_heads=_tensors.index(q_heads, "q_heads", 1), head_dim=_tensors.index(head_dim, "head_dim", 1))
+    for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
+        if codec not in CODECS:
+            raise ValueError(f"{name}: unknown codec {codec!r}: use one of {', '.join(CODECS)}")
+    config = pb.SessionConfig(shape=shape, key_codec=CODECS[key_codec], value_codec=CODECS[value_codec],
+                              max_tokens=_tensors.index(max_tokens, "max_tokens"), pinned=bool(pinned))
+    if rotation_seed is not None:
+        config.rotation_seed = _tensors.index(rotation_seed, "rotation_seed", 0, 1 << 64)
+    if idle_ttl is not None:
+        seconds = _tensors.number(idle_ttl, "idle_ttl")
+        config.idle_ttl.CopyFrom(duration_pb2.Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9)))
+    return pb.CreateSessionRequest(config=config)
+
+
+class DecodeBase:
+    """What DecodeStream and turbokv.aio.DecodeStream share: the messages and the results in flight."""
+
+    def __init__(self) -> None:
+        self._pending: Deque[Tuple[List[str], int, _tensors.Kind]] = collections.deque()
+        self._error: Optional[TurbokvError] = None
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        """Messages sent whose results are not received yet."""
+        return len(self._pending)
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise RuntimeError("the Decode stream is closed")
+
+    def _check_idle(self) -> None:
+        if self._pending:
+            raise RuntimeError(f"{len(self._pending)} results of send() are not received yet: receive() them first")
+
+    def _fail(self, error: TurbokvError) -> None:
+        self._error = error
+        self._pending.clear()
+        raise error
+
+    def _request(self, layer: int, sessions: Sequence[Any], queries: Any, positions: Any, keys: Any, values: Any,
+                 softmax_scale: float, softcap: float, window: int, top_k: int) -> pb.DecodeRequest:
+        """Builds and checks a message, and records it as pending (the caller sends it next)."""
+        layer = _tensors.index(layer, "layer")
+        ids = session_ids(sessions)
+        if not ids:
+            raise ValueError("sessions must name one or more sessions")
+        b = len(ids)
+        rank = len(queries.shape if hasattr(queries, "shape") else np.shape(queries))
+        if rank not in (3, 4):
+            raise ValueError(f"queries must be [B={b}, q_heads, head_dim] or [B={b}, k, q_heads, head_dim], "
+                             f"got shape {tuple(np.shape(queries)) if not hasattr(queries, 'shape') else tuple(queries.shape)}")
+        dims = [("B", b)] + ([("k", None)] if rank == 4 else []) + [("q_heads", None), ("head_dim", None)]
+        query_tensor, kind = _tensors.encode(queries, "queries", dims)
+        k = query_tensor.shape[1] if rank == 4 else 1
+        positions = _tensors.integers(positions, "positions")
+        if positions.shape == (b,):
+            positions = positions[:, None] + np.arange(k)
+        if positions.shape != (b, k):
+            raise ValueError(f"positions must be [B={b}] or [B={b}, k={k}] for queries {tuple(query_tensor.shape)}, "
+                             f"got shape {positions.shape}")
+        request = pb.DecodeRequest(layer=layer, session_ids=ids, positions=positions.ravel().tolist(),
+                                   queries=query_tensor,
+                                   options=options(softmax_scale, softcap, window, top_k))
+        if (keys is None) != (values is None):
+            raise ValueError("keys and values: send both or neither")
+        if keys is not None:
+            expected = "[B, kv_heads, head_dim]" if rank == 3 else "[B, k, kv_heads, head_dim]"
+            kv_dims = dims[:-2] + [("kv_heads", None), ("head_dim", query_tensor.shape[-1])]
+            if rank == 4:
+                kv_dims[1] = ("k", k)
+            for name, x in (("keys", keys), ("values", values)):
+                shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+                if len(shape) != rank:
+                    raise ValueError(f"{name} must be {expected} like queries {tuple(query_tensor.shape)}, got {shape}")
+            request.keys.CopyFrom(_tensors.encode(keys, "keys", kv_dims)[0])
+            request.values.CopyFrom(_tensors.encode(values, "values", kv_dims)[0])
+            if tuple(request.keys.shape) != tuple(request.values.shape):
+                raise ValueError(f"keys and values must have one shape, got {tuple(request.keys.shape)} and "
+                                 f"{tuple(request.values.shape)}")
+        self._pending.append((ids, request.options.top_k, kind))
+        return request
+
+    def _result(self, response: pb.DecodeResponse) -> DecodeResult:
+        ids, top_k, kind = self._pending.popleft()
+        return result(response, top_k, kind, DecodeResult, session_ids=ids,
+                      tokens=np.array(response.tokens, dtype=np.int64), errors=item_errors(response.status))
+
+
+def channel_options(max_message_bytes: int) -> List[Tuple[str, int]]:
+    max_message_bytes = _tensors.index(max_message_bytes, "max_message_bytes", 1)
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        # Reconnect within RetryPolicy's waits once turbokvd is back (gRPC's default grows to 120 s).
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
+def timeout_value(timeout: Optional[float], name: str = "timeout") -> Optional[float]:
+    return None if timeout is None else _tensors.number(timeout, name)
+
+
+class Attempts:
+    """The tries of one call: the deadline they share and whether to retry after a failure."""
+
+    def __init__(self, policy: RetryPolicy, timeout: Optional[float], idempotent: bool):
+        self._policy = policy
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._tries = policy.max_attempts if idempotent else 1
+        self.count = 0
+
+    def remaining(self) -> Optional[float]:
+        """The deadline of the next try, in seconds from now (None: no deadline)."""
+        self.count += 1
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def retry_after(self, error: Any) -> Optional[float]:
+        """Seconds to wait before trying again after `error` (a grpc.RpcError), or None to give up."""
+        if error.code() != grpc.StatusCode.UNAVAILABLE or self.count >= self._tries:
+            return None
+        wait = self._policy.backoff(self.count)
+        if self._deadline is not None and time.monotonic() + wait >= self._deadline:
+            return None
+        return wait
+
+    def error(self, error: Any) -> TurbokvError:
+        return error_for(error.code(), error.details(), self.count)

@@ -1,0 +1,330 @@
+"""turbokv.aio: the client on asyncio (grpc.aio), with the API of turbokv.Client.
+
+    import turbokv.aio
+    async with turbokv.aio.Client("unix:///tmp/turbokv.sock") as client:
+        session = await client.create_session(layers=32, kv_heads=8, q_heads=32, head_dim=128)
+        await session.append(0, 0, k, v)
+        result = await session.attend(0, q)
+        async with client.decode_stream() as stream:
+            batch = await stream.step(0, [session], k_b, v_b, q_b, positions)
+
+Every call of turbokv.Client and turbokv.Session is here a coroutine taking
+the same arguments and returning the same results; append_stream also takes
+an async iterable of chunks. Create the client inside the running event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, List, Optional, Sequence, \
+    Tuple, TypeVar, Union
+
+import grpc
+import numpy as np
+
+from turbokv import _common, _tensors
+from turbokv._common import DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy
+from turbokv.errors import TurbokvError, Unavailable, error_for
+from turbokv.v1 import turbokv_pb2 as pb
+from turbokv.v1 import turbokv_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "Session", "DecodeStream"]
+
+T = TypeVar("T")
+Chunk = Tuple[Optional[int], int, Any, Any]
+
+
+class _Requests:
+    """As turbokv.client._Requests, for iterables and async iterables: an
+    exception building a request ends the stream there and is raised to the
+    caller as itself."""
+
+    def __init__(self, items: Union[Iterable[Any], AsyncIterable[Any]], build: Callable[[Any], Any]):
+        self._items = items
+        self._build = build
+        self.error: Optional[BaseException] = None
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            if hasattr(self._items, "__aiter__"):
+                async for item in self._items:  # type: ignore[union-attr]
+                    yield self._build(item)
+            else:
+                for item in self._items:  # type: ignore[union-attr]
+                    yield self._build(item)
+        except Exception as error:  # noqa: BLE001 (re-raised in the caller's task)
+            self.error = error
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class Session(_common.SessionBase):
+    """turbokv.Session on asyncio: the same calls, as coroutines."""
+
+    _client: "Client"
+
+    async def append(self, layer: Optional[int], start: int, keys: Any, values: Any, *,
+                     timeout: Optional[float] = None) -> int:
+        """As turbokv.Session.append."""
+        return await self._append([self._append_request(layer, start, keys, values)], timeout)
+
+    async def append_stream(self, chunks: Union[Iterable[Chunk], AsyncIterable[Chunk]], *,
+                            timeout: Optional[float] = None) -> int:
+        """As turbokv.Session.append_stream; chunks may be an async iterable."""
+        requests = _Requests(chunks, self._chunk_request)
+        tokens = await self._append(requests, timeout)
+        requests.raise_error()
+        return tokens
+
+    async def _append(self, requests: Any, timeout: Optional[float]) -> int:
+        async def attempt(deadline: Optional[float]) -> int:
+            tokens = 0
+            async for response in self._client._stub.Append(requests, timeout=deadline,
+                                                            metadata=self._client._metadata):
+                tokens = response.tokens
+            return tokens
+        return await self._client._invoke(attempt, timeout, idempotent=False)
+
+    async def attend(self, layer: int, queries: Any, positions: Optional[Sequence[int]] = None,
+                     softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0, top_k: int = 0, *,
+                     timeout: Optional[float] = None) -> AttentionResult:
+        """As turbokv.Session.attend (retried on UNAVAILABLE)."""
+        request, kind = self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k)
+
+        async def attempt(deadline: Optional[float]) -> AttentionResult:
+            async for response in self._client._stub.Attend([request], timeout=deadline,
+                                                            metadata=self._client._metadata):
+                return _common.result(response.result, top_k, kind)
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
+        return await self._client._invoke(attempt, timeout, idempotent=True)
+
+    async def step(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float = 0.0,
+                   softcap: float = 0.0, window: int = 0, top_k: int = 0, *,
+                   timeout: Optional[float] = None) -> Tuple[int, AttentionResult]:
+        """As turbokv.Session.step."""
+        request, kind = self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k)
+        response = await self._client._invoke(
+            lambda deadline: self._client._stub.Step(request, timeout=deadline, metadata=self._client._metadata),
+            timeout, idempotent=False)
+        return response.tokens, _common.result(response.result, top_k, kind)
+
+    async def read_kv(self, layer: Optional[int], start: int = 0, end: int = 0, dtype: Any = np.float32, *,
+                      device: Any = None, timeout: Optional[float] = None) -> Tuple[Array, Array]:
+        """As turbokv.Session.read_kv (retried on UNAVAILABLE)."""
+        request, kind = self._read_kv_request(layer, start, end, dtype, device)
+
+        async def attempt(deadline: Optional[float]) -> List[pb.ReadKvResponse]:
+            return [m async for m in self._client._stub.ReadKv(request, timeout=deadline,
+                                                               metadata=self._client._metadata)]
+        messages = await self._client._invoke(attempt, timeout, idempotent=True)
+        return self._read_kv_result(layer, messages, request.dtype, kind)
+
+    async def fork(self, prefix_tokens: int, *, timeout: Optional[float] = None) -> "Session":
+        """As turbokv.Session.fork."""
+        request = pb.ForkSessionRequest(source_session_id=self.id,
+                                        prefix_tokens=_tensors.index(prefix_tokens, "prefix_tokens"))
+        response = await self._client._invoke(
+            lambda deadline: self._client._stub.ForkSession(request, timeout=deadline, metadata=self._client._metadata),
+            timeout, idempotent=False)
+        return Session(self._client, response.session_id, response.session.config)
+
+    async def truncate(self, tokens: int, *, timeout: Optional[float] = None) -> pb.SessionInfo:
+        """As turbokv.Session.truncate."""
+        request = pb.TruncateSessionRequest(session_id=self.id, tokens=_tensors.index(tokens, "tokens"))
+        return await self._client._invoke(
+            lambda deadline: self._client._stub.TruncateSession(request, timeout=deadline,
+                                                                metadata=self._client._metadata),
+            timeout, idempotent=False)
+
+    async def info(self, *, timeout: Optional[float] = None) -> pb.SessionInfo:
+        return await self._client.get_session(self.id, timeout=timeout)
+
+    async def delete(self, *, timeout: Optional[float] = None) -> None:
+        await self._client.delete_session(self.id, timeout=timeout)
+
+
+class DecodeStream(_common.DecodeBase):
+    """turbokv.DecodeStream on asyncio: step(), attend(), send(), receive()
+    and close() are coroutines; use `async with`. One task at a time."""
+
+    def __init__(self, client: "Client", timeout: Optional[float] = None):
+        super().__init__()
+        self._call = client._stub.Decode(timeout=_common.timeout_value(timeout), metadata=client._metadata)
+
+    async def step(self, layer: int, sessions: Sequence[Union[Session, str]], keys: Any, values: Any, queries: Any,
+                   positions: Any, *, softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0,
+                   top_k: int = 0) -> DecodeResult:
+        """As turbokv.DecodeStream.step."""
+        if keys is None or values is None:
+            raise ValueError("step needs keys and values; attend() sends queries alone")
+        self._check_idle()
+        await self.send(layer, sessions, queries, positions, keys, values, softmax_scale=softmax_scale,
+                        softcap=softcap, window=window, top_k=top_k)
+        return await self.receive()
+
+    async def attend(self, layer: int, sessions: Sequence[Union[Session, str]], queries: Any, positions: Any, *,
+                     softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0,
+                     top_k: int = 0) -> DecodeResult:
+        """As turbokv.DecodeStream.attend."""
+        self._check_idle()
+        await self.send(layer, sessions, queries, positions, softmax_scale=softmax_scale, softcap=softcap,
+                        window=window, top_k=top_k)
+        return await self.receive()
+
+    async def send(self, layer: int, sessions: Sequence[Union[Session, str]], queries: Any, positions: Any,
+                   keys: Any = None, values: Any = None, *, softmax_scale: float = 0.0, softcap: float = 0.0,
+                   window: int = 0, top_k: int = 0) -> None:
+        """As turbokv.DecodeStream.send."""
+        self._check_open()
+        request = self._request(layer, sessions, queries, positions, keys, values, softmax_scale, softcap, window,
+                                top_k)
+        try:
+            await self._call.write(request)
+        except grpc.RpcError as error:
+            self._fail(error_for(error.code(), error.details()))
+
+    async def receive(self) -> DecodeResult:
+        """As turbokv.DecodeStream.receive."""
+        self._check_open()
+        if not self._pending:
+            raise RuntimeError("receive() with no message awaiting its result")
+        try:
+            response = await self._call.read()
+        except grpc.RpcError as error:
+            self._fail(error_for(error.code(), error.details()))
+        if response is grpc.aio.EOF:
+            self._fail(Unavailable(grpc.StatusCode.UNAVAILABLE, "the Decode stream ended without a response"))
+        return self._result(response)
+
+    async def close(self) -> None:
+        """As turbokv.DecodeStream.close."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        try:
+            await self._call.done_writing()
+            while await self._call.read() is not grpc.aio.EOF:
+                pass
+        except grpc.RpcError:
+            pass
+
+    async def __aenter__(self) -> "DecodeStream":
+        return self
+
+    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:
+            self._call.cancel()
+        await self.close()
+
+
+class Client:
+    """turbokv.Client on grpc.aio: the same arguments (timeout, retry, token,
+    TLS); every call is a coroutine. Use `async with` or await close()."""
+
+    def __init__(self, target: str = "unix:///tmp/turbokv.sock", max_message_bytes: int = 64 << 20,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
+                 root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
+                 certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy()):
+        options = _common.channel_options(max_message_bytes)
+        self._timeout = _common.timeout_value(timeout)
+        if not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a turbokv.RetryPolicy, got {type(retry).__name__}")
+        self._retry = retry
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stub = pb_grpc.KvCacheServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    async def _invoke(self, attempt: Callable[[Optional[float]], Awaitable[T]], timeout: Optional[float],
+                      idempotent: bool) -> T:
+        attempts = _common.Attempts(self._retry, self._timeout if timeout is None else _common.timeout_value(timeout),
+                                    idempotent)
+        while True:
+            try:
+                return await attempt(attempts.remaining())
+            except grpc.RpcError as error:
+                wait = attempts.retry_after(error)
+                if wait is None:
+                    raise attempts.error(error) from None
+            await asyncio.sleep(wait)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def wait_until_ready(self, timeout: float = 10.0) -> None:
+        """As turbokv.Client.wait_until_ready."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
+
+    async def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int,
+                             key_codec: str = "turbo3", value_codec: str = "turbo3",
+                             rotation_seed: Optional[int] = None, max_tokens: int = 0,
+                             idle_ttl: Optional[float] = None, pinned: bool = False, *,
+                             timeout: Optional[float] = None) -> Session:
+        """As turbokv.Client.create_session."""
+        request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
+                                         max_tokens, idle_ttl, pinned)
+        response = await self._invoke(
+            lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=False)
+        return Session(self, response.session_id, response.config)
+
+    async def session(self, session_id: str, *, timeout: Optional[float] = None) -> Session:
+        """As turbokv.Client.session."""
+        return Session(self, session_id, (await self.get_session(session_id, timeout=timeout)).config)
+
+    async def get_session(self, session_id: str, *, timeout: Optional[float] = None) -> pb.SessionInfo:
+        request = pb.GetSessionRequest(session_id=_common.session_ids([session_id], "session_id")[0])
+        return await self._invoke(
+            lambda deadline: self._stub.GetSession(request, timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=True)
+
+    async def list_sessions(self, *, timeout: Optional[float] = None) -> List[pb.SessionInfo]:
+        response = await self._invoke(
+            lambda deadline: self._stub.ListSessions(pb.ListSessionsRequest(), timeout=deadline,
+                                                     metadata=self._metadata),
+            timeout, idempotent=True)
+        return list(response.sessions)
+
+    async def delete_session(self, session_id: str, *, timeout: Optional[float] = None) -> None:
+        request = pb.DeleteSessionRequest(session_id=_common.session_ids([session_id], "session_id")[0])
+        await self._invoke(lambda deadline: self._stub.DeleteSession(request, timeout=deadline,
+                                                                     metadata=self._metadata),
+                           timeout, idempotent=False)
+
+    def decode_stream(self, timeout: Optional[float] = None) -> DecodeStream:
+        """As turbokv.Client.decode_stream (not a coroutine: `async with client.decode_stream() as stream`)."""
+        return DecodeStream(self, timeout)
+
+    async def snapshot(self, *, timeout: Optional[float] = None) -> pb.SnapshotResponse:
+        return await self._invoke(
+            lambda deadline: self._stub.Snapshot(pb.SnapshotRequest(), timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=False)
+
+    async def prefetch(self, sessions: Sequence[Union[Session, str]], *,
+                       timeout: Optional[float] = None) -> List[Optional[TurbokvError]]:
+        """As turbokv.Client.prefetch."""
+        request = pb.PrefetchRequest(session_ids=_common.session_ids(sessions))
+        response = await self._invoke(
+            lambda deadline: self._stub.Prefetch(request, timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=True)
+        return _common.item_errors(response.status)
+
+    async def stats(self, *, timeout: Optional[float] = None) -> pb.StatsResponse:
+        return await self._invoke(
+            lambda deadline: self._stub.Stats(pb.StatsRequest(), timeout=deadline, metadata=self._metadata),
+            timeout, idempotent=True)
