@@ -1,11 +1,23 @@
-"""What can be checked of deploy/ without a cluster: every YAML parses; the
-Helm chart, rendered here (helm is not packaged for Debian 12, so a small
-renderer for the subset of the template language the chart uses stands in),
-and the plain sidecar example both have what a native-sidecar deployment
-needs; the alert rules pass promtool's check and unit tests; every metric the
-rules and the dashboard use is one a real turbokvd exports; turbokvd accepts
-the flags the deployment gives it. Needs $TURBOKVD and $TURBOKV_CLI."""
+"""What can be checked of deploy/ without a cluster or a Docker daemon:
 
+- the runtime image's package list covers every library the binaries load
+  (deploy/docker/runtime-packages.sh, run here on the built binaries);
+- every YAML parses; the Helm chart, rendered by gotemplate.py (helm is not
+  packaged for Debian 12), and the plain example are native-sidecar
+  deployments that pass Pod Security "restricted" (checked as assertions on
+  the rendered objects), request no GPU for the sidecar unless it computes
+  on one, and follow `helm create`'s conventions; values.yaml is documented
+  and valid under values.schema.json;
+- a non-root worker can use turbokvd's 0660 socket through the pod's
+  fsGroup (real processes under the uids and groups the pod gives them);
+- the alert rules pass promtool's check and unit tests, the unit tests cover
+  every alert firing and not firing, and every runbook_url names a section
+  of docs/OPERATIONS.md;
+- every metric the rules and the dashboard use is one a real turbokvd
+  exports, and turbokvd accepts the flags the deployments give it.
+Needs $TURBOKVD and $TURBOKV_CLI."""
+
+import copy
 import glob
 import json
 import os
@@ -14,76 +26,24 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
 import urllib.request
 
+import jsonschema
 import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gotemplate import Chart, TemplateError  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 DEPLOY = os.path.join(ROOT, "deploy")
 CHART = os.path.join(DEPLOY, "helm", "turbokv")
-
-
-def render(template: str, values: dict, release: str = "demo") -> str:
-    """Renders the Go-template subset the chart uses: {{ pipeline }} with
-    .Values/.Release/.Chart/.Files.Get, toYaml, quote, nindent; if/end; and
-    the {{- / -}} whitespace trims."""
-    with open(os.path.join(CHART, "Chart.yaml")) as f:
-        chart = yaml.safe_load(f)
-    context = {"Values": values, "Release": {"Name": release, "Namespace": "default"},
-               "Chart": {"Name": chart["name"], "AppVersion": chart["appVersion"]}}
-    parts = re.split(r"({{-?.*?-?}})", template)
-    # Trims: "{{-" eats the whitespace before, "-}}" the whitespace after.
-    for i, part in enumerate(parts):
-        if part.startswith("{{-") and i > 0:
-            parts[i - 1] = parts[i - 1].rstrip()
-        if part.endswith("-}}") and i + 1 < len(parts):
-            parts[i + 1] = parts[i + 1].lstrip()
-
-    def lookup(path: str):
-        value = context
-        for key in path.strip(".").split("."):
-            value = value[key]
-        return value
-
-    def evaluate(pipeline: str):
-        stages = [s.strip() for s in pipeline.split("|")]
-        head = stages[0]
-        if head.startswith(".Files.Get"):
-            path = re.match(r'\.Files\.Get "(.*)"', head).group(1)
-            with open(os.path.join(CHART, path)) as f:
-                value = f.read().rstrip("\n")
-        elif head.startswith("toYaml "):
-            value = yaml.safe_dump(lookup(head[len("toYaml "):]), default_flow_style=False, sort_keys=True).rstrip("\n")
-        else:
-            value = lookup(head)
-        for stage in stages[1:]:
-            if stage == "quote":
-                value = json.dumps(str(value))
-            elif stage.startswith("nindent "):
-                pad = " " * int(stage.split()[1])
-                value = "\n" + "\n".join(pad + line if line else line for line in str(value).split("\n"))
-            else:
-                raise ValueError(f"unsupported function {stage!r}")
-        return value
-
-    out, emitting = [], [True]
-    for part in parts:
-        if not (part.startswith("{{") and part.endswith("}}")):
-            if all(emitting):
-                out.append(part)
-            continue
-        action = part.strip("{}").strip("-").strip()
-        if action.startswith("if "):
-            emitting.append(bool(evaluate(action[3:])))
-        elif action == "end":
-            emitting.pop()
-        elif all(emitting):
-            value = evaluate(action)
-            out.append(str(value).lower() if isinstance(value, bool) else str(value))
-    return "".join(out)
+RUNBOOK = "https://github.com/turbokv/turbokv/blob/main/docs/OPERATIONS.md"
+# Metrics the dashboard reads from elsewhere: Prometheus' own, kube-state-metrics'.
+EXTERNAL_METRICS = {"up", "kube_pod_container_resource_limits"}
 
 
 def load(path):
@@ -91,36 +51,102 @@ def load(path):
         return yaml.safe_load(f)
 
 
-def rendered_chart(values=None):
-    values = values or load(os.path.join(CHART, "values.yaml"))
-    docs = []
-    for path in sorted(glob.glob(os.path.join(CHART, "templates", "*.yaml"))):
-        with open(path) as f:
-            text = render(f.read(), values)
-        docs.extend(d for d in yaml.safe_load_all(text) if d)
-    return {doc["kind"]: doc for doc in docs}
+def default_values():
+    return load(os.path.join(CHART, "values.yaml"))
+
+
+def every_option_values():
+    """values.yaml with every option the chart has switched on or set."""
+    values = default_values()
+    values.update({
+        "nameOverride": "kv", "replicas": 3,
+        "imagePullSecrets": [{"name": "regcred"}],
+        "podAnnotations": {"example.com/owner": "ml-platform"},
+        "podLabels": {"team": "ml"},
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                 "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "kv"}}}}]}},
+        "priorityClassName": "inference", "serviceAccountName": "worker",
+        "extraVolumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+    })
+    worker = values["worker"]
+    worker.update({
+        "command": ["python3", "-m", "worker"], "args": ["--model=/models/llama"],
+        "env": [{"name": "LOG_LEVEL", "value": "debug"}],
+        "envFrom": [{"secretRef": {"name": "worker-secrets"}}],
+        "ports": [{"name": "http", "containerPort": 8000}],
+        "extraVolumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+    })
+    worker["securityContext"] = {**worker["securityContext"], "runAsUser": 1000}
+    turbokvd = values["turbokvd"]
+    turbokvd.update({"device": "cuda:0", "threads": 6, "extraArgs": ["--max-sessions=2000"],
+                     "env": [{"name": "MALLOC_ARENA_MAX", "value": "4"}]})
+    turbokvd["image"]["tag"] = "0.1.1"
+    turbokvd["snapshot"]["persistence"].update({"enabled": True, "storageClassName": "fast-ssd"})
+    values["podMonitor"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
+    values["prometheusRule"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
+    values["prometheusRule"]["runbookUrl"] = "https://wiki.example.com/turbokv/OPERATIONS.md"
+    values["grafanaDashboard"].update({"namespace": "monitoring", "annotations": {"grafana_folder": "ML"}})
+    return values
+
+
+def rendered_chart(values=None, release="demo"):
+    """{kind: object} of the chart's manifests, and the NOTES.txt text."""
+    files = Chart(CHART).render(default_values() if values is None else values, release=release)
+    objects = {}
+    for name, text in files.items():
+        if name == "NOTES.txt":
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects[doc["kind"]] = doc
+    return objects, files["NOTES.txt"]
+
+
+def workload(objects):
+    return objects.get("Deployment") or objects["StatefulSet"]
+
+
+def seconds(duration):
+    number, unit = re.fullmatch(r"(\d+)(ms|s|m|h)", duration).groups()
+    return int(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
 
 
 def check_sidecar(test: unittest.TestCase, deployment: dict):
+    """A native-sidecar pod: the socket, probes, ports, volumes and env line up."""
     pod = deployment["spec"]["template"]
     spec = pod["spec"]
-    test.assertEqual(deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), True)
+    test.assertLessEqual(deployment["spec"]["selector"]["matchLabels"].items(), pod["metadata"]["labels"].items())
     sidecar = next(c for c in spec["initContainers"] if c["name"] == "turbokvd")
     worker = spec["containers"][0]
     test.assertEqual(sidecar["restartPolicy"], "Always")  # native sidecar
     args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in sidecar["args"]}
-    socket_dir = [m for m in sidecar["volumeMounts"] if m["name"] == "turbokv-socket"][0]["mountPath"]
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    socket_dir = mounts["turbokv-socket"]
     test.assertEqual(args["--listen"], f"unix://{socket_dir}/turbokv.sock")
-    volume = [v for v in spec["volumes"] if v["name"] == "turbokv-socket"][0]
-    test.assertIn("emptyDir", volume)
+    test.assertIn("emptyDir", volumes["turbokv-socket"])
     test.assertIn({"name": "turbokv-socket", "mountPath": socket_dir}, worker["volumeMounts"])
     # The spill dir is a volume of its own, bounded.
-    spill = [m for m in sidecar["volumeMounts"] if m["name"] == "turbokv-spill"][0]["mountPath"]
-    test.assertEqual(args["--spill-dir"], spill)
-    spill_volume = [v for v in spec["volumes"] if v["name"] == "turbokv-spill"][0]
-    test.assertIn("sizeLimit", spill_volume["emptyDir"])
-    env = {e["name"]: e["value"] for e in worker["env"]}
-    test.assertEqual(env["TURBOKV_TARGET"], args["--listen"])
+    test.assertEqual(args["--spill-dir"], mounts["turbokv-spill"])
+    test.assertIn("sizeLimit", volumes["turbokv-spill"]["emptyDir"])
+    # Snapshots on a volume of their own: an emptyDir here, or a claim per pod.
+    test.assertEqual(args["--snapshot-dir"], mounts["turbokv-snapshot"])
+    claims = [c["metadata"]["name"] for c in deployment["spec"].get("volumeClaimTemplates", [])]
+    if "turbokv-snapshot" in claims:
+        test.assertEqual(deployment["kind"], "StatefulSet")
+        test.assertNotIn("turbokv-snapshot", volumes)
+    else:
+        test.assertIn("sizeLimit", volumes["turbokv-snapshot"]["emptyDir"])
+    env = {e["name"]: e for e in worker["env"]}
+    test.assertEqual(env["TURBOKV_TARGET"]["value"], args["--listen"])
+    # Every $(VAR) in the args is an env var of the container.
+    sidecar_env = {e["name"]: e for e in sidecar["env"]}
+    for arg in sidecar["args"]:
+        for name in re.findall(r"\$\((\w+)\)", arg):
+            test.assertIn(name, sidecar_env, arg)
     health_port = int(args["--health-listen"].rsplit(":", 1)[1])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         test.assertEqual(sidecar[probe]["grpc"]["port"], health_port, probe)
@@ -128,11 +154,90 @@ def check_sidecar(test: unittest.TestCase, deployment: dict):
     test.assertEqual(ports["health"], health_port)
     test.assertEqual(ports["metrics"], int(args["--metrics-listen"].rsplit(":", 1)[1]))
     for container in (sidecar, worker):
-        test.assertIn("nvidia.com/gpu", container["resources"]["requests"])
         test.assertIn("memory", container["resources"]["limits"])
-    deadline = int(args["--shutdown-deadline"].rstrip("s"))
+    # --threads: the CPU limit (through the downward API) or a number.
+    if args["--threads"] == "$(TURBOKVD_THREADS)":
+        field = sidecar_env["TURBOKVD_THREADS"]["valueFrom"]["resourceFieldRef"]
+        test.assertEqual((field["containerName"], field["resource"]), ("turbokvd", "limits.cpu"))
+        test.assertIn("cpu", sidecar["resources"]["limits"])
+    else:
+        test.assertGreater(int(args["--threads"]), 0)
+    # The sidecar requests a GPU exactly when it computes on one; otherwise
+    # it is kept from seeing the node's GPUs.
+    gpu = args["--device"].startswith("cuda")
+    for side in ("requests", "limits"):
+        requested = [r for r in sidecar["resources"].get(side) or {} if r.startswith("nvidia.com/")]
+        test.assertEqual(len(requested), 1 if gpu else 0, (side, args["--device"]))
+    if not gpu:
+        test.assertEqual(sidecar_env["NVIDIA_VISIBLE_DEVICES"]["value"], "void")
+    # A drain can finish its calls and write every session before SIGKILL.
+    deadline = seconds(args["--shutdown-deadline"]) + seconds(args["--snapshot-deadline"])
     test.assertGreater(spec["terminationGracePeriodSeconds"], deadline)
     return sidecar["args"]
+
+
+def wait_listening(test: unittest.TestCase, daemon: subprocess.Popen, log_path: str):
+    """Until turbokvd logs that it serves (a call made during its start-up
+    can wait out the CLI's connect timeout: seen, and reported)."""
+    for _ in range(600):
+        with open(log_path) as f:
+            if "listening on" in f.read():
+                return
+        test.assertIsNone(daemon.poll(), "turbokvd exited")
+        time.sleep(0.05)
+    test.fail("turbokvd did not start listening within 30 s")
+
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+
+
+def check_restricted(test: unittest.TestCase, pod: dict):
+    """Pod Security Standards, "restricted" (Kubernetes 1.29), baseline rules
+    included, for a pod template; plus a read-only root filesystem and a
+    fixed non-root uid, gid and fsGroup, which this project asks for."""
+    spec = pod["spec"]
+    pod_context = spec.get("securityContext", {})
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        test.assertFalse(spec.get(field, False), field)
+    for volume in spec.get("volumes", []):
+        test.assertLessEqual(set(volume) - {"name"}, RESTRICTED_VOLUMES, volume["name"])
+    for sysctl in pod_context.get("sysctls", []):
+        test.assertIn(sysctl["name"], SAFE_SYSCTLS)
+    test.assertNotEqual(pod_context.get("seccompProfile", {}).get("type"), "Unconfined")
+    for annotation, value in pod["metadata"].get("annotations", {}).items():
+        if annotation.startswith("container.apparmor.security.beta.kubernetes.io/"):
+            test.assertNotEqual(value, "unconfined", annotation)
+    for key in ("runAsUser", "runAsGroup", "fsGroup"):
+        test.assertIsInstance(pod_context.get(key), int, key)
+        test.assertGreater(pod_context[key], 0, key)
+    test.assertEqual(pod_context.get("windowsOptions", {}).get("hostProcess", False), False)
+    containers = spec.get("initContainers", []) + spec["containers"] + spec.get("ephemeralContainers", [])
+    test.assertGreaterEqual(len(containers), 2)
+    for container in containers:
+        context = container.get("securityContext", {})
+        name = container["name"]
+        merged = {**pod_context, **context}
+        test.assertFalse(context.get("privileged", False), name)
+        test.assertIs(context.get("allowPrivilegeEscalation"), False, name)
+        capabilities = context.get("capabilities", {})
+        test.assertIn("ALL", capabilities.get("drop", []), name)
+        test.assertLessEqual(set(capabilities.get("add", [])), {"NET_BIND_SERVICE"}, name)
+        test.assertIs(merged.get("runAsNonRoot"), True, name)
+        test.assertNotEqual(merged.get("runAsUser"), 0, name)
+        test.assertIn(merged.get("seccompProfile", {}).get("type"), ("RuntimeDefault", "Localhost"), name)
+        test.assertIn(merged.get("procMount", "Default"), ("Default",), name)
+        selinux = merged.get("seLinuxOptions", {})
+        test.assertIn(selinux.get("type", ""), ("", "container_t", "container_init_t", "container_kvm_t"), name)
+        test.assertFalse({"user", "role"} & set(selinux), name)
+        test.assertNotEqual(merged.get("appArmorProfile", {}).get("type"), "Unconfined", name)
+        test.assertIs(context.get("readOnlyRootFilesystem"), True, name)
+        for port in container.get("ports", []):
+            test.assertNotIn("hostPort", port, name)
 
 
 class DeployTest(unittest.TestCase):
@@ -180,6 +285,38 @@ class DeployTest(unittest.TestCase):
         self.assertIn("unix:///run/turbokv/turbokv.sock", dockerfile)
         self.assertRegex(dockerfile, r"install -d [^\n]*/run/turbokv ")
 
+    def test_template_renderer_follows_go_and_helm(self):
+        # What gotemplate.py must get right for the chart checks to mean
+        # anything, against what helm and Go's text/template do.
+        with tempfile.TemporaryDirectory(prefix="turbokv-tpl-") as tmp:
+            os.mkdir(os.path.join(tmp, "templates"))
+            with open(os.path.join(tmp, "Chart.yaml"), "w") as f:
+                f.write("name: c\nversion: 1.0.0+a\nappVersion: '2'\n")
+
+            def render(text, values):
+                with open(os.path.join(tmp, "templates", "t.yaml"), "w") as f:
+                    f.write(text)
+                return Chart(tmp).render(values)["t.yaml"]
+            self.assertEqual(render('{{ .Values.n }} {{ .Values.big }} {{ .Values.f }}', {"n": 3, "big": 2000000, "f": 0.5}),
+                             "3 2e+06 0.5")
+            with self.assertRaisesRegex(TemplateError, "incompatible types"):
+                render("{{ if gt .Values.n 1 }}x{{ end }}", {"n": 3})
+            self.assertEqual(render("{{ if gt (int .Values.n) 1 }}x{{ end }}", {"n": 3}), "x")
+            self.assertEqual(render("a\n  {{- \"b\" }}\n{{ \"c\" -}}\n  d", {}), "ab\ncd")
+            self.assertEqual(render('{{ or .Values.a "x" }} {{ and 1 0 }} {{ default "d" .Values.a }} {{ .Values.a }}',
+                                    {"a": ""}), "x 0 d ")
+            with self.assertRaisesRegex(TemplateError, "nil pointer"):
+                render("{{ .Values.a.b }}", {})
+            with self.assertRaisesRegex(TemplateError, "unsupported function 'lookup'"):
+                render('{{ lookup "v1" "Pod" "" "" }}', {})
+            self.assertEqual(render('{{- range $k, $v := .Values.m }}{{ $k }}={{ $v }};{{ end }}', {"m": {"b": 1, "a": 2}}),
+                             "a=2;b=1;")
+            self.assertEqual(render('{{ define "t" }}[{{ . }}]{{ end }}{{ include "t" "x" | indent 2 }}', {}), "  [x]")
+            self.assertEqual(render('{{ toYaml .Values.m | nindent 2 }}', {"m": {"b": [1], "a": {}}}),
+                             "\n  a: {}\n  b:\n  - 1")
+            self.assertEqual(render('{{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 5 }}', {}),
+                             "c-1.0")
+
     def test_every_yaml_parses(self):
         paths = [p for p in glob.glob(os.path.join(DEPLOY, "**", "*.yaml"), recursive=True)
                  if os.sep + "templates" + os.sep not in p]
@@ -193,35 +330,280 @@ class DeployTest(unittest.TestCase):
 
     def test_example_and_chart_are_native_sidecar_deployments(self):
         example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
-        check_sidecar(self, example)
-        objects = rendered_chart()
-        chart_args = check_sidecar(self, objects["Deployment"])
-        self.assertEqual(chart_args, next(c for c in example["spec"]["template"]["spec"]["initContainers"])["args"])
+        example_args = check_sidecar(self, example)
+        objects, _ = rendered_chart()
+        self.assertEqual(check_sidecar(self, objects["Deployment"]), example_args)
         monitor = objects["PodMonitor"]
         pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
-        self.assertTrue(monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items())
-        self.assertEqual(monitor["spec"]["podMetricsEndpoints"][0]["port"], "metrics")
-        rules = load(os.path.join(DEPLOY, "prometheus", "alerts.yaml"))
-        self.assertEqual(objects["PrometheusRule"]["spec"], rules)
+        self.assertLessEqual(monitor["spec"]["selector"]["matchLabels"].items(), pod_labels.items())
+        endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+        self.assertEqual(endpoint["port"], "metrics")
+        # The job the alerts and the dashboard select.
+        self.assertIn({"action": "replace", "targetLabel": "job", "replacement": "turbokvd"}, endpoint["relabelings"])
+        # The chart's files/ are the one source's links, and render as it.
+        for copy_path, source in (("alerts.yaml", "prometheus/alerts.yaml"), ("dashboard.json", "grafana/dashboard.json")):
+            self.assertEqual(os.path.realpath(os.path.join(CHART, "files", copy_path)),
+                             os.path.realpath(os.path.join(DEPLOY, source)))
+        self.assertEqual(objects["PrometheusRule"]["spec"], load(os.path.join(DEPLOY, "prometheus", "alerts.yaml")))
         dashboard = json.loads(objects["ConfigMap"]["data"]["turbokvd.json"])
-        self.assertEqual(dashboard["uid"], "turbokvd")
+        with open(os.path.join(DEPLOY, "grafana", "dashboard.json")) as f:
+            self.assertEqual(dashboard, json.load(f))
+        self.assertEqual(objects["ConfigMap"]["metadata"]["labels"]["grafana_dashboard"], "1")
 
-    def test_chart_switches_and_extra_args(self):
-        values = load(os.path.join(CHART, "values.yaml"))
-        values["podMonitor"]["enabled"] = False
-        values["prometheusRule"]["enabled"] = False
-        values["grafanaDashboard"]["enabled"] = False
-        values["turbokvd"]["extraArgs"] = ["--threads=8"]
-        objects = rendered_chart(values)
+    def test_sidecar_requests_no_gpu_by_default(self):
+        # Before: each pod asked for 2 GPUs, one for a sidecar that cannot
+        # use it (turbokvd refuses --device=cuda:N in this version).
+        example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
+        objects, notes = rendered_chart()
+        for deployment in (example, objects["Deployment"]):
+            spec = deployment["spec"]["template"]["spec"]
+            sidecar = spec["initContainers"][0]
+            self.assertIn("--device=cpu", sidecar["args"])
+            self.assertFalse([r for side in sidecar["resources"].values() for r in side if "gpu" in r])
+            # The worker's own GPU stays its choice.
+            self.assertEqual(spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"], 1)
+        self.assertIn("requests no GPU", notes)
+        values = default_values()
+        values["turbokvd"]["device"] = "cuda:0"
+        values["turbokvd"]["gpuResource"] = "nvidia.com/mig-3g.71gb"
+        sidecar = workload(rendered_chart(values)[0])["spec"]["template"]["spec"]["initContainers"][0]
+        self.assertEqual(sidecar["resources"]["limits"]["nvidia.com/mig-3g.71gb"], 1)
+        self.assertEqual(sidecar["resources"]["requests"]["nvidia.com/mig-3g.71gb"], 1)
+        self.assertNotIn("NVIDIA_VISIBLE_DEVICES", {e["name"] for e in sidecar["env"]})
+
+    def test_pods_pass_pod_security_restricted(self):
+        # Before: no securityContext anywhere, so the namespace's "restricted"
+        # admission rejected the pod.
+        example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
+        for name, deployment in (("example", example), ("chart defaults", workload(rendered_chart()[0])),
+                                 ("chart, every option", workload(rendered_chart(every_option_values())[0]))):
+            with self.subTest(name):
+                check_restricted(self, deployment["spec"]["template"])
+                spec = deployment["spec"]["template"]["spec"]
+                # The writable paths are volumes: the socket, spill and snapshot dirs, the worker's /tmp.
+                sidecar_mounts = {m["mountPath"] for m in spec["initContainers"][0]["volumeMounts"]}
+                self.assertEqual(len(sidecar_mounts), 3)
+                self.assertIn("/tmp", {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]})
+        # The checks catch what they are for.
+        broken = copy.deepcopy(example["spec"]["template"])
+        del broken["spec"]["initContainers"][0]["securityContext"]["capabilities"]
+        with self.assertRaises(AssertionError):
+            check_restricted(self, broken)
+
+    @unittest.skipUnless(os.geteuid() == 0, "switching uids needs root")
+    def test_non_root_worker_uses_the_socket_through_fs_group(self):
+        # What the pod gives the processes: turbokvd as uid 10001 and the
+        # worker as another uid, each with the fsGroup (10001) as a
+        # supplementary group, and the socket's emptyDir owned by that group
+        # with the setgid bit (as the kubelet sets an fsGroup volume up).
+        # turbokvd's primary group is made different here, so that only the
+        # fsGroup mechanism can let the worker in.
+        # Before: no fsGroup and no shared group, and the worker got
+        # Permission denied on the 0660 socket.
+        example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
+        pod = example["spec"]["template"]["spec"]["securityContext"]
+        group = pod["fsGroup"]
+        with tempfile.TemporaryDirectory(prefix="turbokv-fsgroup-") as tmp:
+            os.chmod(tmp, 0o755)
+            socket_dir = os.path.join(tmp, "run")
+            os.mkdir(socket_dir)
+            os.chown(socket_dir, 0, group)
+            os.chmod(socket_dir, 0o2770)
+            target = f"unix://{socket_dir}/turbokv.sock"
+            log = open(os.path.join(tmp, "log"), "w")
+            daemon = subprocess.Popen(["setpriv", f"--reuid={pod['runAsUser']}", "--regid=20001", f"--groups={group}",
+                                       os.environ["TURBOKVD"], f"--listen={target}", "--metrics-listen=",
+                                       "--health-listen="], stderr=log)
+            try:
+                def cli(uid, groups):
+                    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={groups}",
+                                           os.environ["TURBOKV_CLI"], f"--target={target}", "stats"],
+                                          capture_output=True, text=True, timeout=60)
+                wait_listening(self, daemon, os.path.join(tmp, "log"))
+                status = os.stat(os.path.join(socket_dir, "turbokv.sock"))
+                self.assertEqual((status.st_mode & 0o777, status.st_gid), (0o660, group))
+                worker = cli(1000, str(group))
+                self.assertEqual(worker.returncode, 0, worker.stderr)
+                outsider = cli(1000, "1000")
+                self.assertNotEqual(outsider.returncode, 0)
+            finally:
+                daemon.send_signal(signal.SIGTERM)
+                self.assertEqual(daemon.wait(timeout=60), 0)
+                log.close()
+
+    def test_chart_follows_helm_create_conventions(self):
+        objects, notes = rendered_chart()
+        self.assertEqual(set(objects), {"Deployment", "PodMonitor", "PrometheusRule", "ConfigMap"})
+        with open(os.path.join(CHART, "Chart.yaml")) as f:
+            chart = yaml.safe_load(f)
+        for kind, obj in objects.items():
+            labels = obj["metadata"]["labels"]
+            self.assertEqual(labels["app.kubernetes.io/name"], "turbokv", kind)
+            self.assertEqual(labels["app.kubernetes.io/instance"], "demo", kind)
+            self.assertEqual(labels["app.kubernetes.io/version"], chart["appVersion"], kind)
+            self.assertEqual(labels["app.kubernetes.io/managed-by"], "Helm", kind)
+            self.assertEqual(labels["helm.sh/chart"], f"turbokv-{chart['version']}", kind)
+            self.assertTrue(obj["metadata"]["name"].startswith("demo-turbokv"), kind)
+        deployment = objects["Deployment"]
+        self.assertEqual(deployment["spec"]["selector"]["matchLabels"],
+                         {"app.kubernetes.io/name": "turbokv", "app.kubernetes.io/instance": "demo"})
+        self.assertIn("unix:///run/turbokv/turbokv.sock", notes)
+        # A long release name is cut to a valid name; one holding the chart's name is not repeated.
+        long_name = workload(rendered_chart(release="r" * 70)[0])["metadata"]["name"]
+        self.assertEqual(len(long_name), 63)
+        self.assertEqual(workload(rendered_chart(release="my-turbokv")[0])["metadata"]["name"], "my-turbokv")
+        # One replica: no PodDisruptionBudget (it would block drains or do nothing).
+        self.assertNotIn("PodDisruptionBudget", objects)
+
+    def test_values_are_documented_and_checked_by_the_schema(self):
+        with open(os.path.join(CHART, "values.schema.json")) as f:
+            schema = json.load(f)
+        jsonschema.Draft7Validator.check_schema(schema)
+        jsonschema.validate(default_values(), schema)
+        jsonschema.validate(every_option_values(), schema)
+        bad = [("replicas", "two", "'two' is not of type 'integer'"),
+               ("turbokvd.device", "gpu0", "does not match"),
+               ("turbokvd.eviction", "fifo", "is not one of"),
+               ("turbokvd.resources.requests.nvidia.com/gpu", 1, "should not be valid"),
+               ("turbokvd.snapshot.deadline", 20, "is not of type 'string'"),
+               ("worker.imag", "x", "Additional properties are not allowed ('imag' was unexpected)")]
+        for path, value, message in bad:
+            with self.subTest(path):
+                values = default_values()
+                *parents, last = path.replace("nvidia.com/gpu", "nvidia*com/gpu").split(".")
+                node = values
+                for key in parents:
+                    node = node[key]
+                node[last.replace("*", ".")] = value
+                with self.assertRaises(jsonschema.ValidationError) as error:
+                    jsonschema.validate(values, schema)
+                self.assertIn(message, error.exception.message)
+        # Every value the chart defines has a comment on the line above it in
+        # values.yaml (Kubernetes objects given whole, like resources, are
+        # described by their own key's comment).
+        with open(os.path.join(CHART, "values.yaml")) as f:
+            lines = f.read().split("\n")
+
+        def documented(properties, start, end, indent, prefix):
+            for key, sub in properties.items():
+                pattern = re.compile(" " * indent + re.escape(key) + ":")
+                line = next((i for i in range(start, end) if pattern.match(lines[i])), None)
+                self.assertIsNotNone(line, f"{prefix}{key} is not in values.yaml")
+                self.assertTrue(lines[line - 1].strip().startswith("#"), f"{prefix}{key} has no comment")
+                if sub.get("additionalProperties") is False:
+                    stop = next((i for i in range(line + 1, end) if lines[i].strip() and not lines[i].startswith(" " * (indent + 1))
+                                 and not lines[i].lstrip().startswith("#")), end)
+                    documented(sub["properties"], line + 1, stop, indent + 2, f"{prefix}{key}.")
+        documented(schema["properties"], 0, len(lines), 0, "")
+
+    def test_chart_with_every_option(self):
+        values = every_option_values()
+        objects, notes = rendered_chart(values)
+        self.assertEqual(set(objects), {"StatefulSet", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "ConfigMap"})
+        statefulset = objects["StatefulSet"]
+        check_sidecar(self, statefulset)
+        pod = statefulset["spec"]["template"]
+        spec = pod["spec"]
+        sidecar, worker = spec["initContainers"][0], spec["containers"][0]
+        self.assertEqual(statefulset["metadata"]["name"], "demo-kv")
+        self.assertEqual(pod["metadata"]["labels"]["team"], "ml")
+        self.assertEqual(pod["metadata"]["annotations"], values["podAnnotations"])
+        for key in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity", "priorityClassName", "serviceAccountName"):
+            self.assertEqual(spec[key], values[key], key)
+        self.assertIs(spec["automountServiceAccountToken"], False)
+        self.assertIn({"name": "models", "persistentVolumeClaim": {"claimName": "models"}}, spec["volumes"])
+        self.assertEqual(worker["command"], values["worker"]["command"])
+        self.assertEqual(worker["args"], values["worker"]["args"])
+        self.assertIn({"name": "LOG_LEVEL", "value": "debug"}, worker["env"])
+        self.assertEqual(worker["envFrom"], values["worker"]["envFrom"])
+        self.assertEqual(worker["ports"], values["worker"]["ports"])
+        self.assertIn({"name": "models", "mountPath": "/models", "readOnly": True}, worker["volumeMounts"])
+        self.assertEqual(worker["securityContext"]["runAsUser"], 1000)
+        self.assertEqual(sidecar["image"], "ghcr.io/turbokv/turbokvd:0.1.1")
+        self.assertEqual(sidecar["args"][-1], "--max-sessions=2000")
+        self.assertIn("--threads=6", sidecar["args"])
+        self.assertIn({"name": "MALLOC_ARENA_MAX", "value": "4"}, sidecar["env"])
+        self.assertEqual(sidecar["resources"]["limits"]["nvidia.com/gpu"], 1)
+        claim = statefulset["spec"]["volumeClaimTemplates"][0]["spec"]
+        self.assertEqual((claim["storageClassName"], claim["resources"]["requests"]["storage"]), ("fast-ssd", "32Gi"))
+        self.assertIn("survive a node drain", notes)
+        pdb = objects["PodDisruptionBudget"]
+        self.assertEqual(pdb["spec"]["maxUnavailable"], 1)
+        self.assertLessEqual(pdb["spec"]["selector"]["matchLabels"].items(), pod["metadata"]["labels"].items())
+        # kube-prometheus-stack's default selectors match release=<its release>.
+        for kind in ("PodMonitor", "PrometheusRule"):
+            self.assertEqual(objects[kind]["metadata"]["labels"]["release"], "kube-prometheus-stack", kind)
+        rules = [r for g in objects["PrometheusRule"]["spec"]["groups"] for r in g["rules"]]
+        self.assertTrue(all(r["annotations"]["runbook_url"].startswith(values["prometheusRule"]["runbookUrl"] + "#")
+                            for r in rules))
+        dashboard = objects["ConfigMap"]["metadata"]
+        self.assertEqual((dashboard["namespace"], dashboard["annotations"]), ("monitoring", {"grafana_folder": "ML"}))
+        values["podDisruptionBudget"]["minAvailable"] = 2
+        self.assertEqual(rendered_chart(values)[0]["PodDisruptionBudget"]["spec"], {
+            "minAvailable": 2, "selector": pdb["spec"]["selector"]})
+
+    def test_chart_switches(self):
+        values = default_values()
+        for key in ("podMonitor", "prometheusRule", "grafanaDashboard"):
+            values[key]["enabled"] = False
+        for key in ("spill", "snapshot"):
+            values["turbokvd"][key]["enabled"] = False
+        values["worker"]["tmpDir"]["enabled"] = False
+        objects, notes = rendered_chart(values)
         self.assertEqual(set(objects), {"Deployment"})
-        args = objects["Deployment"]["spec"]["template"]["spec"]["initContainers"][0]["args"]
-        self.assertEqual(args[-1], "--threads=8")
+        spec = objects["Deployment"]["spec"]["template"]["spec"]
+        self.assertEqual([v["name"] for v in spec["volumes"]], ["turbokv-socket"])
+        self.assertFalse([a for a in spec["initContainers"][0]["args"] if a.startswith(("--spill", "--snapshot"))])
+        self.assertIn("Snapshots are off", notes)
 
-    def test_alert_rules_pass_promtool(self):
+    def test_alert_rules_pass_promtool_and_every_alert_is_tested(self):
         directory = os.path.join(DEPLOY, "prometheus")
         for command in (["promtool", "check", "rules", "alerts.yaml"], ["promtool", "test", "rules", "alerts_test.yaml"]):
             run = subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=120)
             self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        rules = [r for g in load(os.path.join(directory, "alerts.yaml"))["groups"] for r in g["rules"]]
+        names = {r["alert"] for r in rules}
+        for name in ("TurbokvDown", "TurbokvAbsent", "TurbokvRestarted", "TurbokvServerErrors", "TurbokvClientErrors"):
+            self.assertIn(name, names)
+        cases = [c for t in load(os.path.join(directory, "alerts_test.yaml"))["tests"] for c in t["alert_rule_test"]]
+        self.assertEqual({c["alertname"] for c in cases if c["exp_alerts"]}, names, "an alert never fires in the tests")
+        self.assertEqual({c["alertname"] for c in cases if not c["exp_alerts"]}, names, "an alert always fires in the tests")
+        by_name = {r["alert"]: r for r in rules}
+        # Server-caused errors by the daemon's own side label, not a list of codes.
+        for name, side in (("TurbokvServerErrors", "server"), ("TurbokvClientErrors", "client")):
+            self.assertIn(f'side="{side}"', by_name[name]["expr"])
+            self.assertNotIn("code", by_name[name]["expr"])
+        self.assertIn('up{job="turbokvd"} == 0', by_name["TurbokvDown"]["expr"])
+        self.assertIn('absent(up{job="turbokvd"})', by_name["TurbokvAbsent"]["expr"])
+        self.assertIn("process_start_time_seconds", by_name["TurbokvRestarted"]["expr"])
+        # Each runbook_url is a section of docs/OPERATIONS.md.
+        with open(os.path.join(ROOT, "docs", "OPERATIONS.md")) as f:
+            headings = re.findall(r"^#+ (.+)$", f.read(), re.M)
+        anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+        for rule in rules:
+            url = rule["annotations"]["runbook_url"]
+            page, _, anchor = url.partition("#")
+            self.assertEqual(page, RUNBOOK, rule["alert"])
+            self.assertIn(anchor, anchors, rule["alert"])
+
+    def test_dashboard_panels_and_variables(self):
+        with open(os.path.join(DEPLOY, "grafana", "dashboard.json")) as f:
+            dashboard = json.load(f)
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        for name in ("namespace", "pod"):
+            self.assertIn(name, variables)
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        for expr in exprs:
+            # Ranges follow the scrape interval and the zoom, not a fixed window.
+            self.assertNotRegex(expr, r"\[\d+[smh]\]", expr)
+            if "turbokv_" in expr or "process_" in expr or expr.startswith("up{"):
+                self.assertIn('namespace=~"$namespace",pod=~"$pod"', expr)
+        joined = "\n".join(exprs)
+        for metric in ("up{", 'side', "process_start_time_seconds", "process_resident_memory_bytes",
+                       "kube_pod_container_resource_limits", "turbokv_inflight_calls", "turbokv_executor_queued"):
+            self.assertIn(metric, joined)
+        ids = [p["id"] for p in dashboard["panels"]]
+        self.assertEqual(len(ids), len(set(ids)))
 
     def test_rules_and_dashboard_use_metrics_turbokvd_exports_and_flags_it_accepts(self):
         example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
@@ -232,36 +614,53 @@ class DeployTest(unittest.TestCase):
             health, metrics = s1.getsockname()[1], s2.getsockname()[1]
             s1.close()
             s2.close()
-            # The deployment's flags, with the socket and ports moved somewhere free here.
+            # The deployment's flags, with the socket, ports and sizes moved
+            # to what this machine has, and the env references filled in.
             local = {"--listen": f"unix://{tmp}/turbokv.sock", "--health-listen": f"127.0.0.1:{health}",
                      "--metrics-listen": f"127.0.0.1:{metrics}", "--memory-budget": "1GiB",
-                     "--spill-dir": f"{tmp}/spill", "--spill-budget": "1GiB"}
-            flags = [f"{k}={local.get(k, v)}" for k, v in (a.split("=", 1) for a in args)]
+                     "--spill-dir": f"{tmp}/spill", "--spill-budget": "1GiB", "--snapshot-dir": f"{tmp}/snapshots"}
+            env = {"TURBOKVD_THREADS": "2", "POD_IP": "127.0.0.1"}
+            flags = []
+            for flag, value in (a.split("=", 1) for a in args):
+                value = re.sub(r"[$][(](\w+)[)]", lambda m: env[m.group(1)], value)
+                flags.append(f"{flag}={local.get(flag, value)}")
             log = open(os.path.join(tmp, "log"), "w")
             daemon = subprocess.Popen([os.environ["TURBOKVD"], *flags], stderr=log)
             try:
-                cli = [os.environ["TURBOKV_CLI"], f"--target={local['--listen']}"]
-                session = subprocess.run(cli + ["create", "--layers=1", "--kv-heads=1", "--q-heads=1"],
-                                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-                subprocess.run(cli + ["append-random", session, "--tokens=64"], capture_output=True, timeout=60, check=True)
-                subprocess.run(cli + ["attend-random", session, "--calls=2"], capture_output=True, timeout=60, check=True)
-                subprocess.run(cli + ["get", "missing"], capture_output=True, timeout=60)
+                def cli(*command, ok=True):
+                    run = subprocess.run([os.environ["TURBOKV_CLI"], f"--target={local['--listen']}", *command],
+                                         capture_output=True, text=True, timeout=60)
+                    if ok:
+                        with open(os.path.join(tmp, "log")) as f:
+                            self.assertEqual(run.returncode, 0, run.stderr + f.read())
+                    return run.stdout.strip()
+                wait_listening(self, daemon, os.path.join(tmp, "log"))
+                session = cli("create", "--layers=1", "--kv-heads=1", "--q-heads=1")
+                cli("append-random", session, "--tokens=64")
+                cli("attend-random", session, "--calls=2")
+                cli("get", "missing", ok=False)
                 time.sleep(1.2)  # the gauges refresh every second
                 exposition = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
             finally:
                 daemon.send_signal(signal.SIGTERM)
                 log.close()
                 with open(os.path.join(tmp, "log")) as f:
-                    self.assertEqual(daemon.wait(timeout=30), 0, f.read())
+                    self.assertEqual(daemon.wait(timeout=60), 0, f.read())
         # Sample names, and family names (a histogram's, without _bucket/_sum/_count).
-        exported = set(re.findall(r"^(turbokv_\w+?)(?:\{| )", exposition, re.M))
-        exported |= set(re.findall(r"^# TYPE (turbokv_\w+) ", exposition, re.M))
+        exported = set(re.findall(r"^(\w+?)(?:\{| )", exposition, re.M))
+        exported |= set(re.findall(r"^# TYPE (\w+) ", exposition, re.M))
         used = set()
-        for path in (os.path.join(DEPLOY, "prometheus", "alerts.yaml"), os.path.join(DEPLOY, "grafana", "dashboard.json")):
-            with open(path) as f:
-                used |= set(re.findall(r"turbokv_\w+", f.read()))
-        self.assertGreaterEqual(len(used), 10)
-        self.assertEqual(used - exported, set())
+        rules = load(os.path.join(DEPLOY, "prometheus", "alerts.yaml"))
+        exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+        with open(os.path.join(DEPLOY, "grafana", "dashboard.json")) as f:
+            dashboard = json.load(f)
+        exprs += [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if isinstance(v.get("query"), dict)]
+        for expr in exprs:
+            used |= set(re.findall(r"\b((?:turbokv|process|kube)_\w+|up)\s*[{\[]", expr))
+            used |= set(re.findall(r"\b((?:turbokv|process)_\w+)", expr))
+        self.assertGreaterEqual(len(used), 20)
+        self.assertEqual(used - exported - EXTERNAL_METRICS, set())
 
 
 if __name__ == "__main__":
