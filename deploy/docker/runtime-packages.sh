@@ -29,8 +29,10 @@ twin() {
   esac
 }
 
-# One line a library: the library, then the paths dpkg may know it by.
-candidates=$(echo "$listing" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' | sort -u |
+# One line a library: the library, then the paths dpkg may know it by. ldd
+# lists "name => /path (0x...)" and the loader as "/path (0x...)"; the
+# "/path/of/binary:" headers it prints for several binaries are not libraries.
+candidates=$(echo "$listing" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && $2 ~ /^\(0x/ {print $1}' | sort -u |
   while read -r library; do
     real=$(readlink -f "$library")
     echo "$library $library $(twin "$library") $real $(twin "$real")"
