@@ -411,9 +411,8 @@ absl::Status Client::WaitUntilServing(absl::Duration timeout) const {
   absl::Status last = absl::DeadlineExceededError("no answer yet");
   while (absl::Now() < deadline) {
     grpc::ClientContext context;
-    // Not wait_for_ready: a check fails at once while the channel cannot
-    // connect, so the error returned says why (no such socket, refused, ...).
     context.set_deadline(absl::ToChronoTime(deadline));
+    context.set_wait_for_ready(true);
     grpc::health::v1::HealthCheckRequest request;
     grpc::health::v1::HealthCheckResponse response;
     last = FromGrpcStatus(health_->Check(&context, request, &response));
