@@ -781,7 +781,7 @@ const std::vector<Command>& Commands() {
 std::vector<FlagSpec> GlobalFlags(const Command* command) {
   return {OtherFlag("target", Kind::kText, "unix:///tmp/turbokv.sock", "unix:///path or host:port of turbokvd"),
           DurationFlag("timeout", command != nullptr ? command->timeout : "5s", absl::Milliseconds(1), absl::Hours(1),
-                       "deadline to reach the daemon, and of each call (streams: to open them)"),
+                       "deadline to reach the daemon, and of each unary call (streams have none)"),
           OtherFlag("token", Kind::kText, "", "bearer token (turbokvd --auth-tokens-file)"),
           OtherFlag("tls-ca", Kind::kFile, "", "TLS to a TCP target, trusting the CA in this PEM file"),
           OtherFlag("tls-cert", Kind::kFile, "", "this client's certificate (PEM file), for mTLS"),
@@ -811,7 +811,7 @@ std::string CommandHelp(const Command& command) {
                       command.flags.empty() ? "" : absl::StrCat("flags:\n", FlagLines(command.flags), "\n"),
                       "global flags:\n", FlagLines(GlobalFlags(&command)),
                       "  --help                    this text\n\n"
-                      "Flags go anywhere after the command, as --flag=value or --flag value.\n",
+                      "Flags go before or after the command, as --flag=value or --flag value.\n\n",
                       kExitCodes);
 }
 
@@ -1004,7 +1004,15 @@ int main(int argc, char** argv) {
   // for it, up to --timeout.
   absl::Status status = client->WaitUntilServing(options.timeout);
   if (!status.ok()) {
-    status = absl::Status(status.code(), absl::StrCat("no answer from ", target, ": ", status.message()));
+    // That wait ends in a bare "Deadline Exceeded"; one check without
+    // wait_for_ready tells why (no such socket, refused, ...) once the
+    // channel's reconnect backoff (at most 1s) has let it try again.
+    turbokv::ClientOptions probe_options = options;
+    probe_options.timeout = std::min(options.timeout, absl::Seconds(1));
+    const absl::Status why = turbokv::Client::Connect(target, probe_options)->Health().status();
+    status = absl::Status(status.code(), absl::StrCat("no answer from ", target, " within ",
+                                                      absl::FormatDuration(options.timeout), ": ",
+                                                      why.ok() ? status.message() : why.message()));
   } else {
     status = invocation.command->run(*client, args);
   }
