@@ -109,6 +109,20 @@ class CliTest(unittest.TestCase):
             self.assertRegex(out.stderr, "DEADLINE_EXCEEDED|UNAVAILABLE")
             self.assertIn(target, out.stderr)
             self.assertLess(elapsed, 10, out.stderr)  # it waited a fixed 30 s
+        # A daemon that comes up while the CLI waits is reached.
+        late = f"unix://{self.tmp.name}/late.sock"
+        waiting = subprocess.Popen([CLI, f"--target={late}", "stats", "--timeout=30s", "--output=json"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        daemon = subprocess.Popen([TURBOKVD, f"--listen={late}", "--device=cpu", "--threads=1",
+                                   "--metrics-listen=127.0.0.1:0"], stderr=subprocess.DEVNULL)
+        try:
+            stdout, stderr = waiting.communicate(timeout=60)
+            self.assertEqual(waiting.returncode, 0, stderr)
+            self.assertEqual(json.loads(stdout)["sessions"], 0)
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=60)
         # The default is a few seconds too.
         start = time.monotonic()
         out = self.run_cli("list", target=f"unix://{self.tmp.name}/nobody.sock")
