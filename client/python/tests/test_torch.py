@@ -9,7 +9,6 @@ import unittest
 
 import numpy as np
 
-import turbokv
 from daemon import DaemonTestCase
 
 try:

@@ -159,6 +159,11 @@ def item_errors(status: Iterable[pb.ItemStatus]) -> List[Optional[TurbokvError]]
     return [None if item.code == 0 else error_for(item.code, item.message) for item in status]
 
 
+def shape_of(x: Any) -> Tuple[int, ...]:
+    """The shape of an array, a tensor or nested lists."""
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
 def session_ids(sessions: Sequence[Any], name: str = "sessions") -> List[str]:
     """Session objects or ids as ids; ValueError / TypeError naming what is wrong."""
     if isinstance(sessions, (str, bytes)) or not isinstance(sessions, collections.abc.Iterable):
@@ -269,7 +274,7 @@ class SessionBase:
                       softcap: float, window: int, top_k: int) -> Tuple[pb.StepRequest, _tensors.Kind]:
         def one(x: Any, name: str, heads: Tuple[str, int]) -> Tuple[pb.Tensor, _tensors.Kind]:
             dims = [heads, ("head_dim", self.head_dim)]
-            if len(x.shape if hasattr(x, "shape") else np.shape(x)) == 2:
+            if len(shape_of(x)) == 2:
                 tensor, kind = _tensors.encode(x, name, dims)
                 tensor.shape.insert(0, 1)
                 return tensor, kind
@@ -380,10 +385,10 @@ class DecodeBase:
         if not ids:
             raise ValueError("sessions must name one or more sessions")
         b = len(ids)
-        rank = len(queries.shape if hasattr(queries, "shape") else np.shape(queries))
+        rank = len(shape_of(queries))
         if rank not in (3, 4):
             raise ValueError(f"queries must be [B={b}, q_heads, head_dim] or [B={b}, k, q_heads, head_dim], "
-                             f"got shape {tuple(np.shape(queries)) if not hasattr(queries, 'shape') else tuple(queries.shape)}")
+                             f"got shape {shape_of(queries)}")
         dims = [("B", b)] + ([("k", None)] if rank == 4 else []) + [("q_heads", None), ("head_dim", None)]
         query_tensor, kind = _tensors.encode(queries, "queries", dims)
         k = query_tensor.shape[1] if rank == 4 else 1
@@ -404,7 +409,7 @@ class DecodeBase:
             if rank == 4:
                 kv_dims[1] = ("k", k)
             for name, x in (("keys", keys), ("values", values)):
-                shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+                shape = shape_of(x)
                 if len(shape) != rank:
                     raise ValueError(f"{name} must be {expected} like queries {tuple(query_tensor.shape)}, got {shape}")
             request.keys.CopyFrom(_tensors.encode(keys, "keys", kv_dims)[0])

@@ -49,7 +49,8 @@ def kind_of(x: Any) -> Kind:
 
 
 def _describe(dims: Sequence[Tuple[str, Optional[int]]]) -> str:
-    return "[" + ", ".join(label if size is None else f"{label}={size}" for label, size in dims) + "]"
+    return "[" + ", ".join(label if size is None or label == str(size) else f"{label}={size}"
+                           for label, size in dims) + "]"
 
 
 def check_shape(name: str, shape: Tuple[int, ...], dims: Sequence[Tuple[str, Optional[int]]]) -> None:

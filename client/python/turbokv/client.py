@@ -14,9 +14,7 @@ import grpc
 import numpy as np
 
 from turbokv import _common, _tensors
-from turbokv._common import (  # noqa: F401  (AttentionResult and DecodeResult are part of this module's API)
-    DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy, merge_attention,
-)
+from turbokv._common import DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy
 from turbokv.errors import TurbokvError, Unavailable, error_for
 from turbokv.v1 import turbokv_pb2 as pb
 from turbokv.v1 import turbokv_pb2_grpc as pb_grpc
