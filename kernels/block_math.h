@@ -11,6 +11,33 @@
 
 namespace turbokv {
 
+// What encoding lost, summed over the blocks of one vector: the encoders fill
+// it from what they already hold (no decode pass) and EncodeStats
+// (kernels/codec.h) turns it into a relative error.
+struct QuantizationError {
+  double error_sq = 0;  // ||x - decode(encode(x))||^2
+  double norm_sq = 0;   // ||x||^2, as a sum of float squares
+  int fields = 0;       // fp16 fields written: block scales, or f16's values
+  int saturated = 0;    // ... whose value was beyond +-65504 (stored as +-65504)
+  int underflowed = 0;  // ... nonzero, stored as an fp16 zero or subnormal (below 2^-14)
+
+  // One value x and what decoding gives back for it.
+  TURBOKV_HD void AddValue(float x, float decoded) {
+    const float r = x - decoded;
+    error_sq += static_cast<double>(r) * r;
+    norm_sq += x * x;
+  }
+  // One fp16 field: the float it was meant to hold and the bits stored.
+  TURBOKV_HD void CountField(float value, uint16_t bits) {
+    ++fields;
+    if (fabsf(value) > kHalfMax) {
+      ++saturated;
+    } else if (value != 0.0f && (bits & 0x7c00u) == 0) {
+      ++underflowed;
+    }
+  }
+};
+
 // 1 / d, or 0 when d is 0 or so small (subnormal) that 1 / d overflows: the
 // quantized values then become 0 instead of an undefined float-to-int cast.
 TURBOKV_HD float SafeReciprocal(float d) {
@@ -20,15 +47,21 @@ TURBOKV_HD float SafeReciprocal(float d) {
 
 // --- q8_0: 32 values, fp16 d = max|x| / 127, q = round(x * (1 / d)) ----------
 
-TURBOKV_HD void EncodeQ8Block(const float* x, uint8_t* out) {
+// `error`, when not null, gains what the block lost.
+TURBOKV_HD void EncodeQ8Block(const float* x, uint8_t* out, QuantizationError* error = nullptr) {
   float amax = 0.0f;
   for (int j = 0; j < kGgmlBlockValues; ++j) amax = fmaxf(amax, fabsf(x[j]));
   const float d = amax / 127.0f;
   const float id = SafeReciprocal(d);
-  StoreHalfBits(out, FloatToHalfBits(d));
+  const uint16_t d_bits = FloatToHalfBits(d);
+  StoreHalfBits(out, d_bits);
+  const float stored = HalfBitsToFloat(d_bits);
   for (int j = 0; j < kGgmlBlockValues; ++j) {
-    out[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(roundf(x[j] * id)));
+    const int8_t q = static_cast<int8_t>(roundf(x[j] * id));
+    out[2 + j] = static_cast<uint8_t>(q);
+    if (error) error->AddValue(x[j], q * stored);
   }
+  if (error) error->CountField(d, d_bits);
 }
 
 TURBOKV_HD void DecodeQ8Block(const uint8_t* in, float* x) {
@@ -38,7 +71,8 @@ TURBOKV_HD void DecodeQ8Block(const uint8_t* in, float* x) {
 
 // --- q4_0: 32 values, d = (value of largest magnitude) / -8, q in 0..15 ------
 
-TURBOKV_HD void EncodeQ4Block(const float* x, uint8_t* out) {
+// `error`, when not null, gains what the block lost.
+TURBOKV_HD void EncodeQ4Block(const float* x, uint8_t* out, QuantizationError* error = nullptr) {
   float amax = 0.0f;
   float max = 0.0f;
   for (int j = 0; j < kGgmlBlockValues; ++j) {
@@ -49,12 +83,19 @@ TURBOKV_HD void EncodeQ4Block(const float* x, uint8_t* out) {
   }
   const float d = max / -8.0f;
   const float id = SafeReciprocal(d);
-  StoreHalfBits(out, FloatToHalfBits(d));
+  const uint16_t d_bits = FloatToHalfBits(d);
+  StoreHalfBits(out, d_bits);
+  const float stored = HalfBitsToFloat(d_bits);
   for (int j = 0; j < kGgmlBlockValues / 2; ++j) {
     const int lo = static_cast<int>(fminf(15.0f, x[j] * id + 8.5f));
     const int hi = static_cast<int>(fminf(15.0f, x[j + 16] * id + 8.5f));
     out[2 + j] = static_cast<uint8_t>(lo | (hi << 4));
+    if (error) {
+      error->AddValue(x[j], static_cast<float>(lo - 8) * stored);
+      error->AddValue(x[j + 16], static_cast<float>(hi - 8) * stored);
+    }
   }
+  if (error) error->CountField(d, d_bits);
 }
 
 TURBOKV_HD void DecodeQ4Block(const uint8_t* in, float* x) {
@@ -79,9 +120,29 @@ TURBOKV_HD float TurboNormalizer(float sum_squares, int block_values) {
   return norm > 0.0f ? sqrtf(static_cast<float>(block_values)) / norm : 0.0f;
 }
 
+// The scale from <z, c> and ||c||^2, before its rounding to fp16.
+TURBOKV_HD float TurboScale(float dot, float centroid_sq) {
+  return centroid_sq > 0.0f ? dot / centroid_sq : 0.0f;
+}
+
 // The fp16 scale from <z, c> and ||c||^2.
 TURBOKV_HD uint16_t TurboScaleBits(float dot, float centroid_sq) {
-  return FloatToHalfBits(centroid_sq > 0.0f ? dot / centroid_sq : 0.0f);
+  return FloatToHalfBits(TurboScale(dot, centroid_sq));
+}
+
+// Adds one encoded turbo block to `error` from the encoder's own sums
+// (||z||^2, <z, c>, ||c||^2), its scale and the scale's stored bits. Since
+// x_hat = S * H * (s * c) / B and H * S / sqrt(B) is orthogonal,
+// ||x - x_hat||^2 = ||z - s * c||^2 / B = (||z||^2 - 2 s <z, c> + s^2 ||c||^2) / B
+// with s the stored fp16 scale: exact up to the float rounding of the sums
+// and of the rotation, no decode needed.
+TURBOKV_HD void AddTurboBlockError(float sum_squares, float dot, float centroid_sq, float scale,
+                                   uint16_t scale_bits, int block_values, QuantizationError* error) {
+  const double s = HalfBitsToFloat(scale_bits);
+  const double residual = sum_squares - 2.0 * s * dot + s * s * centroid_sq;
+  error->error_sq += (residual > 0.0 ? residual : 0.0) / block_values;
+  error->norm_sq += static_cast<double>(sum_squares) / block_values;
+  error->CountField(scale, scale_bits);
 }
 
 // Sums over a block use one fixed order everywhere (scalar, SIMD of any width,
@@ -99,14 +160,16 @@ TURBOKV_HD float SumPartials16(const float* partial) {
 }
 
 // Scalar reference: quantizes one rotated block, writes scale and planes.
-// `indices` is scratch space for block_values bytes.
+// `indices` is scratch space for block_values bytes. `error`, when not null,
+// gains what the block lost.
 TURBOKV_HD void EncodeTurboRotatedBlock(const float* z, int block_values, int bits,
                                         const float* centroids, const float* boundaries,
-                                        uint8_t* indices, uint8_t* out) {
+                                        uint8_t* indices, uint8_t* out, QuantizationError* error) {
   const int levels = 1 << bits;
   float squares[kSumLanes] = {};
   for (int i = 0; i < block_values; ++i) squares[i % kSumLanes] += z[i] * z[i];
-  const float inv = TurboNormalizer(SumPartials16(squares), block_values);
+  const float sum_squares = SumPartials16(squares);
+  const float inv = TurboNormalizer(sum_squares, block_values);
   float dot[kSumLanes] = {};
   float centroid_sq[kSumLanes] = {};
   for (int i = 0; i < block_values; ++i) {
@@ -116,7 +179,12 @@ TURBOKV_HD void EncodeTurboRotatedBlock(const float* z, int block_values, int bi
     dot[i % kSumLanes] += z[i] * c;
     centroid_sq[i % kSumLanes] += c * c;
   }
-  StoreHalfBits(out, TurboScaleBits(SumPartials16(dot), SumPartials16(centroid_sq)));
+  const float dot_sum = SumPartials16(dot);
+  const float centroid_sq_sum = SumPartials16(centroid_sq);
+  const float scale = TurboScale(dot_sum, centroid_sq_sum);
+  const uint16_t scale_bits = FloatToHalfBits(scale);
+  StoreHalfBits(out, scale_bits);
+  if (error) AddTurboBlockError(sum_squares, dot_sum, centroid_sq_sum, scale, scale_bits, block_values, error);
   const int plane_bytes = block_values * bits / 8;
   for (int b = 0; b < plane_bytes; ++b) {
     out[kTurboScaleBytes + b] = TurboPlaneByte(indices, block_values, bits, b);

@@ -1,5 +1,8 @@
 #include "kernels/codec.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_codecs.h"
@@ -47,6 +50,37 @@ absl::StatusOr<CodecLayout> CheckCodecSpec(const CodecSpec& spec) {
   }
   return layout;
 }
+
+int EncodeErrorBucket(double e) {
+  return static_cast<int>(std::lower_bound(std::begin(kEncodeErrorBounds), std::end(kEncodeErrorBounds), e) -
+                          std::begin(kEncodeErrorBounds));
+}
+
+void EncodeStats::Add(const EncodeStats& other) {
+  vectors += other.vectors;
+  zero_vectors += other.zero_vectors;
+  error_sum += other.error_sum;
+  for (int k = 0; k < kEncodeErrorBuckets; ++k) histogram[k] += other.histogram[k];
+  fp16_fields += other.fp16_fields;
+  saturated += other.saturated;
+  underflowed += other.underflowed;
+}
+
+void EncodeStats::AddVector(const QuantizationError& error) {
+  fp16_fields += error.fields;
+  saturated += error.saturated;
+  underflowed += error.underflowed;
+  if (error.norm_sq == 0) {
+    ++zero_vectors;
+    return;
+  }
+  const double e = std::isfinite(error.norm_sq) ? std::sqrt(error.error_sq / error.norm_sq) : 1.0;
+  ++vectors;
+  error_sum += e;
+  ++histogram[EncodeErrorBucket(e)];
+}
+
+double EncodeStats::mean_error() const { return vectors ? error_sum / vectors : 0.0; }
 
 Codec::Codec(const CodecSpec& spec, const CodecLayout& layout) : spec_(spec), layout_(layout) {
   const int bits = TurboBits(spec.kind);

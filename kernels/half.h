@@ -30,6 +30,8 @@ TURBOKV_HD float BitsToFloat(uint32_t u) {
 
 // Largest finite fp16 value.
 constexpr float kHalfMax = 65504.0f;
+// Smallest normal fp16 value, 2^-14: below it fp16 values are subnormal.
+constexpr float kHalfMinNormal = 6.103515625e-05f;
 
 // Rounds to nearest, ties to even, like F16C's vcvtps2ph and CUDA's
 // __float2half_rn, except that values beyond the fp16 range (infinities too)

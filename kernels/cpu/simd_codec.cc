@@ -9,6 +9,7 @@
 
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
+#include "kernels/codec.h"
 #include "kernels/cpu/turbo_simd-inl.h"
 
 #ifndef TURBOKV_SIMD_CODEC_ONCE
@@ -35,7 +36,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 template <int kB, int kBits>
 void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
-                  uint8_t* HWY_RESTRICT codes) {
+                  uint8_t* HWY_RESTRICT codes, EncodeStats* stats) {
   const BlockTag<kB> d;
   const hn::RebindToSigned<decltype(d)> di;
   const hn::Rebind<uint8_t, decltype(di)> du8;
@@ -50,6 +51,7 @@ void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
   const size_t code_size = static_cast<size_t>(args.blocks) * args.block_bytes;
 
   for (size_t v = 0; v < n; ++v) {
+    QuantizationError error;
     for (int blk = 0; blk < args.blocks; ++blk) {
       const float* in = x + v * args.head_dim + blk * kB;
       const float* signs = args.signs + blk * kB;
@@ -84,7 +86,12 @@ void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
         dot[a] = hn::Add(dot[a], hn::Mul(zj, c));
         csq[a] = hn::Add(csq[a], hn::Mul(c, c));
       }
-      StoreHalfBits(out, TurboScaleBits(FinishSum(d, dot), FinishSum(d, csq)));
+      const float dot_sum = FinishSum(d, dot);
+      const float csq_sum = FinishSum(d, csq);
+      const float scale = TurboScale(dot_sum, csq_sum);
+      const uint16_t scale_bits = FloatToHalfBits(scale);
+      StoreHalfBits(out, scale_bits);
+      if (stats) AddTurboBlockError(sum_squares, dot_sum, csq_sum, scale, scale_bits, kB, &error);
 
       uint8_t* planes = out + kTurboScaleBytes;
       if (kBits == 4) {
@@ -117,6 +124,7 @@ void EncodeTurboT(const TurboArgs& args, size_t n, const float* HWY_RESTRICT x,
         }
       }
     }
+    if (stats) stats->AddVector(error);
   }
 }
 
@@ -141,9 +149,9 @@ void DecodeTurboT(const TurboArgs& args, size_t n, const uint8_t* HWY_RESTRICT c
   }
 }
 
-void EncodeTurbo(const TurboArgs& args, size_t n, const float* x, uint8_t* codes) {
+void EncodeTurbo(const TurboArgs& args, size_t n, const float* x, uint8_t* codes, EncodeStats* stats) {
   DispatchTurbo(args.block_values, args.codebook->bits,
-                [&](auto b, auto bits) { EncodeTurboT<b.value, bits.value>(args, n, x, codes); });
+                [&](auto b, auto bits) { EncodeTurboT<b.value, bits.value>(args, n, x, codes, stats); });
 }
 
 void DecodeTurbo(const TurboArgs& args, size_t n, const uint8_t* codes, float* x) {
@@ -186,21 +194,64 @@ void RotateRows(const float* signs, int head_dim, int block_values, bool inverse
 
 // fp16 values: the F16C conversion where the target has it (round to nearest
 // even, after clamping to the finite range, as FloatToHalfBits does),
-// the scalar conversion elsewhere.
-void EncodeF16(size_t count, const float* HWY_RESTRICT x, uint8_t* HWY_RESTRICT codes) {
+// the scalar conversion elsewhere. With kStats, `error` gains what the values
+// lost (in float lanes on F16C targets, as QuantizationError does elsewhere).
+template <bool kStats>
+void EncodeF16Values(size_t count, const float* HWY_RESTRICT x, uint8_t* HWY_RESTRICT codes,
+                     QuantizationError* error) {
   size_t i = 0;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
   const hn::ScalableTag<float> d;
   const hn::Rebind<hwy::float16_t, decltype(d)> dh;
   const auto hi = hn::Set(d, kHalfMax);
   const auto lo = hn::Set(d, -kHalfMax);
+  const auto zero = hn::Zero(d);
+  const auto smallest_normal = hn::Set(d, kHalfMinNormal);
   const size_t lanes = hn::Lanes(d);
   auto* out = reinterpret_cast<hwy::float16_t*>(codes);
+  auto error_sq = zero;
+  auto norm_sq = zero;
+  size_t saturated = 0;
+  size_t underflowed = 0;
   for (; i + lanes <= count; i += lanes) {
-    hn::StoreU(hn::DemoteTo(dh, hn::Min(hn::Max(hn::LoadU(d, x + i), lo), hi)), dh, out + i);
+    const auto v = hn::LoadU(d, x + i);
+    const auto h = hn::DemoteTo(dh, hn::Min(hn::Max(v, lo), hi));
+    hn::StoreU(h, dh, out + i);
+    if (kStats) {
+      const auto back = hn::PromoteTo(d, h);
+      const auto r = hn::Sub(v, back);
+      error_sq = hn::Add(error_sq, hn::Mul(r, r));
+      norm_sq = hn::Add(norm_sq, hn::Mul(v, v));
+      saturated += hn::CountTrue(d, hn::Gt(hn::Abs(v), hi));
+      underflowed += hn::CountTrue(d, hn::AndNot(hn::Eq(v, zero), hn::Lt(hn::Abs(back), smallest_normal)));
+    }
+  }
+  if (kStats) {
+    error->error_sq += hn::GetLane(hn::SumOfLanes(d, error_sq));
+    error->norm_sq += hn::GetLane(hn::SumOfLanes(d, norm_sq));
+    error->fields += static_cast<int>(i);
+    error->saturated += static_cast<int>(saturated);
+    error->underflowed += static_cast<int>(underflowed);
   }
 #endif
-  for (; i < count; ++i) StoreHalfBits(codes + 2 * i, FloatToHalfBits(x[i]));
+  for (; i < count; ++i) {
+    const uint16_t h = FloatToHalfBits(x[i]);
+    StoreHalfBits(codes + 2 * i, h);
+    if (kStats) {
+      error->AddValue(x[i], HalfBitsToFloat(h));
+      error->CountField(x[i], h);
+    }
+  }
+}
+
+void EncodeF16(size_t n, int head_dim, const float* HWY_RESTRICT x, uint8_t* HWY_RESTRICT codes,
+               EncodeStats* stats) {
+  if (!stats) return EncodeF16Values<false>(n * head_dim, x, codes, nullptr);
+  for (size_t v = 0; v < n; ++v) {
+    QuantizationError error;
+    EncodeF16Values<true>(head_dim, x + v * head_dim, codes + 2 * v * head_dim, &error);
+    stats->AddVector(error);
+  }
 }
 
 void DecodeF16(size_t count, const uint8_t* HWY_RESTRICT codes, float* HWY_RESTRICT x) {
@@ -264,13 +315,13 @@ class SimdCodec final : public Codec {
     }
   }
 
-  void Encode(size_t n, const float* x, uint8_t* codes) const override {
+  void Encode(size_t n, const float* x, uint8_t* codes, EncodeStats* stats) const override {
     if (rotation_) {
-      HWY_DYNAMIC_DISPATCH(EncodeTurbo)(args_, n, x, codes);
+      HWY_DYNAMIC_DISPATCH(EncodeTurbo)(args_, n, x, codes, stats);
     } else if (layout_.kind == CodecKind::kF16) {
-      HWY_DYNAMIC_DISPATCH(EncodeF16)(n * layout_.head_dim, x, codes);
+      HWY_DYNAMIC_DISPATCH(EncodeF16)(n, layout_.head_dim, x, codes, stats);
     } else {
-      fallback_->Encode(n, x, codes);
+      fallback_->Encode(n, x, codes, stats);
     }
   }
 

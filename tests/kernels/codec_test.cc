@@ -1,5 +1,6 @@
 #include "kernels/codec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -352,6 +353,219 @@ TEST(FidelityTest, Turbo4BeatsQ4OnOutlierKeys) {
   EXPECT_LT(turbo4, q4);
   // The rotation keeps turbo4 at its unit-vector error level.
   EXPECT_LT(turbo4, 0.0094);
+}
+
+// --- EncodeStats: the error the encoder reports, against decoding ----------
+
+// Calls f() with dispatch restricted to each SIMD target this CPU has.
+template <class F>
+void ForEachSimdTarget(F&& f) {
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
+    hwy::SetSupportedTargetsForTest(bits & -bits);
+    f(hwy::TargetName(bits & -bits));
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// e = ||x - x_hat|| / ||x|| of each vector, x_hat decoded from `codes`, in
+// double; NaN for a zero vector.
+std::vector<double> DecodedErrors(const Codec& codec, const std::vector<float>& x,
+                                  const std::vector<uint8_t>& codes) {
+  const int d = codec.layout().head_dim;
+  const size_t n = x.size() / d;
+  std::vector<float> y(x.size());
+  codec.Decode(n, codes.data(), y.data());
+  std::vector<double> e(n);
+  for (size_t v = 0; v < n; ++v) {
+    double err = 0, norm = 0;
+    for (int i = 0; i < d; ++i) {
+      const double r = double(x[v * d + i]) - y[v * d + i];
+      err += r * r;
+      norm += double(x[v * d + i]) * x[v * d + i];
+    }
+    e[v] = norm > 0 ? std::sqrt(err / norm) : std::nan("");
+  }
+  return e;
+}
+
+// How far the encoder's e^2 may be from the decoded one. Turbo: e^2 ||x||^2 B
+// is ||z||^2 - 2 s <z, c> + s^2 ||c||^2 from three float sums of B
+// nonnegative terms (z_i c_i >= 0: c has the sign of z_i), each within
+// 12 * 2^-24 = 7.2e-7 of its value (8 terms a partial, then 4 levels of the
+// tree), with s <z, c> and s^2 ||c||^2 both at most about ||z||^2: 4 x 7.2e-7
+// = 2.9e-6 of ||z||^2; the float rotation of x (encode) and of s c (decode)
+// adds about 2 x 7 x 2^-24 = 8e-7: 5e-6 in e^2. The others compute the
+// decoded residual itself (q * d and fp16 values are exact in float) and
+// differ only in the order of float sums of at most 576 squares (the f16
+// SIMD lanes): 576 * 2^-24 = 3.4e-5 of e^2, 1e-4 with margin.
+double ErrorSqTolerance(CodecKind kind, double e_sq) { return TurboBits(kind) ? 5e-6 : 1e-4 * e_sq; }
+
+void ExpectSameCounts(const EncodeStats& a, const EncodeStats& b, const std::string& what) {
+  EXPECT_EQ(a.vectors, b.vectors) << what;
+  EXPECT_EQ(a.zero_vectors, b.zero_vectors) << what;
+  for (int k = 0; k < kEncodeErrorBuckets; ++k) EXPECT_EQ(a.histogram[k], b.histogram[k]) << what << " bucket " << k;
+  EXPECT_EQ(a.fp16_fields, b.fp16_fields) << what;
+  EXPECT_EQ(a.saturated, b.saturated) << what;
+  EXPECT_EQ(a.underflowed, b.underflowed) << what;
+}
+
+// Encodes x all at once and one vector at a time, with and without stats:
+// the bytes never change, each vector's e and bucket match its decoded error,
+// and the batch's stats are the per-vector stats merged with Add. Returns the
+// batch's stats and, in `per_vector`, each vector's.
+EncodeStats CheckStatsAgainstDecoding(const Codec& codec, const std::vector<float>& x, const std::string& what,
+                                      std::vector<EncodeStats>* per_vector = nullptr) {
+  const CodecKind kind = codec.spec().kind;
+  const int d = codec.layout().head_dim;
+  const size_t n = x.size() / d;
+  const size_t size = codec.code_size();
+  std::vector<uint8_t> plain(n * size), with_stats(n * size, 0x5a), one_code(size);
+  codec.Encode(n, x.data(), plain.data());
+  EncodeStats batch;
+  codec.Encode(n, x.data(), with_stats.data(), &batch);
+  EXPECT_EQ(plain, with_stats) << what;
+  const std::vector<double> decoded = DecodedErrors(codec, x, plain);
+  EncodeStats merged;
+  for (size_t v = 0; v < n; ++v) {
+    EncodeStats one;
+    codec.Encode(1, x.data() + v * d, one_code.data(), &one);
+    EXPECT_EQ(std::memcmp(one_code.data(), plain.data() + v * size, size), 0) << what << " vector " << v;
+    if (std::isnan(decoded[v])) {
+      EXPECT_EQ(one.zero_vectors, 1u) << what << " vector " << v;
+      EXPECT_EQ(one.vectors, 0u) << what << " vector " << v;
+    } else {
+      EXPECT_EQ(one.vectors, 1u) << what << " vector " << v;
+      const double e = one.error_sum;
+      const double e_sq = decoded[v] * decoded[v];
+      const double tolerance = ErrorSqTolerance(kind, e_sq);
+      EXPECT_NEAR(e * e, e_sq, tolerance) << what << " vector " << v << " decoded e " << decoded[v];
+      // Its bucket is the decoded error's; within the tolerance of a bound
+      // (no such vector in these inputs so far) either side is right.
+      const int low = EncodeErrorBucket(std::sqrt(std::max(0.0, e_sq - tolerance)));
+      const int high = EncodeErrorBucket(std::sqrt(e_sq + tolerance));
+      int bucket = -1;
+      for (int k = 0; k < kEncodeErrorBuckets; ++k) {
+        if (one.histogram[k] == 1) bucket = k;
+      }
+      EXPECT_GE(bucket, low) << what << " vector " << v << " e " << e;
+      EXPECT_LE(bucket, high) << what << " vector " << v << " e " << e;
+    }
+    merged.Add(one);
+    if (per_vector) per_vector->push_back(one);
+  }
+  ExpectSameCounts(batch, merged, what + " batch against merged");
+  EXPECT_EQ(batch.error_sum, merged.error_sum) << what;
+  return batch;
+}
+
+// Gaussian vectors at magnitudes from 1e-3 (f16's small values go subnormal)
+// to 1e3, and one zero vector.
+std::vector<float> StatsInputs(int d, uint64_t seed) {
+  constexpr int kVectors = 17;
+  std::vector<float> x = GaussianVectors(kVectors, d, seed);
+  const float magnitudes[] = {1.0f, 1e-3f, 1e3f, 0.1f, 10.0f};
+  for (int v = 0; v < kVectors; ++v) {
+    for (int i = 0; i < d; ++i) x[v * d + i] *= magnitudes[v % 5];
+  }
+  x.resize(x.size() + d, 0.0f);
+  return x;
+}
+
+TEST(EncodeStatsTest, ErrorMatchesDecodingOnEveryPathAndTarget) {
+  for (CodecKind kind : testing::kAllCodecs) {
+    for (int d : {64, 128, 256, 576}) {
+      const std::string name = std::string(CodecName(kind)) + " d=" + std::to_string(d);
+      const std::vector<float> x = StatsInputs(d, 500 + d);
+      const EncodeStats scalar = CheckStatsAgainstDecoding(*Make(kind, d, CpuPath::kScalar), x, name + " scalar");
+      EXPECT_EQ(scalar.vectors + scalar.zero_vectors, x.size() / d);
+      EXPECT_EQ(scalar.zero_vectors, 1u);
+      ForEachSimdTarget([&](const char* target) {
+        const std::string what = name + " " + target;
+        const EncodeStats simd = CheckStatsAgainstDecoding(*Make(kind, d, CpuPath::kSimd), x, what);
+        ExpectSameCounts(simd, scalar, what + " against scalar");
+        if (kind == CodecKind::kF16) {
+          // Float lane sums on F16C targets: see ErrorSqTolerance.
+          EXPECT_NEAR(simd.error_sum, scalar.error_sum, 1e-4 * scalar.error_sum) << what;
+        } else {
+          // The same float operations in the same order as the scalar code.
+          EXPECT_EQ(simd.error_sum, scalar.error_sum) << what;
+        }
+      });
+    }
+  }
+}
+
+TEST(EncodeStatsTest, CountsSaturatedAndUnderflowedScales) {
+  // Vectors of +-a: every block has the same fp16 scale magnitude (turbo:
+  // about a * sqrt(B); q8_0: a / 127; q4_0: a / 8; f16: every value is a).
+  // 1e9 saturates every scale and value; 1e-6 makes every one a nonzero fp16
+  // subnormal or flushes it to zero; 1e-9 flushes all; 1e30 also overflows
+  // the float sum of squares (e counts as 1); a zero vector counts its fields
+  // but none saturates or underflows.
+  struct Case {
+    float a;
+    bool saturated, underflowed;
+  } cases[] = {{1.0f, false, false}, {1e9f, true, false}, {1e-6f, false, true},
+               {1e-9f, false, true}, {1e30f, true, false}, {0.0f, false, false}};
+  const int d = 128;
+  std::vector<float> x;
+  const std::vector<float> signs = GaussianVectors(1, d, 3);
+  for (const Case& c : cases) {
+    for (int i = 0; i < d; ++i) x.push_back(signs[i] < 0 ? -c.a : c.a);
+  }
+  for (CodecKind kind : testing::kAllCodecs) {
+    auto check = [&](const Codec& codec, const std::string& what) {
+      std::vector<EncodeStats> per_vector;
+      CheckStatsAgainstDecoding(codec, x, what, &per_vector);
+      const uint64_t fields = kind == CodecKind::kF16 ? d : codec.layout().blocks;
+      for (size_t v = 0; v < per_vector.size(); ++v) {
+        const std::string which = what + " a=" + std::to_string(cases[v].a);
+        EXPECT_EQ(per_vector[v].fp16_fields, fields) << which;
+        EXPECT_EQ(per_vector[v].saturated, cases[v].saturated ? fields : 0) << which;
+        EXPECT_EQ(per_vector[v].underflowed, cases[v].underflowed ? fields : 0) << which;
+      }
+      EXPECT_EQ(per_vector[4].error_sum, 1.0) << what;  // the float overflow rule
+      EXPECT_EQ(per_vector[5].zero_vectors, 1u) << what;
+    };
+    check(*Make(kind, d, CpuPath::kScalar), std::string(CodecName(kind)) + " scalar");
+    ForEachSimdTarget([&](const char* target) {
+      check(*Make(kind, d, CpuPath::kSimd), std::string(CodecName(kind)) + " " + target);
+    });
+  }
+}
+
+// kEncodeErrorBounds' claim: on Gaussian data each codec fills buckets of
+// its own (q4_0 and turbo4 share theirs).
+TEST(EncodeStatsTest, BucketsSeparateTheCodecsOnGaussianData) {
+  struct Case {
+    CodecKind kind;
+    double low, high;  // the codec's range of e
+    double share;      // the least fraction of vectors in it
+  } cases[] = {
+      {CodecKind::kF16, 0, 0.0005, 1.0},        {CodecKind::kQ8_0, 0.002, 0.01, 1.0},
+      {CodecKind::kQ4_0, 0.06, 0.14, 0.99},     {CodecKind::kTurbo4, 0.06, 0.14, 0.99},
+      {CodecKind::kTurbo3, 0.14, 0.25, 0.99},   {CodecKind::kTurbo2, 0.25, 0.5, 0.99},
+  };
+  const std::vector<float> x = GaussianVectors(2000, 128, 99);
+  for (const Case& c : cases) {
+    const auto codec = Make(c.kind, 128, CpuPath::kSimd);
+    std::vector<uint8_t> codes(2000 * codec->code_size());
+    EncodeStats stats;
+    codec->Encode(2000, x.data(), codes.data(), &stats);
+    uint64_t inside = 0;
+    for (int k = EncodeErrorBucket(c.low) + (c.low > 0 ? 1 : 0); k <= EncodeErrorBucket(c.high); ++k) {
+      inside += stats.histogram[k];
+    }
+    EXPECT_GE(inside, c.share * stats.vectors) << CodecName(c.kind);
+    EXPECT_EQ(stats.saturated, 0u) << CodecName(c.kind);
+    // f16 stores the few values below 2^-14 as subnormals; the scales of the
+    // other codecs are all normal.
+    if (c.kind != CodecKind::kF16) {
+      EXPECT_EQ(stats.underflowed, 0u) << CodecName(c.kind);
+    }
+    std::printf("%-6s mean e %.5f, %.2f%% in (%g, %g]\n", CodecName(c.kind), stats.mean_error(),
+                100.0 * inside / stats.vectors, c.low, c.high);
+  }
 }
 
 TEST(EdgeInputTest, ZeroVectorsDecodeToZero) {
