@@ -1,4 +1,5 @@
-// Google Benchmark cases for the codecs: encode, decode and the rotation.
+// Google Benchmark cases for the codecs: encode (with and without EncodeStats),
+// decode and the rotation.
 // Run: build/bench/codec_bench (or `make bench`).
 #include <random>
 #include <vector>
@@ -42,6 +43,23 @@ void BM_Encode(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * kVectors * d * sizeof(float));
 }
 
+// Encode with EncodeStats: what measuring the quantization error costs.
+void BM_EncodeWithStats(benchmark::State& state) {
+  const auto codec = MakeOrDie(state);
+  if (!codec) return;
+  const int d = codec->layout().head_dim;
+  const std::vector<float> x = Gaussian(kVectors * d);
+  std::vector<uint8_t> codes(kVectors * codec->code_size());
+  EncodeStats stats;
+  for (auto _ : state) {
+    codec->Encode(kVectors, x.data(), codes.data(), &stats);
+    benchmark::DoNotOptimize(codes.data());
+    benchmark::DoNotOptimize(&stats);
+  }
+  state.SetItemsProcessed(state.iterations() * kVectors);
+  state.SetBytesProcessed(state.iterations() * kVectors * d * sizeof(float));
+}
+
 void BM_Decode(benchmark::State& state) {
   const auto codec = MakeOrDie(state);
   if (!codec) return;
@@ -69,6 +87,7 @@ void CodecArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_Encode)->Apply(CodecArgs);
+BENCHMARK(BM_EncodeWithStats)->Apply(CodecArgs);
 BENCHMARK(BM_Decode)->Apply(CodecArgs);
 
 // The scalar randomized Hadamard rotation of one block (the SIMD one runs

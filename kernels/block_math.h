@@ -27,6 +27,12 @@ struct QuantizationError {
     error_sq += static_cast<double>(r) * r;
     norm_sq += x * x;
   }
+  // One block: its sums and its fp16 scale.
+  TURBOKV_HD void AddBlock(double block_error_sq, double block_norm_sq, float scale, uint16_t scale_bits) {
+    error_sq += block_error_sq;
+    norm_sq += block_norm_sq;
+    CountField(scale, scale_bits);
+  }
   // One fp16 field: the float it was meant to hold and the bits stored.
   TURBOKV_HD void CountField(float value, uint16_t bits) {
     ++fields;
@@ -56,12 +62,18 @@ TURBOKV_HD void EncodeQ8Block(const float* x, uint8_t* out, QuantizationError* e
   const uint16_t d_bits = FloatToHalfBits(d);
   StoreHalfBits(out, d_bits);
   const float stored = HalfBitsToFloat(d_bits);
+  float error_sq = 0.0f;  // local sums: `out` may alias `error`
+  float norm_sq = 0.0f;
   for (int j = 0; j < kGgmlBlockValues; ++j) {
     const int8_t q = static_cast<int8_t>(roundf(x[j] * id));
     out[2 + j] = static_cast<uint8_t>(q);
-    if (error) error->AddValue(x[j], q * stored);
+    if (error) {
+      const float r = x[j] - q * stored;
+      error_sq += r * r;
+      norm_sq += x[j] * x[j];
+    }
   }
-  if (error) error->CountField(d, d_bits);
+  if (error) error->AddBlock(error_sq, norm_sq, d, d_bits);
 }
 
 TURBOKV_HD void DecodeQ8Block(const uint8_t* in, float* x) {
@@ -86,16 +98,20 @@ TURBOKV_HD void EncodeQ4Block(const float* x, uint8_t* out, QuantizationError* e
   const uint16_t d_bits = FloatToHalfBits(d);
   StoreHalfBits(out, d_bits);
   const float stored = HalfBitsToFloat(d_bits);
+  float error_sq = 0.0f;  // local sums: `out` may alias `error`
+  float norm_sq = 0.0f;
   for (int j = 0; j < kGgmlBlockValues / 2; ++j) {
     const int lo = static_cast<int>(fminf(15.0f, x[j] * id + 8.5f));
     const int hi = static_cast<int>(fminf(15.0f, x[j + 16] * id + 8.5f));
     out[2 + j] = static_cast<uint8_t>(lo | (hi << 4));
     if (error) {
-      error->AddValue(x[j], static_cast<float>(lo - 8) * stored);
-      error->AddValue(x[j + 16], static_cast<float>(hi - 8) * stored);
+      const float r_lo = x[j] - static_cast<float>(lo - 8) * stored;
+      const float r_hi = x[j + 16] - static_cast<float>(hi - 8) * stored;
+      error_sq += r_lo * r_lo + r_hi * r_hi;
+      norm_sq += x[j] * x[j] + x[j + 16] * x[j + 16];
     }
   }
-  if (error) error->CountField(d, d_bits);
+  if (error) error->AddBlock(error_sq, norm_sq, d, d_bits);
 }
 
 TURBOKV_HD void DecodeQ4Block(const uint8_t* in, float* x) {
@@ -140,9 +156,8 @@ TURBOKV_HD void AddTurboBlockError(float sum_squares, float dot, float centroid_
                                    uint16_t scale_bits, int block_values, QuantizationError* error) {
   const double s = HalfBitsToFloat(scale_bits);
   const double residual = sum_squares - 2.0 * s * dot + s * s * centroid_sq;
-  error->error_sq += (residual > 0.0 ? residual : 0.0) / block_values;
-  error->norm_sq += static_cast<double>(sum_squares) / block_values;
-  error->CountField(scale, scale_bits);
+  error->AddBlock((residual > 0.0 ? residual : 0.0) / block_values,
+                  static_cast<double>(sum_squares) / block_values, scale, scale_bits);
 }
 
 // Sums over a block use one fixed order everywhere (scalar, SIMD of any width,

@@ -205,33 +205,35 @@ void EncodeF16Values(size_t count, const float* HWY_RESTRICT x, uint8_t* HWY_RES
   const hn::Rebind<hwy::float16_t, decltype(d)> dh;
   const auto hi = hn::Set(d, kHalfMax);
   const auto lo = hn::Set(d, -kHalfMax);
-  const auto zero = hn::Zero(d);
-  const auto smallest_normal = hn::Set(d, kHalfMinNormal);
   const size_t lanes = hn::Lanes(d);
   auto* out = reinterpret_cast<hwy::float16_t*>(codes);
-  auto error_sq = zero;
-  auto norm_sq = zero;
-  size_t saturated = 0;
-  size_t underflowed = 0;
+  auto error_sq = hn::Zero(d);
+  auto norm_sq = hn::Zero(d);
+  auto largest = hn::Zero(d);
+  auto smallest = hn::Set(d, kHalfMinNormal);
   for (; i + lanes <= count; i += lanes) {
     const auto v = hn::LoadU(d, x + i);
     const auto h = hn::DemoteTo(dh, hn::Min(hn::Max(v, lo), hi));
     hn::StoreU(h, dh, out + i);
     if (kStats) {
-      const auto back = hn::PromoteTo(d, h);
-      const auto r = hn::Sub(v, back);
+      const auto r = hn::Sub(v, hn::PromoteTo(d, h));
       error_sq = hn::Add(error_sq, hn::Mul(r, r));
       norm_sq = hn::Add(norm_sq, hn::Mul(v, v));
-      saturated += hn::CountTrue(d, hn::Gt(hn::Abs(v), hi));
-      underflowed += hn::CountTrue(d, hn::AndNot(hn::Eq(v, zero), hn::Lt(hn::Abs(back), smallest_normal)));
+      largest = hn::Max(largest, hn::Abs(v));
+      smallest = hn::Min(smallest, hn::Abs(v));
     }
   }
   if (kStats) {
     error->error_sq += hn::GetLane(hn::SumOfLanes(d, error_sq));
     error->norm_sq += hn::GetLane(hn::SumOfLanes(d, norm_sq));
-    error->fields += static_cast<int>(i);
-    error->saturated += static_cast<int>(saturated);
-    error->underflowed += static_cast<int>(underflowed);
+    // Values that may saturate or underflow are rare: count them one by one
+    // only when some |x| is beyond 65504 or below 2^-14 (zeros included).
+    if (hn::GetLane(hn::MaxOfLanes(d, largest)) > kHalfMax ||
+        hn::GetLane(hn::MinOfLanes(d, smallest)) < kHalfMinNormal) {
+      for (size_t j = 0; j < i; ++j) error->CountField(x[j], FloatToHalfBits(x[j]));
+    } else {
+      error->fields += static_cast<int>(i);
+    }
   }
 #endif
   for (; i < count; ++i) {
