@@ -74,7 +74,9 @@ constexpr int kEncodeErrorBuckets = sizeof(kEncodeErrorBounds) / sizeof(kEncodeE
 // saturated).
 //
 // Stats add up: Encode adds to the stats it is given, Add merges two. An
-// EncodeStats is not synchronized: use one per thread and Add them.
+// EncodeStats is not synchronized: use one per thread and Add them. The CPU
+// codecs measure them (scalar and every SIMD target, the same counts); the
+// CUDA codecs (kernels/cuda/cuda_codec.h) do not take stats.
 struct EncodeStats {
   uint64_t vectors = 0;       // vectors with ||x|| > 0
   uint64_t zero_vectors = 0;  // vectors with ||x|| = 0 (see above)
