@@ -4,9 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <optional>
-#include <sstream>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -17,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "kernels/cpu/cpu_codecs.h"
+#include "service/text_file.h"
 #if TURBOKV_HAVE_CUDA
 #include "kernels/cuda/cuda_codec.h"
 #endif
@@ -37,11 +37,9 @@ std::string CudaFinding(int device) {
 }
 
 std::optional<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
-  std::stringstream text;
-  text << in.rdbuf();
-  return std::string(absl::StripAsciiWhitespace(text.str()));
+  std::optional<std::string> text = ReadTextFile(path);
+  if (text.has_value()) *text = std::string(absl::StripAsciiWhitespace(*text));
+  return text;
 }
 
 // The quota, in CPUs, of one cgroup directory; nullopt when it has none.
@@ -108,7 +106,8 @@ CoreAllowance AvailableCores(const std::string& cgroup_root, const std::string& 
   cpu_set_t mask;
   int cpus = 0;
   if (sched_getaffinity(0, sizeof(mask), &mask) == 0) cpus = CPU_COUNT(&mask);
-  if (cpus < 1) cpus = 1;
+  // A mask that does not fit cpu_set_t (more than 1024 CPUs): every core.
+  if (cpus < 1) cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   allowance.cores = cpus;
   allowance.why = absl::StrCat(cpus, " CPU", cpus == 1 ? "" : "s", " in the affinity mask");
   if (const std::optional<double> quota = CgroupQuota(cgroup_root, proc_cgroup); quota.has_value()) {

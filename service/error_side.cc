@@ -35,6 +35,5 @@ ErrorSide SideOf(const absl::Status& status) {
   }
 }
 
-const char* SideName(ErrorSide side) { return side == ErrorSide::kClient ? "client" : "server"; }
 
 }  // namespace turbokv

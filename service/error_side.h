@@ -23,6 +23,5 @@ absl::Status CallerLimit(absl::Status status);
 // RESOURCE_EXHAUSTED).
 ErrorSide SideOf(const absl::Status& status);
 
-const char* SideName(ErrorSide side);
 
 }  // namespace turbokv

@@ -22,6 +22,7 @@
 
 namespace {
 
+using turbokv::Log;
 using turbokv::LogLevel;
 using turbokv::Logf;
 
@@ -244,7 +245,12 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<turbokv::Server>> server = turbokv::Server::Create(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));
   Logf(LogLevel::kInfo, "device %s (%s)", (*server)->device().c_str(), (*server)->device_reason().c_str());
-  if (absl::Status status = (*server)->Start(); !status.ok()) return Fail(std::string(status.message()));
+  // Start fails on the machine (a port in use, a folder it cannot write),
+  // not on the flags: logged, exit status 2 as for bad flags.
+  if (absl::Status status = (*server)->Start(); !status.ok()) {
+    Log(LogLevel::kError, absl::StrCat("cannot start: ", status.message()));
+    return 2;
+  }
   if (!options.snapshot_dir.empty()) {
     const turbokv::SnapshotReport& loaded = (*server)->loaded();
     Logf(LogLevel::kInfo, "loaded %lld session(s), %s, from %s", static_cast<long long>(loaded.sessions),

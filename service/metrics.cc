@@ -4,8 +4,6 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <fstream>
-#include <sstream>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -20,6 +18,7 @@
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "service/error_side.h"
+#include "service/text_file.h"
 #include "turbokv/v1/turbokv.pb.h"
 
 namespace turbokv {
@@ -33,19 +32,12 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return buckets;
 }
 
-std::string ReadProcFile(const char* path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // The process_* metrics of the Prometheus client conventions, from /proc.
 class ProcessCollector : public prometheus::Collectable {
  public:
   ProcessCollector() : ticks_(static_cast<double>(sysconf(_SC_CLK_TCK))), page_(static_cast<double>(sysconf(_SC_PAGESIZE))) {
     // btime: the boot time, in seconds since the epoch.
-    for (absl::string_view line : absl::StrSplit(ReadProcFile("/proc/stat"), '\n')) {
+    for (absl::string_view line : absl::StrSplit(ReadTextFile("/proc/stat").value_or(""), '\n')) {
       if (absl::ConsumePrefix(&line, "btime ")) absl::SimpleAtod(line, &boot_time_);
     }
   }
@@ -53,7 +45,7 @@ class ProcessCollector : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     // /proc/self/stat: "PID (COMM) STATE ..."; COMM may hold spaces, so the
     // fields are counted from after its closing parenthesis: STATE is field 3.
-    const std::string stat = ReadProcFile("/proc/self/stat");
+    const std::string stat = ReadTextFile("/proc/self/stat").value_or("");
     std::vector<std::string> fields;
     if (const size_t close = stat.rfind(')'); close != std::string::npos) {
       fields = absl::StrSplit(stat.substr(close + 2), ' ', absl::SkipEmpty());

@@ -39,6 +39,7 @@
 #include "service/log.h"
 #include "service/rpc/kv_cache_service.h"
 #include "service/store/tiers/disk_tier.h"
+#include "service/text_file.h"
 
 namespace turbokv {
 
@@ -116,11 +117,9 @@ bool UnixSocketServed(const std::string& path) {
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+  std::optional<std::string> text = ReadTextFile(path);
+  if (!text.has_value()) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  return *std::move(text);
 }
 
 // INVALID_ARGUMENT unless `cert` holds a PEM certificate and `key` the PEM
@@ -334,6 +333,8 @@ absl::Status Server::Start() {
     server_ = builder.BuildAndStart();
   }
   umask(umask_before);
+  const bool listening = server_ != nullptr && std::find(ports.begin(), ports.end(), 0) == ports.end();
+  if (listening && !grpc_said.empty()) Logf(LogLevel::kWarning, "grpc, while listening: %s", grpc_said);
   for (size_t i = 0; i < options_.listen.size(); ++i) {
     const std::string& address = options_.listen[i];
     if (ports[i] == 0) {
@@ -364,6 +365,7 @@ absl::Status Server::Start() {
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.health_listen, " (--health-listen): ",
                                                  OsReasons(health_said, "in use, bad address or no permission")));
     }
+    if (!health_said.empty()) Logf(LogLevel::kWarning, "grpc, while listening: %s", health_said);
     health_endpoint_ = absl::StrCat(options_.health_listen.substr(0, options_.health_listen.rfind(':')), ":", port);
     health_server_->GetHealthCheckService()->SetServingStatus(true);
     health_server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);

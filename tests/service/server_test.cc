@@ -17,7 +17,10 @@
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
 #include "service/device.h"
+#include "service/metrics.h"
 #include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
 #include "tests/service/metrics_testing.h"
@@ -424,6 +427,34 @@ TEST(ServerMetricsTest, OpenStreamsAndClientFromServerErrors) {
   EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"RESOURCE_EXHAUSTED\",method=\"Append\",side=\"client\"} 1"));
   EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"RESOURCE_EXHAUSTED\",method=\"Append\",side=\"server\"} 1"));
   EXPECT_TRUE((*server)->Shutdown(absl::Seconds(1)).ok());
+}
+
+// A tenant whose last session went has no series left (not a 0 kept forever).
+TEST(MetricsTest, AGoneTenantsSeriesAreRemoved) {
+  Metrics metrics("cpu");
+  auto value = [&](const std::string& family_name, const std::string& tenant) {
+    for (const prometheus::MetricFamily& family : metrics.registry()->Collect()) {
+      if (family.name != family_name) continue;
+      for (const prometheus::ClientMetric& metric : family.metric) {
+        for (const prometheus::ClientMetric::Label& label : metric.label) {
+          if (label.name == "tenant" && label.value == tenant) return metric.gauge.value;
+        }
+      }
+    }
+    return -1.0;
+  };
+  StoreSnapshot store;
+  store.tenants["a"] = {1, 100};
+  store.tenants["b"] = {2, 200};
+  metrics.SetStore(store);
+  EXPECT_EQ(value("turbokv_tenant_sessions", "b"), 2);
+  EXPECT_EQ(value("turbokv_tenant_memory_bytes", "b"), 200);
+  store.tenants.erase("b");
+  store.tenants["a"] = {3, 300};
+  metrics.SetStore(store);
+  EXPECT_EQ(value("turbokv_tenant_sessions", "a"), 3);
+  EXPECT_EQ(value("turbokv_tenant_sessions", "b"), -1);
+  EXPECT_EQ(value("turbokv_tenant_memory_bytes", "b"), -1);
 }
 
 // Writes `text` to root/path, making the folders on the way.
