@@ -4,6 +4,7 @@
 //   turbokv-bench codec ...    codec fidelity and encode/decode speed (codec_cmd.cc)
 //   turbokv-bench attend ...   attention on the compressed cache vs f16 and memory speed (attend_cmd.cc)
 //   turbokv-bench e2e ...      the service over a unix socket vs its kernel and an empty round trip (e2e_cmd.cc)
+//   turbokv-bench quality ...  each codec preset's attention error against float attention, and its bits (quality_cmd.cc)
 #include <cstdio>
 #include <string>
 
@@ -14,6 +15,7 @@ namespace turbokv::bench {
 int RunCodec(int argc, char** argv);
 int RunAttend(int argc, char** argv);
 int RunE2e(int argc, char** argv);
+int RunQuality(int argc, char** argv);
 
 constexpr char kUsage[] =
     "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--json]\n"
@@ -24,7 +26,10 @@ constexpr char kUsage[] =
     "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
     "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]] [--json]\n"
     "       turbokv-bench e2e --spill [--tokens 8192] [--layers 32] [--rounds 5] [--calls N] ...\n"
-    "                         the disk tier: promotion MB/s against a sequential read, Step p99 while demoting\n";
+    "                         the disk tier: promotion MB/s against a sequential read, Step p99 while demoting\n"
+    "       turbokv-bench quality [--layers 32] [--kv-heads 8] [--q-heads 32] [--head-dim 128]\n"
+    "                             [--tokens 4096,32768] [--queries 4] [--sample-layers 2] [--threads 2] [--max-bits 3.7] [--json]\n"
+    "                         each preset's attention error on model-shaped data, and its bits per value\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);
@@ -40,6 +45,7 @@ int main(int argc, char** argv) {
   if (command == "codec") return RunCodec(argc - 2, argv + 2);
   if (command == "attend") return RunAttend(argc - 2, argv + 2);
   if (command == "e2e") return RunE2e(argc - 2, argv + 2);
+  if (command == "quality") return RunQuality(argc - 2, argv + 2);
   if (command == "-h" || command == "--help" || command == "help") {
     std::printf("%s", kUsage);
     return 0;

@@ -433,6 +433,8 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
   config->mutable_shape()->set_head_dim(options.head_dim);
   config->set_key_codec(options.key_codec);
   config->set_value_codec(options.value_codec);
+  config->set_preset(options.preset);
+  for (const v1::LayerCodecs& range : options.layer_codecs) *config->add_layer_codecs() = range;
   if (options.rotation_seed.has_value()) config->set_rotation_seed(*options.rotation_seed);
   config->set_max_tokens(options.max_tokens);
   *config->mutable_idle_ttl() =

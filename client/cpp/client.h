@@ -46,8 +46,12 @@ struct SessionOptions {
   int kv_heads = 1;
   int q_heads = 1;
   int head_dim = 128;
-  v1::Codec key_codec = v1::CODEC_TURBO3;
-  v1::Codec value_codec = v1::CODEC_TURBO3;
+  // Unspecified codecs and no preset: the daemon's default preset. A preset
+  // excludes key_codec and value_codec; layer_codecs override either.
+  v1::Codec key_codec = v1::CODEC_UNSPECIFIED;
+  v1::Codec value_codec = v1::CODEC_UNSPECIFIED;
+  std::string preset;  // k8v4, k4v4, k4v3, k3v4, k3v3, k2v2 (docs/API.md "Choosing a codec")
+  std::vector<v1::LayerCodecs> layer_codecs;
   std::optional<uint64_t> rotation_seed;  // unset: the daemon draws one
   int64_t max_tokens = 0;                 // 0: the daemon's limit
   absl::Duration idle_ttl = absl::ZeroDuration();  // zero: the daemon's --session-ttl

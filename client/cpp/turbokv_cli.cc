@@ -176,6 +176,7 @@ absl::StatusOr<FlagValue> ParseValue(const FlagSpec& spec, const std::string& te
       value.boolean = text == "true";
       return value;
     case Kind::kCodec: {
+      if (text.empty() && spec.fallback.empty()) return value;  // unspecified: the daemon chooses
       absl::StatusOr<turbokv::v1::Codec> codec = ParseCodec(text);
       if (!codec.ok()) return codec.status();
       value.codec = *codec;
@@ -428,6 +429,7 @@ absl::Status Create(const turbokv::Client& client, const Args& args) {
   options.max_tokens = args.Int("max-tokens");
   options.key_codec = args.Codec("key-codec");
   options.value_codec = args.Codec("value-codec");
+  options.preset = args.Text("preset");
   options.idle_ttl = args.Duration("ttl");
   options.pinned = args.Bool("pinned");
   absl::StatusOr<turbokv::Session> session = client.CreateSession(options);
@@ -723,8 +725,11 @@ std::vector<FlagSpec> ShapeFlags(int64_t layers, int64_t kv_heads, int64_t q_hea
 const std::vector<Command>& Commands() {
   static const std::vector<Command>* commands = [] {
     std::vector<FlagSpec> create = ShapeFlags(32, 8, 32, 128);
-    for (FlagSpec flag : {OtherFlag("key-codec", Kind::kCodec, "turbo3", "codec of the keys"),
-                          OtherFlag("value-codec", Kind::kCodec, "turbo3", "codec of the values"),
+    for (FlagSpec flag : {OtherFlag("preset", Kind::kText, "",
+                                    "a named codec choice: k8v4, k4v4, k4v3, k3v4, k3v3 or k2v2; with neither it "
+                                    "nor the codecs, the daemon's default preset"),
+                          OtherFlag("key-codec", Kind::kCodec, "", "codec of the keys (not with --preset)"),
+                          OtherFlag("value-codec", Kind::kCodec, "", "codec of the values (not with --preset)"),
                           IntFlag("max-tokens", 0, 0, int64_t{1} << 40, "most tokens per layer; 0: the daemon's --max-tokens"),
                           DurationFlag("ttl", "0s", absl::ZeroDuration(), absl::Hours(24 * 365),
                                        "deleted after this long without a call; 0s: the daemon's --session-ttl"),

@@ -77,8 +77,8 @@ absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, 
                                                         int64_t start, int64_t n, const float* keys,
                                                         const float* values) {
   const SessionConfig& config = session.config();
-  TURBOKV_RETURN_IF_ERROR(CheckStorable(config, config.key_codec, keys, layers, start, n, "keys"));
-  TURBOKV_RETURN_IF_ERROR(CheckStorable(config, config.value_codec, values, layers, start, n, "values"));
+  TURBOKV_RETURN_IF_ERROR(CheckStorable(config, KvPart::kKeys, keys, layers, start, n, "keys"));
+  TURBOKV_RETURN_IF_ERROR(CheckStorable(config, KvPart::kValues, values, layers, start, n, "values"));
   const SessionCache* held[] = {&session};
   TURBOKV_ASSIGN_OR_RETURN(std::vector<LayerCache::PendingAppend> pending,
                            PrepareAppend(session, layers, start, n, held));

@@ -315,10 +315,10 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
       SessionCache& session = *locked.sessions[i];
       const SessionConfig& config = session.config();
       const int64_t start = request.positions(static_cast<int>(i * shape.k));
-      status[i] = CheckStorable(config, config.key_codec, keys.data() + i * item_values, {request.layer()}, start,
+      status[i] = CheckStorable(config, KvPart::kKeys, keys.data() + i * item_values, {request.layer()}, start,
                                 shape.k, absl::StrCat("keys[", i, "]"));
       if (status[i].ok()) {
-        status[i] = CheckStorable(config, config.value_codec, values.data() + i * item_values, {request.layer()},
+        status[i] = CheckStorable(config, KvPart::kValues, values.data() + i * item_values, {request.layer()},
                                   start, shape.k, absl::StrCat("values[", i, "]"));
       }
       if (!status[i].ok()) continue;

@@ -53,6 +53,14 @@ void ConfigToProto(const SessionConfig& config, v1::SessionConfig* proto) {
   proto->set_max_tokens(config.max_tokens);
   *proto->mutable_idle_ttl() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(config.idle_ttl));
   proto->set_pinned(config.pinned);
+  for (const LayerCodecRange& range : config.layer_codecs) {
+    v1::LayerCodecs* layers = proto->add_layer_codecs();
+    layers->set_first_layer(range.first);
+    layers->set_last_layer(range.last);
+    layers->set_key_codec(ToProtoCodec(range.key));
+    layers->set_value_codec(ToProtoCodec(range.value));
+  }
+  proto->set_preset(config.preset);
 }
 
 absl::Status CheckLayer(const SessionConfig& config, int layer, absl::string_view field) {
@@ -119,13 +127,21 @@ absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const Attenti
   return absl::OkStatus();
 }
 
-absl::Status CheckStorable(const SessionConfig& config, CodecKind codec, const float* data,
+absl::Status CheckStorable(const SessionConfig& config, KvPart part, const float* data,
                            const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view what) {
-  const CodecLayout layout = MakeCodecLayout(codec, config.head_dim);
-  const bool turbo = codec != CodecKind::kF16 && codec != CodecKind::kQ8_0 && codec != CodecKind::kQ4_0;
   const int d = config.head_dim;
-  const size_t rows = layers.size() * static_cast<size_t>(n) * config.kv_heads;
+  const size_t layer_rows = static_cast<size_t>(n) * config.kv_heads;
+  const size_t rows = layers.size() * layer_rows;
+  CodecKind codec = CodecKind::kF16;
+  CodecLayout layout;
+  bool turbo = false;
   for (size_t row = 0; row < rows; ++row) {
+    if (row % layer_rows == 0) {  // a new layer: its codec
+      const int l = layers[row / layer_rows];
+      codec = part == KvPart::kKeys ? config.KeyCodec(l) : config.ValueCodec(l);
+      layout = MakeCodecLayout(codec, d);
+      turbo = codec != CodecKind::kF16 && codec != CodecKind::kQ8_0 && codec != CodecKind::kQ4_0;
+    }
     const float* x = data + row * d;
     float largest = 0.0f, block_norm = 0.0f;
     for (int b = 0; b < d; b += layout.block_values) {

@@ -40,12 +40,15 @@ absl::StatusOr<AttentionParams> CheckOptions(int q_heads, const v1::AttentionOpt
 constexpr float kMaxStoredValue = 65504.0f;
 constexpr float kMaxTurboBlockNorm = 32768.0f;
 
-// Keys or values (`what`) of `n` tokens at `start` in each of `layers`,
-// [layers.size()][n][kv_heads][head_dim], that `codec` can store without
-// saturating: every value within +-kMaxStoredValue and, for the turbo
-// codecs, every rotation block's norm at most kMaxTurboBlockNorm.
-// INVALID_ARGUMENT naming the tensor, layer, position and kv head.
-absl::Status CheckStorable(const SessionConfig& config, CodecKind codec, const float* data,
+enum class KvPart { kKeys, kValues };
+
+// Keys or values (`part`, named `what`) of `n` tokens at `start` in each of
+// `layers`, [layers.size()][n][kv_heads][head_dim], that each layer's codec
+// can store without saturating: every value within +-kMaxStoredValue and,
+// for the turbo codecs, every rotation block's norm at most
+// kMaxTurboBlockNorm. INVALID_ARGUMENT naming the tensor, layer, position
+// and kv head.
+absl::Status CheckStorable(const SessionConfig& config, KvPart part, const float* data,
                            const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view what);
 
 // Queries ([rows][head_dim] flattened) whose scores stay finite against any

@@ -116,7 +116,22 @@ v1::SessionInfo Handler::Info(const SessionCache& session) const {
   v1::SessionInfo info;
   info.set_session_id(session.id());
   ConfigToProto(session.config(), info.mutable_config());
-  for (int l = 0; l < session.config().layers; ++l) info.add_layer_tokens(session.layer_tokens(l));
+  const SessionConfig& config = session.config();
+  for (int l = 0; l < config.layers; ++l) {
+    info.add_layer_tokens(session.layer_tokens(l));
+    const v1::Codec key = ToProtoCodec(config.KeyCodec(l)), value = ToProtoCodec(config.ValueCodec(l));
+    const int ranges = info.layers_size();
+    if (ranges > 0 && info.layers(ranges - 1).key_codec() == key && info.layers(ranges - 1).value_codec() == value) {
+      info.mutable_layers(ranges - 1)->set_last_layer(l);
+      continue;
+    }
+    v1::LayerCodecs* layer = info.add_layers();
+    layer->set_first_layer(l);
+    layer->set_last_layer(l);
+    layer->set_key_codec(key);
+    layer->set_value_codec(value);
+  }
+  info.set_bits_per_value(BitsPerValue(config));
   info.set_bytes_used(static_cast<int64_t>(session.bytes_used()));
   info.set_residency(!session.resident() ? v1::RESIDENCY_DISK
                      : session.on_tier() ? v1::RESIDENCY_MEMORY_AND_DISK

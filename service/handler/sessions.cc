@@ -2,19 +2,87 @@
 // daemon-wide Stats and Snapshot.
 #include "service/handler/handler.h"
 
+#include <algorithm>
 #include <mutex>
 #include <random>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/util/time_util.h"
 #include "service/handler/common.h"
+#include "service/store/presets.h"
 #include "service/status_macros.h"
 
 namespace turbokv {
 
 using google::protobuf::util::TimeUtil;
+
+namespace {
+
+// The codecs of config.layers layers from proto's preset, key_codec,
+// value_codec and layer_codecs (see turbokv.proto), checked.
+absl::Status ConfigCodecs(const v1::SessionConfig& proto, SessionConfig* config) {
+  const bool codecs_given = proto.key_codec() != v1::CODEC_UNSPECIFIED || proto.value_codec() != v1::CODEC_UNSPECIFIED;
+  if (!proto.preset().empty() || !codecs_given) {
+    TURBOKV_RETURN_IF_ERROR(
+        ApplyPreset(proto.preset().empty() ? kDefaultPreset : proto.preset(), "config.preset", config));
+    // Codecs next to a preset must be its own (as a returned config has them).
+    if ((proto.key_codec() != v1::CODEC_UNSPECIFIED && proto.key_codec() != ToProtoCodec(config->key_codec)) ||
+        (proto.value_codec() != v1::CODEC_UNSPECIFIED && proto.value_codec() != ToProtoCodec(config->value_codec))) {
+      return absl::InvalidArgumentError(absl::StrCat("config.preset = '", proto.preset(),
+                                                     "' sets the codecs: give it without other config.key_codec and "
+                                                     "config.value_codec (use config.layer_codecs for exceptions)"));
+    }
+  } else {
+    TURBOKV_ASSIGN_OR_RETURN(config->key_codec, FromProtoCodec(proto.key_codec(), "config.key_codec"));
+    TURBOKV_ASSIGN_OR_RETURN(config->value_codec, FromProtoCodec(proto.value_codec(), "config.value_codec"));
+  }
+  if (proto.layer_codecs_size() > 0) {
+    config->layer_codecs.clear();
+    for (int i = 0; i < proto.layer_codecs_size(); ++i) {
+      const v1::LayerCodecs& given = proto.layer_codecs(i);
+      const std::string field = absl::StrCat("config.layer_codecs[", i, "]");
+      if (given.first_layer() < 0 || given.last_layer() < given.first_layer() || given.last_layer() >= config->layers) {
+        return absl::InvalidArgumentError(absl::StrCat(field, " names layers ", given.first_layer(), " to ",
+                                                       given.last_layer(), ": expected 0 <= first_layer <= "
+                                                       "last_layer < layers = ", config->layers));
+      }
+      LayerCodecRange range{given.first_layer(), given.last_layer(), config->key_codec, config->value_codec};
+      if (given.key_codec() != v1::CODEC_UNSPECIFIED) {
+        TURBOKV_ASSIGN_OR_RETURN(range.key, FromProtoCodec(given.key_codec(), field + ".key_codec"));
+      }
+      if (given.value_codec() != v1::CODEC_UNSPECIFIED) {
+        TURBOKV_ASSIGN_OR_RETURN(range.value, FromProtoCodec(given.value_codec(), field + ".value_codec"));
+      }
+      config->layer_codecs.push_back(range);
+    }
+    std::sort(config->layer_codecs.begin(), config->layer_codecs.end(),
+              [](const LayerCodecRange& a, const LayerCodecRange& b) { return a.first < b.first; });
+    for (size_t i = 1; i < config->layer_codecs.size(); ++i) {
+      const LayerCodecRange& before = config->layer_codecs[i - 1];
+      const LayerCodecRange& next = config->layer_codecs[i];
+      if (next.first <= before.last) {
+        return absl::InvalidArgumentError(absl::StrCat("config.layer_codecs: layers ", before.first, "-", before.last,
+                                                       " and ", next.first, "-", next.last, " overlap"));
+      }
+    }
+  }
+  // Every codec of the session must take its head_dim.
+  for (int l = 0; l < config->layers; ++l) {
+    for (CodecKind kind : {config->KeyCodec(l), config->ValueCodec(l)}) {
+      const absl::StatusOr<CodecLayout> layout = CheckCodecSpec(CodecSpec{kind, config->head_dim, 0});
+      if (!layout.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("config.shape.head_dim (", CodecName(kind), ", layer ", l,
+                                                       "): ", layout.status().message()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::CreateSessionRequest& request,
     const std::string& tenant) {
@@ -38,14 +106,7 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
   config.kv_heads = shape.kv_heads();
   config.q_heads = shape.q_heads();
   config.head_dim = shape.head_dim();
-  TURBOKV_ASSIGN_OR_RETURN(CodecKind key_codec, FromProtoCodec(proto.key_codec(), "config.key_codec"));
-  TURBOKV_ASSIGN_OR_RETURN(CodecKind value_codec, FromProtoCodec(proto.value_codec(), "config.value_codec"));
-  config.key_codec = key_codec;
-  config.value_codec = value_codec;
-  const absl::StatusOr<CodecLayout> layout = CheckCodecSpec(CodecSpec{config.key_codec, config.head_dim, 0});
-  if (!layout.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("config.shape.head_dim: ", layout.status().message()));
-  }
+  TURBOKV_RETURN_IF_ERROR(ConfigCodecs(proto, &config));
   config.rotation_seed =
       proto.has_rotation_seed() ? proto.rotation_seed() : (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
   if (proto.max_tokens() < 0 || proto.max_tokens() > options_.max_tokens) {

@@ -85,9 +85,18 @@ void PutSessionHeader(std::string* out, const SessionHeader& header) {
   Put<int64_t>(out, absl::ToInt64Nanoseconds(c.idle_ttl));
   Put<int64_t>(out, absl::ToUnixNanos(header.created));
   Put<int32_t>(out, header.page_tokens);
+  PutString(out, c.preset);
+  Put<uint32_t>(out, static_cast<uint32_t>(c.layer_codecs.size()));
+  for (const LayerCodecRange& range : c.layer_codecs) {
+    Put<int32_t>(out, range.first);
+    Put<int32_t>(out, range.last);
+    Put<uint8_t>(out, static_cast<uint8_t>(range.key));
+    Put<uint8_t>(out, static_cast<uint8_t>(range.value));
+  }
 }
 
-absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what) {
+absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what,
+                                               bool layer_codecs) {
   SessionHeader s;
   s.id = in.GetString();
   s.tenant = in.GetString();
@@ -103,6 +112,19 @@ absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl
   c.idle_ttl = absl::Nanoseconds(in.Get<int64_t>());
   s.created = absl::FromUnixNanos(in.Get<int64_t>());
   s.page_tokens = in.Get<int32_t>();
+  if (layer_codecs) {
+    c.preset = in.GetString();
+    const uint32_t ranges = in.Get<uint32_t>();
+    if (ranges > static_cast<uint32_t>(kMaxLayers)) return absl::DataLossError(absl::StrCat(what, " header is malformed"));
+    for (uint32_t i = 0; i < ranges && !in.short_read(); ++i) {
+      LayerCodecRange range;
+      range.first = in.Get<int32_t>();
+      range.last = in.Get<int32_t>();
+      range.key = static_cast<CodecKind>(in.Get<uint8_t>());
+      range.value = static_cast<CodecKind>(in.Get<uint8_t>());
+      c.layer_codecs.push_back(range);
+    }
+  }
   if (in.short_read() || c.layers < 1 || c.layers > kMaxLayers || c.kv_heads < 1 || c.kv_heads > kMaxHeads ||
       c.q_heads < c.kv_heads || c.q_heads > kMaxHeads || c.q_heads % c.kv_heads != 0 || c.max_tokens < 1) {
     return absl::DataLossError(absl::StrCat(what, " header is malformed"));
@@ -111,9 +133,18 @@ absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl
     return absl::DataLossError(absl::StrCat(what, " has pages of ", s.page_tokens, " tokens, this turbokvd uses ",
                                             page_tokens));
   }
-  if (!CheckCodecSpec(CodecSpec{c.key_codec, c.head_dim, 0}).ok() ||
-      !CheckCodecSpec(CodecSpec{c.value_codec, c.head_dim, 0}).ok()) {
-    return absl::DataLossError(absl::StrCat(what, " names an unknown codec or head_dim"));
+  int previous_last = -1;
+  for (const LayerCodecRange& range : c.layer_codecs) {
+    if (range.first <= previous_last || range.last < range.first || range.last >= c.layers) {
+      return absl::DataLossError(absl::StrCat(what, " header's layer codecs are malformed"));
+    }
+    previous_last = range.last;
+  }
+  for (int l = 0; l < c.layers; ++l) {
+    if (!CheckCodecSpec(CodecSpec{c.KeyCodec(l), c.head_dim, 0}).ok() ||
+        !CheckCodecSpec(CodecSpec{c.ValueCodec(l), c.head_dim, 0}).ok()) {
+      return absl::DataLossError(absl::StrCat(what, " names an unknown codec or head_dim"));
+    }
   }
   return s;
 }

@@ -66,6 +66,9 @@ void PutSessionHeader(std::string* out, const SessionHeader& header);
 // Reads one and checks it against the limits CreateSession enforces (so
 // that nothing is sized from a bad record) and against this daemon's
 // page_tokens; DATA_LOSS naming `what` ("the snapshot") otherwise.
-absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what);
+// layer_codecs: the header holds the per-layer codecs and the preset (as
+// PutSessionHeader writes it); false for the formats before them.
+absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what,
+                                               bool layer_codecs);
 
 }  // namespace turbokv

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "kernels/codec.h"
@@ -12,18 +14,58 @@ namespace turbokv {
 constexpr int kMaxLayers = 1024;
 constexpr int kMaxHeads = 1024;  // kv heads, and query heads
 
+// The codecs of layers [first, last], in place of the session's key_codec
+// and value_codec there.
+struct LayerCodecRange {
+  int first = 0;
+  int last = 0;
+  CodecKind key = CodecKind::kTurbo3;
+  CodecKind value = CodecKind::kTurbo3;
+};
+
 // A session's configuration, checked and with every default filled in.
 struct SessionConfig {
   int layers = 0;
   int kv_heads = 0;
   int q_heads = 0;
   int head_dim = 0;
+  // The codecs of every layer that no range of layer_codecs names.
   CodecKind key_codec = CodecKind::kTurbo3;
   CodecKind value_codec = CodecKind::kTurbo3;
+  // Sorted by first, disjoint, within [0, layers).
+  std::vector<LayerCodecRange> layer_codecs;
+  std::string preset;  // the preset the codecs came from; "" for none
   uint64_t rotation_seed = 0;
   int64_t max_tokens = 0;  // per layer
   absl::Duration idle_ttl = absl::ZeroDuration();
   bool pinned = false;  // never demoted to the spill tier
+
+  CodecKind KeyCodec(int layer) const { return Codecs(layer).key; }
+  CodecKind ValueCodec(int layer) const { return Codecs(layer).value; }
+  LayerCodecRange Codecs(int layer) const {
+    for (const LayerCodecRange& range : layer_codecs) {
+      if (layer >= range.first && layer <= range.last) return range;
+    }
+    return LayerCodecRange{layer, layer, key_codec, value_codec};
+  }
 };
+
+// Bytes of one page of `layer` (keys and values of every kv head).
+inline size_t LayerPageBytes(const SessionConfig& config, int layer, int page_tokens) {
+  return static_cast<size_t>(config.kv_heads) * static_cast<size_t>(page_tokens) *
+         (MakeCodecLayout(config.KeyCodec(layer), config.head_dim).code_size() +
+          MakeCodecLayout(config.ValueCodec(layer), config.head_dim).code_size());
+}
+
+// Stored bits per key and value over the whole session, block scales and
+// norms included.
+inline double BitsPerValue(const SessionConfig& config) {
+  double bytes = 0;
+  for (int l = 0; l < config.layers; ++l) {
+    bytes += static_cast<double>(MakeCodecLayout(config.KeyCodec(l), config.head_dim).code_size() +
+                                 MakeCodecLayout(config.ValueCodec(l), config.head_dim).code_size());
+  }
+  return config.layers == 0 ? 0.0 : 8.0 * bytes / (2.0 * config.layers * config.head_dim);
+}
 
 }  // namespace turbokv

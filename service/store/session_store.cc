@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 #include <unordered_map>
 #include <sstream>
@@ -92,9 +93,12 @@ std::string ShowId(absl::string_view id) {
 }
 
 size_t SessionMetadataBytes(const SessionConfig& config) {
-  // The session object and its two codecs (sign vectors, codebooks), then
-  // per layer its LayerCache and allocator overhead.
-  return sizeof(SessionCache) + kCodecMetadataBytes + static_cast<size_t>(config.layers) * kLayerMetadataBytes;
+  // The session object and its codecs (sign vectors, codebooks; a pair
+  // for the keys and values of every layer, and one more for each pair the
+  // ranges of layer_codecs add), then per layer its LayerCache and
+  // allocator overhead.
+  return sizeof(SessionCache) + kCodecMetadataBytes * (1 + config.layer_codecs.size()) +
+         static_cast<size_t>(config.layers) * kLayerMetadataBytes;
 }
 
 SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier)
@@ -115,21 +119,31 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Build(std::string id
 
 absl::Status SessionStore::Materialize(SessionCache& session) {
   const SessionConfig& config = session.config();
-  const CodecSpec key_spec{config.key_codec, config.head_dim,
-                           DeriveRotationSeed(config.rotation_seed, RotationStream::kKeys)};
-  const CodecSpec value_spec{config.value_codec, config.head_dim,
-                             DeriveRotationSeed(config.rotation_seed, RotationStream::kValues)};
-  absl::StatusOr<std::unique_ptr<Codec>> key_codec = MakeCpuCodec(key_spec);
-  if (!key_codec.ok()) return key_codec.status();
-  absl::StatusOr<std::unique_ptr<Codec>> value_codec = MakeCpuCodec(value_spec);
-  if (!value_codec.ok()) return value_codec.status();
-  std::shared_ptr<const Codec> keys = *std::move(key_codec);
-  std::shared_ptr<const Codec> values = *std::move(value_codec);
+  // One codec object per kind and stream, shared by the layers that use it.
+  std::map<std::pair<CodecKind, RotationStream>, std::shared_ptr<const Codec>> codecs;
+  auto codec = [&](CodecKind kind, RotationStream stream) -> absl::StatusOr<std::shared_ptr<const Codec>> {
+    std::shared_ptr<const Codec>& slot = codecs[{kind, stream}];
+    if (slot == nullptr) {
+      absl::StatusOr<std::unique_ptr<Codec>> made =
+          MakeCpuCodec(CodecSpec{kind, config.head_dim, DeriveRotationSeed(config.rotation_seed, stream)});
+      if (!made.ok()) return made.status();
+      slot = *std::move(made);
+    }
+    return slot;
+  };
+  std::vector<std::pair<std::shared_ptr<const Codec>, std::shared_ptr<const Codec>>> layer_codecs;
+  for (int l = 0; l < config.layers; ++l) {
+    absl::StatusOr<std::shared_ptr<const Codec>> keys = codec(config.KeyCodec(l), RotationStream::kKeys);
+    if (!keys.ok()) return keys.status();
+    absl::StatusOr<std::shared_ptr<const Codec>> values = codec(config.ValueCodec(l), RotationStream::kValues);
+    if (!values.ok()) return values.status();
+    layer_codecs.emplace_back(*std::move(keys), *std::move(values));
+  }
   absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config));
   if (!charge.ok()) return charge.status();
   session.charge_ = *std::move(charge);
   session.layers_.reserve(config.layers);
-  for (int l = 0; l < config.layers; ++l) {
+  for (const auto& [keys, values] : layer_codecs) {
     session.layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
   }
   return absl::OkStatus();
@@ -517,7 +531,8 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
 
 PageKey SessionStore::Key(const SessionCache& session, int layer, int index, int tokens) {
   const SessionConfig& c = session.config();
-  return PageKey{session.id(), session.tenant(), layer, index, tokens, c.key_codec, c.value_codec, c.rotation_seed};
+  return PageKey{session.id(), session.tenant(), layer, index, tokens, c.KeyCodec(layer), c.ValueCodec(layer),
+                 c.rotation_seed};
 }
 
 absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
@@ -643,12 +658,10 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
   if (session.resident()) return absl::OkStatus();
   const TierSession& image = *session.demoted_;
   const SessionConfig& config = session.config();
-  const size_t page_bytes =
-      static_cast<size_t>(config.kv_heads) * options_.page_tokens *
-      (MakeCodecLayout(config.key_codec, config.head_dim).code_size() +
-       MakeCodecLayout(config.value_codec, config.head_dim).code_size());
   size_t bytes = SessionMetadataBytes(config);
-  for (const TierLayer& layer : image.layers) bytes += layer.pages.size() * page_bytes;
+  for (size_t l = 0; l < image.layers.size(); ++l) {
+    bytes += image.layers[l].pages.size() * LayerPageBytes(config, static_cast<int>(l), options_.page_tokens);
+  }
   if (absl::Status status = MakeRoom(bytes, held); !status.ok()) {
     return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()),
                                                     " is on the spill tier and cannot come back into memory: ",

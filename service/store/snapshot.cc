@@ -23,7 +23,9 @@ namespace turbokv {
 namespace {
 
 constexpr char kMagic[8] = {'T', 'K', 'V', 'S', 'N', 'A', 'P', '\n'};
-constexpr uint32_t kVersion = 1;
+// 2: the session header holds per-layer codecs and the preset; files of
+// version 1 are still read.
+constexpr uint32_t kVersion = 2;
 constexpr char kManifestMagic[] = "turbokv snapshot manifest 1";
 
 absl::Status Errno(absl::string_view what, const std::string& path) {
@@ -126,10 +128,11 @@ constexpr uint32_t kMaxHeaderBytes = 1 << 20;
 
 // The header's fields, checked against the limits CreateSession enforces:
 // nothing is sized from a bad header.
-absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tokens) {
+absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tokens, uint32_t version) {
   Reader header(bytes);
   SnapshotHeader s;
-  absl::StatusOr<SessionHeader> session = GetSessionHeader(header, page_tokens, "the snapshot");
+  absl::StatusOr<SessionHeader> session =
+      GetSessionHeader(header, page_tokens, "the snapshot", /*layer_codecs=*/version >= 2);
   if (!session.ok()) return session.status();
   static_cast<SessionHeader&>(s) = *std::move(session);
   for (int l = 0; l < s.config.layers; ++l) s.tokens.push_back(header.Get<int64_t>());
@@ -181,22 +184,21 @@ absl::StatusOr<std::shared_ptr<SessionCache>> ReadSnapshot(const std::string& pa
     return absl::DataLossError("not a turbokv snapshot (bad magic or too short)");
   }
   if (!in.Read(&version, 4) || !in.Read(&header_bytes, 4)) return absl::DataLossError("the snapshot is truncated");
-  if (version != kVersion) {
-    return absl::DataLossError(absl::StrCat("snapshot format version ", version, ", this turbokvd reads ", kVersion));
+  if (version < 1 || version > kVersion) {
+    return absl::DataLossError(
+        absl::StrCat("snapshot format version ", version, ", this turbokvd reads 1 to ", kVersion));
   }
   if (header_bytes > kMaxHeaderBytes || 16 + uint64_t{header_bytes} + 4 > size) {
     return absl::DataLossError("the snapshot header is malformed");
   }
   std::string header_text(header_bytes, '\0');
   if (!in.Read(header_text.data(), header_bytes)) return absl::DataLossError("the snapshot is truncated");
-  TURBOKV_ASSIGN_OR_RETURN(SnapshotHeader header, ParseHeader(header_text, page_tokens));
-  const CodecLayout key = MakeCodecLayout(header.config.key_codec, header.config.head_dim);
-  const CodecLayout value = MakeCodecLayout(header.config.value_codec, header.config.head_dim);
+  TURBOKV_ASSIGN_OR_RETURN(SnapshotHeader header, ParseHeader(header_text, page_tokens, version));
   // The pages the header promises must be exactly what the file holds.
-  const uint64_t page_bytes =
-      static_cast<uint64_t>(header.config.kv_heads) * page_tokens * (key.code_size() + value.code_size());
   uint64_t left = size - 16 - header_bytes - 4;
-  for (int64_t tokens : header.tokens) {
+  for (size_t l = 0; l < header.tokens.size(); ++l) {
+    const int64_t tokens = header.tokens[l];
+    const uint64_t page_bytes = LayerPageBytes(header.config, static_cast<int>(l), page_tokens);
     const uint64_t pages = static_cast<uint64_t>(tokens / page_tokens + (tokens % page_tokens != 0));
     if (pages > left / page_bytes) return absl::DataLossError("the snapshot's pages do not match its header (truncated?)");
     left -= pages * page_bytes;

@@ -25,6 +25,8 @@ RUNS = {
                          "4", "--steps", "1"], "service_overhead"),
     "e2e_batch_model": (["e2e", "--batch", "4", "--tokens", "64", "--layers", "32", "--steps", "1"] + MODEL,
                         "decode_speedup_over_unary"),
+    "quality_small": (["quality", "--layers", "8", "--kv-heads", "1", "--q-heads", "2", "--head-dim", "64",
+                       "--tokens", "256", "--queries", "1", "--sample-layers", "1"], "bits_per_value"),
 }
 
 

@@ -138,7 +138,12 @@ class CliTest(unittest.TestCase):
         self.assertEqual(config["max_tokens"], 4096)
         self.assertIsInstance(config["rotation_seed"], int)
         self.assertEqual(config["key_codec"], "CODEC_TURBO3")
+        self.assertEqual(config["preset"], "k3v4")  # neither codecs nor a preset: the daemon's default
         session = created["session_id"]
+        preset = self.json("create", "--layers=32", "--kv-heads=1", "--q-heads=1", "--preset=k4v4")["config"]
+        self.assertEqual((preset["preset"], preset["key_codec"]), ("k4v4", "CODEC_TURBO4"))
+        self.assertEqual([(r["first_layer"], r["last_layer"], r["key_codec"]) for r in preset["layer_codecs"]],
+                         [(0, 1, "CODEC_Q8_0"), (30, 31, "CODEC_Q8_0")])
 
         info = self.json("get", session)
         self.assertEqual(info["layer_tokens"], [0, 0])
@@ -191,7 +196,8 @@ class CliTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertTrue(out.stdout.startswith("usage: turbokv create"), out.stdout)
             self.assertRegex(out.stdout, r"--layers=N .*1 to 1024 \(default 32\)")
-            self.assertRegex(out.stdout, r"--key-codec=CODEC .*\(default turbo3\)")
+            self.assertRegex(out.stdout, r"--preset=PRESET .*k3v4.*\(default none\)")
+            self.assertRegex(out.stdout, r"--key-codec=CODEC .*\(default none\)")
             self.assertRegex(out.stdout, r"--timeout=DURATION .*\(default 5s\)")
             self.assertNotIn("--batch", out.stdout)  # decode-random's
         append = self.ok("append-random", "--help")
@@ -213,6 +219,10 @@ class CliTest(unittest.TestCase):
         self.assertIn("RESOURCE_EXHAUSTED", out.stderr)
         self.assertEqual(self.ok("delete", small), "")
         self.assertNotIn(small, self.sessions())
+        # An unknown preset: the daemon's INVALID_ARGUMENT, naming the presets.
+        out = self.run_cli("create", "--preset=k9v9")
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("config.preset = 'k9v9' is not a preset: use one of k8v4", out.stderr)
 
 
 if __name__ == "__main__":

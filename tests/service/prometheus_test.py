@@ -38,7 +38,8 @@ class PrometheusTest(unittest.TestCase):
                 # One session with 256 tokens in each of its 2 layers.
                 cli = os.environ["TURBOKV_CLI"]
                 session = subprocess.run([cli, f"--target={target}", "create", "--layers=2", "--kv-heads=2",
-                                          "--q-heads=4", "--head-dim=128"], capture_output=True, text=True,
+                                          "--q-heads=4", "--head-dim=128", "--key-codec=turbo3",
+                                          "--value-codec=turbo3"], capture_output=True, text=True,
                                          timeout=60, check=True).stdout.strip()
                 subprocess.run([cli, f"--target={target}", "append-random", session, "--tokens=256"],
                                capture_output=True, text=True, timeout=60, check=True)

@@ -29,12 +29,13 @@ using ::turbokv::testing::GaussianVectors;
 
 std::string Socket() { return absl::StrCat("unix:///tmp/turbokvd-test-", getpid(), ".sock"); }
 
-// 2 layers, 2 kv heads, 4 q heads, d = 128, turbo3.
+// 2 layers, 2 kv heads, 4 q heads, d = 128, turbo3 (the budget tests count its bytes).
 SessionOptions SmallSession() {
   SessionOptions options;
   options.layers = 2;
   options.kv_heads = 2;
   options.q_heads = 4;
+  options.key_codec = options.value_codec = v1::CODEC_TURBO3;
   return options;
 }
 
@@ -169,6 +170,7 @@ TEST(TurbokvdTest, BudgetIsEnforcedWithRejectAndWithLru) {
     SessionOptions options;
     options.kv_heads = 8;
     options.q_heads = 8;
+    options.key_codec = options.value_codec = v1::CODEC_TURBO3;
     auto first = client->CreateSession(options);
     auto second = client->CreateSession(options);
     ASSERT_TRUE(first.ok() && second.ok());

@@ -118,6 +118,24 @@ class ClientTest(DaemonTestCase):
         self.assertEqual(list(s.info().layer_tokens), [10, 0])
         s.delete()
 
+    def test_presets_and_layer_codecs(self):
+        s = self.client.create_session(32, 1, 1, D, preset="k4v4")
+        info = s.info()
+        self.assertEqual(info.config.preset, "k4v4")
+        self.assertEqual([(r.first_layer, r.last_layer, r.key_codec) for r in info.layers],
+                         [(0, 1, pb.CODEC_Q8_0), (2, 29, pb.CODEC_TURBO4), (30, 31, pb.CODEC_Q8_0)])
+        self.assertAlmostEqual(info.bits_per_value, (28 * 4.125 + 4 * 8.5) / 32)
+        # Neither codecs nor a preset: the daemon's default preset.
+        self.assertIn(self.client.create_session(LAYERS, KV, Q, D).info().config.preset, turbokv.PRESETS)
+        mixed = self.client.create_session(LAYERS, KV, Q, D, key_codec="turbo3", value_codec="turbo3",
+                                           layer_codecs=[(1, 1, "q8_0", None)])
+        last = mixed.info().layers[-1]
+        self.assertEqual((last.first_layer, last.key_codec, last.value_codec), (1, pb.CODEC_Q8_0, pb.CODEC_TURBO3))
+        with self.assertRaisesRegex(ValueError, "preset: unknown preset 'k9v9'"):
+            self.client.create_session(LAYERS, KV, Q, D, preset="k9v9")
+        with self.assertRaisesRegex(ValueError, r"layer_codecs\[0\] last_layer must be in \[0, 2\), got 2"):
+            self.client.create_session(LAYERS, KV, Q, D, layer_codecs=[(0, 2, "f16", "f16")])
+
     def test_stats_and_list(self):
         s = self.session()
         s.append(None, 0, np.ones((LAYERS, 64, KV, D), np.float32), np.ones((LAYERS, 64, KV, D), np.float32))

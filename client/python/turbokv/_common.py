@@ -33,6 +33,8 @@ CODECS = {
     "turbo3": pb.CODEC_TURBO3,
     "turbo4": pb.CODEC_TURBO4,
 }
+PRESETS = ("k8v4", "k4v4", "k4v3", "k3v4", "k3v3", "k2v2")
+"""The named codec choices of CreateSession (docs/API.md "Choosing a codec")."""
 DEFAULT_TIMEOUT = 60.0
 
 
@@ -331,16 +333,38 @@ class SessionBase:
         return xp.stack(keys), xp.stack(values)
 
 
-def create_request(layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: str, value_codec: str,
-                   rotation_seed: Optional[int], max_tokens: int, idle_ttl: Optional[float],
-                   pinned: bool) -> pb.CreateSessionRequest:
+def create_request(layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: Optional[str],
+                   value_codec: Optional[str], rotation_seed: Optional[int], max_tokens: int,
+                   idle_ttl: Optional[float], pinned: bool, preset: Optional[str] = None,
+                   layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None
+                   ) -> pb.CreateSessionRequest:
     shape = pb.ModelShape(layers=_tensors.index(layers, "layers", 1), kv_heads=_tensors.index(kv_heads, "kv_heads", 1),
                           q_heads=_tensors.index(q_heads, "q_heads", 1), head_dim=_tensors.index(head_dim, "head_dim", 1))
-    for name, codec in (("key_codec", key_codec), ("value_codec", value_codec)):
+
+    def codec_of(codec: Optional[str], name: str) -> int:
+        if codec is None:
+            return pb.CODEC_UNSPECIFIED
         if codec not in CODECS:
             raise ValueError(f"{name}: unknown codec {codec!r}: use one of {', '.join(CODECS)}")
-    config = pb.SessionConfig(shape=shape, key_codec=CODECS[key_codec], value_codec=CODECS[value_codec],
+        return CODECS[codec]
+
+    config = pb.SessionConfig(shape=shape, key_codec=codec_of(key_codec, "key_codec"),
+                              value_codec=codec_of(value_codec, "value_codec"),
                               max_tokens=_tensors.index(max_tokens, "max_tokens"), pinned=bool(pinned))
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"preset: unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+        if key_codec is not None or value_codec is not None:
+            raise ValueError("preset: give it without key_codec and value_codec (layer_codecs may override it)")
+        config.preset = preset
+    for i, entry in enumerate(layer_codecs or ()):
+        if len(entry) != 4:
+            raise ValueError(f"layer_codecs[{i}]: expected (first_layer, last_layer, key_codec, value_codec)")
+        first, last, key, value = entry
+        config.layer_codecs.add(first_layer=_tensors.index(first, f"layer_codecs[{i}] first_layer", 0, layers),
+                                last_layer=_tensors.index(last, f"layer_codecs[{i}] last_layer", first, layers),
+                                key_codec=codec_of(key, f"layer_codecs[{i}] key_codec"),
+                                value_codec=codec_of(value, f"layer_codecs[{i}] value_codec"))
     if rotation_seed is not None:
         config.rotation_seed = _tensors.index(rotation_seed, "rotation_seed", 0, 1 << 64)
     if idle_ttl is not None:

@@ -271,13 +271,15 @@ class Client:
             raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
 
     async def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int,
-                             key_codec: str = "turbo3", value_codec: str = "turbo3",
+                             key_codec: Optional[str] = None, value_codec: Optional[str] = None,
                              rotation_seed: Optional[int] = None, max_tokens: int = 0,
                              idle_ttl: Optional[float] = None, pinned: bool = False, *,
+                             preset: Optional[str] = None,
+                             layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
                              timeout: Optional[float] = None) -> Session:
         """As turbokv.Client.create_session."""
         request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
-                                         max_tokens, idle_ttl, pinned)
+                                         max_tokens, idle_ttl, pinned, preset, layer_codecs)
         response = await self._invoke(
             lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
             timeout, idempotent=False)

@@ -313,16 +313,23 @@ class Client:
         except grpc.FutureTimeoutError:
             raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
 
-    def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: str = "turbo3",
-                       value_codec: str = "turbo3", rotation_seed: Optional[int] = None, max_tokens: int = 0,
+    def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int,
+                       key_codec: Optional[str] = None, value_codec: Optional[str] = None,
+                       rotation_seed: Optional[int] = None, max_tokens: int = 0,
                        idle_ttl: Optional[float] = None, pinned: bool = False, *,
+                       preset: Optional[str] = None,
+                       layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
                        timeout: Optional[float] = None) -> Session:
         """A new session of the model shape. Codecs: f16, q8_0, q4_0, turbo2,
-        turbo3, turbo4; rotation_seed: the turbo codecs' (random when None);
-        max_tokens per layer (0: the daemon's); idle_ttl in seconds (None:
-        the daemon's --session-ttl); pinned: never demoted to --spill-dir."""
+        turbo3, turbo4, or a preset (turbokv.PRESETS: k8v4, k4v4, k4v3, k3v4,
+        k3v3, k2v2) in their place; with neither, the daemon's default preset.
+        layer_codecs: (first_layer, last_layer, key_codec, value_codec) ranges
+        in place of the session's codecs (None: the session's). rotation_seed:
+        the turbo codecs' (random when None); max_tokens per layer (0: the
+        daemon's); idle_ttl in seconds (None: the daemon's --session-ttl);
+        pinned: never demoted to --spill-dir."""
         request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
-                                         max_tokens, idle_ttl, pinned)
+                                         max_tokens, idle_ttl, pinned, preset, layer_codecs)
         response = self._invoke(
             lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
             timeout, idempotent=False)

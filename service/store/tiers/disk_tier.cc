@@ -26,7 +26,10 @@ namespace turbokv {
 namespace {
 
 constexpr char kMagic[4] = {'T', 'K', 'V', 'R'};
-constexpr uint16_t kVersion = 1;
+// 2: a manifest's session header holds per-layer codecs and the preset;
+// records of version 1 are still read.
+constexpr uint16_t kVersion = 2;
+constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kFrameBytes = 24;  // magic, version, type, 0, lsn, header bytes, payload bytes
 constexpr size_t kCrcBytes = 4;
 constexpr uint32_t kMaxHeaderBytes = 1 << 24;
@@ -185,6 +188,7 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
   struct ManifestInfo {
     uint64_t lsn;
     std::string header;  // its header bytes, parsed once chosen
+    uint16_t version;
   };
   std::unordered_map<uint64_t, std::shared_ptr<Record>> records;
   std::unordered_map<std::string, std::vector<PageInfo>> pages;
@@ -238,9 +242,9 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
       segment->size = offset;
       Reader header(absl::string_view(buffer.data() + kFrameBytes, header_bytes));
       const std::string session = header.GetString();
-      if (version != kVersion) {
+      if (version < kOldestVersion || version > kVersion) {
         damaged[session] = absl::StrCat("its records on disk are of spill format version ", version,
-                                        ", this turbokvd reads ", kVersion);
+                                        ", this turbokvd reads ", kOldestVersion, " to ", kVersion);
         continue;
       }
       const std::string tenant = header.GetString();
@@ -261,7 +265,9 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
       records[lsn] = record;
       if (type == kManifest) {
         ManifestInfo& newest = newest_manifest[session];
-        if (lsn > newest.lsn) newest = ManifestInfo{lsn, std::string(buffer.data() + kFrameBytes, header_bytes)};
+        if (lsn > newest.lsn) {
+          newest = ManifestInfo{lsn, std::string(buffer.data() + kFrameBytes, header_bytes), version};
+        }
       } else if (type == kPage) {
         PageInfo info{lsn, session, header.Get<int32_t>(), header.Get<int32_t>(), header.Get<int32_t>(),
                       static_cast<CodecKind>(header.Get<uint8_t>()), static_cast<CodecKind>(header.Get<uint8_t>()),
@@ -279,7 +285,8 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
     if (dead != tombstone.end() && dead->second > manifest.lsn) continue;
     if (damaged.count(id) != 0) continue;
     Reader in(manifest.header);
-    absl::StatusOr<SessionHeader> header = GetSessionHeader(in, pt, "its manifest on disk");
+    absl::StatusOr<SessionHeader> header =
+        GetSessionHeader(in, pt, "its manifest on disk", /*layer_codecs=*/manifest.version >= 2);
     if (!header.ok()) {
       damaged[id] = std::string(header.status().message());
       continue;
@@ -326,7 +333,7 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
           page.tokens < 1 || page.tokens > pt) {
         continue;
       }
-      if (page.key_codec != config.key_codec || page.value_codec != config.value_codec ||
+      if (page.key_codec != config.KeyCodec(page.layer) || page.value_codec != config.ValueCodec(page.layer) ||
           page.seed != config.rotation_seed) {
         malformed = true;
         break;
