@@ -29,6 +29,7 @@ class Histogram;
 namespace turbokv {
 
 enum class KernelOp { kEncode, kAttend };
+enum class KvKind { kKey, kValue };
 
 class Metrics {
  public:
@@ -64,6 +65,9 @@ class Metrics {
   void SetQueued(int64_t work);
   // A demoted session brought back into memory by a call.
   void ObservePromotion(double seconds);
+  // The quantization error of vectors just stored with `codec` as keys or
+  // values, as their encoder measured it.
+  void ObserveQuantization(CodecKind codec, KvKind kind, const EncodeStats& stats);
 
  private:
   const std::string device_;
@@ -114,6 +118,14 @@ class Metrics {
   prometheus::Counter* spill_write_errors_;
   prometheus::Counter* spill_crc_failures_;
   prometheus::Histogram* promotion_duration_;
+  // By codec (CodecKind's value, 1 to 6) and kind (key, value).
+  struct QuantizationSeries {
+    prometheus::Histogram* error = nullptr;
+    prometheus::Counter* fp16_fields = nullptr;
+    prometheus::Counter* saturated = nullptr;
+    prometheus::Counter* underflowed = nullptr;
+  };
+  QuantizationSeries quantization_[7][2] = {};
   // Totals already counted, under SetStore's single caller.
   int64_t lru_seen_ = 0;
   int64_t ttl_seen_ = 0;

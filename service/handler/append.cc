@@ -49,15 +49,32 @@ absl::StatusOr<std::vector<LayerCache::PendingAppend>> Handler::PrepareAppend(
   return status;
 }
 
+Handler::ChunkWrite Handler::WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending,
+                                     const float* keys, const float* values) {
+  ChunkWrite write;
+  write.layer = &session.layers()[l];
+  write.pending = std::move(pending);
+  write.keys = keys;
+  write.values = values;
+  write.key_codec = session.config().KeyCodec(l);
+  write.value_codec = session.config().ValueCodec(l);
+  write.errors = &session.errors()[l];
+  return write;
+}
+
 void Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
   // Chunks encode independently: spread them over the kernel threads (a
   // single chunk spreads its heads and pages instead).
   const bool by_chunk = writes.size() > 1;
+  std::vector<SessionCache::LayerErrors> errors(writes.size());
   auto commit = [&](int64_t i) {
     ChunkWrite& write = writes[static_cast<size_t>(i)];
+    SessionCache::LayerErrors& chunk = errors[static_cast<size_t>(i)];
     write.before = write.layer->tokens();
     write.after = write.layer->Commit(std::move(write.pending), write.keys, write.values,
-                                      by_chunk ? nullptr : options_.kernel_pool);
+                                      by_chunk ? nullptr : options_.kernel_pool, &chunk.keys, &chunk.values);
+    write.errors->keys.Add(chunk.keys);
+    write.errors->values.Add(chunk.values);
   };
   const absl::Time encode_start = absl::Now();
   if (options_.kernel_pool != nullptr && by_chunk) {
@@ -70,6 +87,10 @@ void Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
     for (const ChunkWrite& write : writes) new_token_layers += write.after - write.before;
     options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
     options_.metrics->AddAppendedTokens(new_token_layers);
+    for (size_t i = 0; i < writes.size(); ++i) {
+      options_.metrics->ObserveQuantization(writes[i].key_codec, KvKind::kKey, errors[i].keys);
+      options_.metrics->ObserveQuantization(writes[i].value_codec, KvKind::kValue, errors[i].values);
+    }
   }
 }
 
@@ -85,10 +106,7 @@ absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, 
   const size_t layer_values = static_cast<size_t>(n) * config.kv_heads * config.head_dim;
   std::vector<ChunkWrite> writes(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
-    writes[i].layer = &session.layers()[layers[i]];
-    writes[i].pending = std::move(pending[i]);
-    writes[i].keys = keys + i * layer_values;
-    writes[i].values = values + i * layer_values;
+    writes[i] = WriteOf(session, layers[i], std::move(pending[i]), keys + i * layer_values, values + i * layer_values);
   }
   CommitChunks(writes);
   // Pages this chunk sealed go to the spill tier behind the call (later,

@@ -328,12 +328,8 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
         status[i] = pending.status();
         continue;
       }
-      ChunkWrite write;
-      write.layer = &session.layers()[request.layer()];
-      write.pending = std::move((*pending)[0]);
-      write.keys = keys.data() + i * item_values;
-      write.values = values.data() + i * item_values;
-      writes.push_back(std::move(write));
+      writes.push_back(WriteOf(session, request.layer(), std::move((*pending)[0]), keys.data() + i * item_values,
+                               values.data() + i * item_values));
     }
     CommitChunks(writes);
   }

@@ -132,6 +132,17 @@ v1::SessionInfo Handler::Info(const SessionCache& session) const {
     layer->set_value_codec(value);
   }
   info.set_bits_per_value(BitsPerValue(config));
+  EncodeStats all;
+  for (const SessionCache::LayerErrors& layer : session.errors()) {
+    info.add_key_errors(layer.keys.mean_error());
+    info.add_value_errors(layer.values.mean_error());
+    all.Add(layer.keys);
+    all.Add(layer.values);
+  }
+  if (all.fp16_fields > 0) {
+    info.set_fp16_saturated_fraction(static_cast<double>(all.saturated) / all.fp16_fields);
+    info.set_fp16_underflowed_fraction(static_cast<double>(all.underflowed) / all.fp16_fields);
+  }
   info.set_bytes_used(static_cast<int64_t>(session.bytes_used()));
   info.set_residency(!session.resident() ? v1::RESIDENCY_DISK
                      : session.on_tier() ? v1::RESIDENCY_MEMORY_AND_DISK

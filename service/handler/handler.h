@@ -140,12 +140,20 @@ class Handler {
     LayerCache::PendingAppend pending;
     const float* keys = nullptr;
     const float* values = nullptr;
+    // The layer's codecs and its session's error totals (SessionCache::errors).
+    CodecKind key_codec = CodecKind::kTurbo3;
+    CodecKind value_codec = CodecKind::kTurbo3;
+    SessionCache::LayerErrors* errors = nullptr;
     int64_t before = 0;
     int64_t after = 0;
   };
+  // The write of a chunk into layer `l` of `session`.
+  static ChunkWrite WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending, const float* keys,
+                            const float* values);
   // Encodes every chunk: spread over the kernel threads by chunk when there
-  // are several, by head and page within one otherwise; counts them in the
-  // metrics.
+  // are several, by head and page within one otherwise; adds each chunk's
+  // quantization error to its session's and counts it, with the chunks, in
+  // the metrics.
   void CommitChunks(std::vector<ChunkWrite>& writes);
   // Each layer's length before and after a stored chunk.
   struct StoredChunk {

@@ -55,7 +55,8 @@ absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float
   return Commit(*std::move(pending), keys, values);
 }
 
-int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool) {
+int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool,
+                           EncodeStats* key_errors, EncodeStats* value_errors) {
   const int64_t start = pending.start;
   const int64_t end = pending.end;
   if (end <= tokens_) return tokens_;
@@ -87,6 +88,9 @@ int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float
   }
   const PagedKvCache d = Descriptor();
   const size_t dim = static_cast<size_t>(key_codec_->layout().head_dim);
+  // Each run's errors apart (runs encode in parallel), summed after.
+  const bool errors = key_errors != nullptr || value_errors != nullptr;
+  std::vector<EncodeStats> run_errors(errors ? 2 * runs.size() : 0);
   auto encode = [&](int64_t i) {
     const Run& r = runs[static_cast<size_t>(i)];
     std::vector<float> k_run(static_cast<size_t>(r.length) * dim), v_run(k_run.size());
@@ -96,13 +100,19 @@ int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float
       std::memcpy(&v_run[j * dim], values + src, dim * sizeof(float));
     }
     uint8_t* base = pages_[r.page]->data;
-    key_codec_->Encode(r.length, k_run.data(), base + d.key_offset(r.head, r.slot));
-    value_codec_->Encode(r.length, v_run.data(), base + d.value_offset(r.head, r.slot));
+    key_codec_->Encode(r.length, k_run.data(), base + d.key_offset(r.head, r.slot),
+                       errors ? &run_errors[2 * i] : nullptr);
+    value_codec_->Encode(r.length, v_run.data(), base + d.value_offset(r.head, r.slot),
+                         errors ? &run_errors[2 * i + 1] : nullptr);
   };
   if (pool != nullptr && runs.size() > 1) {
     pool->ParallelFor(static_cast<int64_t>(runs.size()), encode);
   } else {
     for (size_t i = 0; i < runs.size(); ++i) encode(static_cast<int64_t>(i));
+  }
+  for (size_t i = 0; i < run_errors.size(); i += 2) {
+    if (key_errors != nullptr) key_errors->Add(run_errors[i]);
+    if (value_errors != nullptr) value_errors->Add(run_errors[i + 1]);
   }
   tokens_ = end;
   return tokens_;

@@ -54,8 +54,10 @@ class LayerCache {
   // keys and values [n][kv_heads][head_dim], n = pending.end - pending.start.
   // Idempotent by position: tokens already stored are acknowledged, not stored
   // again. Encodes on `pool` when given (not from inside its own ParallelFor).
-  // Returns the new token count.
-  int64_t Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool = nullptr);
+  // Returns the new token count. key_errors and value_errors, when given,
+  // get the quantization error of the tokens newly stored (EncodeStats).
+  int64_t Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool = nullptr,
+                 EncodeStats* key_errors = nullptr, EncodeStats* value_errors = nullptr);
 
   // Prepare then Commit: the chunk is applied whole or not at all.
   absl::StatusOr<int64_t> Append(int64_t start, int64_t n, const float* keys, const float* values);

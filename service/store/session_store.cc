@@ -56,7 +56,12 @@ std::string NewSessionId() {
 }
 
 SessionCache::SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now)
-    : id_(std::move(id)), tenant_(std::move(tenant)), config_(config), created_(now), last_used_ns_(absl::ToUnixNanos(now)) {}
+    : id_(std::move(id)),
+      tenant_(std::move(tenant)),
+      config_(config),
+      created_(now),
+      last_used_ns_(absl::ToUnixNanos(now)),
+      errors_(static_cast<size_t>(config.layers)) {}
 
 SessionCache::~SessionCache() = default;
 
@@ -202,6 +207,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(SessionCache& s
   fork->charge_ = *std::move(charge);
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
+  fork->errors_ = source.errors_;
   if (tier_ != nullptr) WriteTierManifest(*fork);
   std::lock_guard<std::mutex> lock(mutex_);
   if (absl::Status inserted = Insert(fork); !inserted.ok()) {

@@ -122,6 +122,17 @@ class SessionCache {
   size_t fp16_bytes() const;
   int64_t tokens() const;  // summed over layers, wherever they are
   int64_t layer_tokens(int layer) const;
+  // Under mutex(): the quantization error of the keys and of the values
+  // stored in each layer, as their encoder measured it (EncodeStats): every
+  // vector appended while the session was in this daemon (a fork starts with
+  // its source's; not lowered by truncate; not kept in snapshots or on the
+  // spill tier's disk, so zero again after a restart).
+  struct LayerErrors {
+    EncodeStats keys;
+    EncodeStats values;
+  };
+  std::vector<LayerErrors>& errors() { return errors_; }
+  const std::vector<LayerErrors>& errors() const { return errors_; }
 
  private:
   friend class SessionStore;
@@ -134,6 +145,7 @@ class SessionCache {
   std::mutex mutex_;
   bool gone_ = false;
   std::vector<LayerCache> layers_;
+  std::vector<LayerErrors> errors_;  // per layer
   std::shared_ptr<const void> charge_;  // SessionMetadataBytes held in the budget
   std::unique_ptr<TierSession> demoted_;  // its state on the tier while demoted
   std::shared_ptr<TierRecord> manifest_;  // its latest manifest on the tier

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -17,6 +18,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/thread_pool.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
 #include "service/handler/handler.h"
 #include "service/store/presets.h"
 #include "service/store/record_io.h"
@@ -33,6 +36,7 @@ using ::turbokv::testing::GaussianVectors;
 using ::turbokv::testing::MakeAppend;
 using ::turbokv::testing::MakeCreate;
 using ::turbokv::testing::MakeTensor;
+using ::turbokv::testing::TensorFloats;
 
 constexpr int kLayers = 3, kKv = 2, kQ = 4, kDim = 128, kPage = 16;
 
@@ -79,6 +83,7 @@ class LayerCodecsTest : public ::testing::Test {
     HandlerOptions handler_options;
     handler_options.kernel_pool = &pool_;
     handler_options.max_tokens = 100000;
+    handler_options.metrics = &metrics_;
     handler_ = std::make_unique<Handler>(store_.get(), handler_options);
   }
 
@@ -125,6 +130,7 @@ class LayerCodecsTest : public ::testing::Test {
   static inline int count_ = 0;
   std::string dir_;
   ThreadPool pool_{2};
+  Metrics metrics_{"cpu"};
   std::unique_ptr<SessionStore> store_;
   std::unique_ptr<Handler> handler_;
 };
@@ -304,6 +310,64 @@ TEST_F(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ASSERT_EQ(loaded->failed.size(), 1u);
   EXPECT_THAT(std::string(loaded->failed[0].second.message()), HasSubstr("snapshot format version 3, this turbokvd reads 1 to 2"));
+}
+
+// The quantization error each layer reports (SessionInfo, and the metrics'
+// histogram) is the error of what ReadKv gives back, for every codec and both
+// rotation block sizes (d = 64 and 128).
+TEST_F(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {
+  const v1::Codec codecs[] = {v1::CODEC_F16,    v1::CODEC_Q8_0,   v1::CODEC_Q4_0,
+                              v1::CODEC_TURBO2, v1::CODEC_TURBO3, v1::CODEC_TURBO4};
+  const int layers = 6;
+  for (int d : {64, 128}) {
+    v1::CreateSessionRequest request = MakeCreate(layers, kKv, kQ, d);
+    for (int l = 0; l < layers; ++l) *request.mutable_config()->add_layer_codecs() = Range(l, l, codecs[l], codecs[l]);
+    const std::string id = Create(request);
+    const int64_t n = 50;
+    auto k = GaussianVectors(layers * n * kKv, d, 1), v = GaussianVectors(layers * n * kKv, d, 2);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = 3.0f * v[i] + 0.5f;  // values off zero and larger
+    ASSERT_TRUE(handler_->Append(MakeAppend(id, -1, 0, k, v, {layers, n, kKv, d})).ok());
+    const v1::SessionInfo info = Info(id);
+    ASSERT_EQ(info.key_errors_size(), layers);
+    for (int l = 0; l < layers; ++l) {
+      v1::ReadKvRequest read;
+      read.set_session_id(id);
+      read.add_layers(l);
+      auto cursor = handler_->StartReadKv(read);
+      ASSERT_TRUE(cursor.ok()) << cursor.status();
+      std::vector<float> keys, values;
+      v1::ReadKvResponse response;
+      while (*handler_->NextReadKv(*cursor, &response)) {
+        const auto rk = TensorFloats(response.keys()), rv = TensorFloats(response.values());
+        keys.insert(keys.end(), rk.begin(), rk.end());
+        values.insert(values.end(), rv.begin(), rv.end());
+      }
+      auto mean_error = [&](const std::vector<float>& stored, const std::vector<float>& original) {
+        double sum = 0;
+        const size_t vectors = stored.size() / d;
+        for (size_t i = 0; i < vectors; ++i) {
+          double diff = 0, norm = 0;
+          for (int x = 0; x < d; ++x) {
+            const double o = original[(l * vectors + i) * d + x];
+            diff += (stored[i * d + x] - o) * (stored[i * d + x] - o);
+            norm += o * o;
+          }
+          sum += std::sqrt(diff / norm);
+        }
+        return sum / vectors;
+      };
+      const double key_error = mean_error(keys, k), value_error = mean_error(values, v);
+      EXPECT_NEAR(info.key_errors(l), key_error, 1e-4 * key_error + 1e-7) << CodecName(static_cast<CodecKind>(codecs[l])) << " d " << d;
+      EXPECT_NEAR(info.value_errors(l), value_error, 1e-4 * value_error + 1e-7) << CodecName(static_cast<CodecKind>(codecs[l])) << " d " << d;
+      EXPECT_GT(info.key_errors(l), 0);
+    }
+    EXPECT_EQ(info.fp16_saturated_fraction(), 0);
+  }
+  // Each codec's histogram counted every vector: keys and values, 2 sessions x 50 tokens x 2 kv heads.
+  for (const prometheus::MetricFamily& family : metrics_.registry()->Collect()) {
+    if (family.name != "turbokv_quantization_relative_error") continue;
+    for (const prometheus::ClientMetric& metric : family.metric) EXPECT_EQ(metric.histogram.sample_count, 200u);
+  }
 }
 
 // Each preset expands to its documented table, and is echoed by name.
