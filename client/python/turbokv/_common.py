@@ -18,6 +18,7 @@ from google.protobuf import duration_pb2
 from turbokv import _tensors
 from turbokv.errors import TurbokvError, error_for
 from turbokv.v1 import turbokv_pb2 as pb
+from turbokv.v1 import turbokv_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     import torch
@@ -460,6 +461,28 @@ def channel_options(max_message_bytes: int) -> List[Tuple[str, int]]:
         # Reconnect within RetryPolicy's waits once turbokvd is back (gRPC's default grows to 120 s).
         ("grpc.max_reconnect_backoff_ms", 2000),
     ]
+
+
+class Connection:
+    """What turbokv.Client and turbokv.aio.Client set up alike: the channel
+    (from `channels`, grpc or grpc.aio), the stub, the call metadata, the
+    default deadline and the retry policy."""
+
+    def __init__(self, channels: Any, target: str, max_message_bytes: int, timeout: Optional[float],
+                 token: Optional[str], root_certificates: Optional[bytes], private_key: Optional[bytes],
+                 certificate_chain: Optional[bytes], retry: RetryPolicy):
+        options = channel_options(max_message_bytes)
+        self.timeout = timeout_value(timeout)
+        if not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a turbokv.RetryPolicy, got {type(retry).__name__}")
+        self.retry = retry
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self.channel = channels.secure_channel(target, credentials, options=options)
+        else:
+            self.channel = channels.insecure_channel(target, options=options)
+        self.stub = pb_grpc.KvCacheServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def timeout_value(timeout: Optional[float], name: str = "timeout") -> Optional[float]:

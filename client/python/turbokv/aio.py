@@ -26,7 +26,6 @@ from turbokv import _common, _tensors
 from turbokv._common import DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy
 from turbokv.errors import TurbokvError, Unavailable, error_for
 from turbokv.v1 import turbokv_pb2 as pb
-from turbokv.v1 import turbokv_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Session", "DecodeStream"]
 
@@ -228,18 +227,10 @@ class Client:
                  timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
                  root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
                  certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy()):
-        options = _common.channel_options(max_message_bytes)
-        self._timeout = _common.timeout_value(timeout)
-        if not isinstance(retry, RetryPolicy):
-            raise TypeError(f"retry must be a turbokv.RetryPolicy, got {type(retry).__name__}")
-        self._retry = retry
-        if root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        self._stub = pb_grpc.KvCacheServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        connection = _common.Connection(grpc.aio, target, max_message_bytes, timeout, token, root_certificates,
+                                        private_key, certificate_chain, retry)
+        self._timeout, self._retry = connection.timeout, connection.retry
+        self._channel, self._stub, self._metadata = connection.channel, connection.stub, connection.metadata
 
     async def _invoke(self, attempt: Callable[[Optional[float]], Awaitable[T]], timeout: Optional[float],
                       idempotent: bool) -> T:
