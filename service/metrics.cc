@@ -58,7 +58,7 @@ class ProcessCollector : public prometheus::Collectable {
   ProcessCollector() : ticks_(static_cast<double>(sysconf(_SC_CLK_TCK))), page_(static_cast<double>(sysconf(_SC_PAGESIZE))) {
     // btime: the boot time, in seconds since the epoch.
     for (absl::string_view line : absl::StrSplit(ReadTextFile("/proc/stat").value_or(""), '\n')) {
-      if (absl::ConsumePrefix(&line, "btime ")) absl::SimpleAtod(line, &boot_time_);
+      if (absl::ConsumePrefix(&line, "btime ") && !absl::SimpleAtod(line, &boot_time_)) boot_time_ = 0;
     }
   }
 
@@ -73,7 +73,7 @@ class ProcessCollector : public prometheus::Collectable {
     auto field = [&](int number) {  // number as in proc(5)
       double value = 0;
       const size_t index = static_cast<size_t>(number - 3);
-      if (index < fields.size()) absl::SimpleAtod(fields[index], &value);
+      if (index < fields.size() && !absl::SimpleAtod(fields[index], &value)) value = 0;
       return value;
     };
     int open_fds = 0;
