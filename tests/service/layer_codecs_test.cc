@@ -273,10 +273,13 @@ TEST_F(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
   }
   // Version 2's session header ends in u16 0 (no preset) and u32 0 (no
   // ranges): version 1 is the same without those 6 bytes.
-  auto session = store_->Find(id, "", absl::Now());
-  ASSERT_TRUE(session.ok());
   std::string header;
-  PutSessionHeader(&header, SessionHeader{id, "", (*session)->config(), (*session)->created(), kPage});
+  {
+    // Not held past this block: the session must go before its store does.
+    auto session = store_->Find(id, "", absl::Now());
+    ASSERT_TRUE(session.ok());
+    PutSessionHeader(&header, SessionHeader{id, "", (*session)->config(), (*session)->created(), kPage});
+  }
   ASSERT_EQ(file.substr(16, header.size()), header);
   auto write = [&](uint32_t version, const std::string& bytes) {
     std::string out = bytes;
