@@ -9,7 +9,7 @@ import collections.abc
 import dataclasses
 import random
 import time
-from typing import TYPE_CHECKING, Any, Deque, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -461,6 +461,30 @@ def channel_options(max_message_bytes: int) -> List[Tuple[str, int]]:
         # Reconnect within RetryPolicy's waits once turbokvd is back (gRPC's default grows to 120 s).
         ("grpc.max_reconnect_backoff_ms", 2000),
     ]
+
+
+class Requests:
+    """The requests of a client stream, built from the caller's items as gRPC
+    asks for them. An exception building one (a bad chunk, or one raised by
+    the caller's generator) ends the stream there, so that what was sent
+    before it is applied, and is kept to be raised to the caller as itself
+    (gRPC would report it as UNKNOWN "Exception iterating requests!")."""
+
+    def __init__(self, items: Iterable[Any], build: Callable[[Any], Any]):
+        self._items = items
+        self._build = build
+        self.error: Optional[BaseException] = None
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for item in self._items:
+                yield self._build(item)
+        except Exception as error:  # noqa: BLE001 (re-raised in the caller's thread)
+            self.error = error
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 class Connection:

@@ -33,15 +33,10 @@ T = TypeVar("T")
 Chunk = Tuple[Optional[int], int, Any, Any]
 
 
-class _Requests:
-    """As turbokv.client._Requests, for iterables and async iterables: an
-    exception building a request ends the stream there and is raised to the
-    caller as itself."""
-
-    def __init__(self, items: Union[Iterable[Any], AsyncIterable[Any]], build: Callable[[Any], Any]):
-        self._items = items
-        self._build = build
-        self.error: Optional[BaseException] = None
+class _Requests(_common.Requests):
+    """As _common.Requests, for iterables and async iterables: an exception
+    building a request ends the stream there and is raised to the caller as
+    itself."""
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
@@ -53,10 +48,6 @@ class _Requests:
                     yield self._build(item)
         except Exception as error:  # noqa: BLE001 (re-raised in the caller's task)
             self.error = error
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 class Session(_common.SessionBase):

@@ -22,30 +22,6 @@ T = TypeVar("T")
 Chunk = Tuple[Optional[int], int, Any, Any]
 
 
-class _Requests:
-    """The requests of a client stream, built from the caller's items as gRPC
-    asks for them. An exception building one (a bad chunk, or one raised by
-    the caller's generator) ends the stream there, so that what was sent
-    before it is applied, and is kept to be raised to the caller as itself
-    (gRPC would report it as UNKNOWN "Exception iterating requests!")."""
-
-    def __init__(self, items: Iterable[Any], build: Callable[[Any], Any]):
-        self._items = items
-        self._build = build
-        self.error: Optional[BaseException] = None
-
-    def __iter__(self) -> Iterator[Any]:
-        try:
-            for item in self._items:
-                yield self._build(item)
-        except Exception as error:  # noqa: BLE001 (re-raised in the caller's thread)
-            self.error = error
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 class Session(_common.SessionBase):
     """One session's calls (Client.create_session() or Client.session()).
 
@@ -72,7 +48,7 @@ class Session(_common.SessionBase):
         last one. The first failing chunk raises (a chunk refused here raises
         its ValueError or TypeError, as does an exception of the chunks'
         generator); the ones before it stay. timeout covers the whole stream."""
-        requests = _Requests(chunks, self._chunk_request)
+        requests = _common.Requests(chunks, self._chunk_request)
         tokens = self._append(iter(requests), timeout)
         requests.raise_error()
         return tokens
