@@ -18,7 +18,7 @@ int RunE2e(int argc, char** argv);
 int RunQuality(int argc, char** argv);
 
 constexpr char kUsage[] =
-    "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--json]\n"
+    "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--target AVX2|SSE4|...] [--json]\n"
     "         NAME: f16, q8_0, q4_0, turbo2, turbo3, turbo4, or all (a table of every codec)\n"
     "       turbokv-bench attend --k-codec C --v-codec C --tokens T --kv-heads H --q-heads Q\n"
     "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
