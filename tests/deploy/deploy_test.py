@@ -10,13 +10,19 @@
   and valid under values.schema.json;
 - a non-root worker can use turbokvd's 0660 socket through the pod's
   fsGroup (real processes under the uids and groups the pod gives them);
+- the chart's Redis (redis.deploy) is a restricted pod that only its
+  release's turbokvd reaches, Redis takes its arguments (noeviction,
+  maxmemory, appendonly) and keeps turbokvd's sessions across its own
+  restart, and a second turbokvd takes them over;
 - the alert rules pass promtool's check and unit tests, the unit tests cover
   every alert firing and not firing, and every runbook_url names a section
   of docs/OPERATIONS.md;
 - every metric the rules and the dashboard use is one a real turbokvd
-  exports, and turbokvd accepts the flags the deployments give it.
-Needs $TURBOKVD and $TURBOKV_CLI."""
+  exports, and turbokvd accepts the flags the deployments give it, the
+  Redis tier's included.
+Needs $TURBOKVD, $TURBOKV_CLI, promtool, redis-server and redis-cli."""
 
+import contextlib
 import copy
 import glob
 import json
@@ -92,17 +98,56 @@ def every_option_values():
     return values
 
 
-def rendered_chart(values=None, release="demo"):
-    """{kind: object} of the chart's manifests, and the NOTES.txt text."""
+def redis_values():
+    """values.yaml with the Redis tier in place of the disk tier, and every
+    redis.deploy option set."""
+    values = default_values()
+    values["turbokvd"]["spill"]["enabled"] = False
+    values["imagePullSecrets"] = [{"name": "regcred"}]
+    redis = values["redis"]
+    redis.update({"budget": "12GiB", "lease": "6s", "timeout": "500ms"})
+    deploy = redis["deploy"]
+    deploy.update({"enabled": True, "maxmemory": "16gb"})
+    deploy["image"].update({"repository": "mirror.example.com/redis", "tag": "7.0.15"})
+    deploy["persistence"].update({"enabled": True, "storageClassName": "fast-ssd", "size": "48Gi"})
+    return values
+
+
+def rendered_objects(values=None, release="demo"):
+    """The chart's manifests, in order, and the NOTES.txt text."""
     files = Chart(CHART).render(default_values() if values is None else values, release=release)
-    objects = {}
-    for name, text in files.items():
-        if name == "NOTES.txt":
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc:
-                objects[doc["kind"]] = doc
+    objects = [doc for name, text in files.items() if name != "NOTES.txt" for doc in yaml.safe_load_all(text) if doc]
     return objects, files["NOTES.txt"]
+
+
+def rendered_chart(values=None, release="demo"):
+    """{kind: object} of the chart's manifests (one of each kind), and the NOTES.txt text."""
+    objects, notes = rendered_objects(values, release)
+    by_kind = {}
+    for obj in objects:
+        if obj["kind"] in by_kind:
+            raise AssertionError(f"two {obj['kind']}s: use rendered_objects")
+        by_kind[obj["kind"]] = obj
+    return by_kind, notes
+
+
+def redis_objects(objects):
+    """{kind: object} of redis.deploy's objects among the chart's."""
+    return {o["kind"]: o for o in objects if o["metadata"]["labels"].get("app.kubernetes.io/component") == "redis"}
+
+
+def redis_deploy_values():
+    """values.yaml with redis.deploy in place of the disk tier."""
+    values = default_values()
+    values["turbokvd"]["spill"]["enabled"] = False
+    values["redis"]["deploy"]["enabled"] = True
+    return values
+
+
+def worker_workload(objects):
+    """The worker's Deployment or StatefulSet among the chart's objects (not Redis')."""
+    redis = redis_objects(objects).values()
+    return next(o for o in objects if o["kind"] in ("Deployment", "StatefulSet") and o not in redis)
 
 
 def workload(objects):
@@ -129,17 +174,25 @@ def check_sidecar(test: unittest.TestCase, deployment: dict):
     test.assertEqual(args["--listen"], f"unix://{socket_dir}/turbokv.sock")
     test.assertIn("emptyDir", volumes["turbokv-socket"])
     test.assertIn({"name": "turbokv-socket", "mountPath": socket_dir}, worker["volumeMounts"])
-    # The spill dir is a volume of its own, bounded.
-    test.assertEqual(args["--spill-dir"], mounts["turbokv-spill"])
-    test.assertIn("sizeLimit", volumes["turbokv-spill"]["emptyDir"])
-    # Snapshots on a volume of their own: an emptyDir here, or a claim per pod.
-    test.assertEqual(args["--snapshot-dir"], mounts["turbokv-snapshot"])
-    claims = [c["metadata"]["name"] for c in deployment["spec"].get("volumeClaimTemplates", [])]
-    if "turbokv-snapshot" in claims:
-        test.assertEqual(deployment["kind"], "StatefulSet")
-        test.assertNotIn("turbokv-snapshot", volumes)
+    # The spill dir is a volume of its own, bounded; or the Redis tier,
+    # which turbokvd refuses beside it, with every one of its flags.
+    if "--redis-url" in args:
+        test.assertNotIn("--spill-dir", args)
+        test.assertNotIn("turbokv-spill", volumes)
+        for flag in ("--redis-budget", "--redis-lease", "--redis-timeout"):
+            test.assertIn(flag, args)
     else:
-        test.assertIn("sizeLimit", volumes["turbokv-snapshot"]["emptyDir"])
+        test.assertEqual(args["--spill-dir"], mounts["turbokv-spill"])
+        test.assertIn("sizeLimit", volumes["turbokv-spill"]["emptyDir"])
+    # Snapshots on a volume of their own: an emptyDir here, or a claim per pod.
+    if "--snapshot-dir" in args:
+        test.assertEqual(args["--snapshot-dir"], mounts["turbokv-snapshot"])
+        claims = [c["metadata"]["name"] for c in deployment["spec"].get("volumeClaimTemplates", [])]
+        if "turbokv-snapshot" in claims:
+            test.assertEqual(deployment["kind"], "StatefulSet")
+            test.assertNotIn("turbokv-snapshot", volumes)
+        else:
+            test.assertIn("sizeLimit", volumes["turbokv-snapshot"]["emptyDir"])
     env = {e["name"]: e for e in worker["env"]}
     test.assertEqual(env["TURBOKV_TARGET"]["value"], args["--listen"])
     # Every $(VAR) in the args is an env var of the container.
@@ -171,7 +224,7 @@ def check_sidecar(test: unittest.TestCase, deployment: dict):
     if not gpu:
         test.assertEqual(sidecar_env["NVIDIA_VISIBLE_DEVICES"]["value"], "void")
     # A drain can finish its calls and write every session before SIGKILL.
-    deadline = seconds(args["--shutdown-deadline"]) + seconds(args["--snapshot-deadline"])
+    deadline = seconds(args["--shutdown-deadline"]) + seconds(args.get("--snapshot-deadline", "0s"))
     test.assertGreater(spec["terminationGracePeriodSeconds"], deadline)
     return sidecar["args"]
 
@@ -188,6 +241,116 @@ def wait_listening(test: unittest.TestCase, daemon: subprocess.Popen, log_path: 
     test.fail("turbokvd did not start listening within 30 s")
 
 
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class LocalTurbokvd:
+    """A turbokvd started by local_turbokvd, and its CLI and /metrics."""
+
+    def __init__(self, test, target, metrics, log_path):
+        self.test, self.target, self.metrics, self.log_path = test, target, metrics, log_path
+
+    def cli(self, *command, ok=True):
+        run = subprocess.run([os.environ["TURBOKV_CLI"], f"--target={self.target}", *command],
+                             capture_output=True, text=True, timeout=60)
+        if ok:
+            with open(self.log_path) as f:
+                self.test.assertEqual(run.returncode, 0, run.stderr + f.read())
+        return run.stdout.strip()
+
+    def scrape(self):
+        time.sleep(1.2)  # the gauges refresh every second
+        return urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
+
+
+@contextlib.contextmanager
+def local_turbokvd(test, args, directory, **overrides):
+    """turbokvd with a deployment's flags, the socket, ports, sizes and
+    directories moved to what this machine has (overrides: more of them, by
+    flag without its dashes) and the env references filled in. Drained on
+    leaving; it must exit 0."""
+    health, metrics = free_ports(2)
+    local = {"--listen": f"unix://{directory}/turbokv.sock", "--health-listen": f"127.0.0.1:{health}",
+             "--metrics-listen": f"127.0.0.1:{metrics}", "--memory-budget": "1GiB",
+             "--spill-dir": f"{directory}/spill", "--spill-budget": "1GiB", "--snapshot-dir": f"{directory}/snapshots",
+             **{f"--{flag.replace('_', '-')}": value for flag, value in overrides.items()}}
+    env = {"TURBOKVD_THREADS": "2", "POD_IP": "127.0.0.1"}
+    flags = []
+    for flag, value in (a.split("=", 1) for a in args):
+        value = re.sub(r"[$][(](\w+)[)]", lambda m: env[m.group(1)], value)
+        flags.append(f"{flag}={local.get(flag, value)}")
+    log_path = os.path.join(directory, "log")
+    log = open(log_path, "w")
+    daemon = subprocess.Popen([os.environ["TURBOKVD"], *flags], stderr=log)
+    try:
+        wait_listening(test, daemon, log_path)
+        yield LocalTurbokvd(test, local["--listen"], local["--metrics-listen"], log_path)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        log.close()
+        with open(log_path) as f:
+            test.assertEqual(daemon.wait(timeout=60), 0, f.read())
+
+
+class LocalRedis:
+    """The chart's Redis container run here: its command and arguments, with
+    the port and the data directory moved; ready when its readiness probe
+    passes."""
+
+    def __init__(self, test, container, directory):
+        self.test, self.container, self.directory = test, container, directory
+        self.port = free_ports(1)[0]
+        self.process = None
+        os.makedirs(directory, exist_ok=True)
+
+    def start(self):
+        args = list(self.container["args"])
+        args[args.index("--port") + 1] = str(self.port)
+        args[args.index("--dir") + 1] = self.directory
+        self.log = open(os.path.join(self.directory, "redis.log"), "a")
+        self.process = subprocess.Popen([shutil.which(self.container["command"][0]), *args],
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+        probe = self.container["readinessProbe"]["exec"]["command"]
+        for _ in range(100):
+            self.test.assertIsNone(self.process.poll(), "redis-server exited")
+            if subprocess.run([probe[0], "-p", str(self.port), *probe[1:]], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.1)
+        self.test.fail("redis-server did not pass its readiness probe within 10 s")
+
+    def cli(self, *command):
+        run = subprocess.run(["redis-cli", "-p", str(self.port), "-e", *command], capture_output=True, text=True,
+                             timeout=30)
+        self.test.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        return run.stdout.strip()
+
+    def stop(self):
+        """As the kubelet stops it: SIGTERM, on which Redis syncs its append-only file and exits 0."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        self.process = None
+        self.log.close()
+        self.test.assertEqual(code, 0)
+
+
+def sample(exposition, name, **labels):
+    """The value of the first sample of a metric that has these labels (among others), or None."""
+    for match in re.finditer(rf"^{name}(?:{{(.*)}})? (\S+)$", exposition, re.M):
+        if labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or "")).items():
+            return float(match.group(2))
+    return None
+
+
 RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
                       "projected", "secret"}
 SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
@@ -196,10 +359,11 @@ SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.i
                 "net.ipv4.tcp_keepalive_probes"}
 
 
-def check_restricted(test: unittest.TestCase, pod: dict):
+def check_restricted(test: unittest.TestCase, pod: dict, containers=2):
     """Pod Security Standards, "restricted" (Kubernetes 1.29), baseline rules
-    included, for a pod template; plus a read-only root filesystem and a
-    fixed non-root uid, gid and fsGroup, which this project asks for."""
+    included, for a pod template of at least that many containers; plus a
+    read-only root filesystem and a fixed non-root uid, gid and fsGroup,
+    which this project asks for."""
     spec = pod["spec"]
     pod_context = spec.get("securityContext", {})
     for field in ("hostNetwork", "hostPID", "hostIPC"):
@@ -216,9 +380,9 @@ def check_restricted(test: unittest.TestCase, pod: dict):
         test.assertIsInstance(pod_context.get(key), int, key)
         test.assertGreater(pod_context[key], 0, key)
     test.assertEqual(pod_context.get("windowsOptions", {}).get("hostProcess", False), False)
-    containers = spec.get("initContainers", []) + spec["containers"] + spec.get("ephemeralContainers", [])
-    test.assertGreaterEqual(len(containers), 2)
-    for container in containers:
+    every = spec.get("initContainers", []) + spec["containers"] + spec.get("ephemeralContainers", [])
+    test.assertGreaterEqual(len(every), containers)
+    for container in every:
         context = container.get("securityContext", {})
         name = container["name"]
         merged = {**pod_context, **context}
@@ -316,6 +480,9 @@ class DeployTest(unittest.TestCase):
                              "\n  a: {}\n  b:\n  - 1")
             self.assertEqual(render('{{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 5 }}', {}),
                              "c-1.0")
+            with self.assertRaisesRegex(TemplateError, "execution error: a and b"):
+                render('x{{ if .Values.a }}{{ fail "a and b" }}{{ end }}', {"a": True})
+            self.assertEqual(render('x{{ if .Values.a }}{{ fail "a and b" }}{{ end }}', {"a": False}), "x")
 
     def test_every_yaml_parses(self):
         paths = [p for p in glob.glob(os.path.join(DEPLOY, "**", "*.yaml"), recursive=True)
@@ -384,6 +551,15 @@ class DeployTest(unittest.TestCase):
                 sidecar_mounts = {m["mountPath"] for m in spec["initContainers"][0]["volumeMounts"]}
                 self.assertEqual(len(sidecar_mounts), 3)
                 self.assertIn("/tmp", {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]})
+        # With the Redis tier: the worker's pod, and Redis' own, whose one
+        # writable path is its data volume.
+        for name, values in (("redis.deploy", redis_deploy_values()), ("redis.deploy, every option", redis_values())):
+            with self.subTest(name):
+                objects, _ = rendered_objects(values)
+                check_restricted(self, worker_workload(objects)["spec"]["template"])
+                pod = redis_objects(objects)["StatefulSet"]["spec"]["template"]
+                check_restricted(self, pod, containers=1)
+                self.assertEqual([m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]], ["/data"])
         # The checks catch what they are for.
         broken = copy.deepcopy(example["spec"]["template"])
         del broken["spec"]["initContainers"][0]["securityContext"]["capabilities"]
@@ -461,12 +637,28 @@ class DeployTest(unittest.TestCase):
         jsonschema.Draft7Validator.check_schema(schema)
         jsonschema.validate(default_values(), schema)
         jsonschema.validate(every_option_values(), schema)
+        jsonschema.validate(redis_values(), schema)
+        for url in ("redis://redis.cache.svc:6379/2", "redis://10.0.0.7", "unix:///run/redis/redis.sock?db=3"):
+            values = default_values()
+            values["redis"]["url"] = url
+            jsonschema.validate(values, schema)
         bad = [("replicas", "two", "'two' is not of type 'integer'"),
                ("turbokvd.device", "gpu0", "does not match"),
                ("turbokvd.eviction", "fifo", "is not one of"),
                ("turbokvd.resources.requests.nvidia.com/gpu", 1, "should not be valid"),
                ("turbokvd.snapshot.deadline", 20, "is not of type 'string'"),
-               ("worker.imag", "x", "Additional properties are not allowed ('imag' was unexpected)")]
+               ("worker.imag", "x", "Additional properties are not allowed ('imag' was unexpected)"),
+               ("redis.url", "http://redis:6379", "does not match"),
+               ("redis.url", "redis://redis:6379/cache", "does not match"),
+               ("redis.budget", "3Gi", "does not match"),
+               ("redis.lease", 10, "is not of type 'string'"),
+               ("redis.timeout", "1", "does not match"),
+               ("redis.deploy.enabled", "yes", "is not of type 'boolean'"),
+               ("redis.deploy.maxmemory", "0", "does not match"),
+               ("redis.deploy.maxmemory", "4GiB", "does not match"),
+               ("redis.deploy.image.tag", 7.0, "is not of type 'string'"),
+               ("redis.deploy.persistence.accessModes", ["ReadWriteSometimes"], "is not one of"),
+               ("redis.deploy.maxmemoryPolicy", "allkeys-lru", "Additional properties are not allowed")]
         for path, value, message in bad:
             with self.subTest(path):
                 values = default_values()
@@ -556,6 +748,149 @@ class DeployTest(unittest.TestCase):
         self.assertFalse([a for a in spec["initContainers"][0]["args"] if a.startswith(("--spill", "--snapshot"))])
         self.assertIn("Snapshots are off", notes)
 
+    def test_chart_with_redis_deploy(self):
+        objects, notes = rendered_objects(redis_deploy_values())
+        redis = redis_objects(objects)
+        self.assertEqual(set(redis), {"StatefulSet", "Service", "NetworkPolicy"})
+        self.assertEqual(sorted(o["kind"] for o in objects if o not in redis.values()),
+                         ["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule"])
+        deployment = worker_workload(objects)
+        flags = dict(a.split("=", 1) for a in check_sidecar(self, deployment))
+        statefulset, service = redis["StatefulSet"], redis["Service"]
+        # turbokvd's --redis-url is the Service, in the release's namespace, on its port.
+        port = service["spec"]["ports"][0]
+        self.assertEqual(flags["--redis-url"], f"redis://{service['metadata']['name']}.default.svc:{port['port']}")
+        self.assertEqual((flags["--redis-budget"], flags["--redis-lease"], flags["--redis-timeout"]), ("3GiB", "10s", "1s"))
+        self.assertEqual(statefulset["spec"]["replicas"], 1)
+        self.assertEqual(statefulset["spec"]["serviceName"], service["metadata"]["name"])
+        pod = statefulset["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        self.assertLessEqual(service["spec"]["selector"].items(), labels.items())
+        self.assertLessEqual(statefulset["spec"]["selector"]["matchLabels"].items(), labels.items())
+        # The worker's selectors (its Deployment's, the PodMonitor's, a
+        # PodDisruptionBudget's) do not take Redis' pod in.
+        self.assertFalse(deployment["spec"]["selector"]["matchLabels"].items() <= labels.items())
+        container = pod["spec"]["containers"][0]
+        self.assertEqual(container["image"], "redis:7.0")
+        self.assertEqual({p["name"]: p["containerPort"] for p in container["ports"]}[port["targetPort"]], 6379)
+        # Redis' arguments, --option value pairs: what turbokvd needs of it.
+        options = dict(zip(container["args"][::2], container["args"][1::2]))
+        self.assertEqual(len(options) * 2, len(container["args"]))
+        self.assertEqual((options["--maxmemory"], options["--maxmemory-policy"], options["--appendonly"]),
+                         ("4gb", "noeviction", "yes"))
+        self.assertEqual(options["--port"], "6379")
+        self.assertEqual(container["readinessProbe"]["exec"]["command"], ["redis-cli", "-e", "ping"])
+        # The append-only file on a bounded emptyDir.
+        self.assertEqual(container["volumeMounts"], [{"name": "data", "mountPath": options["--dir"]}])
+        self.assertEqual(pod["spec"]["volumes"], [{"name": "data", "emptyDir": {"sizeLimit": "16Gi"}}])
+        self.assertNotIn("volumeClaimTemplates", statefulset["spec"])
+        self.assertIn("limits", container["resources"])
+        # Only the release's turbokvd pods reach Redis' port.
+        policy = redis["NetworkPolicy"]["spec"]
+        self.assertLessEqual(policy["podSelector"]["matchLabels"].items(), labels.items())
+        self.assertEqual(len(policy["ingress"]), 1)
+        self.assertEqual(policy["ingress"][0]["ports"], [{"port": 6379}])
+        sources = policy["ingress"][0]["from"]
+        self.assertEqual(len(sources), 1)
+        self.assertEqual(set(sources[0]), {"podSelector"})
+        self.assertLessEqual(sources[0]["podSelector"]["matchLabels"].items(),
+                             deployment["spec"]["template"]["metadata"]["labels"].items())
+        self.assertIn(f"Redis at {flags['--redis-url']}", notes)
+        # The longest release name Helm takes (53): a StatefulSet name its
+        # pods' revision label can hold (52), and labels of 63 characters at most.
+        long = redis_objects(rendered_objects(redis_deploy_values(), release="r" * 53)[0])
+        self.assertEqual(len(long["StatefulSet"]["metadata"]["name"]), 52)
+        for kind, obj in long.items():
+            self.assertTrue(obj["metadata"]["name"].endswith("-redis"), kind)
+            for value in obj["metadata"]["labels"].values():
+                self.assertLessEqual(len(value), 63, kind)
+
+    def test_chart_with_every_redis_option(self):
+        values = redis_values()
+        objects, _ = rendered_objects(values)
+        statefulset = redis_objects(objects)["StatefulSet"]
+        spec = statefulset["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        self.assertEqual(container["image"], "mirror.example.com/redis:7.0.15")
+        self.assertEqual(spec["imagePullSecrets"], [{"name": "regcred"}])
+        self.assertIn("16gb", container["args"])
+        # The append-only file on a claim instead of the emptyDir.
+        self.assertNotIn("volumes", spec)
+        claim = statefulset["spec"]["volumeClaimTemplates"][0]
+        self.assertEqual(claim["metadata"]["name"], container["volumeMounts"][0]["name"])
+        self.assertEqual((claim["spec"]["storageClassName"], claim["spec"]["resources"]["requests"]["storage"],
+                          claim["spec"]["accessModes"]), ("fast-ssd", "48Gi", ["ReadWriteOnce"]))
+        args = worker_workload(objects)["spec"]["template"]["spec"]["initContainers"][0]["args"]
+        for flag in ("--redis-budget=12GiB", "--redis-lease=6s", "--redis-timeout=500ms"):
+            self.assertIn(flag, args)
+        # With the worker's snapshots on claims too: two StatefulSets, each its own.
+        values["turbokvd"]["snapshot"]["persistence"]["enabled"] = True
+        objects, _ = rendered_objects(values)
+        worker = worker_workload(objects)
+        self.assertEqual(worker["kind"], "StatefulSet")
+        check_sidecar(self, worker)
+        self.assertNotEqual(worker["metadata"]["name"], redis_objects(objects)["StatefulSet"]["metadata"]["name"])
+
+    def test_chart_with_an_existing_redis(self):
+        values = default_values()
+        values["turbokvd"]["spill"]["enabled"] = False
+        values["redis"]["url"] = "redis://redis.cache.svc:6379/2"
+        objects, notes = rendered_chart(values)
+        self.assertEqual(set(objects), {"Deployment", "PodMonitor", "PrometheusRule", "ConfigMap"})
+        args = check_sidecar(self, objects["Deployment"])
+        self.assertIn("--redis-url=redis://redis.cache.svc:6379/2", args)
+        self.assertIn("Redis at redis://redis.cache.svc:6379/2", notes)
+        self.assertNotIn("redis.deploy", notes)
+
+    def test_chart_refuses_the_disk_and_redis_tiers_together_and_two_redis(self):
+        # turbokvd refuses --spill-dir with --redis-url: the chart says so
+        # before anything is installed, naming the values.
+        for key, value in (("url", "redis://redis.cache.svc:6379"), ("deploy", {"enabled": True})):
+            with self.subTest(key):
+                values = default_values()
+                if key == "url":
+                    values["redis"]["url"] = value
+                else:
+                    values["redis"]["deploy"].update(value)
+                with self.assertRaisesRegex(TemplateError, r"turbokvd\.spill\.enabled and the Redis tier .*"
+                                                           r"set turbokvd\.spill\.enabled=false"):
+                    rendered_objects(values)
+        values = redis_deploy_values()
+        values["redis"]["url"] = "redis://redis.cache.svc:6379"
+        with self.assertRaisesRegex(TemplateError, r"redis\.url and redis\.deploy\.enabled are both set"):
+            rendered_objects(values)
+
+    def test_chart_redis_keeps_sessions_across_its_restart_for_another_turbokvd(self):
+        # The chart's Redis, run here with its arguments: turbokvd a writes a
+        # session through to it and drains (its tail flushed, its lease
+        # released); Redis restarts from its append-only file; turbokvd b,
+        # another pod, takes the session over whole at once.
+        objects, _ = rendered_objects(redis_deploy_values())
+        args = worker_workload(objects)["spec"]["template"]["spec"]["initContainers"][0]["args"]
+        container = redis_objects(objects)["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+        with tempfile.TemporaryDirectory(prefix="turbokv-redis-") as tmp:
+            for name in ("a", "b"):
+                os.mkdir(os.path.join(tmp, name))
+            redis = LocalRedis(self, container, os.path.join(tmp, "data"))
+            try:
+                redis.start()
+                for key, value in (("maxmemory", str(4 << 30)), ("maxmemory-policy", "noeviction"),
+                                   ("appendonly", "yes"), ("save", "")):
+                    self.assertEqual(redis.cli("config", "get", key).split("\n"), [key, value] if value else [key])
+                url = f"redis://127.0.0.1:{redis.port}"
+                with local_turbokvd(self, args, os.path.join(tmp, "a"), redis_url=url) as a:
+                    session = a.cli("create", "--layers=1", "--kv-heads=1", "--q-heads=1")
+                    a.cli("append-random", session, "--tokens=100")  # a sealed page of 64 tokens and a tail
+                self.assertGreater(int(redis.cli("dbsize")), 0)
+                redis.stop()
+                redis.start()
+                with local_turbokvd(self, args, os.path.join(tmp, "b"), redis_url=url) as b:
+                    self.assertRegex(b.cli("get", session), r"\blayer_tokens +100\n")
+                    b.cli("attend-random", session, "--calls=1")
+                    self.assertGreaterEqual(sample(b.scrape(), "turbokv_takeovers_total", result="ok"), 1)
+            finally:
+                redis.stop()
+
     def test_alert_rules_pass_promtool_and_every_alert_is_tested(self):
         directory = os.path.join(DEPLOY, "prometheus")
         for command in (["promtool", "check", "rules", "alerts.yaml"], ["promtool", "test", "rules", "alerts_test.yaml"]):
@@ -606,46 +941,38 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(len(ids), len(set(ids)))
 
     def test_rules_and_dashboard_use_metrics_turbokvd_exports_and_flags_it_accepts(self):
+        # Two turbokvds: the example's flags (the disk tier), and the chart's
+        # with redis.deploy, against its Redis run here.
         example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
         args = example["spec"]["template"]["spec"]["initContainers"][0]["args"]
-        with tempfile.TemporaryDirectory(prefix="turbokv-deploy-") as tmp, socket.socket() as s1, socket.socket() as s2:
-            s1.bind(("127.0.0.1", 0))
-            s2.bind(("127.0.0.1", 0))
-            health, metrics = s1.getsockname()[1], s2.getsockname()[1]
-            s1.close()
-            s2.close()
-            # The deployment's flags, with the socket, ports and sizes moved
-            # to what this machine has, and the env references filled in.
-            local = {"--listen": f"unix://{tmp}/turbokv.sock", "--health-listen": f"127.0.0.1:{health}",
-                     "--metrics-listen": f"127.0.0.1:{metrics}", "--memory-budget": "1GiB",
-                     "--spill-dir": f"{tmp}/spill", "--spill-budget": "1GiB", "--snapshot-dir": f"{tmp}/snapshots"}
-            env = {"TURBOKVD_THREADS": "2", "POD_IP": "127.0.0.1"}
-            flags = []
-            for flag, value in (a.split("=", 1) for a in args):
-                value = re.sub(r"[$][(](\w+)[)]", lambda m: env[m.group(1)], value)
-                flags.append(f"{flag}={local.get(flag, value)}")
-            log = open(os.path.join(tmp, "log"), "w")
-            daemon = subprocess.Popen([os.environ["TURBOKVD"], *flags], stderr=log)
+        objects, _ = rendered_objects(redis_deploy_values())
+        redis_args = worker_workload(objects)["spec"]["template"]["spec"]["initContainers"][0]["args"]
+        redis_container = redis_objects(objects)["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+        expositions = []
+        with tempfile.TemporaryDirectory(prefix="turbokv-deploy-") as tmp:
+            for name in ("disk", "redis", "data"):
+                os.mkdir(os.path.join(tmp, name))
+            with local_turbokvd(self, args, os.path.join(tmp, "disk")) as daemon:
+                session = daemon.cli("create", "--layers=1", "--kv-heads=1", "--q-heads=1")
+                daemon.cli("append-random", session, "--tokens=64")
+                daemon.cli("attend-random", session, "--calls=2")
+                daemon.cli("get", "missing", ok=False)
+                expositions.append(daemon.scrape())
+            redis = LocalRedis(self, redis_container, os.path.join(tmp, "data"))
             try:
-                def cli(*command, ok=True):
-                    run = subprocess.run([os.environ["TURBOKV_CLI"], f"--target={local['--listen']}", *command],
-                                         capture_output=True, text=True, timeout=60)
-                    if ok:
-                        with open(os.path.join(tmp, "log")) as f:
-                            self.assertEqual(run.returncode, 0, run.stderr + f.read())
-                    return run.stdout.strip()
-                wait_listening(self, daemon, os.path.join(tmp, "log"))
-                session = cli("create", "--layers=1", "--kv-heads=1", "--q-heads=1")
-                cli("append-random", session, "--tokens=64")
-                cli("attend-random", session, "--calls=2")
-                cli("get", "missing", ok=False)
-                time.sleep(1.2)  # the gauges refresh every second
-                exposition = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+                redis.start()
+                with local_turbokvd(self, redis_args, os.path.join(tmp, "redis"),
+                                    redis_url=f"redis://127.0.0.1:{redis.port}") as daemon:
+                    session = daemon.cli("create", "--layers=1", "--kv-heads=1", "--q-heads=1")
+                    daemon.cli("append-random", session, "--tokens=64")
+                    # A session this daemon does not hold: a takeover, not found in Redis.
+                    daemon.cli("attend-random", "missing", ok=False)
+                    exposition = daemon.scrape()
+                    self.assertEqual(sample(exposition, "turbokv_tier_up", tier="redis"), 1, exposition)
+                    expositions.append(exposition)
             finally:
-                daemon.send_signal(signal.SIGTERM)
-                log.close()
-                with open(os.path.join(tmp, "log")) as f:
-                    self.assertEqual(daemon.wait(timeout=60), 0, f.read())
+                redis.stop()
+        exposition = "\n".join(expositions)
         # Sample names, and family names (a histogram's, without _bucket/_sum/_count).
         exported = set(re.findall(r"^(\w+?)(?:\{| )", exposition, re.M))
         exported |= set(re.findall(r"^# TYPE (\w+) ", exposition, re.M))

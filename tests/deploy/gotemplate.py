@@ -10,9 +10,10 @@ numbers of a million and more print as 1e+06; a field of a missing map is an
 error while a missing key is empty; `{{-` and `-}}` trim whitespace; `and`
 and `or` return an operand and stop early; `range` over a map goes in key
 order; `define`d templates are shared by all files; `indent` pads every
-line, empty ones too. Printing a map or list (Go writes map[...]) is refused,
-since a chart means toYaml there. Any other function or
-action (template, block, tpl, lookup, ...) raises TemplateError naming it."""
+line, empty ones too; `fail` stops the rendering with its message. Printing
+a map or list (Go writes map[...]) is refused, since a chart means toYaml
+there. Any other function or action (template, block, tpl, lookup, ...)
+raises TemplateError naming it."""
 
 import glob
 import json
@@ -135,6 +136,11 @@ def _quote(*values):
     return " ".join(json.dumps(format_value(v)) for v in values if v is not None)
 
 
+def _fail(message):
+    """Helm's fail: rendering stops with the chart's message."""
+    raise TemplateError(f"execution error: {message}")
+
+
 FUNCTIONS = {
     "default": lambda fallback, value=None: value if truth(value) else fallback,
     "toYaml": to_yaml,
@@ -145,6 +151,7 @@ FUNCTIONS = {
     "replace": lambda old, new, text: text.replace(old, new),
     "contains": lambda part, text: part in text,
     "hasPrefix": lambda prefix, text: text.startswith(prefix),
+    "fail": _fail,
     "printf": _printf,
     "quote": _quote,
     "int": _to_int,

@@ -61,3 +61,48 @@ unix://{{ .Values.turbokvd.socketDir }}/turbokv.sock
 {{- define "turbokv.kind" -}}
 {{- if and .Values.turbokvd.snapshot.enabled .Values.turbokvd.snapshot.persistence.enabled }}StatefulSet{{ else }}Deployment{{ end }}
 {{- end }}
+
+{{/*
+The name of redis.deploy's objects: 52 characters at most, since a
+StatefulSet's name goes into its pods' controller-revision-hash label.
+*/}}
+{{- define "turbokv.redis.fullname" -}}
+{{- printf "%s-redis" (include "turbokv.fullname" . | trunc 46 | trimSuffix "-") }}
+{{- end }}
+
+{{/*
+The labels that select redis.deploy's pod: a name of its own, so that the
+worker's selectors (the workload's, the PodDisruptionBudget's, the
+PodMonitor's) never take it in.
+*/}}
+{{- define "turbokv.redis.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "turbokv.name" . | trunc 57 | trimSuffix "-" }}-redis
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: redis
+{{- end }}
+
+{{/* The labels of redis.deploy's objects. */}}
+{{- define "turbokv.redis.labels" -}}
+helm.sh/chart: {{ include "turbokv.chart" . }}
+{{ include "turbokv.redis.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* --redis-url: redis.url, or redis.deploy's Service; empty when the tier is off. */}}
+{{- define "turbokv.redisUrl" -}}
+{{- if .Values.redis.url }}
+{{- .Values.redis.url }}
+{{- else if .Values.redis.deploy.enabled }}
+{{- printf "redis://%s.%s.svc:6379" (include "turbokv.redis.fullname" .) .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* Values that cannot go together: rendering stops, naming them. */}}
+{{- define "turbokv.validate" -}}
+{{- if and .Values.redis.url .Values.redis.deploy.enabled }}
+{{- fail "redis.url and redis.deploy.enabled are both set: give turbokvd either an existing Redis (redis.url) or the chart's own (redis.deploy.enabled)" }}
+{{- end }}
+{{- if and .Values.turbokvd.spill.enabled (include "turbokv.redisUrl" .) }}
+{{- fail "turbokvd.spill.enabled and the Redis tier (redis.url or redis.deploy.enabled) cannot go together: turbokvd refuses --spill-dir with --redis-url; set turbokvd.spill.enabled=false" }}
+{{- end }}
+{{- end }}
