@@ -898,7 +898,8 @@ class DeployTest(unittest.TestCase):
             self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         rules = [r for g in load(os.path.join(directory, "alerts.yaml"))["groups"] for r in g["rules"]]
         names = {r["alert"] for r in rules}
-        for name in ("TurbokvDown", "TurbokvAbsent", "TurbokvRestarted", "TurbokvServerErrors", "TurbokvClientErrors"):
+        for name in ("TurbokvDown", "TurbokvAbsent", "TurbokvRestarted", "TurbokvServerErrors", "TurbokvClientErrors",
+                     "TurbokvRemoteTierDown"):
             self.assertIn(name, names)
         cases = [c for t in load(os.path.join(directory, "alerts_test.yaml"))["tests"] for c in t["alert_rule_test"]]
         self.assertEqual({c["alertname"] for c in cases if c["exp_alerts"]}, names, "an alert never fires in the tests")
@@ -911,6 +912,9 @@ class DeployTest(unittest.TestCase):
         self.assertIn('up{job="turbokvd"} == 0', by_name["TurbokvDown"]["expr"])
         self.assertIn('absent(up{job="turbokvd"})', by_name["TurbokvAbsent"]["expr"])
         self.assertIn("process_start_time_seconds", by_name["TurbokvRestarted"]["expr"])
+        self.assertEqual(by_name["TurbokvRemoteTierDown"]["expr"], 'turbokv_tier_up{job="turbokvd",tier="redis"} == 0')
+        self.assertEqual((by_name["TurbokvRemoteTierDown"]["for"], by_name["TurbokvRemoteTierDown"]["labels"]),
+                         ("2m", {"severity": "warning"}))
         # Each runbook_url is a section of docs/OPERATIONS.md.
         with open(os.path.join(ROOT, "docs", "OPERATIONS.md")) as f:
             headings = re.findall(r"^#+ (.+)$", f.read(), re.M)
