@@ -939,7 +939,9 @@ class DeployTest(unittest.TestCase):
                 self.assertIn('namespace=~"$namespace",pod=~"$pod"', expr)
         joined = "\n".join(exprs)
         for metric in ("up{", 'side', "process_start_time_seconds", "process_resident_memory_bytes",
-                       "kube_pod_container_resource_limits", "turbokv_inflight_calls", "turbokv_executor_queued"):
+                       "kube_pod_container_resource_limits", "turbokv_inflight_calls", "turbokv_executor_queued",
+                       'turbokv_tier_up{job="turbokvd",namespace=~"$namespace",pod=~"$pod",instance=~"$instance",tier="redis"}',
+                       "sum by (result) (rate(turbokv_takeovers_total{"):
             self.assertIn(metric, joined)
         ids = [p["id"] for p in dashboard["panels"]]
         self.assertEqual(len(ids), len(set(ids)))
