@@ -13,7 +13,7 @@ packages=(
   build-essential cmake pkg-config ccache
   libabsl-dev libhwy-dev libgtest-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc openssl libssl-dev
-  prometheus-cpp-dev prometheus clang-14 libclang-rt-14-dev
+  prometheus-cpp-dev prometheus clang-14 libclang-rt-14-dev libhiredis-dev redis-server
   python3-grpcio python3-protobuf python3-numpy python3-yaml python3-pip python3-venv python3-torch python3-jsonschema
 )
 if [ "${1:-}" = "--arm64" ]; then

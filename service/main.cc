@@ -45,6 +45,16 @@ Flags (--name=value or --name value):
                            their next call, and a restart finds them (default
                            none)
   --spill-budget=SIZE      most bytes of live records in --spill-dir (default 64GiB)
+  --redis-url=URL          a tier shared with other daemons, instead of
+                           --spill-dir: redis://HOST[:PORT][/DB] or
+                           unix:///PATH[?db=N]. Sealed pages are written
+                           through; a call naming a session this daemon does
+                           not hold takes it over from Redis; SIGTERM hands
+                           every session over (default none)
+  --redis-budget=SIZE      most bytes turbokvd keeps in Redis (default 64GiB)
+  --redis-lease=DURATION   how long a session stays this daemon's after its
+                           last renewal (every third of it) (default 10s)
+  --redis-timeout=DURATION to connect to Redis, and per reply (default 1s)
   --memory-watermarks=HIGH,LOW  with --spill-dir: past HIGH x the budget, idle
                            sessions are demoted until LOW x (default 0.9,0.8);
                            the same fractions of --spill-budget drop the
@@ -166,6 +176,20 @@ int main(int argc, char** argv) {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
       if (!bytes.ok()) return Fail(absl::StrCat("--spill-budget: ", bytes.status().message()));
       options.spill_budget = *bytes;
+    } else if (name == "redis-url") {
+      options.redis_url = value;
+    } else if (name == "redis-budget") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok()) return Fail(absl::StrCat("--redis-budget: ", bytes.status().message()));
+      options.redis_budget = *bytes;
+    } else if (name == "redis-lease") {
+      if (!absl::ParseDuration(value, &options.redis_lease) || options.redis_lease < absl::Milliseconds(300)) {
+        return Fail(flag + ": expected a duration of at least 300ms, like 10s");
+      }
+    } else if (name == "redis-timeout") {
+      if (!absl::ParseDuration(value, &options.redis_timeout) || options.redis_timeout < absl::Milliseconds(1)) {
+        return Fail(flag + ": expected a duration of at least 1ms, like 1s");
+      }
     } else if (name == "memory-watermarks") {
       const std::vector<std::string> parts = absl::StrSplit(value, ',');
       if (parts.size() != 2 || !absl::SimpleAtod(parts[0], &options.high_watermark) ||

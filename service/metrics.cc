@@ -118,7 +118,7 @@ class ProcessCollector : public prometheus::Collectable {
 
 }  // namespace
 
-Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(std::string device, const std::string& tier) : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
@@ -234,18 +234,34 @@ Metrics::Metrics(std::string device) : device_(std::move(device)), registry_(std
   disk_drops_ = &evictions.Add({{"reason", "disk_full"}});
   auto& tier_sessions = BuildGauge()
                             .Name("turbokv_tier_sessions")
-                            .Help("Sessions by where their pages are: memory (resident) or disk (demoted to --spill-dir)")
+                            .Help("Sessions by where their pages are: memory (resident), or disk or redis (demoted "
+                                  "to --spill-dir or --redis-url)")
                             .Register(r);
   tier_sessions_[0] = &tier_sessions.Add({{"tier", "memory"}});
-  tier_sessions_[1] = &tier_sessions.Add({{"tier", "disk"}});
+  tier_sessions_[1] = &tier_sessions.Add({{"tier", tier}});
+  if (tier == "redis") {
+    tier_up_ = &BuildGauge()
+                    .Name("turbokv_tier_up")
+                    .Help("1 while the shared tier answers, 0 while it does not (writes then wait in the queue)")
+                    .Register(r)
+                    .Add({{"tier", tier}});
+    auto& takeovers = BuildCounter()
+                          .Name("turbokv_takeovers_total")
+                          .Help("Calls naming a session this daemon did not hold, by how its claim from the shared "
+                                "tier ended: ok, not_found (in no tier), held (by another daemon), unavailable (the "
+                                "tier did not answer, or its records were damaged)")
+                          .Register(r);
+    const char* results[kTakeoverResults] = {"ok", "not_found", "held", "unavailable"};
+    for (int i = 0; i < kTakeoverResults; ++i) takeovers_[i] = &takeovers.Add({{"result", results[i]}});
+  }
   auto gauge = [&](const char* name, const char* help) { return &BuildGauge().Name(name).Help(help).Register(r).Add({}); };
   auto counter = [&](const char* name, const char* help) {
     return &BuildCounter().Name(name).Help(help).Register(r).Add({});
   };
-  spill_bytes_ = gauge("turbokv_spill_bytes", "Bytes of live records in --spill-dir");
+  spill_bytes_ = gauge("turbokv_spill_bytes", "Bytes of live records on the spill tier (--spill-dir or --redis-url)");
   spill_file_bytes_ = gauge("turbokv_spill_file_bytes", "Bytes of the segment files in --spill-dir, dead records included");
-  spill_budget_bytes_ = gauge("turbokv_spill_budget_bytes", "--spill-budget");
-  spill_queued_bytes_ = gauge("turbokv_spill_queued_bytes", "Bytes waiting for the spill writer");
+  spill_budget_bytes_ = gauge("turbokv_spill_budget_bytes", "--spill-budget (or --redis-budget)");
+  spill_queued_bytes_ = gauge("turbokv_spill_queued_bytes", "Bytes waiting for the spill tier's writer");
   demotions_ = counter("turbokv_demotions_total", "Sessions demoted from memory to the spill tier");
   promotions_ = counter("turbokv_promotions_total", "Sessions brought back from the spill tier into memory");
   spill_write_errors_ = counter("turbokv_spill_write_errors_total", "Records the spill writer could not write");
@@ -407,6 +423,10 @@ void Metrics::SetStore(const StoreSnapshot& s) {
   Advance(promotions_, s.promotions, &promotions_seen_);
   Advance(spill_write_errors_, s.tier.write_errors, &write_errors_seen_);
   Advance(spill_crc_failures_, s.tier.crc_failures, &crc_failures_seen_);
+  if (tier_up_ != nullptr) {
+    tier_up_->Set(s.tier_health.ok() ? 1 : 0);
+    for (int i = 0; i < kTakeoverResults; ++i) Advance(takeovers_[i], s.takeovers[i], &takeovers_seen_[i]);
+  }
 }
 
 }  // namespace turbokv

@@ -33,8 +33,10 @@ enum class KvKind { kKey, kValue };
 
 class Metrics {
  public:
-  // device: the label of the memory and kernel series, e.g. "cpu".
-  explicit Metrics(std::string device);
+  // device: the label of the memory and kernel series, e.g. "cpu"; tier:
+  // where demoted sessions are, "disk" or "redis" (which also gets
+  // turbokv_tier_up and turbokv_takeovers_total).
+  explicit Metrics(std::string device, const std::string& tier = "disk");
   ~Metrics();
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
@@ -108,7 +110,10 @@ class Metrics {
   prometheus::Counter* lru_evictions_;
   prometheus::Counter* ttl_expiries_;
   prometheus::Counter* disk_drops_;
-  prometheus::Gauge* tier_sessions_[2] = {};  // memory, disk
+  prometheus::Gauge* tier_sessions_[2] = {};  // memory, the tier
+  prometheus::Gauge* tier_up_ = nullptr;      // a shared tier only
+  prometheus::Counter* takeovers_[kTakeoverResults] = {};
+  int64_t takeovers_seen_[kTakeoverResults] = {};
   prometheus::Gauge* spill_bytes_;
   prometheus::Gauge* spill_file_bytes_;
   prometheus::Gauge* spill_budget_bytes_;

@@ -39,6 +39,7 @@
 #include "service/log.h"
 #include "service/rpc/kv_cache_service.h"
 #include "service/store/tiers/disk_tier.h"
+#include "service/store/tiers/redis_tier.h"
 #include "service/text_file.h"
 
 namespace turbokv {
@@ -94,6 +95,9 @@ constexpr absl::Duration kRefusalWindow = absl::Milliseconds(200);
 constexpr int kMetricsThreads = 8;
 constexpr int kMetricsRequestTimeoutMs = 2000;
 constexpr char kServiceName[] = "turbokv.v1.KvCacheService";
+// Health of the Redis tier (with --redis-url): NOT_SERVING while Redis does
+// not answer; the daemon itself keeps serving from memory.
+constexpr char kRemoteTierService[] = "turbokv.RemoteTier";
 
 // unix:///path or unix:path -> /path.
 std::string UnixSocketPath(absl::string_view address) {
@@ -215,7 +219,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   if (!device.ok()) return device.status();
   server->device_ = device->name;
   server->device_reason_ = absl::StrCat(device->why, "; threads from ", threads_why);
-  server->metrics_ = std::make_unique<Metrics>("cpu");
+  server->metrics_ = std::make_unique<Metrics>("cpu", options.redis_url.empty() ? "disk" : "redis");
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromFile(options.auth_tokens_file);
     if (!authenticator.ok()) return authenticator.status();
@@ -238,6 +242,28 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   store.high_watermark = options.high_watermark;
   store.low_watermark = options.low_watermark;
   std::unique_ptr<Tier> tier;
+  if (!options.redis_url.empty() && !options.spill_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--redis-url and --spill-dir together are not supported yet: choose one tier (Redis also serves as the "
+        "spill tier of this daemon)");
+  }
+  if (!options.redis_url.empty() && !options.snapshot_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--redis-url and --snapshot-dir cannot go together: Redis keeps the sessions across restarts (the drain "
+        "hands them over), and a snapshot loaded at start would bring back a copy of a session another daemon may "
+        "hold by then");
+  }
+  if (!options.redis_url.empty()) {
+    absl::StatusOr<RedisAddress> address = ParseRedisUrl(options.redis_url);
+    if (!address.ok()) return address.status();
+    RedisTierOptions redis;
+    redis.address = *std::move(address);
+    redis.budget_bytes = options.redis_budget;
+    redis.page_tokens = options.page_tokens;
+    redis.lease = options.redis_lease;
+    redis.timeout = options.redis_timeout;
+    tier = RedisTier::Open(redis);
+  }
   if (!options.spill_dir.empty()) {
     DiskTierOptions disk;
     disk.dir = options.spill_dir;
@@ -374,8 +400,17 @@ absl::Status Server::Start() {
   // drain turns both NOT_SERVING.
   server_->GetHealthCheckService()->SetServingStatus(true);
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  SetTierHealth();
   expiry_thread_ = std::thread([this] { ExpireLoop(); });
   return absl::OkStatus();
+}
+
+void Server::SetTierHealth() {
+  if (options_.redis_url.empty()) return;
+  const bool up = store_->tier()->Health().ok();
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(kRemoteTierService, up);
+  }
 }
 
 void Server::ExpireLoop() {
@@ -395,6 +430,7 @@ void Server::ExpireLoop() {
     for (const std::string& id : rebalanced.dropped) {
       Logf(LogLevel::kWarning, "session %s dropped: the spill tier is over its high watermark", id.c_str());
     }
+    SetTierHealth();
     // A failure is logged when it first happens, not every pass.
     const std::string error(rebalanced.error.message());
     if (!error.empty() && error != last_demotion_error) {
@@ -444,12 +480,19 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
   if (server_ != nullptr) server_->Wait();
   if (expiry_thread_.joinable()) expiry_thread_.join();
   absl::Status status;
-  if (store_ != nullptr && !options_.spill_dir.empty()) {
-    // Every session's unsealed tail joins its sealed pages on disk: a
-    // restart on the same spill dir finds it whole.
+  if (store_ != nullptr && store_->tier() != nullptr) {
+    // Every session's unsealed tail joins its sealed pages on the tier: a
+    // restart on the same spill dir finds it whole, and on Redis, any
+    // daemon does, once its lease is let go.
     status = store_->FlushTier(absl::Now() + snapshot_deadline);
     if (!status.ok()) {
-      Logf(LogLevel::kError, "spill tier not flushed: %s", std::string(status.message()).c_str());
+      Logf(LogLevel::kError, "%s tier not flushed: %s", store_->tier()->name(), std::string(status.message()).c_str());
+    }
+    if (absl::Status released = store_->tier()->ReleaseAll(); !released.ok()) {
+      Logf(LogLevel::kError, "%s", std::string(released.message()).c_str());
+      if (status.ok()) status = released;
+    } else if (!options_.redis_url.empty()) {
+      Logf(LogLevel::kInfo, "sessions handed over: their leases in Redis are let go");
     }
   }
   if (store_ != nullptr && !options_.snapshot_dir.empty()) {

@@ -59,6 +59,15 @@ struct ServerOptions {
   // live records.
   std::string spill_dir;
   size_t spill_budget = size_t{64} << 30;
+  // The Redis tier (empty: none), instead of the disk tier: sealed pages
+  // are written through to Redis, idle sessions demoted there, sessions
+  // this daemon does not hold taken over from it, and the drain hands every
+  // session over. At most redis_budget bytes; leases of redis_lease; each
+  // command within redis_timeout.
+  std::string redis_url;
+  size_t redis_budget = size_t{64} << 30;
+  absl::Duration redis_lease = absl::Seconds(10);
+  absl::Duration redis_timeout = absl::Seconds(1);
   // Of the memory budget (and of spill_budget): past high, the background
   // pass demotes idle sessions (drops the oldest on disk) down to low.
   double high_watermark = 0.90;
@@ -125,6 +134,8 @@ class Server {
  private:
   explicit Server(const ServerOptions& options);
   void ExpireLoop();
+  // With the Redis tier: its health in the health service.
+  void SetTierHealth();
 
   ServerOptions options_;
   std::string device_;

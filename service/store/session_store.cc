@@ -172,11 +172,61 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const Session
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::string& id, const std::string& tenant,
                                                                  absl::Time now) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end() && it->second->tenant() == tenant) {
+      if (tier_ != nullptr) {
+        if (absl::Status owned = tier_->Owned(id); !owned.ok()) {
+          // Another daemon claimed it: this copy goes, without a tombstone.
+          Erase(id);
+          return owned;
+        }
+      }
+      it->second->Touch(now);
+      return it->second;
+    }
+    if (tier_ == nullptr || it != sessions_.end() || damaged_.count(id) != 0) return NotFound(id, tenant);
+  }
+  return TakeOver(id, tenant, now);
+}
+
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::string& id, const std::string& tenant,
+                                                                     absl::Time now) {
+  // One claim at a time: two calls naming the same session claim it once.
+  std::lock_guard<std::mutex> claiming(claim_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) {
+      if (it->second->tenant() != tenant) return NotFound(id, tenant);
+      it->second->Touch(now);
+      return it->second;
+    }
+    if (absl::Status room = HasRoomFor(tenant); !room.ok()) return room;
+  }
+  absl::StatusOr<TierSession> image = tier_->Claim(id, tenant);
+  if (!image.ok()) {
+    if (absl::IsNotFound(image.status())) {
+      takeovers_[kTakeoverNotFound].fetch_add(1);
+      std::lock_guard<std::mutex> lock(mutex_);
+      return NotFound(id, tenant);
+    }
+    takeovers_[absl::IsFailedPrecondition(image.status()) ? kTakeoverHeld : kTakeoverFailed].fetch_add(1);
+    return image.status();
+  }
+  SessionConfig config = image->header.config;
+  config.pinned = image->pinned;
+  auto session = std::make_shared<SessionCache>(id, tenant, config, image->header.created);
+  session->Touch(now);
+  session->manifest_ = image->manifest;
+  session->demoted_ = std::make_unique<TierSession>(*std::move(image));
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end() || it->second->tenant() != tenant) return NotFound(id, tenant);
-  it->second->Touch(now);
-  return it->second;
+  if (absl::Status inserted = Insert(session); !inserted.ok()) return inserted;
+  takeovers_[kTakeoverOk].fetch_add(1);
+  Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens)", id.c_str(), tier_->name(),
+       static_cast<long long>(session->tokens()));
+  return session;
 }
 
 absl::Status SessionStore::Delete(const std::string& id, const std::string& tenant) {
@@ -244,6 +294,8 @@ StoreSnapshot SessionStore::Snapshot() const {
   snapshot.demotions = demotions_.load();
   snapshot.promotions = promotions_.load();
   snapshot.disk_drops = disk_drops_.load();
+  for (int i = 0; i < kTakeoverResults; ++i) snapshot.takeovers[i] = takeovers_[i].load();
+  if (tier_ != nullptr) snapshot.tier_health = tier_->Health();
   snapshot.bytes_used = static_cast<int64_t>(pool_.used_bytes());
   snapshot.budget_bytes = static_cast<int64_t>(pool_.budget_bytes());
   snapshot.lru_evictions = lru_evictions_.load();
@@ -413,18 +465,23 @@ absl::Status SessionStore::NotFound(const std::string& id, const std::string& te
   return absl::NotFoundError(absl::StrCat("no session ", ShowId(id)));
 }
 
-absl::Status SessionStore::Insert(std::shared_ptr<SessionCache> session) {
+absl::Status SessionStore::HasRoomFor(const std::string& tenant) const {
   if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
     return absl::ResourceExhaustedError(absl::StrCat("turbokvd holds ", sessions_.size(),
                                                      " sessions, the most allowed (--max-sessions); delete some"));
   }
-  int64_t& count = tenant_sessions_[session->tenant()];
-  if (count >= options_.max_tenant_sessions) {
-    return CallerLimit(absl::ResourceExhaustedError(absl::StrCat("the ", count, " sessions", Who(session->tenant()),
+  auto count = tenant_sessions_.find(tenant);
+  if (count != tenant_sessions_.end() && count->second >= options_.max_tenant_sessions) {
+    return CallerLimit(absl::ResourceExhaustedError(absl::StrCat("the ", count->second, " sessions", Who(tenant),
                                                                  " are the most one tenant may hold "
                                                                  "(--max-tenant-sessions); delete some")));
   }
-  ++count;
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::Insert(std::shared_ptr<SessionCache> session) {
+  if (absl::Status room = HasRoomFor(session->tenant()); !room.ok()) return room;
+  ++tenant_sessions_[session->tenant()];
   const std::string id = session->id();
   sessions_.emplace(id, std::move(session));
   return absl::OkStatus();
@@ -760,6 +817,11 @@ size_t SessionStore::TierBytes(const SessionCache& session) {
 SessionStore::RebalanceReport SessionStore::Rebalance() {
   RebalanceReport report;
   if (tier_ == nullptr) return report;
+  for (const auto& disowned : tier_->TakeDisowned()) {
+    // Another daemon claimed it: this copy goes, without a tombstone.
+    std::lock_guard<std::mutex> lock(mutex_);
+    Erase(disowned.first);
+  }
   std::vector<std::shared_ptr<SessionCache>> sessions = List();
   // Write-through that the request path left for later (its queue was full).
   for (const std::shared_ptr<SessionCache>& session : sessions) {

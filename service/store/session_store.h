@@ -27,6 +27,15 @@ namespace turbokv {
 
 class ThreadPool;
 
+// How a claim of a session from a shared tier ended.
+enum TakeoverResult {
+  kTakeoverOk,
+  kTakeoverNotFound,  // in no tier
+  kTakeoverHeld,      // another daemon holds it
+  kTakeoverFailed,    // the tier did not answer, or its records are damaged
+  kTakeoverResults,
+};
+
 // What the store holds, summed over sessions.
 struct StoreSnapshot {
   int64_t sessions = 0;
@@ -43,6 +52,10 @@ struct StoreSnapshot {
   int64_t promotions = 0;
   int64_t disk_drops = 0;         // sessions dropped because the spill budget was full
   TierStats tier;
+  absl::Status tier_health;       // a shared tier: why it does not answer
+  // A shared tier: calls on sessions this daemon did not hold, by how their
+  // claim ended (TakeoverResult).
+  int64_t takeovers[kTakeoverResults] = {};
   struct TenantUse {
     int64_t sessions = 0;
     int64_t bytes = 0;  // pages in memory; a page forks share counted for each
@@ -167,7 +180,11 @@ class SessionStore {
 
   // The session with this id of this tenant, marked as used now. NOT_FOUND
   // for an unknown id, saying so when it was evicted and why; another
-  // tenant's session is an unknown id.
+  // tenant's session is an unknown id. With a shared tier, an id this
+  // daemon does not hold is claimed from it (Tier::Claim) and comes back
+  // demoted, or the claim's error: NOT_FOUND then means in no tier, and
+  // FAILED_PRECONDITION that another daemon holds it (or claimed it from
+  // this one, whose copy is then dropped).
   absl::StatusOr<std::shared_ptr<SessionCache>> Find(const std::string& id, const std::string& tenant,
                                                      absl::Time now);
 
@@ -209,9 +226,10 @@ class SessionStore {
   // Truncates every layer of the session (under its mutex) to n tokens and
   // records it on the tier.
   void Truncate(SessionCache& session, int64_t n);
-  // The background pass: catches up on write-through, demotes idle sessions
-  // above the memory high watermark, drops the oldest sessions on disk only
-  // above the tier's.
+  // The background pass: drops the copies of sessions another daemon
+  // claimed from a shared tier, catches up on write-through, demotes idle
+  // sessions above the memory high watermark, drops the oldest sessions on
+  // disk only above the tier's.
   struct RebalanceReport {
     int demoted = 0;
     std::vector<std::string> dropped;  // ids, dropped because the tier was full
@@ -264,9 +282,14 @@ class SessionStore {
   absl::Status NotFound(const std::string& id, const std::string& tenant) const;
   // Under mutex_: drops the session from the map and remembers why.
   void RememberGone(const SessionCache& session, std::string reason, std::atomic<int64_t>* counter);
-  // Under mutex_: adds a built session, or RESOURCE_EXHAUSTED when the
-  // store or its tenant holds the most sessions allowed.
+  // Under mutex_: RESOURCE_EXHAUSTED when the store or the tenant holds the
+  // most sessions allowed.
+  absl::Status HasRoomFor(const std::string& tenant) const;
+  // Under mutex_: adds a built session, or HasRoomFor's error.
   absl::Status Insert(std::shared_ptr<SessionCache> session);
+  // Claims a session this daemon does not hold from the shared tier (Find).
+  absl::StatusOr<std::shared_ptr<SessionCache>> TakeOver(const std::string& id, const std::string& tenant,
+                                                         absl::Time now);
   // Under mutex_: removes the session from the map and its tenant's count.
   void Erase(const std::string& id);
   // Under the session's mutex: empties it, returns its bytes to the pool
@@ -296,6 +319,8 @@ class SessionStore {
   // Ids whose snapshot could not be loaded, with why: DATA_LOSS.
   std::unordered_map<std::string, std::string> damaged_;
   std::mutex save_mutex_;  // one SaveSnapshots at a time; never under mutex_
+  std::mutex claim_mutex_;  // one TakeOver at a time; taken before mutex_
+  std::atomic<int64_t> takeovers_[kTakeoverResults] = {};
   std::atomic<int64_t> lru_evictions_{0};
   std::atomic<int64_t> ttl_expiries_{0};
   std::atomic<int64_t> demotions_{0};

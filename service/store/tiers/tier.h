@@ -1,14 +1,17 @@
 // Where pages go below memory (docs/DESIGN §8): a tier holds records of
 // sealed pages, session manifests and tombstones, written behind the request
 // path, read back on promotion, and scanned at start. The disk segment log
-// (disk_tier.h) is one; a shared tier is another. No gRPC types.
+// (disk_tier.h) is one; Redis, shared with other daemons (redis_tier.h), is
+// another. No gRPC types.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/codec.h"
@@ -87,7 +90,7 @@ struct TierStats {
 class Tier {
  public:
   virtual ~Tier() = default;
-  virtual const char* name() const = 0;  // "disk"
+  virtual const char* name() const = 0;  // "disk", "redis"
 
   // Reads what the tier holds (once, before any Put).
   virtual absl::StatusOr<TierScanReport> Scan() = 0;
@@ -118,6 +121,34 @@ class Tier {
   virtual void Close() = 0;
 
   virtual TierStats Stats() const = 0;
+
+  // A tier shared with other daemons (Redis) holds sessions this daemon may
+  // not; a local tier never does, and keeps these defaults.
+  //
+  // The session with this id of this tenant, which this daemon does not
+  // hold, claimed for it: from now on this daemon is its only writer, and
+  // the writes of the daemon that held it before are refused. NOT_FOUND
+  // when the tier has no such session; FAILED_PRECONDITION while another
+  // daemon holds it; UNAVAILABLE when the tier cannot be reached.
+  virtual absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant) {
+    (void)id;
+    (void)tenant;
+    return absl::NotFoundError("no shared tier");
+  }
+  // The sessions another daemon has claimed since the last call, each with
+  // the FAILED_PRECONDITION that says so: this daemon drops them (without a
+  // tombstone: they are the other daemon's now).
+  virtual std::vector<std::pair<std::string, absl::Status>> TakeDisowned() { return {}; }
+  // FAILED_PRECONDITION when another daemon has claimed the session; OK otherwise.
+  virtual absl::Status Owned(const std::string& id) const {
+    (void)id;
+    return absl::OkStatus();
+  }
+  // Lets go of every session this daemon holds on the tier (the drain,
+  // after the store's FlushTier): another daemon may claim them at once.
+  virtual absl::Status ReleaseAll() { return absl::OkStatus(); }
+  // OK while the tier answers; why not otherwise.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
 };
 
 }  // namespace turbokv

@@ -1,0 +1,799 @@
+#include "service/store/tiers/redis_tier.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "service/byte_size.h"
+#include "service/log.h"
+#include "service/store/session_store.h"
+
+namespace turbokv {
+namespace {
+
+constexpr char kPageMagic[4] = {'T', 'K', 'V', 'P'};
+constexpr char kManifestMagic[4] = {'T', 'K', 'V', 'M'};
+constexpr uint16_t kVersion = 1;
+constexpr size_t kEpochOffset = 8;         // in a page and in a manifest: after magic, version, 0
+constexpr size_t kPageHeaderBytes = 48;    // magic .. payload CRC
+constexpr int64_t kTombstoneEpochMs = 86400000;  // a deleted session's epoch stays a day: its pages' deletes still check it
+
+// Every write first checks that KEYS[1], the session's epoch, is ARGV[1]:
+// a daemon whose session was claimed by another gets "STALE <epoch now>".
+#define TURBOKV_FENCE                                  \
+  "local e = redis.call('GET', KEYS[1]) "              \
+  "if e ~= ARGV[1] then return redis.error_reply('STALE ' .. (e or 'none')) end "
+
+// KEYS: lease, epoch, manifest. ARGV: owner, lease ms, whether the manifest
+// must exist. {0}: no manifest; {-1, holder, ms left}: leased by another;
+// {epoch[, manifest]}. A lease this owner holds already (a claim whose
+// answer timed out, sent again) is its own.
+constexpr char kAcquire[] =
+    "local m = false "
+    "if ARGV[3] == '1' then m = redis.call('GET', KEYS[3]) if not m then return {0} end end "
+    "local holder = redis.call('GET', KEYS[1]) "
+    "if holder then "
+    "  if string.sub(holder, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return {-1, holder, redis.call('PTTL', KEYS[1])} end "
+    "  local mine = tonumber(string.sub(holder, #ARGV[1] + 2)) "
+    "  if m then return {mine, m} end "
+    "  return {mine} "
+    "end "
+    "local e = redis.call('INCR', KEYS[2]) "
+    "redis.call('PERSIST', KEYS[2]) "
+    "redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. e, 'PX', ARGV[2]) "
+    "if m then return {e, m} end "
+    "return {e}";
+// KEYS: epoch, page, sealed pages. ARGV: epoch, value, field ('' for a tail), entry.
+constexpr char kWritePage[] = TURBOKV_FENCE
+    "redis.call('SET', KEYS[2], ARGV[2]) "
+    "if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) end "
+    "return 1";
+// KEYS: epoch, manifest, sealed pages. ARGV: epoch, value. The manifest
+// lists every page up to now: the sealed pages written before it go.
+constexpr char kWriteManifest[] = TURBOKV_FENCE
+    "redis.call('SET', KEYS[2], ARGV[2]) "
+    "redis.call('DEL', KEYS[3]) "
+    "return 1";
+// KEYS: epoch, source, destination. ARGV: epoch.
+constexpr char kCopy[] = TURBOKV_FENCE "return redis.call('COPY', KEYS[2], KEYS[3], 'REPLACE')";
+// KEYS: epoch, page. ARGV: epoch.
+constexpr char kDelete[] = TURBOKV_FENCE "redis.call('DEL', KEYS[2]) return 1";
+// KEYS: epoch, lease, manifest, sealed pages. ARGV: epoch, epoch's expiry ms.
+constexpr char kTombstone[] = TURBOKV_FENCE
+    "redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) "
+    "redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
+    "return 1";
+// KEYS: lease, epoch. ARGV: lease value, ms, epoch. A lease that lapsed
+// while the epoch is still this daemon's is taken again.
+constexpr char kRenew[] =
+    "local h = redis.call('GET', KEYS[1]) "
+    "if h == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end "
+    "local e = redis.call('GET', KEYS[2]) "
+    "if not h and e == ARGV[3] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end "
+    "return redis.error_reply('STALE ' .. (e or 'none'))";
+// KEYS: lease. ARGV: lease value.
+constexpr char kRelease[] =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
+
+#undef TURBOKV_FENCE
+
+std::string MakeOwner() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::strcpy(host, "localhost");
+  // Six characters of a fresh session id: two daemons of one host and pid
+  // (a restart in a new container) still differ.
+  return absl::StrCat(host, ".", getpid(), ".", NewSessionId().substr(0, 6));
+}
+
+// An id NewSessionId could have made: only those can be on the tier.
+bool PlausibleId(const std::string& id) {
+  if (id.size() != 26) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) { return (c >= 'a' && c <= 'z') || (c >= '2' && c <= '7'); });
+}
+
+std::string Field(int layer, int index) { return absl::StrCat(layer, ":", index); }
+
+void PatchEpoch(std::string* value, int64_t epoch) {
+  std::memcpy(value->data() + kEpochOffset, &epoch, sizeof(epoch));
+}
+
+}  // namespace
+
+struct RedisTier::SessionState {
+  std::string id;
+  std::string tenant;
+  std::string base;  // turbokv:{ID}:TENANT_HEX
+  // Under the tier's mutex:
+  int64_t epoch = 0;  // 0: not claimed yet (the writer claims a new session before its first write)
+  bool disowned = false;
+  bool tombstoned = false;
+  // Copies into this session's keys of pages of other sessions (forks)
+  // that its manifests listed, by the page's record.
+  std::map<const TierRecord*, std::weak_ptr<Record>> copies;
+
+  std::string Key(absl::string_view suffix) const { return absl::StrCat(base, ":", suffix); }
+  std::string LeaseValue(const std::string& owner) const { return absl::StrCat(owner, " ", epoch); }
+};
+
+class RedisTier::Record final : public TierRecord {
+ public:
+  Record(RedisTier* tier, uint64_t lsn, size_t bytes, std::shared_ptr<SessionState> state, std::string key, bool page)
+      : TierRecord(lsn, bytes), key(std::move(key)), page(page), state(std::move(state)), tier_(tier) {}
+  ~Record() override {
+    std::lock_guard<std::mutex> lock(tier_->mutex_);
+    tier_->Release(this);
+  }
+
+  const std::string key;
+  const bool page;  // else a manifest
+  const std::shared_ptr<SessionState> state;  // whose keys it is in
+  // Under the tier's mutex:
+  bool done = false;
+  bool counted = false;  // in live_bytes_
+  absl::Status status;
+  // A manifest's pages (its copies of other sessions' pages among them):
+  // in Redis while it is the session's latest manifest.
+  std::vector<std::shared_ptr<Record>> listed;
+
+ private:
+  RedisTier* const tier_;
+};
+
+struct RedisTier::Job {
+  enum Kind { kPage, kManifest, kCopy, kDelete, kTombstone } kind = kPage;
+  std::weak_ptr<Record> record;  // expired: nobody needs it any more (pages, manifests, copies)
+  std::shared_ptr<SessionState> state;
+  std::string key;     // the page, manifest or copy written; the page deleted
+  std::string source;  // kCopy: the page copied
+  std::string value;   // kPage, kManifest (its epoch patched when sent)
+  std::string field;   // kPage: in the sealed pages (empty for a tail)
+  std::string entry;
+  size_t bytes = 0;    // queued
+};
+
+struct RedisTier::Borrowed {
+  RedisTier* tier;
+  std::unique_ptr<RedisConnection> connection;
+  Borrowed(RedisTier* t, std::unique_ptr<RedisConnection> c) : tier(t), connection(std::move(c)) {}
+  Borrowed(Borrowed&&) = default;
+  ~Borrowed() {
+    if (connection == nullptr) return;
+    std::lock_guard<std::mutex> lock(tier->readers_mutex_);
+    tier->readers_.push_back(std::move(connection));
+  }
+  RedisConnection* operator->() { return connection.get(); }
+};
+
+RedisTier::RedisTier(const RedisTierOptions& options)
+    : options_(options), owner_(MakeOwner()), writer_connection_(options.address, options.timeout) {}
+
+std::unique_ptr<RedisTier> RedisTier::Open(const RedisTierOptions& options) {
+  std::unique_ptr<RedisTier> tier(new RedisTier(options));
+  {
+    RedisConnection probe(options.address, options.timeout);
+    absl::StatusOr<RedisValue> pong = probe.Run({"PING"});
+    if (!pong.ok()) {
+      tier->up_ = false;
+      tier->down_reason_ = std::string(pong.status().message());
+    }
+  }
+  tier->writer_ = std::thread([t = tier.get()] { t->WriterLoop(); });
+  return tier;
+}
+
+RedisTier::~RedisTier() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  work_.notify_all();
+  if (writer_.joinable()) writer_.join();
+}
+
+RedisTier::Borrowed RedisTier::Borrow() {
+  std::lock_guard<std::mutex> lock(readers_mutex_);
+  if (readers_.empty()) return Borrowed(this, std::make_unique<RedisConnection>(options_.address, options_.timeout));
+  std::unique_ptr<RedisConnection> connection = std::move(readers_.back());
+  readers_.pop_back();
+  return Borrowed(this, std::move(connection));
+}
+
+std::shared_ptr<RedisTier::SessionState> RedisTier::StateOf(const std::string& id, const std::string& tenant) {
+  std::shared_ptr<SessionState>& state = sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)];
+  if (state == nullptr) {
+    state = std::make_shared<SessionState>();
+    state->id = id;
+    state->tenant = tenant;
+    state->base = absl::StrCat("turbokv:{", id, "}:", absl::BytesToHexString(tenant));
+  }
+  return state;
+}
+
+absl::StatusOr<TierScanReport> RedisTier::Scan() {
+  // Sessions in Redis are claimed when a call names them, not at start:
+  // they may be another daemon's.
+  return TierScanReport();
+}
+
+void RedisTier::Enqueue(Job job) {
+  queued_bytes_ += static_cast<int64_t>(job.bytes);
+  queue_.push_back(std::move(job));
+  work_.notify_one();
+}
+
+absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& key, const Page& page, bool force) {
+  std::string value(kPageMagic, sizeof(kPageMagic));
+  Put<uint16_t>(&value, kVersion);
+  Put<uint16_t>(&value, 0);
+  Put<int64_t>(&value, 0);  // the epoch, when sent
+  Put<int32_t>(&value, key.layer);
+  Put<int32_t>(&value, key.index);
+  Put<int32_t>(&value, key.tokens);
+  Put<uint8_t>(&value, static_cast<uint8_t>(key.key_codec));
+  Put<uint8_t>(&value, static_cast<uint8_t>(key.value_codec));
+  Put<uint16_t>(&value, 0);
+  Put<uint64_t>(&value, key.rotation_seed);
+  Put<uint32_t>(&value, static_cast<uint32_t>(page.bytes));
+  const absl::string_view payload(reinterpret_cast<const char*>(page.data), page.bytes);
+  Put<uint32_t>(&value, Crc32c(payload));
+  value.append(payload.data(), payload.size());
+  const size_t bytes = value.size();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Redis tier budget exceeded: ", FormatByteSize(static_cast<size_t>(live_bytes_ + queued_bytes_)),
+        " in Redis or queued, ", FormatByteSize(bytes), " needed, --redis-budget ", FormatByteSize(options_.budget_bytes)));
+  }
+  const size_t limit = force ? 2 * options_.max_queued_bytes : options_.max_queued_bytes;
+  if (static_cast<size_t>(queued_bytes_) + bytes > limit) {
+    return absl::UnavailableError(absl::StrCat("the Redis writer has ", FormatByteSize(static_cast<size_t>(queued_bytes_)),
+                                               " queued", up_ ? "" : absl::StrCat(" (", down_reason_, ")")));
+  }
+  std::shared_ptr<SessionState> state = StateOf(key.session, key.tenant);
+  const uint64_t lsn = next_lsn_++;
+  auto record = std::make_shared<Record>(this, lsn, bytes, state, state->Key(absl::StrCat("p:", owner_, ":", lsn)), true);
+  Job job;
+  job.kind = Job::kPage;
+  job.record = record;
+  job.state = state;
+  job.key = record->key;
+  job.value = std::move(value);
+  if (key.tokens == options_.page_tokens) {
+    job.field = Field(key.layer, key.index);
+    PutString(&job.entry, record->key);
+    Put<uint32_t>(&job.entry, static_cast<uint32_t>(bytes));
+  }
+  job.bytes = bytes;
+  Enqueue(std::move(job));
+  return std::shared_ptr<TierRecord>(std::move(record));
+}
+
+std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::shared_ptr<SessionState> state = StateOf(session.header.id, session.header.tenant);
+  std::string value(kManifestMagic, sizeof(kManifestMagic));
+  Put<uint16_t>(&value, kVersion);
+  Put<uint16_t>(&value, 0);
+  Put<int64_t>(&value, 0);  // the epoch, when sent
+  PutSessionHeader(&value, session.header);
+  Put<uint8_t>(&value, session.pinned ? 1 : 0);
+  Put<uint32_t>(&value, static_cast<uint32_t>(session.layers.size()));
+  std::vector<std::shared_ptr<Record>> listed;
+  for (const TierLayer& layer : session.layers) {
+    Put<int64_t>(&value, layer.tokens);
+    Put<uint32_t>(&value, static_cast<uint32_t>(layer.pages.size()));
+    for (const std::shared_ptr<TierRecord>& one : layer.pages) {
+      std::shared_ptr<Record> page = std::static_pointer_cast<Record>(one);
+      if (page->state != state) {
+        // A fork's page, in its source's keys: copied into the fork's, so
+        // that the fork stands alone in Redis.
+        std::shared_ptr<Record> copy = state->copies[page.get()].lock();
+        if (copy == nullptr) {
+          const uint64_t lsn = next_lsn_++;
+          copy = std::make_shared<Record>(this, lsn, page->bytes(), state,
+                                          state->Key(absl::StrCat("p:", owner_, ":", lsn)), true);
+          state->copies[page.get()] = copy;
+          Job job;
+          job.kind = Job::kCopy;
+          job.record = copy;
+          job.state = state;
+          job.key = copy->key;
+          job.source = page->key;
+          Enqueue(std::move(job));
+        }
+        page = std::move(copy);
+      }
+      PutString(&value, page->key);
+      Put<uint32_t>(&value, static_cast<uint32_t>(page->bytes()));
+      listed.push_back(std::move(page));
+    }
+  }
+  for (auto it = state->copies.begin(); it != state->copies.end();) {
+    it = it->second.expired() ? state->copies.erase(it) : std::next(it);
+  }
+  auto record = std::make_shared<Record>(this, next_lsn_++, value.size(), state, state->Key("m"), false);
+  record->listed = std::move(listed);
+  Job job;
+  job.kind = Job::kManifest;
+  job.record = record;
+  job.state = state;
+  job.key = record->key;
+  job.value = std::move(value);
+  job.bytes = job.value.size();
+  Enqueue(std::move(job));
+  return record;
+}
+
+void RedisTier::PutTombstone(const std::string& session, const std::string& tenant) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::shared_ptr<SessionState> state = StateOf(session, tenant);
+  state->tombstoned = true;
+  Job job;
+  job.kind = Job::kTombstone;
+  job.state = std::move(state);
+  Enqueue(std::move(job));
+}
+
+void RedisTier::Release(Record* record) {
+  if (record->counted) live_bytes_ -= static_cast<int64_t>(record->bytes());
+  // A page nobody holds any more goes from Redis, unless the daemon is
+  // going away (its sessions stay for the next) or the session is another
+  // daemon's now (the fence would refuse it anyway).
+  if (!record->page || closed_ || !record->done || !record->status.ok() || record->state->disowned) return;
+  Job job;
+  job.kind = Job::kDelete;
+  job.state = record->state;
+  job.key = record->key;
+  Enqueue(std::move(job));
+}
+
+void RedisTier::Disown(SessionState& state, const std::string& why) {
+  if (state.disowned) return;
+  Logf(LogLevel::kWarning, "%s", why.c_str());
+  state.disowned = true;
+  disowned_why_[state.id] = why;
+  disowned_.emplace_back(state.id, absl::FailedPreconditionError(why));
+}
+
+absl::Status RedisTier::ScriptError(SessionState& state, const RedisValue& reply) {
+  if (absl::StartsWith(reply.str, "STALE ")) {
+    const std::string why = absl::StrCat("session ", state.id, " was claimed by another turbokvd (epoch now ",
+                                         reply.str.substr(6), "); this daemon's copy (epoch ", state.epoch,
+                                         ") is dropped and its writes are refused");
+    std::lock_guard<std::mutex> lock(mutex_);
+    Disown(state, why);
+    return absl::FailedPreconditionError(why);
+  }
+  return absl::InternalError(absl::StrCat("Redis refused a write of session ", state.id, ": ", reply.str));
+}
+
+absl::Status RedisTier::Execute(Job& job, const Record* record) {
+  SessionState& state = *job.state;
+  int64_t epoch;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (state.disowned) return absl::FailedPreconditionError(disowned_why_[state.id]);
+    epoch = state.epoch;
+    if (epoch == 0 && (job.kind == Job::kTombstone || job.kind == Job::kDelete)) return absl::OkStatus();  // nothing sent yet
+    if (job.kind == Job::kManifest) {
+      // The pages it lists were sent before it; one that failed fails it.
+      for (const std::shared_ptr<Record>& page : record->listed) {
+        if (!page->status.ok()) return page->status;
+      }
+    }
+  }
+  if (epoch == 0) {
+    // A new session: its first record claims it.
+    absl::StatusOr<RedisValue> claimed = writer_connection_.Run(
+        {"EVAL", kAcquire, "3", state.Key("l"), state.Key("e"), state.Key("m"), owner_,
+         std::to_string(absl::ToInt64Milliseconds(options_.lease)), "0"});
+    if (!claimed.ok()) return claimed.status();
+    if (claimed->type != RedisValue::kArray || claimed->elements.empty() ||
+        claimed->elements[0].type != RedisValue::kInteger || claimed->elements[0].integer <= 0) {
+      return absl::InternalError(absl::StrCat("session ", state.id, " is already in Redis under another daemon"));
+    }
+    epoch = claimed->elements[0].integer;
+    std::lock_guard<std::mutex> lock(mutex_);
+    state.epoch = epoch;
+  }
+  const std::string e = std::to_string(epoch);
+  std::vector<std::string> command;
+  switch (job.kind) {
+    case Job::kPage:
+      PatchEpoch(&job.value, epoch);
+      command = {"EVAL", kWritePage, "3", state.Key("e"), job.key, state.Key("h"), e, job.value, job.field, job.entry};
+      break;
+    case Job::kManifest:
+      PatchEpoch(&job.value, epoch);
+      command = {"EVAL", kWriteManifest, "3", state.Key("e"), job.key, state.Key("h"), e, job.value};
+      break;
+    case Job::kCopy:
+      command = {"EVAL", kCopy, "3", state.Key("e"), job.source, job.key, e};
+      break;
+    case Job::kDelete:
+      command = {"EVAL", kDelete, "2", state.Key("e"), job.key, e};
+      break;
+    case Job::kTombstone:
+      command = {"EVAL", kTombstone, "4", state.Key("e"), state.Key("l"), state.Key("m"), state.Key("h"), e,
+                 std::to_string(kTombstoneEpochMs)};
+      break;
+  }
+  absl::StatusOr<RedisValue> reply = writer_connection_.Run(std::move(command));
+  if (!reply.ok()) return reply.status();
+  if (reply->type == RedisValue::kError) return ScriptError(state, *reply);
+  if (job.kind == Job::kCopy && reply->integer == 0) {
+    return absl::DataLossError(absl::StrCat("page ", job.source, " of a fork's source is not in Redis any more"));
+  }
+  return absl::OkStatus();
+}
+
+void RedisTier::Renew() {
+  std::vector<std::shared_ptr<SessionState>> held;
+  std::vector<std::vector<std::string>> commands;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!released_) {
+      for (const auto& [name, state] : sessions_) {
+        if (state->epoch > 0 && !state->disowned && !state->tombstoned) held.push_back(state);
+      }
+    }
+    for (const std::shared_ptr<SessionState>& state : held) {
+      commands.push_back({"EVAL", kRenew, "2", state->Key("l"), state->Key("e"), state->LeaseValue(owner_),
+                          std::to_string(absl::ToInt64Milliseconds(options_.lease)), std::to_string(state->epoch)});
+    }
+  }
+  if (commands.empty()) commands.push_back({"PING"});  // so that the health follows Redis all the same
+  absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(commands);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!replies.ok()) {
+    if (up_) Logf(LogLevel::kWarning, "Redis tier unreachable: %s", std::string(replies.status().message()).c_str());
+    up_ = false;
+    down_reason_ = std::string(replies.status().message());
+    written_.notify_all();
+    return;
+  }
+  up_ = true;
+  for (size_t i = 0; i < held.size(); ++i) {
+    const RedisValue& reply = (*replies)[i];
+    if (reply.type == RedisValue::kError && absl::StartsWith(reply.str, "STALE ")) {
+      Disown(*held[i], absl::StrCat("session ", held[i]->id, " was claimed by another turbokvd (epoch now ",
+                                    reply.str.substr(6), ") while its lease had lapsed; this daemon's copy (epoch ",
+                                    held[i]->epoch, ") is dropped"));
+    }
+  }
+}
+
+void RedisTier::WriterLoop() {
+  const absl::Duration renew_every = options_.lease / 3;
+  absl::Time next_renew = absl::Now() + renew_every;
+  absl::Duration backoff = absl::Milliseconds(50);
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    if (stopping_ && (queue_.empty() || !up_)) return;
+    if (absl::Now() >= next_renew) {
+      lock.unlock();
+      Renew();
+      lock.lock();
+      // While Redis is down, its return is noticed within the backoff.
+      next_renew = absl::Now() + (up_ ? renew_every : std::min(renew_every, backoff));
+      continue;
+    }
+    if (queue_.empty()) {
+      work_.wait_until(lock, absl::ToChronoTime(next_renew), [this] { return stopping_ || !queue_.empty(); });
+      continue;
+    }
+    Job& job = queue_.front();  // only this thread pops: stays put while unlocked
+    std::shared_ptr<Record> record = job.record.lock();
+    absl::Status status;
+    const bool wanted = record != nullptr || job.kind == Job::kDelete || job.kind == Job::kTombstone;
+    if (wanted) {
+      lock.unlock();
+      status = Execute(job, record.get());
+      lock.lock();
+    }
+    if (absl::IsUnavailable(status)) {
+      if (up_) {
+        Logf(LogLevel::kWarning, "Redis tier unreachable: %s; %s of writes wait in the queue",
+             std::string(status.message()).c_str(), FormatByteSize(static_cast<size_t>(queued_bytes_)).c_str());
+      }
+      up_ = false;
+      down_reason_ = std::string(status.message());
+      written_.notify_all();
+      work_.wait_for(lock, absl::ToChronoMilliseconds(backoff), [this] { return stopping_; });
+      backoff = std::min(backoff * 2, absl::Seconds(1));
+      lock.unlock();
+      record.reset();  // its release takes the mutex
+      lock.lock();
+      continue;
+    }
+    if (!up_ && wanted) {
+      Logf(LogLevel::kInfo, "Redis tier reachable again; sending the %s queued",
+           FormatByteSize(static_cast<size_t>(queued_bytes_)).c_str());
+    }
+    if (wanted) {
+      up_ = true;
+      backoff = absl::Milliseconds(50);
+      status.ok() ? ++records_written_ : ++write_errors_;
+      if (!status.ok() && !absl::IsFailedPrecondition(status)) {
+        Logf(LogLevel::kError, "Redis tier: %s", std::string(status.message()).c_str());
+      }
+    }
+    if (record != nullptr) {
+      record->done = true;
+      record->status = status;
+      if (status.ok() && record->page) {
+        record->counted = true;
+        live_bytes_ += static_cast<int64_t>(record->bytes());
+      }
+    }
+    if (job.kind == Job::kTombstone && status.ok()) {
+      auto it = sessions_.find(absl::StrCat(job.state->tenant, std::string(1, '\0'), job.state->id));
+      if (it != sessions_.end() && it->second == job.state) sessions_.erase(it);
+    }
+    queued_bytes_ -= static_cast<int64_t>(job.bytes);
+    queue_.pop_front();
+    written_.notify_all();
+    lock.unlock();
+    record.reset();
+    lock.lock();
+  }
+}
+
+absl::Status RedisTier::Wait(const TierRecord& record) {
+  const auto& r = static_cast<const Record&>(record);
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!r.done) {
+    if (!up_) {
+      return absl::UnavailableError(absl::StrCat(down_reason_, "; the write waits in the queue until Redis answers"));
+    }
+    written_.wait_for(lock, absl::ToChronoMilliseconds(options_.timeout));
+  }
+  return r.status;
+}
+
+absl::Status RedisTier::Sync() {
+  // Redis persists by its own configuration (appendonly): here, until the
+  // queue is sent.
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!queue_.empty()) {
+    if (!up_) {
+      return absl::UnavailableError(absl::StrCat(down_reason_, "; ", FormatByteSize(static_cast<size_t>(queued_bytes_)),
+                                                 " not sent"));
+    }
+    written_.wait_for(lock, absl::ToChronoMilliseconds(options_.timeout));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedisTier::Read(const TierRecord& record, uint8_t* out, size_t bytes) {
+  const auto& r = static_cast<const Record&>(record);
+  absl::StatusOr<RedisValue> reply = Borrow()->Run({"GET", r.key});
+  if (!reply.ok()) return reply.status();
+  auto damaged = [&](absl::string_view why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++crc_failures_;
+    return absl::DataLossError(absl::StrCat("page ", r.key, " in Redis ", why));
+  };
+  if (reply->type != RedisValue::kString) return damaged("is missing");
+  const std::string& value = reply->str;
+  if (value.size() < kPageHeaderBytes || std::memcmp(value.data(), kPageMagic, sizeof(kPageMagic)) != 0) {
+    return damaged("is not a turbokv page");
+  }
+  Reader in(absl::string_view(value).substr(40, 8));
+  const uint32_t payload = in.Get<uint32_t>();
+  const uint32_t crc = in.Get<uint32_t>();
+  if (payload != bytes || value.size() != kPageHeaderBytes + payload) {
+    return damaged(absl::StrCat("holds ", payload, " bytes, not the ", bytes, " of this page"));
+  }
+  const absl::string_view data = absl::string_view(value).substr(kPageHeaderBytes);
+  if (Crc32c(data) != crc) return damaged("fails its CRC");
+  std::memcpy(out, data.data(), bytes);
+  return absl::OkStatus();
+}
+
+void RedisTier::WillRead(const std::vector<std::shared_ptr<TierRecord>>& records) {
+  (void)records;  // each Read is one GET, on a pool of connections (layers read in parallel)
+}
+
+void RedisTier::Close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  closed_ = true;
+}
+
+TierStats RedisTier::Stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TierStats stats;
+  stats.bytes = live_bytes_;
+  stats.live_bytes = live_bytes_;
+  stats.budget_bytes = static_cast<int64_t>(options_.budget_bytes);
+  stats.queued_bytes = queued_bytes_;
+  stats.records_written = records_written_;
+  stats.write_errors = write_errors_;
+  stats.crc_failures = crc_failures_;
+  return stats;
+}
+
+absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::string& tenant) {
+  if (!PlausibleId(id)) return absl::NotFoundError("not a session id");
+  std::shared_ptr<SessionState> state = std::make_shared<SessionState>();
+  state->id = id;
+  state->tenant = tenant;
+  state->base = absl::StrCat("turbokv:{", id, "}:", absl::BytesToHexString(tenant));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sessions_.find(absl::StrCat(tenant, std::string(1, '\0'), id));
+    if (it != sessions_.end() && it->second->tombstoned) return absl::NotFoundError("deleted");
+  }
+  const std::vector<std::vector<std::string>> commands = {
+      {"EVAL", kAcquire, "3", state->Key("l"), state->Key("e"), state->Key("m"), owner_,
+       std::to_string(absl::ToInt64Milliseconds(options_.lease)), "1"},
+      {"HGETALL", state->Key("h")}};
+  Borrowed connection = Borrow();
+  absl::StatusOr<std::vector<RedisValue>> replies = connection->Run(commands);
+  if (!replies.ok()) {
+    return absl::UnavailableError(absl::StrCat("session ", ShowId(id), " is not in this daemon and taking it over needs ",
+                                               replies.status().message()));
+  }
+  const RedisValue& acquired = (*replies)[0];
+  if (acquired.type != RedisValue::kArray || acquired.elements.empty() ||
+      acquired.elements[0].type != RedisValue::kInteger) {
+    return absl::InternalError(absl::StrCat("Redis answered the claim of session ", id, " with ",
+                                            acquired.type == RedisValue::kError ? acquired.str : "something else"));
+  }
+  const long long epoch = acquired.elements[0].integer;
+  if (epoch == 0) return absl::NotFoundError("not in Redis");
+  if (epoch < 0) {
+    const std::string holder = acquired.elements.size() > 1 ? acquired.elements[1].str : "";
+    const long long left = acquired.elements.size() > 2 ? acquired.elements[2].integer : 0;
+    return absl::FailedPreconditionError(absl::StrCat("session ", id, " is held by turbokvd ", holder,
+                                                      " (owner and epoch); its lease lapses in ", left,
+                                                      " ms unless that daemon renews it"));
+  }
+  state->epoch = epoch;
+  auto release = [&](absl::Status why) {
+    connection->Run({"EVAL", kRelease, "1", state->Key("l"), state->LeaseValue(owner_)}).IgnoreError();
+    return why;
+  };
+  if (acquired.elements.size() < 2 || acquired.elements[1].type != RedisValue::kString) {
+    return release(absl::InternalError("Redis returned no manifest"));
+  }
+  const std::string& manifest = acquired.elements[1].str;
+  auto damaged = [&](absl::string_view why) {
+    return release(absl::DataLossError(absl::StrCat("session ", id, " in Redis: its manifest ", why)));
+  };
+  if (manifest.size() < 16 || std::memcmp(manifest.data(), kManifestMagic, sizeof(kManifestMagic)) != 0) {
+    return damaged("is not a turbokv manifest");
+  }
+  Reader in(manifest);
+  in.Take(sizeof(kManifestMagic));
+  if (const uint16_t version = in.Get<uint16_t>(); version != kVersion) {
+    return damaged(absl::StrCat("is of format version ", version, "; this turbokvd reads ", kVersion));
+  }
+  in.Get<uint16_t>();
+  in.Get<int64_t>();
+  absl::StatusOr<SessionHeader> header = GetSessionHeader(in, options_.page_tokens, "the Redis manifest", true);
+  if (!header.ok()) return release(header.status());
+  if (header->id != id || header->tenant != tenant) return damaged("names another session");
+  // Sealed pages written since the manifest, by layer and index.
+  std::map<std::pair<int, int>, std::pair<std::string, uint32_t>> sealed;
+  const RedisValue& hash = (*replies)[1];
+  for (size_t i = 0; i + 1 < hash.elements.size(); i += 2) {
+    std::pair<std::string, std::string> field = absl::StrSplit(hash.elements[i].str, absl::MaxSplits(':', 1));
+    int layer = 0, index = 0;
+    if (!absl::SimpleAtoi(field.first, &layer) || !absl::SimpleAtoi(field.second, &index)) continue;
+    Reader entry(hash.elements[i + 1].str);
+    std::string key = entry.GetString();
+    const uint32_t bytes = entry.Get<uint32_t>();
+    if (!entry.short_read()) sealed[{layer, index}] = {std::move(key), bytes};
+  }
+  TierSession session;
+  session.header = *std::move(header);
+  session.pinned = in.Get<uint8_t>() != 0;
+  const uint32_t layers = in.Get<uint32_t>();
+  if (in.short_read() || static_cast<int>(layers) != session.header.config.layers) return damaged("is cut short");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto record = [&](std::string key, size_t bytes, bool page) {
+    auto r = std::make_shared<Record>(this, next_lsn_++, bytes, state, std::move(key), page);
+    r->done = true;
+    if (page) {
+      r->counted = true;
+      live_bytes_ += static_cast<int64_t>(bytes);
+    }
+    return r;
+  };
+  const int64_t pt = options_.page_tokens;
+  for (uint32_t l = 0; l < layers; ++l) {
+    TierLayer layer;
+    const int64_t tokens = in.Get<int64_t>();
+    const uint32_t count = in.Get<uint32_t>();
+    const int64_t full = tokens / pt;
+    if (in.short_read() || tokens < 0 || count != static_cast<uint32_t>(full + (tokens % pt != 0 ? 1 : 0))) {
+      return damaged(absl::StrCat("lists the pages of layer ", l, " wrongly"));
+    }
+    std::pair<std::string, uint32_t> tail;
+    for (uint32_t i = 0; i < count; ++i) {
+      std::string key = in.GetString();
+      const uint32_t bytes = in.Get<uint32_t>();
+      if (static_cast<int64_t>(i) < full) {
+        layer.pages.push_back(record(std::move(key), bytes, true));
+      } else {
+        tail = {std::move(key), bytes};
+      }
+    }
+    // Then the pages sealed after the manifest, in order; the first of them
+    // holds the tail.
+    int64_t next = full;
+    for (auto it = sealed.find({static_cast<int>(l), static_cast<int>(next)}); it != sealed.end();
+         it = sealed.find({static_cast<int>(l), static_cast<int>(++next)})) {
+      layer.pages.push_back(record(it->second.first, it->second.second, true));
+    }
+    layer.tokens = next * pt;
+    if (next == full && !tail.first.empty()) {
+      layer.pages.push_back(record(std::move(tail.first), tail.second, true));
+      layer.tokens = tokens;
+    } else if (!tail.first.empty()) {
+      // The page sealed since holds the tail: its older copy goes.
+      Job job;
+      job.kind = Job::kDelete;
+      job.state = state;
+      job.key = std::move(tail.first);
+      Enqueue(std::move(job));
+    }
+    session.layers.push_back(std::move(layer));
+  }
+  if (in.short_read()) return damaged("is cut short");
+  // The manifest keeps what it lists (the tail, once the pages are in memory).
+  auto claimed = record(state->Key("m"), manifest.size(), false);
+  for (const TierLayer& layer : session.layers) {
+    for (const auto& page : layer.pages) claimed->listed.push_back(std::static_pointer_cast<Record>(page));
+  }
+  session.manifest = std::move(claimed);
+  sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)] = state;
+  disowned_why_.erase(id);
+  return session;
+}
+
+std::vector<std::pair<std::string, absl::Status>> RedisTier::TakeDisowned() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::move(disowned_);
+}
+
+absl::Status RedisTier::Owned(const std::string& id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = disowned_why_.find(id);
+  return it == disowned_why_.end() ? absl::OkStatus() : absl::FailedPreconditionError(it->second);
+}
+
+absl::Status RedisTier::ReleaseAll() {
+  std::vector<std::vector<std::string>> commands;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    released_ = true;
+    for (const auto& [name, state] : sessions_) {
+      if (state->epoch > 0 && !state->disowned && !state->tombstoned) {
+        commands.push_back({"EVAL", kRelease, "1", state->Key("l"), state->LeaseValue(owner_)});
+      }
+    }
+  }
+  if (commands.empty()) return absl::OkStatus();
+  absl::StatusOr<std::vector<RedisValue>> replies = Borrow()->Run(commands);
+  if (!replies.ok()) {
+    return absl::UnavailableError(absl::StrCat(commands.size(), " lease(s) not released (they lapse after --redis-lease): ",
+                                               replies.status().message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedisTier::Health() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return up_ ? absl::OkStatus() : absl::UnavailableError(down_reason_);
+}
+
+}  // namespace turbokv

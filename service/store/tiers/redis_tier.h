@@ -1,0 +1,132 @@
+// The Redis tier (--redis-url): sessions' pages and manifests in a Redis
+// shared by several daemons, so that a session outlives the daemon that
+// wrote it (docs/FORMAT.md, "Redis keys"; docs/OPERATIONS.md, "Redis tier").
+//
+// Every key of a session carries its id as the hash tag and its tenant:
+//   turbokv:{ID}:TENANT_HEX:e   the epoch, raised by each daemon that claims it
+//   turbokv:{ID}:TENANT_HEX:l   the lease: "OWNER EPOCH", with an expiry
+//   turbokv:{ID}:TENANT_HEX:m   the manifest: header, layer lengths, pages
+//   turbokv:{ID}:TENANT_HEX:h   sealed pages written since the manifest
+//   turbokv:{ID}:TENANT_HEX:p:OWNER:LSN   a page
+// One writer thread sends the records queued by the request path, in order;
+// every write is a script that first checks that the session's epoch is
+// still this daemon's, so a daemon whose session was claimed by another
+// cannot change it. The writer renews the leases every third of their
+// length. A page key goes when its last handle does (a page of a fork listed
+// by the fork's manifest is copied into the fork's keys first). While Redis
+// does not answer, records wait in the queue (bounded for write-through)
+// and are sent when it is back. No gRPC types.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "service/store/tiers/redis_client.h"
+#include "service/store/tiers/tier.h"
+
+namespace turbokv {
+
+struct RedisTierOptions {
+  RedisAddress address;
+  size_t budget_bytes = size_t{64} << 30;  // of live records in Redis
+  int page_tokens = 64;
+  absl::Duration timeout = absl::Seconds(1);  // to connect, and per reply
+  absl::Duration lease = absl::Seconds(10);
+  // Queued bytes past which writes that may wait (write-through) are
+  // refused; writes that may not (a demotion, the drain) may take twice it.
+  size_t max_queued_bytes = size_t{64} << 20;
+  int readers = 4;  // connections for reads and claims
+};
+
+class RedisTier final : public Tier {
+ public:
+  // Never fails for a Redis that does not answer (the tier is then
+  // unhealthy until it does); starts the writer.
+  static std::unique_ptr<RedisTier> Open(const RedisTierOptions& options);
+  // Sends what is queued while Redis answers, and stops the writer. Every
+  // handle must be gone first.
+  ~RedisTier() override;
+
+  const char* name() const override { return "redis"; }
+  absl::StatusOr<TierScanReport> Scan() override;
+  absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const Page& page, bool force) override;
+  std::shared_ptr<TierRecord> PutManifest(const TierSession& session) override;
+  void PutTombstone(const std::string& session, const std::string& tenant) override;
+  absl::Status Wait(const TierRecord& record) override;
+  absl::Status Read(const TierRecord& record, uint8_t* out, size_t bytes) override;
+  void WillRead(const std::vector<std::shared_ptr<TierRecord>>& records) override;
+  absl::Status Sync() override;
+  void Close() override;
+  TierStats Stats() const override;
+  absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant) override;
+  std::vector<std::pair<std::string, absl::Status>> TakeDisowned() override;
+  absl::Status Owned(const std::string& id) const override;
+  absl::Status ReleaseAll() override;
+  absl::Status Health() const override;
+
+  // This daemon's name in leases: host, pid and a random part.
+  const std::string& owner() const { return owner_; }
+
+ private:
+  struct SessionState;
+  class Record;
+  struct Job;
+  explicit RedisTier(const RedisTierOptions& options);
+
+  // The state of a session, made on first use. Under mutex_.
+  std::shared_ptr<SessionState> StateOf(const std::string& id, const std::string& tenant);
+  // Under mutex_: queues a job.
+  void Enqueue(Job job);
+  void WriterLoop();
+  // Sends one job (claiming its session first when it is new); `record` is
+  // its record, held (null for deletes and tombstones).
+  absl::Status Execute(Job& job, const Record* record);
+  // Renews the leases of the sessions held.
+  void Renew();
+  // Under mutex_: another daemon has the session now (its epoch in `why`).
+  void Disown(SessionState& state, const std::string& why);
+  // A script's error reply: FAILED_PRECONDITION (disowning the session) for
+  // a stale epoch, INTERNAL otherwise.
+  absl::Status ScriptError(SessionState& state, const RedisValue& reply);
+  // Under mutex_: a record's last handle went.
+  void Release(Record* record);
+  // A connection for reads, back to the pool when the holder goes.
+  struct Borrowed;
+  Borrowed Borrow();
+
+  const RedisTierOptions options_;
+  const std::string owner_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_;     // the writer waits for jobs
+  std::condition_variable written_;  // Wait waits for the writer
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  bool closed_ = false;    // nothing is deleted any more
+  bool released_ = false;  // leases let go: none renewed
+  bool up_ = true;         // the last command got its answer
+  std::string down_reason_;
+  uint64_t next_lsn_ = 1;
+  // By "tenant\0id".
+  std::unordered_map<std::string, std::shared_ptr<SessionState>> sessions_;
+  std::vector<std::pair<std::string, absl::Status>> disowned_;  // not yet taken
+  std::unordered_map<std::string, std::string> disowned_why_;   // by id
+  int64_t queued_bytes_ = 0;
+  int64_t live_bytes_ = 0;
+  int64_t records_written_ = 0;
+  int64_t write_errors_ = 0;
+  int64_t crc_failures_ = 0;
+  std::mutex readers_mutex_;
+  std::vector<std::unique_ptr<RedisConnection>> readers_;
+  RedisConnection writer_connection_;
+  std::thread writer_;
+};
+
+}  // namespace turbokv

@@ -1,0 +1,462 @@
+// The Redis tier in the real turbokvd binary, on a real redis-server
+// (Debian's, installed by make deps) started on a unix socket for each test:
+// handover on SIGTERM, kill -9 and what it loses, two daemons racing for a
+// session, a stale owner refused, tenants kept apart, and Redis paused and
+// stopped under load.
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/cpp/client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "service/store/tiers/redis_client.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/kernels/codec_testing.h"
+#include "tests/service/daemon_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+using ::turbokv::testing::Daemon;
+using ::turbokv::testing::GaussianVectors;
+using ::turbokv::testing::Sample;
+using ::turbokv::testing::Scrape;
+
+constexpr int kLayers = 2, kKvHeads = 2, kQHeads = 4, kDim = 64;
+constexpr char kRedisServer[] = "/usr/bin/redis-server";
+
+std::string TempPath(const std::string& name) { return absl::StrCat("/tmp/turbokv-redis-test-", getpid(), "-", name); }
+
+// A redis-server of its own on a unix socket, no persistence.
+class RedisServer {
+ public:
+  RedisServer() : socket_(TempPath("redis.sock")), dir_(TempPath("redis-data")) {
+    std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_).c_str());
+    Start();
+  }
+  ~RedisServer() { Kill(); }
+
+  void Start() {
+    unlink(socket_.c_str());
+    pid_ = fork();
+    if (pid_ == 0) {
+      const std::string log = TempPath("redis.log");
+      // Persisted as docs/OPERATIONS.md asks (appendonly), each write
+      // synced, so that a kill -9 of Redis loses nothing.
+      execl(kRedisServer, kRedisServer, "--port", "0", "--unixsocket", socket_.c_str(), "--unixsocketperm", "700",
+            "--dir", dir_.c_str(), "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+            "--maxmemory-policy", "noeviction", "--logfile", log.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    RedisConnection connection(Address(), absl::Seconds(1));
+    for (int i = 0; i < 200; ++i) {
+      if (connection.Run({"PING"}).ok()) return;
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    ADD_FAILURE() << "redis-server did not start on " << socket_;
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  RedisAddress Address() const { return *ParseRedisUrl(Url()); }
+  std::string Url() const { return "unix://" + socket_; }
+  // One command, on a connection of its own.
+  RedisValue Run(std::vector<std::string> command) const {
+    RedisConnection connection(Address(), absl::Seconds(2));
+    absl::StatusOr<RedisValue> reply = connection.Run(std::move(command));
+    EXPECT_TRUE(reply.ok()) << reply.status();
+    return reply.ok() ? *reply : RedisValue();
+  }
+
+ private:
+  std::string socket_;
+  std::string dir_;
+  pid_t pid_ = -1;
+};
+
+bool HaveRedis() { return access(kRedisServer, X_OK) == 0; }
+#define SKIP_WITHOUT_REDIS() \
+  if (!HaveRedis()) GTEST_SKIP() << kRedisServer << " is not installed (make deps installs redis-server)"
+
+SessionOptions Shape() {
+  SessionOptions options;
+  options.layers = kLayers;
+  options.kv_heads = kKvHeads;
+  options.q_heads = kQHeads;
+  options.head_dim = kDim;
+  options.key_codec = v1::CODEC_TURBO3;
+  options.value_codec = v1::CODEC_TURBO4;
+  options.rotation_seed = 77;
+  return options;
+}
+
+// Token t of the test's sequence, every layer: [layers][n][kv_heads][head_dim].
+struct Sequence {
+  static constexpr int64_t kTokens = 1024;
+  std::vector<float> k = GaussianVectors(kTokens * kKvHeads, kDim, 11), v = GaussianVectors(kTokens * kKvHeads, kDim, 12);
+  std::vector<float> Chunk(const std::vector<float>& from, int64_t start, int64_t n) const {
+    std::vector<float> out;
+    const size_t row = size_t{kKvHeads} * kDim;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int64_t t = start; t < start + n; ++t) {
+        const size_t at = static_cast<size_t>((t + 31 * l) % kTokens) * row;
+        out.insert(out.end(), from.begin() + at, from.begin() + at + row);
+      }
+    }
+    return out;
+  }
+  absl::StatusOr<int64_t> Append(const Session& session, int64_t start, int64_t n) const {
+    return session.AppendAllLayers(start, TensorData::F32(Chunk(k, start, n)), TensorData::F32(Chunk(v, start, n)));
+  }
+};
+
+// The length an append reached, or -1 (its error reported).
+int64_t Appended(const absl::StatusOr<int64_t>& appended) {
+  EXPECT_TRUE(appended.ok()) << appended.status();
+  return appended.value_or(-1);
+}
+
+// One daemon's socket, by name.
+std::string Socket(const std::string& name) { return "unix://" + TempPath(name + ".sock"); }
+
+std::vector<std::string> Flags(const std::string& name, const RedisServer& redis, std::vector<std::string> more = {}) {
+  std::vector<std::string> flags = {"--listen=" + Socket(name), "--device=cpu", "--threads=1",
+                                    "--redis-url=" + redis.Url(), "--redis-lease=1s", "--redis-timeout=300ms"};
+  flags.insert(flags.end(), more.begin(), more.end());
+  return flags;
+}
+
+std::unique_ptr<Client> Connected(const std::string& name, const Daemon& daemon, const ClientOptions& options = {}) {
+  auto client = Client::Connect(Socket(name), options);
+  EXPECT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  return client;
+}
+
+// What a session of this daemon gives for a query at layer 1, and its keys
+// and values read back: equal to those of the same tokens appended to a
+// session that never left memory.
+struct Observed {
+  std::vector<float> output, lse, keys, values;
+  bool operator==(const Observed& o) const {
+    return output == o.output && lse == o.lse && keys == o.keys && values == o.values;
+  }
+};
+Observed Observe(const Session& session) {
+  Observed seen;
+  auto attended = session.Attend(1, TensorData::F32(GaussianVectors(kQHeads, kDim, 13)));
+  EXPECT_TRUE(attended.ok()) << attended.status();
+  if (attended.ok()) {
+    seen.output = attended->output;
+    seen.lse = attended->lse;
+  }
+  auto kv = session.ReadKv(0);
+  EXPECT_TRUE(kv.ok()) << kv.status();
+  if (kv.ok()) {
+    seen.keys = kv->keys;
+    seen.values = kv->values;
+  }
+  return seen;
+}
+
+// The same tokens in a memory-only daemon.
+class Reference {
+ public:
+  Reference() : daemon_({"--listen=" + Socket("reference"), "--device=cpu", "--threads=1"}) {
+    client_ = Connected("reference", daemon_);
+  }
+  Observed Of(const Sequence& sequence, int64_t tokens) {
+    auto session = client_->CreateSession(Shape());
+    EXPECT_TRUE(session.ok()) << session.status();
+    EXPECT_TRUE(sequence.Append(*session, 0, tokens).ok());
+    return Observe(*session);
+  }
+
+ private:
+  Daemon daemon_;
+  std::unique_ptr<Client> client_;
+};
+
+// Until the daemon's writer has nothing queued (the metric, refreshed every second).
+void WaitForWriteThrough(const Daemon& daemon) {
+  for (int i = 0; i < 100; ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    const std::string metrics = Scrape(daemon.MetricsAddress());
+    if (Sample(metrics, "turbokv_spill_queued_bytes") == 0 && Sample(metrics, "turbokv_spill_bytes") > 0) return;
+  }
+  ADD_FAILURE() << "the Redis writer never caught up";
+}
+
+// The health of the Redis tier, as a Kubernetes probe would ask it.
+grpc::health::v1::HealthCheckResponse::ServingStatus RemoteTierHealth(const std::string& name) {
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(Socket(name), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service("turbokv.RemoteTier");
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response.status();
+}
+
+TEST(RedisTierTest, SigtermHandsOverAndKillNineLosesOnlyTheUnsealedTail) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  Reference reference;
+  const Sequence sequence;
+  std::string id;
+  {
+    Daemon a(Flags("a", redis));
+    auto client = Connected("a", a);
+    auto session = client->CreateSession(Shape());
+    ASSERT_TRUE(session.ok()) << session.status();
+    id = session->id();
+    ASSERT_EQ(Appended(sequence.Append(*session, 0, 200)), 200);  // 3 sealed pages and a tail of 8 in each layer
+    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+    EXPECT_THAT(a.Log(), HasSubstr("sessions handed over"));
+  }
+  {
+    // B has never seen the session: the call takes it over, with its tail,
+    // and the next position just works.
+    Daemon b(Flags("b", redis));
+    auto client = Connected("b", b);
+    auto session = client->OpenSession(id);
+    ASSERT_TRUE(session.ok()) << session.status() << b.Log();
+    auto info = session->Info();
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->layer_tokens(0), 200);
+    EXPECT_EQ(info->layer_tokens(1), 200);
+    EXPECT_THAT(b.Log(), HasSubstr("taken over from the redis tier"));
+    ASSERT_EQ(Appended(sequence.Append(*session, 200, 150)), 350);  // sealed up to 320
+    EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 350));
+    WaitForWriteThrough(b);
+    const std::string metrics = Scrape(b.MetricsAddress());
+    EXPECT_EQ(Sample(metrics, "turbokv_takeovers_total{result=\"ok\"}"), 1);
+    EXPECT_EQ(Sample(metrics, "turbokv_tier_up{tier=\"redis\"}"), 1);
+    ASSERT_EQ(kill(b.pid(), SIGKILL), 0);
+    b.Wait();
+  }
+  // The lease of the killed daemon lapses (1 s); then the session is
+  // claimed again with its sealed pages: the tail of 30 tokens is lost.
+  Daemon c(Flags("c", redis));
+  auto client = Connected("c", c);
+  absl::StatusOr<Session> session = client->OpenSession(id);
+  for (absl::Time until = absl::Now() + absl::Seconds(5); !session.ok() && absl::Now() < until;) {
+    EXPECT_EQ(session.status().code(), absl::StatusCode::kFailedPrecondition) << session.status();
+    EXPECT_THAT(session.status().message(), HasSubstr("lease"));
+    absl::SleepFor(absl::Milliseconds(100));
+    session = client->OpenSession(id);
+  }
+  ASSERT_TRUE(session.ok()) << session.status() << c.Log();
+  ASSERT_TRUE(session->Info().ok());
+  EXPECT_EQ(session->Info()->layer_tokens(0), 320);
+  EXPECT_EQ(session->Info()->layer_tokens(1), 320);
+  ASSERT_EQ(Appended(sequence.Append(*session, 320, 100)), 420);
+  EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 420));
+  // A deleted session goes from Redis, every key of it but its epoch.
+  ASSERT_TRUE(session->Delete().ok());
+  absl::SleepFor(absl::Milliseconds(500));
+  const RedisValue keys = redis.Run({"KEYS", "*"});
+  ASSERT_EQ(keys.elements.size(), 1u) << keys.elements.size() << " keys left";
+  EXPECT_THAT(keys.elements[0].str, HasSubstr(":e"));
+  EXPECT_EQ(client->OpenSession(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c.Stop(SIGTERM), 0) << c.Log();
+}
+
+TEST(RedisTierTest, TwoDaemonsRacingForASessionOneWinsTheOtherIsRefused) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  const Sequence sequence;
+  std::string id;
+  {
+    Daemon a(Flags("a", redis));
+    auto client = Connected("a", a);
+    auto session = client->CreateSession(Shape());
+    ASSERT_TRUE(session.ok());
+    id = session->id();
+    ASSERT_TRUE(sequence.Append(*session, 0, 100).ok());
+    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  }
+  Daemon b(Flags("b", redis)), c(Flags("c", redis));
+  auto client_b = Connected("b", b), client_c = Connected("c", c);
+  absl::StatusOr<Session> on_b = absl::UnknownError(""), on_c = absl::UnknownError("");
+  std::atomic<int> ready{0};
+  std::thread tb([&] {
+    ready.fetch_add(1);
+    while (ready.load() < 2) {}
+    on_b = client_b->OpenSession(id);
+  });
+  std::thread tc([&] {
+    ready.fetch_add(1);
+    while (ready.load() < 2) {}
+    on_c = client_c->OpenSession(id);
+  });
+  tb.join();
+  tc.join();
+  ASSERT_NE(on_b.ok(), on_c.ok()) << on_b.status() << " / " << on_c.status();
+  const absl::Status& lost = on_b.ok() ? on_c.status() : on_b.status();
+  EXPECT_EQ(lost.code(), absl::StatusCode::kFailedPrecondition) << lost;
+  EXPECT_THAT(lost.message(), HasSubstr("is held by turbokvd"));
+  // The winner goes on; the loser keeps being refused while the winner
+  // holds the lease (renewed every third of it).
+  const Session& won = on_b.ok() ? *on_b : *on_c;
+  const Client& loser = on_b.ok() ? *client_c : *client_b;
+  for (int64_t at = 100; at < 400; at += 50) {
+    ASSERT_EQ(Appended(sequence.Append(won, at, 50)), at + 50);
+    EXPECT_EQ(loser.OpenSession(id).status().code(), absl::StatusCode::kFailedPrecondition);
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+}
+
+TEST(RedisTierTest, AStaleOwnerIsRefusedAndDropsItsCopy) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  Reference reference;
+  const Sequence sequence;
+  Daemon a(Flags("a", redis)), b(Flags("b", redis));
+  auto client_a = Connected("a", a), client_b = Connected("b", b);
+  auto on_a = client_a->CreateSession(Shape());
+  ASSERT_TRUE(on_a.ok());
+  const std::string id = on_a->id();
+  ASSERT_TRUE(sequence.Append(*on_a, 0, 128).ok());
+  WaitForWriteThrough(a);
+  // A freezes (a long GC pause, a partition): its lease lapses and B takes
+  // the session over with the sealed pages.
+  ASSERT_EQ(kill(a.pid(), SIGSTOP), 0);
+  absl::SleepFor(absl::Milliseconds(1500));
+  auto on_b = client_b->OpenSession(id);
+  ASSERT_TRUE(on_b.ok()) << on_b.status() << b.Log();
+  ASSERT_EQ(Appended(sequence.Append(*on_b, 128, 72)), 200);
+  ASSERT_EQ(kill(a.pid(), SIGCONT), 0);
+  // A comes back: its next renewal or write is refused, and it drops its
+  // copy; calls on it name the new owner's epoch.
+  absl::Status refused;
+  for (absl::Time until = absl::Now() + absl::Seconds(5); absl::Now() < until;) {
+    refused = client_a->GetSession(id).status();
+    if (!refused.ok()) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(refused.message(), AnyOf(HasSubstr("epoch"), HasSubstr("is held by turbokvd")));
+  EXPECT_EQ(on_a->Append(0, 128, TensorData::F32(sequence.Chunk(sequence.k, 128, 1)),
+                         TensorData::F32(sequence.Chunk(sequence.v, 128, 1)))
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(a.Log(), HasSubstr("was claimed by another turbokvd"));
+  // B's session is as B left it.
+  EXPECT_TRUE(Observe(*on_b) == reference.Of(sequence, 200));
+}
+
+TEST(RedisTierTest, ATenantCannotTakeOverAnotherTenantsSession) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  const std::string tokens = TempPath("tokens");
+  {
+    FILE* f = std::fopen(tokens.c_str(), "w");
+    std::fputs("token-a tenant-a\ntoken-b tenant-b\n", f);
+    std::fclose(f);
+    chmod(tokens.c_str(), 0600);
+  }
+  ClientOptions as_a, as_b;
+  as_a.auth_token = "token-a";
+  as_b.auth_token = "token-b";
+  const Sequence sequence;
+  std::string id;
+  {
+    Daemon a(Flags("a", redis, {"--auth-tokens-file=" + tokens}));
+    auto client = Connected("a", a, as_a);
+    auto session = client->CreateSession(Shape());
+    ASSERT_TRUE(session.ok()) << session.status();
+    id = session->id();
+    ASSERT_TRUE(sequence.Append(*session, 0, 100).ok());
+    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  }
+  Daemon b(Flags("b", redis, {"--auth-tokens-file=" + tokens}));
+  auto client_b = Connected("b", b, as_b);
+  const absl::Status other = client_b->GetSession(id).status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound) << other;
+  auto client_a = Connected("b", b, as_a);
+  auto own = client_a->GetSession(id);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->layer_tokens(0), 100);
+}
+
+TEST(RedisTierTest, RedisPausedOrStoppedNeverHoldsACallAndTheTierCatchesUp) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  Reference reference;
+  const Sequence sequence;
+  Daemon a(Flags("a", redis));
+  ClientOptions bounded;
+  bounded.timeout = absl::Seconds(3);
+  auto client = Connected("a", a, bounded);
+  auto session = client->CreateSession(Shape());
+  ASSERT_TRUE(session.ok());
+  const std::string id = session->id();
+  int64_t tokens = 0;
+  auto step = [&] {
+    auto appended = sequence.Append(*session, tokens, 16);
+    ASSERT_TRUE(appended.ok()) << appended.status();
+    tokens = *appended;
+    auto attended = session->Attend(1, TensorData::F32(GaussianVectors(kQHeads, kDim, 13)));
+    ASSERT_TRUE(attended.ok()) << attended.status();
+  };
+  for (int i = 0; i < 8; ++i) step();
+  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::SERVING);
+  // Paused: every command waits; calls on sessions in memory go on.
+  RedisValue paused = redis.Run({"CLIENT", "PAUSE", "2500", "ALL"});
+  EXPECT_EQ(paused.str, "OK");
+  for (int i = 0; i < 8; ++i) step();
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(client->Health().value_or(grpc::health::v1::HealthCheckResponse::UNKNOWN),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  // Stopped: the same, and a session that only Redis could have is
+  // UNAVAILABLE naming it.
+  redis.Kill();
+  for (int i = 0; i < 8; ++i) step();
+  const absl::Status unknown = client->GetSession("abcdefghijklmnopqrstuvwxyz").status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kUnavailable) << unknown;
+  EXPECT_THAT(unknown.message(), HasSubstr("Redis at unix://"));
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_EQ(Sample(Scrape(a.MetricsAddress()), "turbokv_tier_up{tier=\"redis\"}"), 0);
+  // Back, from its append-only file: what was queued is sent, and a
+  // handover carries every token to another daemon.
+  redis.Start();
+  for (int i = 0; i < 8; ++i) step();
+  for (absl::Time until = absl::Now() + absl::Seconds(10);
+       RemoteTierHealth("a") != grpc::health::v1::HealthCheckResponse::SERVING && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  Daemon b(Flags("b", redis));
+  auto client_b = Connected("b", b);
+  auto taken = client_b->OpenSession(id);
+  ASSERT_TRUE(taken.ok()) << taken.status() << "\n" << a.Log();
+  ASSERT_TRUE(taken->Info().ok());
+  EXPECT_EQ(taken->Info()->layer_tokens(1), tokens);
+  EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, tokens));
+}
+
+}  // namespace
+}  // namespace turbokv
