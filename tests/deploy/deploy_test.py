@@ -99,10 +99,11 @@ def every_option_values():
 
 
 def redis_values():
-    """values.yaml with the Redis tier in place of the disk tier, and every
-    redis.deploy option set."""
+    """values.yaml with the Redis tier in place of the disk tier and
+    snapshots, and every redis.deploy option set."""
     values = default_values()
     values["turbokvd"]["spill"]["enabled"] = False
+    values["turbokvd"]["snapshot"]["enabled"] = False
     values["imagePullSecrets"] = [{"name": "regcred"}]
     redis = values["redis"]
     redis.update({"budget": "12GiB", "lease": "6s", "timeout": "500ms"})
@@ -137,9 +138,10 @@ def redis_objects(objects):
 
 
 def redis_deploy_values():
-    """values.yaml with redis.deploy in place of the disk tier."""
+    """values.yaml with redis.deploy in place of the disk tier and snapshots."""
     values = default_values()
     values["turbokvd"]["spill"]["enabled"] = False
+    values["turbokvd"]["snapshot"]["enabled"] = False
     values["redis"]["deploy"]["enabled"] = True
     return values
 
@@ -175,10 +177,16 @@ def check_sidecar(test: unittest.TestCase, deployment: dict):
     test.assertIn("emptyDir", volumes["turbokv-socket"])
     test.assertIn({"name": "turbokv-socket", "mountPath": socket_dir}, worker["volumeMounts"])
     # The spill dir is a volume of its own, bounded; or the Redis tier,
-    # which turbokvd refuses beside it, with every one of its flags.
+    # which turbokvd refuses beside it and beside snapshots, with every one
+    # of its flags.
+    claims = [c["metadata"]["name"] for c in deployment["spec"].get("volumeClaimTemplates", [])]
     if "--redis-url" in args:
-        test.assertNotIn("--spill-dir", args)
-        test.assertNotIn("turbokv-spill", volumes)
+        for flag in ("--spill-dir", "--spill-budget", "--snapshot-dir", "--snapshot-deadline"):
+            test.assertNotIn(flag, args)
+        for volume in ("turbokv-spill", "turbokv-snapshot"):
+            test.assertNotIn(volume, volumes)
+            test.assertNotIn(volume, mounts)
+            test.assertNotIn(volume, claims)
         for flag in ("--redis-budget", "--redis-lease", "--redis-timeout"):
             test.assertIn(flag, args)
     else:
@@ -187,7 +195,6 @@ def check_sidecar(test: unittest.TestCase, deployment: dict):
     # Snapshots on a volume of their own: an emptyDir here, or a claim per pod.
     if "--snapshot-dir" in args:
         test.assertEqual(args["--snapshot-dir"], mounts["turbokv-snapshot"])
-        claims = [c["metadata"]["name"] for c in deployment["spec"].get("volumeClaimTemplates", [])]
         if "turbokv-snapshot" in claims:
             test.assertEqual(deployment["kind"], "StatefulSet")
             test.assertNotIn("turbokv-snapshot", volumes)
@@ -796,6 +803,7 @@ class DeployTest(unittest.TestCase):
         self.assertLessEqual(sources[0]["podSelector"]["matchLabels"].items(),
                              deployment["spec"]["template"]["metadata"]["labels"].items())
         self.assertIn(f"Redis at {flags['--redis-url']}", notes)
+        self.assertIn("Snapshots are off: the Redis tier keeps the sessions", notes)
         # The longest release name Helm takes (53): a StatefulSet name its
         # pods' revision label can hold (52), and labels of 63 characters at most.
         long = redis_objects(rendered_objects(redis_deploy_values(), release="r" * 53)[0])
@@ -823,17 +831,20 @@ class DeployTest(unittest.TestCase):
         args = worker_workload(objects)["spec"]["template"]["spec"]["initContainers"][0]["args"]
         for flag in ("--redis-budget=12GiB", "--redis-lease=6s", "--redis-timeout=500ms"):
             self.assertIn(flag, args)
-        # With the worker's snapshots on claims too: two StatefulSets, each its own.
+        # turbokvd.snapshot.persistence.enabled left on while snapshots are
+        # off (as they must be with Redis): the worker stays a Deployment,
+        # with no snapshot claim; Redis' StatefulSet is the only one.
         values["turbokvd"]["snapshot"]["persistence"]["enabled"] = True
         objects, _ = rendered_objects(values)
         worker = worker_workload(objects)
-        self.assertEqual(worker["kind"], "StatefulSet")
+        self.assertEqual(worker["kind"], "Deployment")
         check_sidecar(self, worker)
-        self.assertNotEqual(worker["metadata"]["name"], redis_objects(objects)["StatefulSet"]["metadata"]["name"])
+        self.assertEqual([o["kind"] for o in objects].count("StatefulSet"), 1)
 
     def test_chart_with_an_existing_redis(self):
         values = default_values()
         values["turbokvd"]["spill"]["enabled"] = False
+        values["turbokvd"]["snapshot"]["enabled"] = False
         values["redis"]["url"] = "redis://redis.cache.svc:6379/2"
         objects, notes = rendered_chart(values)
         self.assertEqual(set(objects), {"Deployment", "PodMonitor", "PrometheusRule", "ConfigMap"})
@@ -843,18 +854,34 @@ class DeployTest(unittest.TestCase):
         self.assertNotIn("redis.deploy", notes)
 
     def test_chart_refuses_the_disk_and_redis_tiers_together_and_two_redis(self):
-        # turbokvd refuses --spill-dir with --redis-url: the chart says so
-        # before anything is installed, naming the values.
+        # turbokvd refuses --spill-dir and --snapshot-dir with --redis-url:
+        # the chart says so before anything is installed, naming the values.
+        # Before: snapshots (on by default) went to turbokvd beside
+        # --redis-url, and a snapshot loaded at the next start brought back
+        # a session another turbokvd held since the drain.
+        refusals = {
+            (True, True): r"turbokvd\.spill\.enabled, turbokvd\.snapshot\.enabled and the Redis tier .*"
+                          r"set turbokvd\.spill\.enabled=false and turbokvd\.snapshot\.enabled=false",
+            (True, False): r"turbokvd\.spill\.enabled and the Redis tier .*set turbokvd\.spill\.enabled=false$",
+            (False, True): r"turbokvd\.snapshot\.enabled and the Redis tier .*--snapshot-dir with --redis-url.*"
+                           r"set turbokvd\.snapshot\.enabled=false$",
+        }
         for key, value in (("url", "redis://redis.cache.svc:6379"), ("deploy", {"enabled": True})):
-            with self.subTest(key):
-                values = default_values()
-                if key == "url":
-                    values["redis"]["url"] = value
-                else:
-                    values["redis"]["deploy"].update(value)
-                with self.assertRaisesRegex(TemplateError, r"turbokvd\.spill\.enabled and the Redis tier .*"
-                                                           r"set turbokvd\.spill\.enabled=false"):
-                    rendered_objects(values)
+            for (spill, snapshot), refusal in refusals.items():
+                with self.subTest(key, spill=spill, snapshot=snapshot):
+                    values = default_values()
+                    values["turbokvd"]["spill"]["enabled"] = spill
+                    values["turbokvd"]["snapshot"]["enabled"] = snapshot
+                    if key == "url":
+                        values["redis"]["url"] = value
+                    else:
+                        values["redis"]["deploy"].update(value)
+                    with self.assertRaisesRegex(TemplateError, refusal):
+                        rendered_objects(values)
+                    # Snapshots on claims refused alike (a StatefulSet otherwise).
+                    values["turbokvd"]["snapshot"]["persistence"]["enabled"] = True
+                    with self.assertRaisesRegex(TemplateError, refusal):
+                        rendered_objects(values)
         values = redis_deploy_values()
         values["redis"]["url"] = "redis://redis.cache.svc:6379"
         with self.assertRaisesRegex(TemplateError, r"redis\.url and redis\.deploy\.enabled are both set"):
@@ -867,6 +894,9 @@ class DeployTest(unittest.TestCase):
         # another pod, takes the session over whole at once.
         objects, _ = rendered_objects(redis_deploy_values())
         args = worker_workload(objects)["spec"]["template"]["spec"]["initContainers"][0]["args"]
+        # No snapshots (turbokvd refuses --snapshot-dir with --redis-url): the
+        # session comes back through Redis alone.
+        self.assertFalse([a for a in args if a.startswith(("--snapshot", "--spill"))], args)
         container = redis_objects(objects)["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
         with tempfile.TemporaryDirectory(prefix="turbokv-redis-") as tmp:
             for name in ("a", "b"):
