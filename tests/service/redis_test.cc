@@ -111,7 +111,9 @@ SessionOptions Shape() {
 // Token t of the test's sequence, every layer: [layers][n][kv_heads][head_dim].
 struct Sequence {
   static constexpr int64_t kTokens = 1024;
-  std::vector<float> k = GaussianVectors(kTokens * kKvHeads, kDim, 11), v = GaussianVectors(kTokens * kKvHeads, kDim, 12);
+  explicit Sequence(uint64_t seed = 11)
+      : k(GaussianVectors(kTokens * kKvHeads, kDim, seed)), v(GaussianVectors(kTokens * kKvHeads, kDim, seed + 1)) {}
+  std::vector<float> k, v;
   std::vector<float> Chunk(const std::vector<float>& from, int64_t start, int64_t n) const {
     std::vector<float> out;
     const size_t row = size_t{kKvHeads} * kDim;
@@ -182,10 +184,17 @@ class Reference {
   Reference() : daemon_({"--listen=" + Socket("reference"), "--device=cpu", "--threads=1"}) {
     client_ = Connected("reference", daemon_);
   }
-  Observed Of(const Sequence& sequence, int64_t tokens) {
+  Observed Of(const Sequence& sequence, int64_t tokens) { return Of({{&sequence, tokens}}); }
+  // Tokens from each sequence in turn: the first `until` of one, then the
+  // next up to its `until`, ...
+  Observed Of(const std::vector<std::pair<const Sequence*, int64_t>>& parts) {
     auto session = client_->CreateSession(Shape());
     EXPECT_TRUE(session.ok()) << session.status();
-    EXPECT_TRUE(sequence.Append(*session, 0, tokens).ok());
+    int64_t at = 0;
+    for (const auto& [sequence, until] : parts) {
+      EXPECT_TRUE(sequence->Append(*session, at, until - at).ok());
+      at = until;
+    }
     return Observe(*session);
   }
 
@@ -279,6 +288,42 @@ TEST(RedisTierTest, SigtermHandsOverAndKillNineLosesOnlyTheUnsealedTail) {
   EXPECT_THAT(keys.elements[0].str, HasSubstr(":e"));
   EXPECT_EQ(client->OpenSession(id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(c.Stop(SIGTERM), 0) << c.Log();
+}
+
+TEST(RedisTierTest, ForksAndTruncatedSessionsCarryOverAndAForkOutlivesItsSource) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  Reference reference;
+  const Sequence first(11), second(21);
+  std::string source_id, fork_id;
+  {
+    Daemon a(Flags("a", redis));
+    auto client = Connected("a", a);
+    auto source = client->CreateSession(Shape());
+    ASSERT_TRUE(source.ok());
+    source_id = source->id();
+    ASSERT_EQ(Appended(first.Append(*source, 0, 200)), 200);
+    // The fork shares the source's first pages; then each goes its own way,
+    // the source through a truncate into a page it had sealed.
+    auto fork = source->Fork(150);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    fork_id = fork->id();
+    ASSERT_EQ(Appended(second.Append(*fork, 150, 110)), 260);
+    ASSERT_TRUE(source->Truncate(100).ok());
+    ASSERT_EQ(Appended(second.Append(*source, 100, 130)), 230);
+    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  }
+  Daemon b(Flags("b", redis));
+  auto client = Connected("b", b);
+  auto source = client->OpenSession(source_id);
+  ASSERT_TRUE(source.ok()) << source.status();
+  EXPECT_TRUE(Observe(*source) == reference.Of({{&first, 100}, {&second, 230}}));
+  ASSERT_TRUE(source->Delete().ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  // The fork stands alone in Redis: its source's pages were copied into its own.
+  auto fork = client->OpenSession(fork_id);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_TRUE(Observe(*fork) == reference.Of({{&first, 150}, {&second, 260}}));
 }
 
 TEST(RedisTierTest, TwoDaemonsRacingForASessionOneWinsTheOtherIsRefused) {
@@ -456,6 +501,45 @@ TEST(RedisTierTest, RedisPausedOrStoppedNeverHoldsACallAndTheTierCatchesUp) {
   ASSERT_TRUE(taken->Info().ok());
   EXPECT_EQ(taken->Info()->layer_tokens(1), tokens);
   EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, tokens));
+}
+
+TEST(RedisUrlTest, FormsAndMistakes) {
+  absl::StatusOr<RedisAddress> tcp = ParseRedisUrl("redis://cache.example:6380/2");
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  EXPECT_EQ(tcp->host, "cache.example");
+  EXPECT_EQ(tcp->port, 6380);
+  EXPECT_EQ(tcp->db, 2);
+  EXPECT_EQ(ParseRedisUrl("redis://localhost")->port, 6379);
+  absl::StatusOr<RedisAddress> unix_socket = ParseRedisUrl("unix:///run/redis.sock?db=3");
+  ASSERT_TRUE(unix_socket.ok()) << unix_socket.status();
+  EXPECT_EQ(unix_socket->path, "/run/redis.sock");
+  EXPECT_EQ(unix_socket->db, 3);
+  const std::pair<const char*, const char*> bad[] = {
+      {"http://x:1", "scheme"},         {"redis://:6379", "no host"},        {"redis://x:0", "port"},
+      {"redis://x:99999", "port"},      {"redis://x/zero", "database"},      {"redis://u:p@x", "credentials"},
+      {"unix://relative.sock", "absolute"}, {"unix:///r.sock?timeout=1", "db=N"}};
+  for (const auto& [url, why] : bad) {
+    absl::StatusOr<RedisAddress> parsed = ParseRedisUrl(url);
+    ASSERT_FALSE(parsed.ok()) << url;
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr(why)) << url;
+    EXPECT_THAT(parsed.status().message(), HasSubstr("--redis-url")) << url;
+  }
+}
+
+TEST(RedisTierTest, TheDaemonRefusesRedisWithAnotherTierOrABadUrl) {
+  const std::pair<std::vector<std::string>, const char*> refused[] = {
+      {{"--redis-url=redis://127.0.0.1:1", "--spill-dir=/tmp"}, "--redis-url and --spill-dir"},
+      {{"--redis-url=redis://127.0.0.1:1", "--snapshot-dir=/tmp"}, "--redis-url and --snapshot-dir"},
+      {{"--redis-url=redis//127.0.0.1"}, "the scheme must be"},
+      {{"--redis-url=redis://127.0.0.1:1", "--redis-lease=10ms"}, "--redis-lease"}};
+  for (const auto& [flags, why] : refused) {
+    std::vector<std::string> all = {"--listen=" + Socket("refused"), "--device=cpu"};
+    all.insert(all.end(), flags.begin(), flags.end());
+    Daemon daemon(all);
+    EXPECT_NE(daemon.Wait(), 0);
+    EXPECT_THAT(daemon.Log(), HasSubstr(why));
+  }
 }
 
 }  // namespace

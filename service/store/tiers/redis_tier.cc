@@ -156,6 +156,16 @@ struct RedisTier::Job {
   std::string field;   // kPage: in the sealed pages (empty for a tail)
   std::string entry;
   size_t bytes = 0;    // queued
+
+  static Job Of(Kind kind, std::shared_ptr<SessionState> state, std::string key,
+                const std::shared_ptr<Record>& record = nullptr) {
+    Job job;
+    job.kind = kind;
+    job.state = std::move(state);
+    job.key = std::move(key);
+    job.record = record;
+    return job;
+  }
 };
 
 struct RedisTier::Borrowed {
@@ -216,6 +226,11 @@ std::shared_ptr<RedisTier::SessionState> RedisTier::StateOf(const std::string& i
   return state;
 }
 
+std::shared_ptr<RedisTier::Record> RedisTier::NewPage(const std::shared_ptr<SessionState>& state, size_t bytes) {
+  const uint64_t lsn = next_lsn_++;
+  return std::make_shared<Record>(this, lsn, bytes, state, state->Key(absl::StrCat("p:", owner_, ":", lsn)), true);
+}
+
 absl::StatusOr<TierScanReport> RedisTier::Scan() {
   // Sessions in Redis are claimed when a call names them, not at start:
   // they may be another daemon's.
@@ -257,13 +272,8 @@ absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& ke
                                                " queued", up_ ? "" : absl::StrCat(" (", down_reason_, ")")));
   }
   std::shared_ptr<SessionState> state = StateOf(key.session, key.tenant);
-  const uint64_t lsn = next_lsn_++;
-  auto record = std::make_shared<Record>(this, lsn, bytes, state, state->Key(absl::StrCat("p:", owner_, ":", lsn)), true);
-  Job job;
-  job.kind = Job::kPage;
-  job.record = record;
-  job.state = state;
-  job.key = record->key;
+  std::shared_ptr<Record> record = NewPage(state, bytes);
+  Job job = Job::Of(Job::kPage, state, record->key, record);
   job.value = std::move(value);
   if (key.tokens == options_.page_tokens) {
     job.field = Field(key.layer, key.index);
@@ -296,15 +306,9 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
         // that the fork stands alone in Redis.
         std::shared_ptr<Record> copy = state->copies[page.get()].lock();
         if (copy == nullptr) {
-          const uint64_t lsn = next_lsn_++;
-          copy = std::make_shared<Record>(this, lsn, page->bytes(), state,
-                                          state->Key(absl::StrCat("p:", owner_, ":", lsn)), true);
+          copy = NewPage(state, page->bytes());
           state->copies[page.get()] = copy;
-          Job job;
-          job.kind = Job::kCopy;
-          job.record = copy;
-          job.state = state;
-          job.key = copy->key;
+          Job job = Job::Of(Job::kCopy, state, copy->key, copy);
           job.source = page->key;
           Enqueue(std::move(job));
         }
@@ -320,11 +324,7 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
   }
   auto record = std::make_shared<Record>(this, next_lsn_++, value.size(), state, state->Key("m"), false);
   record->listed = std::move(listed);
-  Job job;
-  job.kind = Job::kManifest;
-  job.record = record;
-  job.state = state;
-  job.key = record->key;
+  Job job = Job::Of(Job::kManifest, state, record->key, record);
   job.value = std::move(value);
   job.bytes = job.value.size();
   Enqueue(std::move(job));
@@ -335,10 +335,7 @@ void RedisTier::PutTombstone(const std::string& session, const std::string& tena
   std::lock_guard<std::mutex> lock(mutex_);
   std::shared_ptr<SessionState> state = StateOf(session, tenant);
   state->tombstoned = true;
-  Job job;
-  job.kind = Job::kTombstone;
-  job.state = std::move(state);
-  Enqueue(std::move(job));
+  Enqueue(Job::Of(Job::kTombstone, std::move(state), ""));
 }
 
 void RedisTier::Release(Record* record) {
@@ -347,11 +344,7 @@ void RedisTier::Release(Record* record) {
   // going away (its sessions stay for the next) or the session is another
   // daemon's now (the fence would refuse it anyway).
   if (!record->page || closed_ || !record->done || !record->status.ok() || record->state->disowned) return;
-  Job job;
-  job.kind = Job::kDelete;
-  job.state = record->state;
-  job.key = record->key;
-  Enqueue(std::move(job));
+  Enqueue(Job::Of(Job::kDelete, record->state, record->key));
 }
 
 void RedisTier::Disown(SessionState& state, const std::string& why) {
@@ -477,16 +470,24 @@ void RedisTier::WriterLoop() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     if (stopping_ && (queue_.empty() || !up_)) return;
-    if (absl::Now() >= next_renew) {
+    if (absl::Now() >= next_renew || probe_) {
+      probe_ = false;
       lock.unlock();
       Renew();
       lock.lock();
       // While Redis is down, its return is noticed within the backoff.
-      next_renew = absl::Now() + (up_ ? renew_every : std::min(renew_every, backoff));
+      if (up_) {
+        backoff = absl::Milliseconds(50);
+        next_renew = absl::Now() + renew_every;
+      } else {
+        next_renew = absl::Now() + std::min(renew_every, backoff);
+        backoff = std::min(backoff * 2, absl::Seconds(1));
+      }
       continue;
     }
     if (queue_.empty()) {
-      work_.wait_until(lock, absl::ToChronoTime(next_renew), [this] { return stopping_ || !queue_.empty(); });
+      work_.wait_until(lock, absl::ToChronoTime(next_renew),
+                       [this] { return stopping_ || probe_ || !queue_.empty(); });
       continue;
     }
     Job& job = queue_.front();  // only this thread pops: stays put while unlocked
@@ -626,10 +627,16 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   state->id = id;
   state->tenant = tenant;
   state->base = absl::StrCat("turbokv:{", id, "}:", absl::BytesToHexString(tenant));
+  auto unavailable = [&](absl::string_view why) {
+    return absl::UnavailableError(
+        absl::StrCat("session ", ShowId(id), " is not in this daemon and taking it over needs ", why));
+  };
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(absl::StrCat(tenant, std::string(1, '\0'), id));
     if (it != sessions_.end() && it->second->tombstoned) return absl::NotFoundError("deleted");
+    // Known down: no call waits for Redis's timeout again until it answers.
+    if (!up_) return unavailable(down_reason_);
   }
   const std::vector<std::vector<std::string>> commands = {
       {"EVAL", kAcquire, "3", state->Key("l"), state->Key("e"), state->Key("m"), owner_,
@@ -638,8 +645,12 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   Borrowed connection = Borrow();
   absl::StatusOr<std::vector<RedisValue>> replies = connection->Run(commands);
   if (!replies.ok()) {
-    return absl::UnavailableError(absl::StrCat("session ", ShowId(id), " is not in this daemon and taking it over needs ",
-                                               replies.status().message()));
+    std::lock_guard<std::mutex> lock(mutex_);
+    up_ = false;
+    down_reason_ = std::string(replies.status().message());
+    probe_ = true;  // the writer finds out when Redis is back
+    work_.notify_one();
+    return unavailable(down_reason_);
   }
   const RedisValue& acquired = (*replies)[0];
   if (acquired.type != RedisValue::kArray || acquired.elements.empty() ||
@@ -698,19 +709,14 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   session.pinned = in.Get<uint8_t>() != 0;
   const uint32_t layers = in.Get<uint32_t>();
   if (in.short_read() || static_cast<int>(layers) != session.header.config.layers) return damaged("is cut short");
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto record = [&](std::string key, size_t bytes, bool page) {
-    auto r = std::make_shared<Record>(this, next_lsn_++, bytes, state, std::move(key), page);
-    r->done = true;
-    if (page) {
-      r->counted = true;
-      live_bytes_ += static_cast<int64_t>(bytes);
-    }
-    return r;
-  };
+  // Each layer's pages (key, bytes), and tails that a page sealed since
+  // holds: read in full before any record is made, so that a damaged
+  // manifest leaves nothing behind.
   const int64_t pt = options_.page_tokens;
+  std::vector<std::vector<std::pair<std::string, uint32_t>>> pages(layers);
+  std::vector<int64_t> lengths(layers);
+  std::vector<std::string> superseded;
   for (uint32_t l = 0; l < layers; ++l) {
-    TierLayer layer;
     const int64_t tokens = in.Get<int64_t>();
     const uint32_t count = in.Get<uint32_t>();
     const int64_t full = tokens / pt;
@@ -722,7 +728,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       std::string key = in.GetString();
       const uint32_t bytes = in.Get<uint32_t>();
       if (static_cast<int64_t>(i) < full) {
-        layer.pages.push_back(record(std::move(key), bytes, true));
+        pages[l].emplace_back(std::move(key), bytes);
       } else {
         tail = {std::move(key), bytes};
       }
@@ -732,29 +738,40 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
     int64_t next = full;
     for (auto it = sealed.find({static_cast<int>(l), static_cast<int>(next)}); it != sealed.end();
          it = sealed.find({static_cast<int>(l), static_cast<int>(++next)})) {
-      layer.pages.push_back(record(it->second.first, it->second.second, true));
+      pages[l].push_back(it->second);
     }
-    layer.tokens = next * pt;
+    lengths[l] = next * pt;
     if (next == full && !tail.first.empty()) {
-      layer.pages.push_back(record(std::move(tail.first), tail.second, true));
-      layer.tokens = tokens;
+      pages[l].push_back(std::move(tail));
+      lengths[l] = tokens;
     } else if (!tail.first.empty()) {
-      // The page sealed since holds the tail: its older copy goes.
-      Job job;
-      job.kind = Job::kDelete;
-      job.state = state;
-      job.key = std::move(tail.first);
-      Enqueue(std::move(job));
+      superseded.push_back(std::move(tail.first));
+    }
+  }
+  if (in.short_read()) return damaged("is cut short");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto record = [&](std::string key, size_t bytes, bool page) {
+    auto r = std::make_shared<Record>(this, next_lsn_++, bytes, state, std::move(key), page);
+    r->done = true;
+    if (page) {
+      r->counted = true;
+      live_bytes_ += static_cast<int64_t>(bytes);
+    }
+    return r;
+  };
+  // The manifest keeps what it lists (the tail, once the pages are in memory).
+  auto claimed = record(state->Key("m"), manifest.size(), false);
+  for (uint32_t l = 0; l < layers; ++l) {
+    TierLayer layer;
+    layer.tokens = lengths[l];
+    for (auto& [key, bytes] : pages[l]) {
+      layer.pages.push_back(record(std::move(key), bytes, true));
+      claimed->listed.push_back(std::static_pointer_cast<Record>(layer.pages.back()));
     }
     session.layers.push_back(std::move(layer));
   }
-  if (in.short_read()) return damaged("is cut short");
-  // The manifest keeps what it lists (the tail, once the pages are in memory).
-  auto claimed = record(state->Key("m"), manifest.size(), false);
-  for (const TierLayer& layer : session.layers) {
-    for (const auto& page : layer.pages) claimed->listed.push_back(std::static_pointer_cast<Record>(page));
-  }
   session.manifest = std::move(claimed);
+  for (std::string& key : superseded) Enqueue(Job::Of(Job::kDelete, state, std::move(key)));  // its older copy goes
   sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)] = state;
   disowned_why_.erase(id);
   return session;

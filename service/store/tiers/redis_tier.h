@@ -83,6 +83,8 @@ class RedisTier final : public Tier {
 
   // The state of a session, made on first use. Under mutex_.
   std::shared_ptr<SessionState> StateOf(const std::string& id, const std::string& tenant);
+  // Under mutex_: a record for a new page of the session, in a key of its own.
+  std::shared_ptr<Record> NewPage(const std::shared_ptr<SessionState>& state, size_t bytes);
   // Under mutex_: queues a job.
   void Enqueue(Job job);
   void WriterLoop();
@@ -112,6 +114,7 @@ class RedisTier final : public Tier {
   bool closed_ = false;    // nothing is deleted any more
   bool released_ = false;  // leases let go: none renewed
   bool up_ = true;         // the last command got its answer
+  bool probe_ = false;     // a claim found Redis down: the writer tries it at once
   std::string down_reason_;
   uint64_t next_lsn_ = 1;
   // By "tenant\0id".
