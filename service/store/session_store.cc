@@ -230,6 +230,13 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
 }
 
 absl::Status SessionStore::Delete(const std::string& id, const std::string& tenant) {
+  if (tier_ != nullptr) {
+    // A session only a shared tier holds is claimed first, so that it goes
+    // from there too.
+    if (absl::StatusOr<std::shared_ptr<SessionCache>> found = Find(id, tenant, absl::Now()); !found.ok()) {
+      return found.status();
+    }
+  }
   std::shared_ptr<SessionCache> session;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -188,7 +188,9 @@ class SessionStore {
   absl::StatusOr<std::shared_ptr<SessionCache>> Find(const std::string& id, const std::string& tenant,
                                                      absl::Time now);
 
-  // Removes the session; its pages go back to the pool unless a fork shares them.
+  // Removes the session; its pages go back to the pool unless a fork shares
+  // them. With a shared tier, one this daemon does not hold is claimed
+  // first (Find) and goes from the tier too.
   absl::Status Delete(const std::string& id, const std::string& tenant);
 
   // A new session of the same tenant holding the first `prefix` tokens of

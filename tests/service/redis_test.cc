@@ -443,6 +443,34 @@ TEST(RedisTierTest, ATenantCannotTakeOverAnotherTenantsSession) {
   auto own = client_a->GetSession(id);
   ASSERT_TRUE(own.ok()) << own.status();
   EXPECT_EQ(own->layer_tokens(0), 100);
+  // Nor delete it; its tenant can, and then it is in no tier.
+  EXPECT_EQ(client_b->DeleteSession(id).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(client_a->DeleteSession(id).ok());
+  EXPECT_EQ(client_a->GetSession(id).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RedisTierTest, DeletingASessionHeldOnlyInRedisRemovesIt) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  const Sequence sequence;
+  std::string id;
+  {
+    Daemon a(Flags("a", redis));
+    auto client = Connected("a", a);
+    auto session = client->CreateSession(Shape());
+    ASSERT_TRUE(session.ok());
+    id = session->id();
+    ASSERT_TRUE(sequence.Append(*session, 0, 300).ok());
+    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  }
+  Daemon b(Flags("b", redis));
+  auto client = Connected("b", b);
+  ASSERT_TRUE(client->DeleteSession(id).ok());
+  EXPECT_EQ(client->GetSession(id).status().code(), absl::StatusCode::kNotFound);
+  absl::SleepFor(absl::Milliseconds(500));
+  const RedisValue keys = redis.Run({"KEYS", "*"});
+  ASSERT_EQ(keys.elements.size(), 1u) << keys.elements.size() << " keys left";
+  EXPECT_THAT(keys.elements[0].str, HasSubstr(":e"));
 }
 
 TEST(RedisTierTest, RedisPausedOrStoppedNeverHoldsACallAndTheTierCatchesUp) {

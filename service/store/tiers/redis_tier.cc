@@ -521,8 +521,12 @@ void RedisTier::WriterLoop() {
     if (wanted) {
       up_ = true;
       backoff = absl::Milliseconds(50);
-      status.ok() ? ++records_written_ : ++write_errors_;
-      if (!status.ok() && !absl::IsFailedPrecondition(status)) {
+      // A write refused because another daemon claimed the session is the
+      // fencing at work, not a failing tier.
+      if (status.ok()) {
+        ++records_written_;
+      } else if (!absl::IsFailedPrecondition(status)) {
+        ++write_errors_;
         Logf(LogLevel::kError, "Redis tier: %s", std::string(status.message()).c_str());
       }
     }
