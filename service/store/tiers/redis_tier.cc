@@ -577,10 +577,24 @@ absl::Status RedisTier::Sync() {
   return absl::OkStatus();
 }
 
+std::string RedisTier::MarkDown(const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  up_ = false;
+  down_reason_ = std::string(why.message());
+  probe_ = true;  // the writer finds out when Redis is back
+  work_.notify_one();
+  return down_reason_;
+}
+
 absl::Status RedisTier::Read(const TierRecord& record, uint8_t* out, size_t bytes) {
   const auto& r = static_cast<const Record&>(record);
+  {
+    // Known down: a promotion fails at once rather than a timeout per page.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!up_) return absl::UnavailableError(down_reason_);
+  }
   absl::StatusOr<RedisValue> reply = Borrow()->Run({"GET", r.key});
-  if (!reply.ok()) return reply.status();
+  if (!reply.ok()) return absl::UnavailableError(MarkDown(reply.status()));
   auto damaged = [&](absl::string_view why) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++crc_failures_;
@@ -648,14 +662,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       {"HGETALL", state->Key("h")}};
   Borrowed connection = Borrow();
   absl::StatusOr<std::vector<RedisValue>> replies = connection->Run(commands);
-  if (!replies.ok()) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    up_ = false;
-    down_reason_ = std::string(replies.status().message());
-    probe_ = true;  // the writer finds out when Redis is back
-    work_.notify_one();
-    return unavailable(down_reason_);
-  }
+  if (!replies.ok()) return unavailable(MarkDown(replies.status()));
   const RedisValue& acquired = (*replies)[0];
   if (acquired.type != RedisValue::kArray || acquired.elements.empty() ||
       acquired.elements[0].type != RedisValue::kInteger) {

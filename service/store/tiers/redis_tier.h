@@ -98,6 +98,9 @@ class RedisTier final : public Tier {
   // A script's error reply: FAILED_PRECONDITION (disowning the session) for
   // a stale epoch, INTERNAL otherwise.
   absl::Status ScriptError(SessionState& state, const RedisValue& reply);
+  // Redis did not answer a read or a claim: the tier is down until the
+  // writer (probing at once) gets an answer. Returns why.
+  std::string MarkDown(const absl::Status& why);
   // Under mutex_: a record's last handle went.
   void Release(Record* record);
   // A connection for reads, back to the pool when the holder goes.
