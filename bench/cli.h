@@ -78,6 +78,16 @@ inline double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+inline double Micros(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The value at fraction p (0 to 1) of the way through v, sorted; v not empty.
+inline double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
 // Runs each op in turn, `rounds` times, each turn repeated for at least
 // `min_seconds`, and returns each op's median rate in items per second (an
 // op handles `first` items per call). Interleaving spreads the drift of a

@@ -24,10 +24,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/cli.h"
+#include "bench/prefill.h"
 #include "client/cpp/client.h"
 #include "kernels/attention.h"
 #include "kernels/cpu/thread_pool.h"
-#include "kernels/half.h"
 #include "service/handler/handler.h"
 #include "service/server.h"
 #include "service/store/session_store.h"
@@ -37,62 +37,6 @@ namespace turbokv::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double Micros(Clock::time_point start) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-}
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
-}
-
-// Prefill chunk: 512 tokens, or fewer when every layer's fp16 keys and
-// values of 512 would not fit in a 32 MiB message.
-long long DefaultChunk(long long layers, long long kv_heads, long long head_dim) {
-  const long long token_bytes = std::max(1LL, layers * kv_heads * head_dim * 2 * 2);
-  return std::max(1LL, std::min(512LL, (32LL << 20) / token_bytes));
-}
-
-struct Shape {
-  long long tokens, kv_heads, q_heads, head_dim, layers, threads, chunk;
-};
-
-// Appends `tokens` tokens to every layer of `session` in chunks, fp16 in,
-// from windows of `pool`. Returns the seconds it took, or < 0 on error.
-double Prefill(const Session& session, const Shape& shape, const std::vector<uint16_t>& pool, size_t slack,
-               uint64_t salt) {
-  const size_t token_values = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
-  auto slice = [&](int64_t start, uint64_t which, size_t values) {
-    const size_t at = static_cast<size_t>(start * 7919 + (salt * 2 + which) * 104729) % slack;
-    return absl::Span<const uint16_t>(pool.data() + at, values);
-  };
-  const auto start_time = Clock::now();
-  std::unique_ptr<AppendStream> stream = session.OpenAppendStream();
-  for (int64_t start = 0; start < shape.tokens; start += shape.chunk) {
-    const int64_t n = std::min<int64_t>(shape.chunk, shape.tokens - start);
-    const size_t values = static_cast<size_t>(shape.layers) * n * token_values;
-    if (!stream->Write(-1, start, TensorData::F16(slice(start, 1, values)), TensorData::F16(slice(start, 2, values)))
-             .ok()) {
-      break;
-    }
-  }
-  absl::StatusOr<v1::AppendResponse> appended = stream->Finish();
-  if (!appended.ok()) {
-    std::fprintf(stderr, "turbokv-bench e2e: append: %s\n", std::string(appended.status().message()).c_str());
-    return -1;
-  }
-  return Micros(start_time) / 1e6;
-}
-
-// fp16 input for Prefill, made before the clock starts: chunks are windows
-// at pseudo-random offsets into a pool one chunk plus `slack` values long.
-std::vector<uint16_t> Fp16Pool(const Shape& shape, size_t slack, std::mt19937* rng) {
-  std::normal_distribution<float> normal;
-  std::vector<uint16_t> pool(static_cast<size_t>(shape.layers) * shape.chunk * shape.kv_heads * shape.head_dim + slack);
-  for (uint16_t& b : pool) b = FloatToHalfBits(normal(*rng));
-  return pool;
-}
 
 // --batch B: (a) Decode stream, (b) B x L unary Steps, (c) the kernels alone,
 // (d) the handler's Decode in process (no gRPC, no client), one whole decode

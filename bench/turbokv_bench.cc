@@ -5,6 +5,7 @@
 //   turbokv-bench attend ...   attention on the compressed cache vs f16 and memory speed (attend_cmd.cc)
 //   turbokv-bench e2e ...      the service over a unix socket vs its kernel and an empty round trip (e2e_cmd.cc)
 //   turbokv-bench quality ...  each codec preset's attention error against float attention, and its bits (quality_cmd.cc)
+//   turbokv-bench takeover ... the Redis tier: a session taken over by another daemon vs plain GETs (takeover_cmd.cc)
 #include <cstdio>
 #include <string>
 
@@ -16,6 +17,7 @@ int RunCodec(int argc, char** argv);
 int RunAttend(int argc, char** argv);
 int RunE2e(int argc, char** argv);
 int RunQuality(int argc, char** argv);
+int RunTakeover(int argc, char** argv);
 
 constexpr char kUsage[] =
     "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--target AVX2|SSE4|...] [--json]\n"
@@ -29,7 +31,12 @@ constexpr char kUsage[] =
     "                         the disk tier: promotion MB/s against a sequential read, Step p99 while demoting\n"
     "       turbokv-bench quality [--layers 32] [--kv-heads 8] [--q-heads 32] [--head-dim 128]\n"
     "                             [--tokens 4096,32768] [--queries 4] [--sample-layers 2] [--threads 2] [--max-bits 3.7] [--json]\n"
-    "                         each preset's attention error on model-shaped data, and its bits per value\n";
+    "                         each preset's attention error on model-shaped data, and its bits per value\n"
+    "       turbokv-bench takeover [--layers 32] [--tokens 8192] [--kv-heads 8] [--q-heads 32] [--head-dim 128]\n"
+    "                              [--threads 2] [--repeats 3] [--seconds 3] [--json]\n"
+    "                         the Redis tier, on a redis-server and turbokvd daemons it starts: a session handed\n"
+    "                         over and taken over (OpenSession through the first Attend) against GETs of its\n"
+    "                         pages, and Step p99 while Redis answers, is paused and is stopped\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);
@@ -46,6 +53,7 @@ int main(int argc, char** argv) {
   if (command == "attend") return RunAttend(argc - 2, argv + 2);
   if (command == "e2e") return RunE2e(argc - 2, argv + 2);
   if (command == "quality") return RunQuality(argc - 2, argv + 2);
+  if (command == "takeover") return RunTakeover(argc - 2, argv + 2);
   if (command == "-h" || command == "--help" || command == "help") {
     std::printf("%s", kUsage);
     return 0;

@@ -30,6 +30,13 @@ RUNS = {
 }
 
 
+# takeover starts a redis-server of its own (make deps installs it) and this
+# build's turbokvd.
+REDIS_SERVER = "/usr/bin/redis-server"
+TAKEOVER_SMALL = (["takeover", "--layers", "2", "--tokens", "256", "--repeats", "1", "--seconds", "1"],
+                  "step_p99_paused_over_answering")
+
+
 class BenchSmokeTest(unittest.TestCase):
     pass
 
@@ -48,6 +55,9 @@ def _make(name, args, field):
 
 for _name, (_args, _field) in RUNS.items():
     setattr(BenchSmokeTest, "test_" + _name, _make(_name, _args, _field))
+BenchSmokeTest.test_takeover_small = unittest.skipUnless(
+    os.access(REDIS_SERVER, os.X_OK), f"{REDIS_SERVER} is not installed (make deps installs it)")(
+        _make("takeover_small", *TAKEOVER_SMALL))
 
 if __name__ == "__main__":
     unittest.main()
