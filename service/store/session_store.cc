@@ -224,8 +224,8 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
   std::lock_guard<std::mutex> lock(mutex_);
   if (absl::Status inserted = Insert(session); !inserted.ok()) return inserted;
   takeovers_[kTakeoverOk].fetch_add(1);
-  Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens)", id.c_str(), tier_->name(),
-       static_cast<long long>(session->tokens()));
+  Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens in layer 0, %d layers)", id.c_str(),
+       tier_->name(), static_cast<long long>(session->layer_tokens(0)), config.layers);
   return session;
 }
 

@@ -23,7 +23,8 @@ constexpr char kManifestMagic[4] = {'T', 'K', 'V', 'M'};
 constexpr uint16_t kVersion = 1;
 constexpr size_t kEpochOffset = 8;         // in a page and in a manifest: after magic, version, 0
 constexpr size_t kPageHeaderBytes = 48;    // magic .. payload CRC
-constexpr int64_t kTombstoneEpochMs = 86400000;  // a deleted session's epoch stays a day: its pages' deletes still check it
+constexpr int64_t kTombstoneEpochMs = 86400000;
+constexpr size_t kReadBatch = 32;  // pages per round trip of a promotion  // a deleted session's epoch stays a day: its pages' deletes still check it
 
 // Every write first checks that KEYS[1], the session's epoch, is ARGV[1]:
 // a daemon whose session was claimed by another gets "STALE <epoch now>".
@@ -127,6 +128,7 @@ class RedisTier::Record final : public TierRecord {
   Record(RedisTier* tier, uint64_t lsn, size_t bytes, std::shared_ptr<SessionState> state, std::string key, bool page)
       : TierRecord(lsn, bytes), key(std::move(key)), page(page), state(std::move(state)), tier_(tier) {}
   ~Record() override {
+    tier_->Forget(this);
     std::lock_guard<std::mutex> lock(tier_->mutex_);
     tier_->Release(this);
   }
@@ -586,6 +588,48 @@ std::string RedisTier::MarkDown(const absl::Status& why) {
   return down_reason_;
 }
 
+absl::StatusOr<RedisValue> RedisTier::Fetch(const Record& record) {
+  std::unique_lock<std::mutex> lock(reads_mutex_);
+  auto it = ahead_.find(&record);
+  if (it == ahead_.end()) {
+    lock.unlock();
+    absl::StatusOr<RedisValue> reply = Borrow()->Run({"GET", record.key});
+    if (!reply.ok()) return absl::UnavailableError(MarkDown(reply.status()));
+    return reply;
+  }
+  if (it->second.stage == Ahead::kNamed) {
+    // This page and the next ones named by WillRead that nobody fetches
+    // yet, in one round trip; another thread's wait for one of them ends
+    // when they are here.
+    std::vector<const Record*> batch;
+    std::vector<std::vector<std::string>> gets;
+    for (const Record* r = &record; r != nullptr && batch.size() < kReadBatch;) {
+      Ahead& ahead = ahead_.at(r);
+      ahead.stage = Ahead::kFetching;
+      batch.push_back(r);
+      gets.push_back({"GET", r->key});
+      auto next = ahead_.find(ahead.next);
+      r = next != ahead_.end() && next->second.stage == Ahead::kNamed ? ahead.next : nullptr;
+    }
+    lock.unlock();
+    absl::StatusOr<std::vector<RedisValue>> replies = Borrow()->Run(gets);
+    const absl::Status failed =
+        replies.ok() ? absl::OkStatus() : absl::UnavailableError(MarkDown(replies.status()));
+    lock.lock();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Ahead& ahead = ahead_.at(batch[i]);
+      ahead.stage = Ahead::kHere;
+      ahead.value = failed.ok() ? absl::StatusOr<RedisValue>(std::move((*replies)[i])) : failed;
+    }
+    fetched_.notify_all();
+  }
+  fetched_.wait(lock, [&] { return ahead_.at(&record).stage == Ahead::kHere; });
+  auto here = ahead_.find(&record);
+  absl::StatusOr<RedisValue> value = std::move(here->second.value);
+  ahead_.erase(here);
+  return value;
+}
+
 absl::Status RedisTier::Read(const TierRecord& record, uint8_t* out, size_t bytes) {
   const auto& r = static_cast<const Record&>(record);
   {
@@ -593,8 +637,8 @@ absl::Status RedisTier::Read(const TierRecord& record, uint8_t* out, size_t byte
     std::lock_guard<std::mutex> lock(mutex_);
     if (!up_) return absl::UnavailableError(down_reason_);
   }
-  absl::StatusOr<RedisValue> reply = Borrow()->Run({"GET", r.key});
-  if (!reply.ok()) return absl::UnavailableError(MarkDown(reply.status()));
+  absl::StatusOr<RedisValue> reply = Fetch(r);
+  if (!reply.ok()) return reply.status();
   auto damaged = [&](absl::string_view why) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++crc_failures_;
@@ -618,7 +662,22 @@ absl::Status RedisTier::Read(const TierRecord& record, uint8_t* out, size_t byte
 }
 
 void RedisTier::WillRead(const std::vector<std::shared_ptr<TierRecord>>& records) {
-  (void)records;  // each Read is one GET, on a pool of connections (layers read in parallel)
+  // Each layer's pages are read in order (by one thread per layer): a read
+  // brings the pages after it along. Pages of one session follow each other
+  // in `records`, layer after layer.
+  std::lock_guard<std::mutex> lock(reads_mutex_);
+  for (size_t i = 0; i < records.size(); ++i) {
+    const auto* r = static_cast<const Record*>(records[i].get());
+    const auto* next = i + 1 < records.size() ? static_cast<const Record*>(records[i + 1].get()) : nullptr;
+    Ahead& ahead = ahead_[r];
+    ahead = Ahead();
+    ahead.next = next != nullptr && next->state == r->state ? next : nullptr;
+  }
+}
+
+void RedisTier::Forget(const Record* record) {
+  std::lock_guard<std::mutex> lock(reads_mutex_);
+  ahead_.erase(record);
 }
 
 void RedisTier::Close() {
@@ -784,7 +843,10 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   session.manifest = std::move(claimed);
   for (std::string& key : superseded) Enqueue(Job::Of(Job::kDelete, state, std::move(key)));  // its older copy goes
   sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)] = state;
+  // This daemon's again: the store must not drop it for an older claim.
   disowned_why_.erase(id);
+  disowned_.erase(std::remove_if(disowned_.begin(), disowned_.end(), [&](const auto& d) { return d.first == id; }),
+                  disowned_.end());
   return session;
 }
 

@@ -43,7 +43,6 @@ struct RedisTierOptions {
   // Queued bytes past which writes that may wait (write-through) are
   // refused; writes that may not (a demotion, the drain) may take twice it.
   size_t max_queued_bytes = size_t{64} << 20;
-  int readers = 4;  // connections for reads and claims
 };
 
 class RedisTier final : public Tier {
@@ -103,7 +102,13 @@ class RedisTier final : public Tier {
   std::string MarkDown(const absl::Status& why);
   // Under mutex_: a record's last handle went.
   void Release(Record* record);
-  // A connection for reads, back to the pool when the holder goes.
+  // A page's value: fetched with the next pages WillRead named (one round
+  // trip for kReadBatch of them), or waited for when another read fetches it.
+  absl::StatusOr<RedisValue> Fetch(const Record& record);
+  // A record that goes is no longer read ahead.
+  void Forget(const Record* record);
+  // A connection for reads (one per thread reading at once), back to the
+  // pool when the holder goes.
   struct Borrowed;
   Borrowed Borrow();
 
@@ -129,6 +134,15 @@ class RedisTier final : public Tier {
   int64_t records_written_ = 0;
   int64_t write_errors_ = 0;
   int64_t crc_failures_ = 0;
+  // Pages named by WillRead, until read.
+  struct Ahead {
+    const Record* next = nullptr;  // the page read after it, if named too
+    enum Stage { kNamed, kFetching, kHere } stage = kNamed;
+    absl::StatusOr<RedisValue> value;
+  };
+  std::mutex reads_mutex_;  // never held while taking mutex_ or destroying a record
+  std::condition_variable fetched_;
+  std::unordered_map<const Record*, Ahead> ahead_;
   std::mutex readers_mutex_;
   std::vector<std::unique_ptr<RedisConnection>> readers_;
   RedisConnection writer_connection_;
