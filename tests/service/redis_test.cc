@@ -226,22 +226,27 @@ grpc::health::v1::HealthCheckResponse::ServingStatus RemoteTierHealth(const std:
   return response.status();
 }
 
+// A session of `tokens` tokens written on daemon "a" (with `flags`), which
+// then drains (SIGTERM) and exits 0: its id, or empty (the failure reported).
+std::string HandedOver(const RedisServer& redis, const Sequence& sequence, int64_t tokens,
+                       const std::vector<std::string>& flags = {}, const ClientOptions& options = {}) {
+  Daemon a(Flags("a", redis, flags));
+  auto client = Connected("a", a, options);
+  auto session = client->CreateSession(Shape());
+  EXPECT_TRUE(session.ok()) << session.status();
+  if (!session.ok() || Appended(sequence.Append(*session, 0, tokens)) != tokens) return "";
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  EXPECT_THAT(a.Log(), HasSubstr("sessions handed over"));
+  return session->id();
+}
+
 TEST(RedisTierTest, SigtermHandsOverAndKillNineLosesOnlyTheUnsealedTail) {
   SKIP_WITHOUT_REDIS();
   RedisServer redis;
   Reference reference;
   const Sequence sequence;
-  std::string id;
-  {
-    Daemon a(Flags("a", redis));
-    auto client = Connected("a", a);
-    auto session = client->CreateSession(Shape());
-    ASSERT_TRUE(session.ok()) << session.status();
-    id = session->id();
-    ASSERT_EQ(Appended(sequence.Append(*session, 0, 200)), 200);  // 3 sealed pages and a tail of 8 in each layer
-    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
-    EXPECT_THAT(a.Log(), HasSubstr("sessions handed over"));
-  }
+  const std::string id = HandedOver(redis, sequence, 200);  // 3 sealed pages and a tail of 8 in each layer
+  ASSERT_FALSE(id.empty());
   {
     // B has never seen the session: the call takes it over, with its tail,
     // and the next position just works.
@@ -330,16 +335,8 @@ TEST(RedisTierTest, TwoDaemonsRacingForASessionOneWinsTheOtherIsRefused) {
   SKIP_WITHOUT_REDIS();
   RedisServer redis;
   const Sequence sequence;
-  std::string id;
-  {
-    Daemon a(Flags("a", redis));
-    auto client = Connected("a", a);
-    auto session = client->CreateSession(Shape());
-    ASSERT_TRUE(session.ok());
-    id = session->id();
-    ASSERT_TRUE(sequence.Append(*session, 0, 100).ok());
-    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
-  }
+  const std::string id = HandedOver(redis, sequence, 100);
+  ASSERT_FALSE(id.empty());
   Daemon b(Flags("b", redis)), c(Flags("c", redis));
   auto client_b = Connected("b", b), client_c = Connected("c", c);
   absl::StatusOr<Session> on_b = absl::UnknownError(""), on_c = absl::UnknownError("");
@@ -425,16 +422,8 @@ TEST(RedisTierTest, ATenantCannotTakeOverAnotherTenantsSession) {
   as_a.auth_token = "token-a";
   as_b.auth_token = "token-b";
   const Sequence sequence;
-  std::string id;
-  {
-    Daemon a(Flags("a", redis, {"--auth-tokens-file=" + tokens}));
-    auto client = Connected("a", a, as_a);
-    auto session = client->CreateSession(Shape());
-    ASSERT_TRUE(session.ok()) << session.status();
-    id = session->id();
-    ASSERT_TRUE(sequence.Append(*session, 0, 100).ok());
-    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
-  }
+  const std::string id = HandedOver(redis, sequence, 100, {"--auth-tokens-file=" + tokens}, as_a);
+  ASSERT_FALSE(id.empty());
   Daemon b(Flags("b", redis, {"--auth-tokens-file=" + tokens}));
   auto client_b = Connected("b", b, as_b);
   const absl::Status other = client_b->GetSession(id).status();
@@ -453,16 +442,8 @@ TEST(RedisTierTest, DeletingASessionHeldOnlyInRedisRemovesIt) {
   SKIP_WITHOUT_REDIS();
   RedisServer redis;
   const Sequence sequence;
-  std::string id;
-  {
-    Daemon a(Flags("a", redis));
-    auto client = Connected("a", a);
-    auto session = client->CreateSession(Shape());
-    ASSERT_TRUE(session.ok());
-    id = session->id();
-    ASSERT_TRUE(sequence.Append(*session, 0, 300).ok());
-    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
-  }
+  const std::string id = HandedOver(redis, sequence, 300);
+  ASSERT_FALSE(id.empty());
   Daemon b(Flags("b", redis));
   auto client = Connected("b", b);
   ASSERT_TRUE(client->DeleteSession(id).ok());
