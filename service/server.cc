@@ -401,6 +401,14 @@ absl::Status Server::Start() {
   server_->GetHealthCheckService()->SetServingStatus(true);
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   SetTierHealth();
+  if (!options_.redis_url.empty()) {
+    const auto* redis = static_cast<const RedisTier*>(store_->tier());
+    const absl::Status health = redis->Health();
+    Logf(LogLevel::kInfo, "Redis tier %s (budget %s, lease %s, timeout %s) as owner %s: %s", options_.redis_url.c_str(),
+         FormatByteSize(options_.redis_budget).c_str(), absl::FormatDuration(options_.redis_lease).c_str(),
+         absl::FormatDuration(options_.redis_timeout).c_str(), redis->owner().c_str(),
+         health.ok() ? "answering" : absl::StrCat("not answering yet (", health.message(), "); writes wait").c_str());
+  }
   expiry_thread_ = std::thread([this] { ExpireLoop(); });
   return absl::OkStatus();
 }

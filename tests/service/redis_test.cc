@@ -259,6 +259,8 @@ TEST(RedisTierTest, SigtermHandsOverAndKillNineLosesOnlyTheUnsealedTail) {
     EXPECT_EQ(info->layer_tokens(0), 200);
     EXPECT_EQ(info->layer_tokens(1), 200);
     EXPECT_THAT(b.Log(), HasSubstr("taken over from the redis tier"));
+    EXPECT_THAT(b.Log(), HasSubstr(absl::StrCat("Redis tier ", redis.Url())));
+    EXPECT_THAT(b.Log(), HasSubstr(": answering"));
     ASSERT_EQ(Appended(sequence.Append(*session, 200, 150)), 350);  // sealed up to 320
     EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 350));
     WaitForWriteThrough(b);

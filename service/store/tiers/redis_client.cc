@@ -3,6 +3,9 @@
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
 
+#include <cerrno>
+#include <cstring>
+
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -90,7 +93,11 @@ RedisConnection::~RedisConnection() {
 absl::Status RedisConnection::Fail(absl::string_view what) {
   std::string message = absl::StrCat("Redis at ", address_.url, ": ", what);
   if (context_ != nullptr) {
-    if (context_->err != 0) absl::StrAppend(&message, ": ", context_->errstr);
+    // A reply that timed out reads EAGAIN's "Resource temporarily
+    // unavailable": the message has said so already.
+    if (context_->err != 0 && std::strcmp(context_->errstr, std::strerror(EAGAIN)) != 0) {
+      absl::StrAppend(&message, ": ", context_->errstr);
+    }
     redisFree(context_);
     context_ = nullptr;
   }

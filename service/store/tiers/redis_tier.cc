@@ -454,6 +454,7 @@ void RedisTier::Renew() {
     written_.notify_all();
     return;
   }
+  if (!up_) Logf(LogLevel::kInfo, "Redis tier reachable again");
   up_ = true;
   for (size_t i = 0; i < held.size(); ++i) {
     const RedisValue& reply = (*replies)[i];
