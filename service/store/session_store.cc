@@ -733,9 +733,8 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
     bytes += image.layers[l].pages.size() * LayerPageBytes(config, static_cast<int>(l), options_.page_tokens);
   }
   if (absl::Status status = MakeRoom(bytes, held); !status.ok()) {
-    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()),
-                                                    " is on the spill tier and cannot come back into memory: ",
-                                                    status.message()));
+    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(),
+                                                    " tier and cannot come back into memory: ", status.message()));
   }
   std::vector<std::shared_ptr<TierRecord>> records;
   for (const TierLayer& layer : image.layers) records.insert(records.end(), layer.pages.begin(), layer.pages.end());
@@ -768,8 +767,8 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
   if (!status.ok()) {
     session.layers_.clear();
     session.charge_.reset();
-    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()),
-                                                    " could not be read back from the spill tier: ", status.message()));
+    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " could not be read back from the ",
+                                                    tier_->name(), " tier: ", status.message()));
   }
   {
     // Its sealed pages are on the tier already.

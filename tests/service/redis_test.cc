@@ -456,6 +456,37 @@ TEST(RedisTierTest, DeletingASessionHeldOnlyInRedisRemovesIt) {
   EXPECT_THAT(keys.elements[0].str, HasSubstr(":e"));
 }
 
+TEST(RedisTierTest, DamagedRecordsInRedisAreDataLossNamingThem) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  const Sequence sequence;
+  const std::string damaged_manifest = HandedOver(redis, sequence, 100);
+  ASSERT_FALSE(damaged_manifest.empty());
+  RedisValue manifests = redis.Run({"KEYS", "*:m"});
+  ASSERT_EQ(manifests.elements.size(), 1u);
+  redis.Run({"SET", manifests.elements[0].str, "not a manifest"});
+  const std::string damaged_page = HandedOver(redis, sequence, 100);
+  ASSERT_FALSE(damaged_page.empty());
+  RedisValue pages = redis.Run({"KEYS", absl::StrCat("turbokv:{", damaged_page, "}:*:p:*")});
+  ASSERT_FALSE(pages.elements.empty());
+  redis.Run({"SETRANGE", pages.elements[0].str, "100", "x"});  // in the payload: its CRC no longer matches
+  Daemon b(Flags("b", redis));
+  auto client = Connected("b", b);
+  // A manifest that is not one: DATA_LOSS, and the claim lets go of its lease.
+  const absl::Status manifest = client->GetSession(damaged_manifest).status();
+  EXPECT_EQ(manifest.code(), absl::StatusCode::kDataLoss) << manifest;
+  EXPECT_THAT(manifest.message(), HasSubstr("is not a turbokv manifest"));
+  EXPECT_TRUE(redis.Run({"KEYS", absl::StrCat("turbokv:{", damaged_manifest, "}:*:l")}).elements.empty());
+  // A page that fails its CRC: the session is claimed, and reading it back
+  // is DATA_LOSS naming the page.
+  auto session = client->OpenSession(damaged_page);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const absl::Status page = session->Attend(1, TensorData::F32(GaussianVectors(kQHeads, kDim, 13))).status();
+  EXPECT_EQ(page.code(), absl::StatusCode::kDataLoss) << page;
+  EXPECT_THAT(page.message(), HasSubstr("could not be read back from the redis tier"));
+  EXPECT_THAT(page.message(), HasSubstr("fails its CRC"));
+}
+
 TEST(RedisTierTest, RedisPausedOrStoppedNeverHoldsACallAndTheTierCatchesUp) {
   SKIP_WITHOUT_REDIS();
   RedisServer redis;
