@@ -349,22 +349,22 @@ void RedisTier::Release(Record* record) {
   Enqueue(Job::Of(Job::kDelete, record->state, record->key));
 }
 
-void RedisTier::Disown(SessionState& state, const std::string& why) {
-  if (state.disowned) return;
+std::string RedisTier::Disown(SessionState& state, absl::string_view epoch_now) {
+  const std::string why = absl::StrCat("session ", state.id, " was claimed by another turbokvd (epoch now ", epoch_now,
+                                       "); this daemon's copy (epoch ", state.epoch,
+                                       ") is dropped and its writes are refused");
+  if (state.disowned) return why;
   Logf(LogLevel::kWarning, "%s", why.c_str());
   state.disowned = true;
   disowned_why_[state.id] = why;
   disowned_.emplace_back(state.id, absl::FailedPreconditionError(why));
+  return why;
 }
 
 absl::Status RedisTier::ScriptError(SessionState& state, const RedisValue& reply) {
   if (absl::StartsWith(reply.str, "STALE ")) {
-    const std::string why = absl::StrCat("session ", state.id, " was claimed by another turbokvd (epoch now ",
-                                         reply.str.substr(6), "); this daemon's copy (epoch ", state.epoch,
-                                         ") is dropped and its writes are refused");
     std::lock_guard<std::mutex> lock(mutex_);
-    Disown(state, why);
-    return absl::FailedPreconditionError(why);
+    return absl::FailedPreconditionError(Disown(state, absl::string_view(reply.str).substr(6)));
   }
   return absl::InternalError(absl::StrCat("Redis refused a write of session ", state.id, ": ", reply.str));
 }
@@ -459,9 +459,7 @@ void RedisTier::Renew() {
   for (size_t i = 0; i < held.size(); ++i) {
     const RedisValue& reply = (*replies)[i];
     if (reply.type == RedisValue::kError && absl::StartsWith(reply.str, "STALE ")) {
-      Disown(*held[i], absl::StrCat("session ", held[i]->id, " was claimed by another turbokvd (epoch now ",
-                                    reply.str.substr(6), ") while its lease had lapsed; this daemon's copy (epoch ",
-                                    held[i]->epoch, ") is dropped"));
+      Disown(*held[i], absl::string_view(reply.str).substr(6));
     }
   }
 }

@@ -92,8 +92,9 @@ class RedisTier final : public Tier {
   absl::Status Execute(Job& job, const Record* record);
   // Renews the leases of the sessions held.
   void Renew();
-  // Under mutex_: another daemon has the session now (its epoch in `why`).
-  void Disown(SessionState& state, const std::string& why);
+  // Under mutex_: another daemon has the session now, at `epoch_now`
+  // (logged once). Returns why, as calls on it are told.
+  std::string Disown(SessionState& state, absl::string_view epoch_now);
   // A script's error reply: FAILED_PRECONDITION (disowning the session) for
   // a stale epoch, INTERNAL otherwise.
   absl::Status ScriptError(SessionState& state, const RedisValue& reply);
