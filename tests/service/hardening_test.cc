@@ -3,7 +3,9 @@
 // guaranteed (docs/OPERATIONS.md, "Limits and guarantees").
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -37,7 +39,12 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
-std::shared_ptr<grpc::Channel> Channel() { return grpc::CreateChannel(Socket(), grpc::InsecureChannelCredentials()); }
+// Replies of any size (the daemon bounds them; gRPC's client default is 4 MiB).
+std::shared_ptr<grpc::Channel> Channel() {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(-1);
+  return grpc::CreateCustomChannel(Socket(), grpc::InsecureChannelCredentials(), arguments);
+}
 
 template <typename Message>
 grpc::ByteBuffer Bytes(const Message& message) {
@@ -323,17 +330,27 @@ TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
   const Session session = HeavySession(*client);
-  const v1::AttendRequest request = HeavyAttend(session, 2 * kHeavyQueries);
   auto stub = v1::KvCacheService::NewStub(Channel());
-  // One call runs (about 0.3 s); five wait behind it on the session and give
-  // up after 100 ms; more than six at once are refused.
-  std::thread first([&] { EXPECT_TRUE(AttendOnce(*stub, request).ok()); });
+  // One call runs for at least half a second (its queries sized from one
+  // call timed on this machine: AVX-512 machines attend 2x faster than AVX2
+  // ones); five one-query calls wait behind it on the session and give up
+  // after 100 ms; more than six at once are refused.
+  const absl::Time timed = absl::Now();
+  ASSERT_TRUE(AttendOnce(*stub, HeavyAttend(session)).ok());
+  const double calls = std::ceil(absl::Milliseconds(500) / (absl::Now() - timed));
+  const int queries = static_cast<int>(std::clamp(calls * kHeavyQueries, 2.0 * kHeavyQueries, 1024.0));
+  const v1::AttendRequest request = HeavyAttend(session, queries);
+  const v1::AttendRequest one_query = HeavyAttend(session, 1);
+  std::thread first([&] {
+    const grpc::Status status = AttendOnce(*stub, request);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  });
   absl::SleepFor(absl::Milliseconds(50));
   std::vector<std::thread> impatient;
   std::atomic<int> expired{0}, refused{0};
   for (int i = 0; i < 7; ++i) {
     impatient.emplace_back([&] {
-      const grpc::Status status = AttendOnce(*stub, request, absl::Milliseconds(100));
+      const grpc::Status status = AttendOnce(*stub, one_query, absl::Milliseconds(100));
       if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) ++expired;
       if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
         ++refused;
@@ -348,7 +365,7 @@ TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
   // Once the session is free, the expired calls' work is dropped, not run.
   ASSERT_TRUE(session.Info().ok());
   const std::string metrics = Scrape(daemon.MetricsAddress());
-  EXPECT_EQ(Sample(metrics, "turbokv_attended_queries_total"), 2 * kHeavyQueries) << metrics;
+  EXPECT_EQ(Sample(metrics, "turbokv_attended_queries_total"), kHeavyQueries + queries) << metrics;
   EXPECT_EQ(Sample(metrics, "turbokv_rpc_errors_total{code=\"CANCELLED\",method=\"Attend\",side=\"client\"}"), expired.load());
 
   // Sessions are capped.
