@@ -72,32 +72,41 @@ uint64_t StreamRead(ThreadPool& pool, const std::vector<uint64_t>& buffer) {
 }
 
 #ifdef TURBOKV_WITH_CUDA
-// The same comparison on GPU 0: CUDA events, and a device-to-device copy of
-// the compressed cache's bytes for the memory speed.
-int RunAttendCuda(const Cache& compressed, const Cache& f16, const AttentionParams& params,
+// The same comparison on GPU 0, for a batch of `sessions` copies of the cache
+// (one decode step of that many sessions in one call): the kernels' time
+// (CUDA events), the compressed cache's bytes read per second against a
+// device-to-device copy of as many bytes, and the f16 cache through the same
+// kernels.
+int RunAttendCuda(const Cache& compressed, const Cache& f16, int sessions, const AttentionParams& params,
                   const AttentionQueries& queries, bool json) {
-  auto c = MeasureCudaAttention(compressed.buffer->descriptor(), params, queries, compressed.bytes);
-  auto f = MeasureCudaAttention(f16.buffer->descriptor(), params, queries, f16.bytes);
+  auto c = MeasureCudaAttention(compressed.buffer->descriptor(), sessions, params, queries, compressed.bytes);
+  auto f = MeasureCudaAttention(f16.buffer->descriptor(), sessions, params, queries, f16.bytes);
   if (!c.ok() || !f.ok()) {
     std::fprintf(stderr, "turbokv-bench: %s\n", std::string((c.ok() ? f.status() : c.status()).message()).c_str());
     return 1;
   }
-  const double cache_gb_per_s = compressed.bytes / (c->us_per_call * 1e-6) / 1e9;
+  const double bytes = static_cast<double>(compressed.bytes) * sessions;
+  const double cache_gb_per_s = bytes / (c->us_per_call * 1e-6) / 1e9;
+  const double f16_gb_per_s = static_cast<double>(f16.bytes) * sessions / (f->us_per_call * 1e-6) / 1e9;
   if (json) {
-    std::printf("{\"implementation\": \"cuda:0\", \"us_per_call\": %.6g, \"f16_us_per_call\": %.6g, "
-                "\"cache_bytes\": %zu, \"cache_gb_per_s\": %.6g, \"device_copy_gb_per_s\": %.6g}\n",
-                c->us_per_call, f->us_per_call, compressed.bytes, cache_gb_per_s, c->copy_gb_per_s);
+    std::printf("{\"implementation\": \"cuda:0\", \"sessions\": %d, \"us_per_call\": %.6g, "
+                "\"f16_us_per_call\": %.6g, \"cache_bytes\": %.0f, \"cache_gb_per_s\": %.6g, "
+                "\"f16_gb_per_s\": %.6g, \"device_copy_gb_per_s\": %.6g, \"fraction_of_device_copy\": %.6g, "
+                "\"speedup_vs_f16\": %.6g}\n",
+                sessions, c->us_per_call, f->us_per_call, bytes, cache_gb_per_s, f16_gb_per_s, c->copy_gb_per_s,
+                cache_gb_per_s / c->copy_gb_per_s, f->us_per_call / c->us_per_call);
     return 0;
   }
-  std::printf("attend %s keys, %s values: %lld tokens, %d kv heads, %d q heads, d %d, %lld quer%s, GPU 0\n",
+  std::printf("attend %s keys, %s values: %d session%s x %lld tokens, %d kv heads, %d q heads, d %d, %lld quer%s, "
+              "GPU 0\n",
               CodecName(compressed.buffer->descriptor().key_layout.kind),
-              CodecName(compressed.buffer->descriptor().value_layout.kind),
+              CodecName(compressed.buffer->descriptor().value_layout.kind), sessions, sessions == 1 ? "" : "s",
               static_cast<long long>(compressed.buffer->tokens()), compressed.buffer->descriptor().kv_heads,
               params.q_heads, compressed.buffer->descriptor().key_layout.head_dim,
               static_cast<long long>(queries.n), queries.n == 1 ? "y" : "ies");
-  std::printf("  compressed %.1f us/call (%.0f GB/s of cache), f16 %.1f us/call (%.0f GB/s); "
-              "speed-up %.2fx; device copy %.0f GB/s\n",
-              c->us_per_call, cache_gb_per_s, f->us_per_call, f16.bytes / (f->us_per_call * 1e-6) / 1e9,
+  std::printf("  compressed %.1f us/call (%.0f GB/s of cache, %.0f%% of the device copy), f16 %.1f us/call "
+              "(%.0f GB/s); speed-up %.2fx; device copy %.0f GB/s\n",
+              c->us_per_call, cache_gb_per_s, 100 * cache_gb_per_s / c->copy_gb_per_s, f->us_per_call, f16_gb_per_s,
               f->us_per_call / c->us_per_call, c->copy_gb_per_s);
   return 0;
 }
@@ -110,11 +119,11 @@ int RunAttend(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"k-codec", "v-codec", "tokens", "kv-heads", "q-heads", "head-dim", "queries",
-                      "threads", "page-tokens", "impl", "target", "chunk-tokens"},
+                      "threads", "page-tokens", "impl", "target", "chunk-tokens", "sessions"},
                      {"json"}, &error)) {
     return UsageError(error);
   }
-  long long tokens, kv_heads, q_heads, head_dim, n_queries, threads, page_tokens, chunk_tokens = 0;
+  long long tokens, kv_heads, q_heads, head_dim, n_queries, threads, page_tokens, sessions, chunk_tokens = 0;
   if (!options.GetInt("tokens", 16384, &tokens, &error) ||
       !options.GetInt("kv-heads", 8, &kv_heads, &error) ||
       !options.GetInt("q-heads", 32, &q_heads, &error) ||
@@ -122,6 +131,7 @@ int RunAttend(int argc, char** argv) {
       !options.GetInt("queries", 1, &n_queries, &error) ||
       !options.GetInt("threads", 1, &threads, &error) ||
       !options.GetInt("page-tokens", 256, &page_tokens, &error) ||
+      !options.GetInt("sessions", 1, &sessions, &error) ||
       (options.Has("chunk-tokens") && !options.GetInt("chunk-tokens", 1024, &chunk_tokens, &error))) {
     return UsageError(error);
   }
@@ -135,7 +145,8 @@ int RunAttend(int argc, char** argv) {
   if (!v_codec.ok()) return UsageError(std::string(v_codec.status().message()));
   if (q_heads % kv_heads != 0) return UsageError("--q-heads must be a multiple of --kv-heads");
   if (n_queries > tokens) return UsageError("--queries cannot exceed --tokens");
-  if (head_dim > kMaxHeadDim || kv_heads > 1024 || q_heads > 8192 || threads > 1024) {
+  if (head_dim > kMaxHeadDim || kv_heads > 1024 || q_heads > 8192 || threads > 1024 || sessions < 1 ||
+      sessions > 4096) {
     return UsageError("a size is out of range");
   }
   const int d = static_cast<int>(head_dim), kv = static_cast<int>(kv_heads);
@@ -165,9 +176,12 @@ int RunAttend(int argc, char** argv) {
   const AttentionOutput output{out.data(), lse.data()};
   const std::string impl = options.Get("impl", "cpu");
 #ifdef TURBOKV_WITH_CUDA
-  if (impl == "cuda") return RunAttendCuda(compressed, f16, params, queries, options.Has("json"));
+  if (impl == "cuda") {
+    return RunAttendCuda(compressed, f16, static_cast<int>(sessions), params, queries, options.Has("json"));
+  }
 #endif
   if (impl != "cpu") return UsageError("--impl must be cpu or cuda (when built with CUDA)");
+  if (sessions != 1) return UsageError("--sessions is for --impl cuda; the CPU kernel's batches are measured by e2e --batch");
   ThreadPool pool(static_cast<int>(threads));
   AttentionOptions attend_options{AttentionPath::kSimd, &pool};
   attend_options.chunk_tokens = chunk_tokens;

@@ -2,57 +2,60 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "bench/cuda_timing.h"
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_codec.h"
+#include "kernels/cuda/cuda_stream.h"
 
 namespace turbokv {
 
-absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cache,
+absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cache, int sessions,
                                                          const AttentionParams& params,
-                                                         const AttentionQueries& queries,
-                                                         size_t cache_bytes) {
-  auto device_cache = cuda::DevicePagedCache::Upload(cache, 0);
-  if (!device_cache.ok()) return device_cache.status();
+                                                         const AttentionQueries& queries, size_t cache_bytes) {
+  std::vector<std::unique_ptr<cuda::DevicePagedCache>> copies;
+  for (int i = 0; i < sessions; ++i) {
+    auto copy = cuda::DevicePagedCache::Upload(cache, 0);
+    if (!copy.ok()) return copy.status();
+    copies.push_back(*std::move(copy));
+  }
+  auto stream = cuda::CudaStream::Create(0);
+  if (!stream.ok()) return stream.status();
   const size_t rows = static_cast<size_t>(queries.n) * params.q_heads;
   const size_t d = cache.key_layout.head_dim;
-  float *q = nullptr, *out = nullptr, *lse = nullptr;
-  int64_t* positions = nullptr;
-  void *copy_src = nullptr, *copy_dst = nullptr;
-  absl::Status status = cuda::CudaStatus(cudaMalloc(reinterpret_cast<void**>(&q), rows * d * 4), "cudaMalloc");
-  if (status.ok()) status = cuda::CudaStatus(cudaMalloc(reinterpret_cast<void**>(&out), rows * d * 4), "cudaMalloc");
-  if (status.ok()) status = cuda::CudaStatus(cudaMalloc(reinterpret_cast<void**>(&lse), rows * 4), "cudaMalloc");
-  if (status.ok()) {
-    status = cuda::CudaStatus(cudaMalloc(reinterpret_cast<void**>(&positions), queries.n * 8), "cudaMalloc");
+  std::vector<float> out(rows * d * sessions), lse(rows * sessions);
+  std::vector<AttentionProblem> batch;
+  for (int i = 0; i < sessions; ++i) {
+    batch.push_back({copies[i]->descriptor(), queries, {out.data() + i * rows * d, lse.data() + i * rows}});
   }
-  if (status.ok()) status = cuda::CudaStatus(cudaMalloc(&copy_src, cache_bytes), "cudaMalloc");
-  if (status.ok()) status = cuda::CudaStatus(cudaMalloc(&copy_dst, cache_bytes), "cudaMalloc");
-  if (status.ok()) status = cuda::CudaStatus(cudaMemcpy(q, queries.q, rows * d * 4, cudaMemcpyHostToDevice), "copy");
-  if (status.ok()) {
-    status = cuda::CudaStatus(cudaMemcpy(positions, queries.positions, queries.n * 8, cudaMemcpyHostToDevice), "copy");
+  // The kernels' own time, call by call: the median of 21 calls after a warm-up.
+  std::vector<double> seconds;
+  for (int call = 0; call < 22; ++call) {
+    if (absl::Status s = (*stream)->Attend({batch.data(), sessions}, params); !s.ok()) return s;
+    if (call > 0) seconds.push_back((*stream)->last_kernel_seconds());
   }
+  std::sort(seconds.begin(), seconds.end());
   CudaAttentionTiming timing;
+  timing.us_per_call = seconds[seconds.size() / 2] * 1e6;
+  const size_t bytes = cache_bytes * sessions;
+  void *source = nullptr, *target = nullptr;
+  absl::Status status = cuda::CudaStatus(cudaMalloc(&source, bytes), "cudaMalloc");
+  if (status.ok()) status = cuda::CudaStatus(cudaMalloc(&target, bytes), "cudaMalloc");
   if (status.ok()) {
-    auto attend = MedianMsPerCall([&] {
-      return cuda::AttendCuda((*device_cache)->descriptor(), params, queries.n, q, positions, out, lse, nullptr);
-    }, 21, 10);
     auto copy = MedianMsPerCall([&] {
-      return cuda::CudaStatus(cudaMemcpyAsync(copy_dst, copy_src, cache_bytes, cudaMemcpyDeviceToDevice), "copy");
+      return cuda::CudaStatus(cudaMemcpyAsync(target, source, bytes, cudaMemcpyDeviceToDevice), "copy");
     }, 21, 10);
-    if (!attend.ok()) {
-      status = attend.status();
-    } else if (!copy.ok()) {
-      status = copy.status();
+    if (copy.ok()) {
+      timing.copy_gb_per_s = 2.0 * bytes / (*copy * 1e-3) / 1e9;
     } else {
-      timing.us_per_call = *attend * 1e3;
-      timing.copy_gb_per_s = 2.0 * cache_bytes / (*copy * 1e-3) / 1e9;
+      status = copy.status();
     }
   }
-  for (void* p : {static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(lse),
-                  static_cast<void*>(positions), copy_src, copy_dst}) {
-    cudaFree(p);
-  }
+  cudaFree(source);
+  cudaFree(target);
   if (!status.ok()) return status;
   return timing;
 }

@@ -9,14 +9,16 @@
 namespace turbokv {
 
 struct CudaAttentionTiming {
-  double us_per_call = 0;      // median over repeated calls, CUDA events
-  double copy_gb_per_s = 0;    // device-to-device copy of the cache's bytes, read + written
+  double us_per_call = 0;    // median time of the kernels of one batched call (CUDA events around them)
+  double copy_gb_per_s = 0;  // device-to-device copy of as many bytes as the batch's caches, read + written
 };
 
-// Uploads `cache` to GPU 0 and times attention of `queries` against it.
-absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cache,
+// Uploads `cache` to GPU 0 `sessions` times and times attention of `queries`
+// against each copy, the whole batch in one call (a decode step of
+// `sessions` sessions), through the daemon's entry (CudaStream::Attend).
+// cache_bytes: what one copy's attention reads.
+absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cache, int sessions,
                                                          const AttentionParams& params,
-                                                         const AttentionQueries& queries,
-                                                         size_t cache_bytes);
+                                                         const AttentionQueries& queries, size_t cache_bytes);
 
 }  // namespace turbokv

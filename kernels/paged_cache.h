@@ -1,5 +1,7 @@
-// An owning, growable paged cache of one layer in the layout PagedKvCache
-// describes: encodes appended tokens with CPU codecs straight into pages.
+// Tokens encoded into, and decoded from, a paged cache of one layer
+// (PagedKvCache): the descriptor of a chunk to encode, the CPU's encode and
+// decode of such ranges, and an owning, growable paged cache for tests and
+// tools that encodes with them.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +13,41 @@
 #include "kernels/codec.h"
 
 namespace turbokv {
+
+class ThreadPool;
+
+// One layer's new tokens to encode into its pages.
+struct EncodeChunk {
+  // The layer's codecs: their spec and layout, and the CPU implementation.
+  const Codec* key_codec = nullptr;
+  const Codec* value_codec = nullptr;
+  // The layer as it will be once the chunk is stored: cache.pages is a host
+  // array of the pages' addresses (host or device memory), cache.tokens the
+  // new length. The pages the chunk writes are the caller's alone (new
+  // pages, or the copy of a shared one), so a failed encode leaves the
+  // layer's tokens as they were.
+  PagedKvCache cache;
+  int64_t first = 0;  // the chunk writes tokens [first, cache.tokens)
+  // When not null: before encoding, the page holding token `first` gets the
+  // bytes of this page (copy on write of a partly filled page shared with a
+  // fork), in the same memory as the others.
+  const uint8_t* copy_from = nullptr;
+  // Host memory, [cache.tokens - first][kv_heads][head_dim] f32.
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  // When not null, they gain the chunk's quantization error (EncodeStats).
+  EncodeStats* key_errors = nullptr;
+  EncodeStats* value_errors = nullptr;
+};
+
+// Encodes a chunk whose pages are host memory with its CPU codecs; its runs
+// of slots (one page, one kv head) spread over `pool` when given.
+void EncodeChunkCpu(const EncodeChunk& chunk, ThreadPool* pool);
+
+// Decodes tokens [first, first + n) of a cache in host memory with its CPU
+// codecs into keys and values [n][kv_heads][head_dim].
+void DecodeCpu(const Codec& key_codec, const Codec& value_codec, const PagedKvCache& cache, int64_t first, int64_t n,
+               float* keys, float* values);
 
 class PagedCacheBuffer {
  public:

@@ -1,53 +1,62 @@
-// Flash-decoding attention on the compressed paged cache. Records are decoded
-// with the host/device helpers of block_math.h (DecodeValueAt,
+// Flash-decoding attention over a batch of compressed paged caches. Records
+// are decoded with the host/device helpers of block_math.h (DecodeValueAt,
 // TurboBlock128Dots, TurboBlock128LaneValues), which the CPU tests check
 // against the codecs; turbo keys are scored in the rotated domain against
 // queries rotated once here, turbo values accumulate rotated and are rotated
-// back once per output in the merge kernel.
+// back once per output row in the merge kernel. Blocks find their problem
+// and coordinates through the plan's lookups (attention_plan.h).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/block_math.h"
-#include "kernels/codebooks.h"
 #include "kernels/cuda/attention_kernels.cuh"
+#include "kernels/cuda/codebooks.cuh"
 #include "kernels/cuda/warp.cuh"
 #include "kernels/rotation.h"
 
 namespace turbokv::cuda {
 namespace {
 
-constexpr int kWarps = 4;    // per block of the split kernel
-constexpr int kRowsPerBlock = 4;
+constexpr int kWarps = kAttentionWarps;
 
-struct Problem {
-  PagedKvCache cache;
-  float key_centroids[16];
-  float value_centroids[16];
+// What every block of a launch shares.
+struct Launch {
+  const DeviceProblem* problems;
+  int64_t count;
   int q_heads;
-  int group;
-  int row_chunks;   // ceil(group / kRowsPerBlock)
-  int splits;
-  int64_t chunk;    // tokens per split
+  int group;       // q heads per kv head
+  int row_chunks;  // ceil(group / kRowsPerBlock)
+  int head_dim;
   float scale;
   float softcap;
   int64_t window;
-  int64_t first_query;  // blockIdx.z counts queries from here
-  const int64_t* positions;
-  const float* q_rot;  // [n][q_heads][d], in the key domain
-  float* partials;     // [n][q_heads][splits][d + 2]: m, l, acc
+  int top_k;
+  float* q_rot;     // [rows][head_dim], in the key domain
+  float* partials;  // [partials][head_dim + 2]: m, l, acc
+  float* logits;    // with top_k: [logits]
 };
 
+// The codebook centroids of a turbo layout (16 slots; zeros for the others).
+__device__ void LoadCentroids(const CodecLayout& layout, float* out, int i) {
+  const int bits = TurboBits(layout.kind);
+  out[i] = bits != 0 && i < (1 << bits) ? DeviceCodebook(layout.block_values, bits).centroids[i] : 0.0f;
+}
+
 // Rotates each query head into the key domain (H * S_k per block) when keys
-// are turbo; copies it otherwise. One warp per (query, q head).
+// are turbo; copies it otherwise. One warp per output row.
 template <int V>
-__global__ void RotateQueriesKernel(Problem p, const float* __restrict__ q, float* __restrict__ q_rot) {
+__global__ void RotateQueriesKernel(Launch l) {
   const int lane = threadIdx.x;
-  const size_t row = blockIdx.x;
+  const int64_t row = blockIdx.x;
+  const DeviceProblem& p = l.problems[ProblemOfRow(l.problems, l.count, row)];
+  const int64_t local = row - p.first_row;
   const CodecLayout& layout = p.cache.key_layout;
   const int d = layout.head_dim;
-  const bool turbo = TurboBits(layout.kind) != 0;
-  if (!turbo) {
-    for (int i = lane; i < d; i += 32) q_rot[row * d + i] = q[row * d + i];
+  const float* q = p.q + local * d;
+  float* q_rot = l.q_rot + row * d;
+  if (TurboBits(layout.kind) == 0) {
+    for (int i = lane; i < d; i += 32) q_rot[i] = q[i];
     return;
   }
   for (int b = 0; b < layout.blocks; ++b) {
@@ -55,19 +64,18 @@ __global__ void RotateQueriesKernel(Problem p, const float* __restrict__ q, floa
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const int i = b * 32 * V + lane * V + k;
-      v[k] = q[row * d + i] * (RotationSignNegative(p.cache.key_seed, i) ? -1.0f : 1.0f);
+      v[k] = q[i] * (RotationSignNegative(p.cache.key_seed, i) ? -1.0f : 1.0f);
     }
     WarpFwht<V>(v, lane);
 #pragma unroll
-    for (int k = 0; k < V; ++k) q_rot[row * d + b * 32 * V + lane * V + k] = v[k];
+    for (int k = 0; k < V; ++k) q_rot[b * 32 * V + lane * V + k] = v[k];
   }
 }
 
 // sum_i q[r][i] * k[i] over one record for `rows` query rows held in shared
 // memory ([rows][d]); turbo keys sum q * c per block and scale once by s / B.
-__device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t* record,
-                                        const float* q, int rows, const float* centroids,
-                                        float (&dot)[kRowsPerBlock]) {
+__device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t* record, const float* q, int rows,
+                                        const float* centroids, float (&dot)[kRowsPerBlock]) {
   const int d = layout.head_dim;
   const int bits = TurboBits(layout.kind);
   if (bits == 0) {
@@ -106,51 +114,48 @@ __device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t
   }
 }
 
-// Block (kv head, split, query x row chunk). Each warp takes tiles of 32
-// tokens of the split's range: lane j scores token j of the tile against
-// every row, the tile's softmax update runs across the warp, then the lanes
-// switch to dimensions and accumulate the tile's values. Warps keep m, l per
-// row, and acc in registers when head_dim is 128 (kHead128: lane holds
-// dimensions lane + 32 k) or in shared memory otherwise; the warps are
-// combined through shared memory at the end.
+// One unit (attention_plan.h). Each warp takes tiles of 32 tokens of the
+// split's range: lane j scores token j of the tile against every row (and,
+// with top_k, writes its logits), the tile's softmax update runs across the
+// warp, then the lanes switch to dimensions and accumulate the tile's
+// values. Warps keep m, l per row, and acc in registers when head_dim is 128
+// (kHead128: lane holds dimensions lane + 32 k) or in shared memory
+// otherwise; the warps are combined through shared memory at the end into
+// the split's partial state of each row.
 template <bool kHead128>
-__global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
-  extern __shared__ float shared[];
-  const int d = p.cache.key_layout.head_dim;
+__device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, float* shared) {
+  const int d = l.head_dim;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int head = blockIdx.x;
-  const int split = blockIdx.y;
-  const int64_t query = p.first_query + blockIdx.z / p.row_chunks;
-  const int g0 = (blockIdx.z % p.row_chunks) * kRowsPerBlock;
-  const int rows = min(kRowsPerBlock, p.group - g0);
-  float* q_s = shared;                                         // [rows][d]
-  float* acc_s = shared + kRowsPerBlock * d;                   // [warps][rows][d]
-  float* ml_s = acc_s + kWarps * kRowsPerBlock * d;            // [warps][rows][2]
-  float* centroids_s = ml_s + kWarps * kRowsPerBlock * 2;      // key [16], value [16]
+  const int g0 = u.row_chunk * kRowsPerBlock;
+  const int rows = min(kRowsPerBlock, l.group - g0);
+  const int64_t local_row0 = u.query * l.q_heads + u.head * l.group + g0;  // the problem's row of r = 0
+  float* q_s = shared;                                     // [rows][d]
+  float* acc_s = shared + kRowsPerBlock * d;               // [warps][rows][d]
+  float* ml_s = acc_s + kWarps * kRowsPerBlock * d;        // [warps][rows][2]
+  float* centroids_s = ml_s + kWarps * kRowsPerBlock * 2;  // key [16], value [16]
 
   for (int x = threadIdx.x; x < rows * d; x += blockDim.x) {
-    const int r = x / d, i = x % d;
-    q_s[x] = p.q_rot[(query * p.q_heads + head * p.group + g0 + r) * static_cast<size_t>(d) + i];
+    q_s[x] = l.q_rot[(p.first_row + local_row0) * d + x];
   }
   if (threadIdx.x < 16) {
-    centroids_s[threadIdx.x] = p.key_centroids[threadIdx.x];
-    centroids_s[16 + threadIdx.x] = p.value_centroids[threadIdx.x];
+    LoadCentroids(p.cache.key_layout, centroids_s, threadIdx.x);
+    LoadCentroids(p.cache.value_layout, centroids_s + 16, threadIdx.x);
   }
   float* acc = acc_s + warp * kRowsPerBlock * d;
   for (int x = lane; x < rows * d; x += 32) acc[x] = 0.0f;
   float acc_r[kRowsPerBlock][4] = {};  // kHead128: dimension lane + 32 k of row r
   const bool turbo_values_128 =
       TurboBits(p.cache.value_layout.kind) != 0 && p.cache.value_layout.block_values == 128;
+  float* logits = l.top_k > 0 ? l.logits + p.first_logit + local_row0 * p.cache.tokens : nullptr;
   __syncthreads();
 
-  const int64_t last = p.positions[query];
-  const int64_t first = p.window > 0 ? max(int64_t{0}, last - p.window + 1) : 0;
-  const int64_t begin = max(first, split * p.chunk);
-  const int64_t end = min(last + 1, (split + 1) * p.chunk);
-  float m[kRowsPerBlock], l[kRowsPerBlock];
+  const VisibleTokens visible = Visible(p.positions[u.query], l.window);
+  const int64_t begin = max(visible.first, u.split * p.chunk);
+  const int64_t end = min(visible.last + 1, (u.split + 1) * p.chunk);
+  float m[kRowsPerBlock], s[kRowsPerBlock];
   for (int r = 0; r < kRowsPerBlock; ++r) {
     m[r] = -INFINITY;
-    l[r] = 0.0f;
+    s[r] = 0.0f;
   }
   for (int64_t t0 = begin + 32 * warp; t0 < end; t0 += 32 * kWarps) {
     const int64_t t = t0 + lane;
@@ -163,14 +168,15 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
         const int64_t page = t / p.cache.page_tokens;  // one 64-bit division per token
         const int64_t slot = t - page * p.cache.page_tokens;
         const uint8_t* base = p.cache.pages[page];
-        KeyDots(p.cache.key_layout, base + p.cache.key_offset(head, slot), q_s, rows, centroids_s, dot);
-        value = base + p.cache.value_offset(head, slot);
+        KeyDots(p.cache.key_layout, base + p.cache.key_offset(u.head, slot), q_s, rows, centroids_s, dot);
+        value = base + p.cache.value_offset(u.head, slot);
       }
 #pragma unroll
       for (int r = 0; r < kRowsPerBlock; ++r) {
-        float x = dot[r] * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+        float x = dot[r] * l.scale;
+        if (l.softcap > 0.0f) x = l.softcap * tanhf(x / l.softcap);
         logit[r] = valid && r < rows ? x : -INFINITY;
+        if (logits != nullptr && valid && r < rows) logits[r * p.cache.tokens + t] = x;
       }
     }
     float weight[kRowsPerBlock] = {};
@@ -180,7 +186,7 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
       const float m_new = fmaxf(m[r], WarpMax(logit[r]));
       const float correction = __expf(m[r] - m_new);
       weight[r] = valid ? __expf(logit[r] - m_new) : 0.0f;
-      l[r] = l[r] * correction + WarpSum(weight[r]);
+      s[r] = s[r] * correction + WarpSum(weight[r]);
       m[r] = m_new;
       if (correction != 1.0f) {
         if (kHead128) {
@@ -231,7 +237,7 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
   if (lane == 0) {
     for (int r = 0; r < rows; ++r) {
       ml_s[(warp * kRowsPerBlock + r) * 2] = m[r];
-      ml_s[(warp * kRowsPerBlock + r) * 2 + 1] = l[r];
+      ml_s[(warp * kRowsPerBlock + r) * 2 + 1] = s[r];
     }
   }
   __syncthreads();
@@ -240,12 +246,11 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
   for (int r = 0; r < rows; ++r) {
     float m_all = -INFINITY;
     for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, ml_s[(w * kRowsPerBlock + r) * 2]);
-    float* out = p.partials +
-                 ((query * p.q_heads + head * p.group + g0 + r) * p.splits + split) * static_cast<size_t>(d + 2);
-    float l_all = 0.0f;
+    float* out = l.partials + (p.first_partial + (local_row0 + r) * p.splits + u.split) * static_cast<size_t>(d + 2);
+    float s_all = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
       const float mw = ml_s[(w * kRowsPerBlock + r) * 2];
-      if (mw != -INFINITY) l_all += ml_s[(w * kRowsPerBlock + r) * 2 + 1] * __expf(mw - m_all);
+      if (mw != -INFINITY) s_all += ml_s[(w * kRowsPerBlock + r) * 2 + 1] * __expf(mw - m_all);
     }
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
       float a = 0.0f;
@@ -257,13 +262,22 @@ __global__ void __launch_bounds__(32 * kWarps) SplitKernel(Problem p) {
     }
     if (threadIdx.x == 0) {
       out[0] = m_all;
-      out[1] = l_all;
+      out[1] = s_all;
     }
+  }
+  __syncthreads();  // the next unit of this block reuses the shared memory
+}
+
+template <bool kHead128>
+__global__ void __launch_bounds__(32 * kWarps) SplitKernel(Launch l, int64_t units) {
+  extern __shared__ float shared[];
+  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const DeviceProblem& p = l.problems[ProblemOfUnit(l.problems, l.count, unit)];
+    RunUnit<kHead128>(l, p, UnitOf(p, unit, l.row_chunks), shared);
   }
 }
 
 constexpr int kMergeThreads = 128;
-constexpr int kMaxSplits = 256;
 
 // Block reduction over kMergeThreads threads (max or sum), returned to all.
 template <bool kMax>
@@ -277,36 +291,37 @@ __device__ float BlockReduce(float x, float* scratch) {
   return r;
 }
 
-// One block per (query, q head): combines the splits through their max and
-// sum, normalizes, rotates turbo values back (S_v * H per block, warp 0) and
+// One block per output row: combines the splits through their max and sum,
+// normalizes, rotates turbo values back (S_v * H per block, warp 0) and
 // writes out and lse.
 template <int V>
-__global__ void __launch_bounds__(kMergeThreads) MergeKernel(Problem p, float* __restrict__ out,
-                                                             float* __restrict__ lse) {
+__global__ void __launch_bounds__(kMergeThreads) MergeKernel(Launch l) {
   extern __shared__ float shared[];
-  float* row = shared;                    // [d]
-  float* weight = shared + kMaxCudaHeadDim;  // [splits]: exp(m_s - m) / l
-  float* scratch = weight + kMaxSplits;   // [warps]
-  const size_t o = blockIdx.x;
+  float* row_s = shared;                     // [d]
+  float* weight = shared + kMaxCudaHeadDim;  // [splits]: exp(m_s - m)
+  float* scratch = weight + kMaxSplits;      // [warps]
+  const int64_t row = blockIdx.x;
+  const DeviceProblem& p = l.problems[ProblemOfRow(l.problems, l.count, row)];
+  const int64_t local = row - p.first_row;
   const CodecLayout& layout = p.cache.value_layout;
   const int d = layout.head_dim;
   const size_t stride = d + 2;
-  const float* part = p.partials + o * p.splits * stride;
+  const float* part = l.partials + (p.first_partial + local * p.splits) * stride;
   float m = -INFINITY;
   for (int s = threadIdx.x; s < p.splits; s += kMergeThreads) m = fmaxf(m, part[s * stride]);
   m = BlockReduce<true>(m, scratch);
-  float l = 0.0f;
+  float sum = 0.0f;
   for (int s = threadIdx.x; s < p.splits; s += kMergeThreads) {
     const float ms = part[s * stride];
     weight[s] = ms == -INFINITY ? 0.0f : __expf(ms - m);
-    l += part[s * stride + 1] * weight[s];
+    sum += part[s * stride + 1] * weight[s];
   }
-  l = BlockReduce<false>(l, scratch);
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  sum = BlockReduce<false>(sum, scratch);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   for (int i = threadIdx.x; i < d; i += kMergeThreads) {
     float a = 0.0f;
     for (int s = 0; s < p.splits; ++s) a += part[s * stride + 2 + i] * weight[s];
-    row[i] = a * inv;
+    row_s[i] = a * inv;
   }
   __syncthreads();
   if (threadIdx.x >= 32) return;
@@ -315,108 +330,219 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(Problem p, float* _
     for (int b = 0; b < layout.blocks; ++b) {
       float v[V];
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[k] = row[b * 32 * V + lane * V + k];
+      for (int k = 0; k < V; ++k) v[k] = row_s[b * 32 * V + lane * V + k];
       WarpFwht<V>(v, lane);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const int i = b * 32 * V + lane * V + k;
-        row[i] = v[k] * (RotationSignNegative(p.cache.value_seed, i) ? -1.0f : 1.0f);
+        row_s[i] = v[k] * (RotationSignNegative(p.cache.value_seed, i) ? -1.0f : 1.0f);
       }
     }
     __syncwarp();
   }
-  for (int i = lane; i < d; i += 32) out[o * d + i] = row[i];
-  if (lane == 0) lse[o] = l > 0.0f ? m + logf(l) : -INFINITY;
+  for (int i = lane; i < d; i += 32) p.out[local * d + i] = row_s[i];
+  if (lane == 0) p.lse[local] = sum > 0.0f ? m + logf(sum) : -INFINITY;
 }
 
-struct Plan {
-  int row_chunks;
-  int splits;
-  int64_t chunk;
-};
+constexpr int kTopKThreads = 256;
 
-Plan MakePlan(const PagedKvCache& cache, const AttentionParams& params, int64_t n, int sm_count) {
-  Plan plan;
-  const int group = params.q_heads / cache.kv_heads;
-  plan.row_chunks = (group + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t blocks_without_split = static_cast<int64_t>(cache.kv_heads) * n * plan.row_chunks;
-  // Enough blocks to fill the device about eight times, at least one tile per
-  // warp each.
-  const int64_t wanted = std::max<int64_t>(1, (8 * static_cast<int64_t>(sm_count) + blocks_without_split - 1) /
-                                                  blocks_without_split);
-  const int64_t most = std::max<int64_t>(1, (cache.tokens + 32 * kWarps - 1) / (32 * kWarps));
-  plan.splits = static_cast<int>(std::min<int64_t>({wanted, most, kMaxSplits}));
-  plan.chunk = (cache.tokens + plan.splits - 1) / plan.splits;
-  return plan;
+// Float order as unsigned order: a larger float has a larger key.
+__device__ __forceinline__ uint32_t OrderedKey(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+// Whether (key a, token a) ranks before (key b, token b): the higher logit
+// first, the earlier token among equal ones (as the CPU's TopK).
+__device__ __forceinline__ bool RanksBefore(uint32_t key_a, int64_t token_a, uint32_t key_b, int64_t token_b) {
+  return key_a > key_b || (key_a == key_b && token_a < token_b);
+}
+
+// Inclusive prefix sum over the block of one int per thread.
+__device__ int BlockInclusiveSum(int x, int* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int step = 1; step < 32; step *= 2) {
+    const int y = __shfl_up_sync(kFullMask, x, step);
+    if (lane >= step) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  int before = 0;
+  for (int w = 0; w < warp; ++w) before += scratch[w];
+  __syncthreads();
+  return x + before;
+}
+
+// One block per output row: the top_k highest logits of the tokens the row's
+// query sees, highest first (the earlier token among equal logits), then -1
+// and -inf past the visible count. A radix select over the logits' ordered
+// bits finds the k-th highest key; the keys above it and the earliest
+// tokens equal to it are gathered and sorted (bitonic) in shared memory.
+__global__ void __launch_bounds__(kTopKThreads) TopKKernel(Launch l) {
+  __shared__ unsigned histogram[256];
+  __shared__ uint32_t candidate_key[kMaxCudaTopK];
+  __shared__ int64_t candidate_token[kMaxCudaTopK];
+  __shared__ uint32_t prefix_s;
+  __shared__ int remaining_s;
+  __shared__ int above_s;
+  __shared__ int scratch[kTopKThreads / 32];
+  const int64_t row = blockIdx.x;
+  const DeviceProblem& p = l.problems[ProblemOfRow(l.problems, l.count, row)];
+  const int64_t local = row - p.first_row;
+  const float* logits = l.logits + p.first_logit + local * p.cache.tokens;
+  const VisibleTokens visible = Visible(p.positions[local / l.q_heads], l.window);
+  const int64_t n = visible.last - visible.first + 1;
+  const int k = static_cast<int>(min(static_cast<int64_t>(l.top_k), n));
+
+  // Radix select, eight bits a pass from the top: after the passes,
+  // prefix_s is the k-th highest key, and remaining_s how many tokens with
+  // exactly that key belong to the top k.
+  if (threadIdx.x == 0) {
+    prefix_s = 0;
+    remaining_s = k;
+  }
+  uint32_t mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += kTopKThreads) histogram[b] = 0;
+    __syncthreads();
+    const uint32_t prefix = prefix_s;
+    for (int64_t t = visible.first + threadIdx.x; t <= visible.last; t += kTopKThreads) {
+      const uint32_t key = OrderedKey(logits[t]);
+      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && k > 0) {
+      int above = 0;
+      for (int b = 255; b >= 0; --b) {
+        if (above + static_cast<int>(histogram[b]) >= remaining_s) {
+          prefix_s = prefix | (static_cast<uint32_t>(b) << shift);
+          remaining_s -= above;
+          break;
+        }
+        above += static_cast<int>(histogram[b]);
+      }
+    }
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  const uint32_t threshold = prefix_s;
+  const int ties = remaining_s;  // the earliest `ties` tokens with key == threshold
+  if (threadIdx.x == 0) above_s = 0;
+  __syncthreads();
+  // Keys above the threshold take slots [0, k - ties) in any order; ties take
+  // the slots after, in token order.
+  int ties_taken = 0;
+  for (int64_t base = visible.first; base <= visible.last && k > 0; base += kTopKThreads) {
+    const int64_t t = base + threadIdx.x;
+    uint32_t key = 0;
+    if (t <= visible.last) key = OrderedKey(logits[t]);
+    const bool tie = t <= visible.last && key == threshold;
+    if (t <= visible.last && key > threshold) {
+      const int slot = atomicAdd(&above_s, 1);
+      candidate_key[slot] = key;
+      candidate_token[slot] = t;
+    }
+    const int rank = BlockInclusiveSum(tie ? 1 : 0, scratch);  // 1-based among this tile's ties
+    if (tie && ties_taken + rank <= ties) {
+      const int slot = k - ties + ties_taken + rank - 1;
+      candidate_key[slot] = key;
+      candidate_token[slot] = t;
+    }
+    ties_taken += __syncthreads_count(tie);
+  }
+  // Pad to a power of two and sort, ranking order first.
+  int size = 1;
+  while (size < k) size *= 2;
+  for (int i = k + threadIdx.x; i < size; i += kTopKThreads) {
+    candidate_key[i] = 0;  // below every finite float's key
+    candidate_token[i] = INT64_MAX;
+  }
+  __syncthreads();
+  for (int span = 2; span <= size; span *= 2) {
+    for (int stride = span / 2; stride > 0; stride /= 2) {
+      for (int i = threadIdx.x; i < size; i += kTopKThreads) {
+        const int j = i ^ stride;
+        if (j <= i) continue;
+        const bool ascending = (i & span) == 0;
+        const bool swap = ascending ? RanksBefore(candidate_key[j], candidate_token[j], candidate_key[i], candidate_token[i])
+                                    : RanksBefore(candidate_key[i], candidate_token[i], candidate_key[j], candidate_token[j]);
+        if (swap) {
+          const uint32_t key = candidate_key[i];
+          const int64_t token = candidate_token[i];
+          candidate_key[i] = candidate_key[j];
+          candidate_token[i] = candidate_token[j];
+          candidate_key[j] = key;
+          candidate_token[j] = token;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  int64_t* tokens_out = p.topk_tokens + local * l.top_k;
+  float* logits_out = p.topk_logits + local * l.top_k;
+  for (int j = threadIdx.x; j < l.top_k; j += kTopKThreads) {
+    tokens_out[j] = j < k ? candidate_token[j] : -1;
+    logits_out[j] = j < k ? logits[candidate_token[j]] : -INFINITY;
+  }
 }
 
 }  // namespace
 
-size_t AttentionWorkspaceBytes(const PagedKvCache& cache, const AttentionParams& params,
-                               int64_t n_queries, int sm_count) {
-  const Plan plan = MakePlan(cache, params, n_queries, sm_count);
-  const size_t d = cache.key_layout.head_dim;
-  const size_t rows = static_cast<size_t>(n_queries) * params.q_heads;
-  return (rows * d + rows * plan.splits * (d + 2)) * sizeof(float);
-}
-
-cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& params,
-                            int64_t n_queries, const float* q, const int64_t* positions, float* out,
-                            float* lse, void* workspace, size_t workspace_bytes, int sm_count,
+cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProblem* device_problems, int64_t count,
+                            const AttentionPlan& plan, const AttentionParams& params, void* workspace,
                             cudaStream_t stream) {
-  const int d = cache.key_layout.head_dim;
-  if (params.top_k > 0 || d > kMaxCudaHeadDim) return cudaErrorNotSupported;
-  if (workspace_bytes < AttentionWorkspaceBytes(cache, params, n_queries, sm_count)) {
-    return cudaErrorInvalidValue;
+  if (count == 0 || plan.rows == 0) return cudaSuccess;
+  const PagedKvCache& first = host_problems[0].cache;
+  const int d = first.key_layout.head_dim;
+  if (d > kMaxCudaHeadDim || params.top_k > kMaxCudaTopK) return cudaErrorNotSupported;
+  for (int64_t i = 0; i < count; ++i) {
+    const PagedKvCache& c = host_problems[i].cache;
+    if (c.kv_heads != first.kv_heads || c.key_layout.head_dim != d || c.value_layout.head_dim != d ||
+        params.q_heads % c.kv_heads != 0) {
+      return cudaErrorInvalidValue;
+    }
   }
-  const Plan plan = MakePlan(cache, params, n_queries, sm_count);
-  Problem p;
-  p.cache = cache;
-  for (const auto& [layout, table] : {std::make_pair(&cache.key_layout, p.key_centroids),
-                                      std::make_pair(&cache.value_layout, p.value_centroids)}) {
-    const float* centroids = LayoutCentroids(*layout);
-    for (int i = 0; i < 16; ++i) table[i] = centroids != nullptr ? centroids[i] : 0.0f;
-  }
-  p.q_heads = params.q_heads;
-  p.group = params.q_heads / cache.kv_heads;
-  p.row_chunks = plan.row_chunks;
-  p.splits = plan.splits;
-  p.chunk = plan.chunk;
-  p.scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
-  p.softcap = params.softcap;
-  p.window = params.window;
-  p.first_query = 0;
-  p.positions = positions;
-  float* q_rot = static_cast<float*>(workspace);
-  p.q_rot = q_rot;
-  p.partials = q_rot + static_cast<size_t>(n_queries) * params.q_heads * d;
+  Launch l;
+  l.problems = device_problems;
+  l.count = count;
+  l.q_heads = params.q_heads;
+  l.group = params.q_heads / first.kv_heads;
+  l.row_chunks = plan.row_chunks;
+  l.head_dim = d;
+  l.scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+  l.softcap = params.softcap;
+  l.window = params.window;
+  l.top_k = params.top_k;
+  float* base = static_cast<float*>(workspace);
+  l.q_rot = base + plan.q_rot_offset();
+  l.partials = base + plan.partials_offset(d);
+  l.logits = base + plan.logits_offset(d);
 
-  const unsigned rows = static_cast<unsigned>(n_queries * params.q_heads);
-  if (cache.key_layout.block_values == 128 || TurboBits(cache.key_layout.kind) == 0) {
-    RotateQueriesKernel<4><<<rows, 32, 0, stream>>>(p, q, q_rot);
+  // Rows and units past what one grid dimension takes run in slices (rows)
+  // or loop inside the blocks (units).
+  constexpr int64_t kMaxGrid = 0x7fffffff;
+  const bool block128 = RotationBlockValues(d) == 128;
+  if (block128) {
+    RotateQueriesKernel<4><<<static_cast<unsigned>(plan.rows), 32, 0, stream>>>(l);
   } else {
-    RotateQueriesKernel<2><<<rows, 32, 0, stream>>>(p, q, q_rot);
+    RotateQueriesKernel<2><<<static_cast<unsigned>(plan.rows), 32, 0, stream>>>(l);
   }
   const size_t shared =
       (kRowsPerBlock * d + kWarps * kRowsPerBlock * d + kWarps * kRowsPerBlock * 2 + 32) * sizeof(float);
-  // grid.z is at most 65535: long prefills launch in slices of queries.
-  const int64_t queries_per_launch = 65535 / plan.row_chunks;
-  for (int64_t first = 0; first < n_queries; first += queries_per_launch) {
-    p.first_query = first;
-    const int64_t count = std::min(queries_per_launch, n_queries - first);
-    const dim3 grid(cache.kv_heads, plan.splits, static_cast<unsigned>(count * plan.row_chunks));
-    if (d == 128) {
-      SplitKernel<true><<<grid, 32 * kWarps, shared, stream>>>(p);
-    } else {
-      SplitKernel<false><<<grid, 32 * kWarps, shared, stream>>>(p);
-    }
+  const unsigned grid = static_cast<unsigned>(std::min(plan.units, kMaxGrid));
+  if (d == 128) {
+    SplitKernel<true><<<grid, 32 * kWarps, shared, stream>>>(l, plan.units);
+  } else {
+    SplitKernel<false><<<grid, 32 * kWarps, shared, stream>>>(l, plan.units);
   }
   const size_t merge_shared = (kMaxCudaHeadDim + kMaxSplits + kMergeThreads / 32) * sizeof(float);
-  if (cache.value_layout.block_values == 128 || TurboBits(cache.value_layout.kind) == 0) {
-    MergeKernel<4><<<rows, kMergeThreads, merge_shared, stream>>>(p, out, lse);
+  if (block128) {
+    MergeKernel<4><<<static_cast<unsigned>(plan.rows), kMergeThreads, merge_shared, stream>>>(l);
   } else {
-    MergeKernel<2><<<rows, kMergeThreads, merge_shared, stream>>>(p, out, lse);
+    MergeKernel<2><<<static_cast<unsigned>(plan.rows), kMergeThreads, merge_shared, stream>>>(l);
   }
+  if (params.top_k > 0) TopKKernel<<<static_cast<unsigned>(plan.rows), kTopKThreads, 0, stream>>>(l);
   return cudaGetLastError();
 }
 

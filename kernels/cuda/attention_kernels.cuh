@@ -1,9 +1,11 @@
-// CUDA attention on a compressed paged cache (flash-decoding): a split kernel
-// scores the tokens of one token range per block against the query heads of
-// one kv head, keeping a running softmax state, and a merge kernel combines
-// the ranges through their max and sum, normalizes and rotates the values
-// back. Same descriptor as the CPU (kernels/attention.h); results agree with
-// the CPU's to float rounding (the kernels use the fast __expf).
+// CUDA attention on compressed paged caches, a whole batch per launch
+// (flash-decoding): a split kernel scores the tokens of one split of one
+// problem per block against the query heads of one GQA group of one kv head,
+// keeping a running softmax state (and, with top_k, writing every logit); a
+// merge kernel combines a row's splits through their max and sum, normalizes
+// and rotates the values back; a top-k kernel selects each row's highest
+// logits. Same descriptors as the CPU (kernels/attention.h); results agree
+// with the CPU's to float rounding (the kernels use the fast __expf).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,25 +14,23 @@
 #include <cstdint>
 
 #include "kernels/attention.h"
+#include "kernels/cuda/attention_plan.h"
 
 namespace turbokv::cuda {
 
-// Largest head dimension the kernels take (shared memory holds each warp's
-// accumulators for four query heads).
-constexpr int kMaxCudaHeadDim = 512;
-
-// Device memory the launcher needs for a problem, in bytes.
-size_t AttentionWorkspaceBytes(const PagedKvCache& cache, const AttentionParams& params,
-                               int64_t n_queries, int sm_count);
-
-// All pointers are device pointers: cache.pages points to a device array of
-// device page pointers; q [n][q_heads][d]; positions [n]; out [n][q_heads][d];
-// lse [n][q_heads]. Returns cudaErrorNotSupported for what the kernels do not
-// cover (top_k > 0, head_dim > kMaxCudaHeadDim); the caller validated the rest
-// (CheckAttention).
-cudaError_t LaunchAttention(const PagedKvCache& cache, const AttentionParams& params,
-                            int64_t n_queries, const float* q, const int64_t* positions, float* out,
-                            float* lse, void* workspace, size_t workspace_bytes, int sm_count,
+// Runs a planned batch (PlanAttention) on `stream`. host_problems: the
+// planned problems on the host; device_problems: the same array in device
+// memory; every pointer in them is device memory. workspace:
+// plan.workspace_bytes(head_dim) bytes of device memory. The problems share
+// kv_heads and head_dim, and params.q_heads is theirs; their codecs may
+// differ. Returns cudaErrorNotSupported for head_dim above kMaxCudaHeadDim
+// (or top_k above kMaxCudaTopK), cudaErrorInvalidValue for problems that do
+// not share their shape; the caller validated the rest (CheckAttention).
+cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProblem* device_problems, int64_t count,
+                            const AttentionPlan& plan, const AttentionParams& params, void* workspace,
                             cudaStream_t stream);
+
+// Most top_k the top-k kernel selects (the service's limit).
+constexpr int kMaxCudaTopK = 1024;
 
 }  // namespace turbokv::cuda

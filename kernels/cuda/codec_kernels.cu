@@ -7,28 +7,16 @@
 // Built with --fmad=false: no multiply-add contraction, as on the CPU.
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
+#include "kernels/cuda/codebooks.cuh"
 #include "kernels/cuda/codec_kernels.cuh"
 #include "kernels/cuda/warp.cuh"
 #include "kernels/rotation.h"
+#include "kernels/vector_chunks.h"
 
 namespace turbokv::cuda {
 namespace {
 
-__constant__ Codebook c_codebooks[] = {
-#include "kernels/codebooks.inc"
-};
-constexpr int kCodebookCount = sizeof(kCodebooks) / sizeof(kCodebooks[0]);
-
 constexpr int kWarpsPerBlock = 4;
-
-__device__ const Codebook& DeviceCodebook(int block_values, int bits) {
-  int i = 0;
-  while (i + 1 < kCodebookCount &&
-         !(c_codebooks[i].block_values == block_values && c_codebooks[i].bits == bits)) {
-    ++i;
-  }
-  return c_codebooks[i];
-}
 
 // Partial r of SumPartials16: terms[r], terms[r + 16], ... in ascending order.
 template <int B>
@@ -48,10 +36,33 @@ struct TurboScratch {
   uint8_t indices[B];
 };
 
-template <int B, int kBits>
+// Where the vectors of a launch are. Contiguous: n vectors of head_dim
+// floats and n records of code_size bytes, one seed (the tests' and
+// benchmarks' layout). Chunked: chunks of a layer's pages (vector_chunks.h),
+// a seed each.
+struct Contiguous {
+  float* x;
+  uint8_t* codes;
+  int head_dim;
+  size_t code_size;
+  uint64_t seed;
+  __device__ ChunkVector operator()(size_t v) const { return ChunkVector{x + v * head_dim, codes + v * code_size, seed}; }
+};
+
+struct Chunked {
+  const VectorChunk* chunks;
+  int count;
+  int head_dim;
+  __device__ ChunkVector operator()(size_t v) const {
+    return LocateChunkVector(chunks, count, static_cast<int64_t>(v), head_dim);
+  }
+};
+
+// One warp per rotation block (item = vector * blocks + block). errors, when
+// not null, gets what each block lost ([items]).
+template <int B, int kBits, class Locate>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    EncodeTurboKernel(int head_dim, int blocks, int block_bytes, uint64_t seed, size_t total_blocks,
-                      const float* __restrict__ x, uint8_t* __restrict__ codes) {
+    EncodeTurboKernel(Locate locate, int blocks, int block_bytes, size_t total_blocks, QuantizationError* errors) {
   constexpr int V = B / 32;
   constexpr int kLevels = 1 << kBits;
   __shared__ TurboScratch<B> scratch_all[kWarpsPerBlock];
@@ -60,11 +71,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const size_t item = static_cast<size_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (item >= total_blocks) return;  // whole warps exit together
   TurboScratch<B>& s = scratch_all[warp];
-  const size_t vec = item / blocks;
   const int blk = static_cast<int>(item % blocks);
-  const float* in = x + vec * head_dim + blk * B;
-  uint8_t* out = codes + vec * static_cast<size_t>(blocks) * block_bytes +
-                 static_cast<size_t>(blk) * block_bytes;
+  const ChunkVector vector = locate(item / blocks);
+  const float* in = vector.x + blk * B;
+  uint8_t* out = vector.record + static_cast<size_t>(blk) * block_bytes;
+  const uint64_t seed = vector.seed;
   const Codebook& cb = DeviceCodebook(B, kBits);
 
   float v[V];
@@ -81,7 +92,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   __syncwarp();
   if (lane < kSumLanes) s.partial_a[lane] = Partial<B>(s.a, lane);
   __syncwarp();
-  const float inv = TurboNormalizer(SumPartials16(s.partial_a), B);
+  const float sum_squares = SumPartials16(s.partial_a);
+  const float inv = TurboNormalizer(sum_squares, B);
   __syncwarp();
 
 #pragma unroll
@@ -101,7 +113,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   }
   __syncwarp();
   if (lane == 0) {
-    StoreHalfBits(out, TurboScaleBits(SumPartials16(s.partial_a), SumPartials16(s.partial_b)));
+    const float dot = SumPartials16(s.partial_a);
+    const float centroid_sq = SumPartials16(s.partial_b);
+    const float scale = TurboScale(dot, centroid_sq);
+    const uint16_t scale_bits = FloatToHalfBits(scale);
+    StoreHalfBits(out, scale_bits);
+    if (errors != nullptr) {
+      QuantizationError error;
+      AddTurboBlockError(sum_squares, dot, centroid_sq, scale, scale_bits, B, &error);
+      errors[item] = error;
+    }
   }
   constexpr int kPlaneBytes = B * kBits / 8;
   for (int byte = lane; byte < kPlaneBytes; byte += 32) {
@@ -109,20 +130,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   }
 }
 
-template <int B, int kBits>
+template <int B, int kBits, class Locate>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    DecodeTurboKernel(int head_dim, int blocks, int block_bytes, uint64_t seed, size_t total_blocks,
-                      const uint8_t* __restrict__ codes, float* __restrict__ x) {
+    DecodeTurboKernel(Locate locate, int blocks, int block_bytes, size_t total_blocks, QuantizationError*) {
   constexpr int V = B / 32;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const size_t item = static_cast<size_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (item >= total_blocks) return;
-  const size_t vec = item / blocks;
   const int blk = static_cast<int>(item % blocks);
-  const uint8_t* in = codes + vec * static_cast<size_t>(blocks) * block_bytes +
-                      static_cast<size_t>(blk) * block_bytes;
-  float* out = x + vec * head_dim + blk * B;
+  const ChunkVector vector = locate(item / blocks);
+  const uint8_t* in = vector.record + static_cast<size_t>(blk) * block_bytes;
+  float* out = vector.x + blk * B;
   const Codebook& cb = DeviceCodebook(B, kBits);
 
   const float f = TurboDecodeFactor(in, B);
@@ -135,42 +154,95 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int i = lane * V + k;
-    const float sign = RotationSignNegative(seed, blk * B + i) ? -1.0f : 1.0f;
+    const float sign = RotationSignNegative(vector.seed, blk * B + i) ? -1.0f : 1.0f;
     out[i] = v[k] * sign;
   }
 }
 
-// One thread per 32-value block (q8_0, q4_0) or per value (f16).
-__global__ void EncodeGgmlKernel(CodecKind kind, size_t total_blocks, const float* __restrict__ x,
-                                 uint8_t* __restrict__ codes) {
+// One thread per 32-value block (q8_0, q4_0).
+template <class Locate>
+__global__ void EncodeGgmlKernel(Locate locate, CodecKind kind, int blocks, int block_bytes, size_t total_blocks,
+                                 QuantizationError* errors) {
   const size_t b = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= total_blocks) return;
+  const int blk = static_cast<int>(b % blocks);
+  const ChunkVector vector = locate(b / blocks);
+  const float* in = vector.x + blk * kGgmlBlockValues;
+  uint8_t* out = vector.record + static_cast<size_t>(blk) * block_bytes;
+  QuantizationError error;
   if (kind == CodecKind::kQ8_0) {
-    EncodeQ8Block(x + b * kGgmlBlockValues, codes + b * kQ8BlockBytes);
+    EncodeQ8Block(in, out, errors != nullptr ? &error : nullptr);
   } else {
-    EncodeQ4Block(x + b * kGgmlBlockValues, codes + b * kQ4BlockBytes);
+    EncodeQ4Block(in, out, errors != nullptr ? &error : nullptr);
+  }
+  if (errors != nullptr) errors[b] = error;
+}
+
+template <class Locate>
+__global__ void DecodeGgmlKernel(Locate locate, CodecKind kind, int blocks, int block_bytes, size_t total_blocks,
+                                 QuantizationError*) {
+  const size_t b = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= total_blocks) return;
+  const int blk = static_cast<int>(b % blocks);
+  const ChunkVector vector = locate(b / blocks);
+  const uint8_t* in = vector.record + static_cast<size_t>(blk) * block_bytes;
+  float* out = vector.x + blk * kGgmlBlockValues;
+  if (kind == CodecKind::kQ8_0) {
+    DecodeQ8Block(in, out);
+  } else {
+    DecodeQ4Block(in, out);
   }
 }
 
-__global__ void DecodeGgmlKernel(CodecKind kind, size_t total_blocks, const uint8_t* __restrict__ codes,
-                                 float* __restrict__ x) {
-  const size_t b = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= total_blocks) return;
-  if (kind == CodecKind::kQ8_0) {
-    DecodeQ8Block(codes + b * kQ8BlockBytes, x + b * kGgmlBlockValues);
-  } else {
-    DecodeQ4Block(codes + b * kQ4BlockBytes, x + b * kGgmlBlockValues);
+// Sum over the warp of a double, returned to lane 0.
+__device__ __forceinline__ double WarpSumDouble(double x) {
+#pragma unroll
+  for (int step = 16; step > 0; step /= 2) x += __shfl_down_sync(kFullMask, x, step);
+  return x;
+}
+
+__device__ __forceinline__ int WarpSumInt(int x) {
+#pragma unroll
+  for (int step = 16; step > 0; step /= 2) x += __shfl_down_sync(kFullMask, x, step);
+  return x;
+}
+
+// One warp per vector (f16 is one block of head_dim values): lanes take
+// every 32nd value; what the vector lost is summed over the warp.
+template <class Locate>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    EncodeF16Kernel(Locate locate, int head_dim, size_t vectors, QuantizationError* errors) {
+  const size_t v = static_cast<size_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (v >= vectors) return;
+  const ChunkVector vector = locate(v);
+  QuantizationError error;
+  for (int i = lane; i < head_dim; i += 32) {
+    const float x = vector.x[i];
+    const uint16_t bits = FloatToHalfBits(x);
+    StoreHalfBits(vector.record + 2 * i, bits);
+    if (errors != nullptr) {
+      error.AddValue(x, HalfBitsToFloat(bits));
+      error.CountField(x, bits);
+    }
   }
+  if (errors == nullptr) return;
+  error.error_sq = WarpSumDouble(error.error_sq);
+  error.norm_sq = WarpSumDouble(error.norm_sq);
+  error.fields = WarpSumInt(error.fields);
+  error.saturated = WarpSumInt(error.saturated);
+  error.underflowed = WarpSumInt(error.underflowed);
+  if (lane == 0) errors[v] = error;
 }
 
-__global__ void EncodeF16Kernel(size_t count, const float* __restrict__ x, uint8_t* __restrict__ codes) {
-  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < count) StoreHalfBits(codes + 2 * i, FloatToHalfBits(x[i]));
-}
-
-__global__ void DecodeF16Kernel(size_t count, const uint8_t* __restrict__ codes, float* __restrict__ x) {
-  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < count) x[i] = HalfBitsToFloat(LoadHalfBits(codes + 2 * i));
+template <class Locate>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    DecodeF16Kernel(Locate locate, int head_dim, size_t vectors, QuantizationError*) {
+  const size_t v = static_cast<size_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (v >= vectors) return;
+  const ChunkVector vector = locate(v);
+  for (int i = lane; i < head_dim; i += 32) vector.x[i] = HalfBitsToFloat(LoadHalfBits(vector.record + 2 * i));
 }
 
 constexpr int kThreads = 256;
@@ -180,41 +252,38 @@ unsigned GridFor(size_t items, size_t per_block) {
 }
 
 // The kernels of one direction, for the launcher below.
+template <class Locate>
 struct EncodeKernels {
-  using In = float;
-  using Out = uint8_t;
   template <int B, int kBits>
-  static auto Turbo() { return EncodeTurboKernel<B, kBits>; }
-  static auto F16() { return EncodeF16Kernel; }
-  static auto Ggml() { return EncodeGgmlKernel; }
+  static auto Turbo() { return EncodeTurboKernel<B, kBits, Locate>; }
+  static auto F16() { return EncodeF16Kernel<Locate>; }
+  static auto Ggml() { return EncodeGgmlKernel<Locate>; }
 };
 
+template <class Locate>
 struct DecodeKernels {
-  using In = uint8_t;
-  using Out = float;
   template <int B, int kBits>
-  static auto Turbo() { return DecodeTurboKernel<B, kBits>; }
-  static auto F16() { return DecodeF16Kernel; }
-  static auto Ggml() { return DecodeGgmlKernel; }
+  static auto Turbo() { return DecodeTurboKernel<B, kBits, Locate>; }
+  static auto F16() { return DecodeF16Kernel<Locate>; }
+  static auto Ggml() { return DecodeGgmlKernel<Locate>; }
 };
 
-// Dispatches (codec, block size, bits) to a kernel once and enqueues it.
-template <class K>
-cudaError_t Launch(const CodecLayout& layout, uint64_t seed, size_t n, const typename K::In* in,
-                   typename K::Out* out, cudaStream_t stream) {
+// Dispatches (codec, block size, bits) to a kernel once and enqueues it over
+// n vectors. errors (encode only, may be null): [n * layout.blocks].
+template <class K, class Locate>
+cudaError_t Launch(const CodecLayout& layout, Locate locate, size_t n, QuantizationError* errors,
+                   cudaStream_t stream) {
   if (layout.blocks == 0) return cudaErrorNotSupported;
   if (n == 0) return cudaSuccess;
   const size_t total_blocks = n * static_cast<size_t>(layout.blocks);
   switch (layout.kind) {
-    case CodecKind::kF16: {
-      const size_t count = n * layout.head_dim;
-      K::F16()<<<GridFor(count, kThreads), kThreads, 0, stream>>>(count, in, out);
+    case CodecKind::kF16:
+      K::F16()<<<GridFor(n, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(locate, layout.head_dim, n, errors);
       return cudaGetLastError();
-    }
     case CodecKind::kQ8_0:
     case CodecKind::kQ4_0:
-      K::Ggml()<<<GridFor(total_blocks, kThreads), kThreads, 0, stream>>>(layout.kind, total_blocks,
-                                                                          in, out);
+      K::Ggml()<<<GridFor(total_blocks, kThreads), kThreads, 0, stream>>>(locate, layout.kind, layout.blocks,
+                                                                          layout.block_bytes, total_blocks, errors);
       return cudaGetLastError();
     default:
       break;
@@ -234,7 +303,7 @@ cudaError_t Launch(const CodecLayout& layout, uint64_t seed, size_t n, const typ
   }
   if (kernel == nullptr) return cudaErrorNotSupported;
   kernel<<<GridFor(total_blocks, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
-      layout.head_dim, layout.blocks, layout.block_bytes, seed, total_blocks, in, out);
+      locate, layout.blocks, layout.block_bytes, total_blocks, errors);
   return cudaGetLastError();
 }
 
@@ -242,12 +311,27 @@ cudaError_t Launch(const CodecLayout& layout, uint64_t seed, size_t n, const typ
 
 cudaError_t LaunchEncode(const CodecLayout& layout, uint64_t seed, size_t n, const float* x,
                          uint8_t* codes, cudaStream_t stream) {
-  return Launch<EncodeKernels>(layout, seed, n, x, codes, stream);
+  // The input is only read: the kernels share one locator type with decode.
+  const Contiguous locate{const_cast<float*>(x), codes, layout.head_dim, layout.code_size(), seed};
+  return Launch<EncodeKernels<Contiguous>>(layout, locate, n, nullptr, stream);
 }
 
 cudaError_t LaunchDecode(const CodecLayout& layout, uint64_t seed, size_t n, const uint8_t* codes,
                          float* x, cudaStream_t stream) {
-  return Launch<DecodeKernels>(layout, seed, n, codes, x, stream);
+  const Contiguous locate{x, const_cast<uint8_t*>(codes), layout.head_dim, layout.code_size(), seed};
+  return Launch<DecodeKernels<Contiguous>>(layout, locate, n, nullptr, stream);
+}
+
+cudaError_t LaunchEncodeChunks(const CodecLayout& layout, const VectorChunk* chunks, int count, size_t vectors,
+                               QuantizationError* errors, cudaStream_t stream) {
+  const Chunked locate{chunks, count, layout.head_dim};
+  return Launch<EncodeKernels<Chunked>>(layout, locate, vectors, errors, stream);
+}
+
+cudaError_t LaunchDecodeChunks(const CodecLayout& layout, const VectorChunk* chunks, int count, size_t vectors,
+                               cudaStream_t stream) {
+  const Chunked locate{chunks, count, layout.head_dim};
+  return Launch<DecodeKernels<Chunked>>(layout, locate, vectors, nullptr, stream);
 }
 
 }  // namespace turbokv::cuda

@@ -1,14 +1,21 @@
-// CUDA attention against the scalar CPU path on the same pages. Skips, saying
-// why, when no usable CUDA device is present.
+// CUDA attention against the scalar CPU path on the same pages, through
+// CudaStream (the daemon's entry): single problems over awkward sizes, whole
+// batches of caches of different lengths and codecs, top_k, head_dim 576.
+// Skips, saying why, when no usable CUDA device is present. The plan's
+// lookups run on the CPU and are tested everywhere.
 #include <cmath>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
+#include "kernels/cuda/attention_kernels.cuh"
+#include "kernels/cuda/attention_plan.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
+#include "kernels/cuda/cuda_stream.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
@@ -19,50 +26,108 @@ namespace {
 using ::turbokv::testing::GaussianVectors;
 using ::turbokv::testing::RelativeL2;
 
+// What one problem of a test batch needs on both sides.
+struct Problem {
+  std::unique_ptr<PagedCacheBuffer> host;
+  std::unique_ptr<cuda::DevicePagedCache> device;
+  std::vector<int64_t> positions;
+  std::vector<float> q;
+};
+
+Problem MakeProblem(CodecKind keys, CodecKind values, int d, int kv_heads, int page, int64_t tokens, int q_heads,
+                    uint64_t seed) {
+  Problem p;
+  auto cache = PagedCacheBuffer::Create({keys, d, seed}, {values, d, seed + 1}, kv_heads, page);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  p.host = *std::move(cache);
+  const std::vector<float> k = GaussianVectors(tokens * kv_heads, d, seed + 2);
+  const std::vector<float> v = GaussianVectors(tokens * kv_heads, d, seed + 3);
+  p.host->Append(tokens, k.data(), v.data());
+  auto device = cuda::DevicePagedCache::Upload(p.host->descriptor(), 0);
+  EXPECT_TRUE(device.ok()) << device.status();
+  if (device.ok()) p.device = *std::move(device);
+  p.positions = {tokens - 1, (tokens - 1) / 2, 0};
+  p.q = GaussianVectors(p.positions.size() * q_heads, d, seed + 4);
+  for (float& x : p.q) x *= 2.0f;
+  return p;
+}
+
+// The outputs of one problem.
+struct Result {
+  std::vector<float> out, lse, top_logits;
+  std::vector<int64_t> top_tokens;
+  Result(size_t rows, int d, int top_k)
+      : out(rows * d, std::nanf("")), lse(rows, std::nanf("")), top_logits(rows * top_k), top_tokens(rows * top_k) {}
+  AttentionOutput output(int top_k) {
+    return {out.data(), lse.data(), top_k ? top_tokens.data() : nullptr, top_k ? top_logits.data() : nullptr};
+  }
+};
+
+// gpu against cpu (the scalar path): outputs within float rounding, lse to
+// 1e-4, top-k logits slot by slot and tokens where the CPU's logits leave no
+// near-tie.
+void ExpectAgree(const Result& gpu, const Result& cpu, size_t rows, int top_k, const std::string& what) {
+  EXPECT_LT(RelativeL2(gpu.out, cpu.out), 2e-5) << what;
+  for (size_t i = 0; i < rows; ++i) {
+    ASSERT_NEAR(gpu.lse[i], cpu.lse[i], 1e-4 * std::max(1.0f, std::fabs(cpu.lse[i]))) << what << " row " << i;
+  }
+  for (size_t i = 0; i < rows; ++i) {
+    for (int j = 0; j < top_k; ++j) {
+      const size_t at = i * top_k + j;
+      if (cpu.top_tokens[at] < 0) {
+        EXPECT_EQ(gpu.top_tokens[at], -1) << what << " row " << i << " slot " << j;
+        EXPECT_EQ(gpu.top_logits[at], -INFINITY) << what;
+        continue;
+      }
+      const float tolerance = 1e-4f * std::max(1.0f, std::fabs(cpu.top_logits[at]));
+      ASSERT_NEAR(gpu.top_logits[at], cpu.top_logits[at], tolerance) << what << " row " << i << " slot " << j;
+      const bool apart = (j == 0 || cpu.top_logits[at - 1] - cpu.top_logits[at] > 2 * tolerance) &&
+                         (j + 1 == top_k || cpu.top_tokens[at + 1] < 0 ||
+                          cpu.top_logits[at] - cpu.top_logits[at + 1] > 2 * tolerance);
+      if (apart) {
+        EXPECT_EQ(gpu.top_tokens[at], cpu.top_tokens[at]) << what << " row " << i << " slot " << j;
+      }
+    }
+  }
+}
+
 class CudaAttentionTest
     : public ::testing::TestWithParam<std::tuple<std::pair<CodecKind, CodecKind>, int, int>> {
  protected:
   void SetUp() override {
     const absl::Status device = cuda::CheckDevice(0);
     if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
+    auto stream = cuda::CudaStream::Create(0);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    stream_ = *std::move(stream);
   }
+  std::unique_ptr<cuda::CudaStream> stream_;
 };
 
 TEST_P(CudaAttentionTest, MatchesTheScalarCpuPath) {
   const auto [codecs, d, group] = GetParam();
   constexpr int kKvHeads = 2, kPage = 64;
   for (int64_t tokens : {int64_t{1}, int64_t{kPage - 1}, int64_t{kPage + 1}, int64_t{10000}}) {
-    auto cache = PagedCacheBuffer::Create({codecs.first, d, 0x33}, {codecs.second, d, 0x44}, kKvHeads, kPage);
-    ASSERT_TRUE(cache.ok());
-    const std::vector<float> k = GaussianVectors(tokens * kKvHeads, d, 1 + tokens);
-    const std::vector<float> v = GaussianVectors(tokens * kKvHeads, d, 2 + tokens);
-    (*cache)->Append(tokens, k.data(), v.data());
-    auto device_cache = cuda::DevicePagedCache::Upload((*cache)->descriptor(), 0);
-    ASSERT_TRUE(device_cache.ok()) << device_cache.status();
-
-    for (const auto& [window, softcap] : {std::make_pair(int64_t{0}, 0.0f), std::make_pair(int64_t{37}, 4.0f)}) {
+    Problem p = MakeProblem(codecs.first, codecs.second, d, kKvHeads, kPage, tokens, kKvHeads * group, 0x33 + tokens);
+    ASSERT_NE(p.device, nullptr);
+    for (const auto& [window, softcap, top_k] :
+         {std::make_tuple(int64_t{0}, 0.0f, 0), std::make_tuple(int64_t{37}, 4.0f, 0), std::make_tuple(int64_t{0}, 0.0f, 5)}) {
       AttentionParams params;
       params.q_heads = kKvHeads * group;
       params.window = window;
       params.softcap = softcap;
-      const std::vector<int64_t> positions = {tokens - 1, (tokens - 1) / 2, 0};
-      std::vector<float> q = GaussianVectors(positions.size() * params.q_heads, d, 3 + tokens);
-      for (float& x : q) x *= 2.0f;
-      const size_t rows = positions.size() * params.q_heads;
-      std::vector<float> cpu_out(rows * d), cpu_lse(rows), gpu_out(rows * d, std::nanf("")), gpu_lse(rows, std::nanf(""));
-      const AttentionQueries queries{static_cast<int64_t>(positions.size()), q.data(), positions.data()};
-      ASSERT_TRUE(AttendCpu((*cache)->descriptor(), params, queries, {cpu_out.data(), cpu_lse.data()},
-                            {AttentionPath::kScalar})
-                      .ok());
-      const absl::Status s = cuda::AttendCudaFromHost(**device_cache, params, queries, {gpu_out.data(), gpu_lse.data()});
+      params.top_k = top_k;
+      const size_t rows = p.positions.size() * params.q_heads;
+      Result cpu(rows, d, top_k), gpu(rows, d, top_k);
+      const AttentionQueries queries{static_cast<int64_t>(p.positions.size()), p.q.data(), p.positions.data()};
+      ASSERT_TRUE(AttendCpu(p.host->descriptor(), params, queries, cpu.output(top_k), {AttentionPath::kScalar}).ok());
+      const AttentionProblem problem{p.device->descriptor(), queries, gpu.output(top_k)};
+      const absl::Status s = stream_->Attend({&problem, 1}, params);
       ASSERT_TRUE(s.ok()) << s;
-      const std::string what = std::string(CodecName(codecs.first)) + "/" + CodecName(codecs.second) + " d=" +
-                               std::to_string(d) + " group=" + std::to_string(group) + " tokens=" +
-                               std::to_string(tokens) + " window=" + std::to_string(window);
-      EXPECT_LT(RelativeL2(gpu_out, cpu_out), 2e-5) << what;
-      for (size_t i = 0; i < rows; ++i) {
-        ASSERT_NEAR(gpu_lse[i], cpu_lse[i], 1e-4 * std::max(1.0f, std::fabs(cpu_lse[i]))) << what;
-      }
+      ExpectAgree(gpu, cpu, rows, top_k,
+                  std::string(CodecName(codecs.first)) + "/" + CodecName(codecs.second) + " d=" + std::to_string(d) +
+                      " group=" + std::to_string(group) + " tokens=" + std::to_string(tokens) +
+                      " window=" + std::to_string(window) + " top_k=" + std::to_string(top_k));
     }
   }
 }
@@ -73,30 +138,147 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::make_pair(CodecKind::kTurbo2, CodecKind::kTurbo4),
                                          std::make_pair(CodecKind::kF16, CodecKind::kF16),
                                          std::make_pair(CodecKind::kQ8_0, CodecKind::kQ4_0)),
-                       ::testing::Values(64, 128, 256), ::testing::Values(1, 4, 8)),
+                       ::testing::Values(64, 128, 256, 576), ::testing::Values(1, 4, 8)),
     [](const auto& info) {
       const auto& codecs = std::get<0>(info.param);
       return std::string(CodecName(codecs.first)) + "_" + CodecName(codecs.second) + "_d" +
              std::to_string(std::get<1>(info.param)) + "_g" + std::to_string(std::get<2>(info.param));
     });
 
-TEST(CudaAttentionLimitsTest, TopKIsReportedUnimplemented) {
+// A decode step of many sessions of different lengths and codecs is one
+// batch: every problem's result equals the same problem on the CPU alone.
+TEST(CudaAttentionBatchTest, EveryProblemOfABatchMatchesItsOwnCpuResult) {
   const absl::Status device = cuda::CheckDevice(0);
   if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
-  auto cache = PagedCacheBuffer::Create({CodecKind::kTurbo3, 128, 1}, {CodecKind::kTurbo3, 128, 2}, 1, 16);
-  const std::vector<float> k = GaussianVectors(4, 128, 1);
-  (*cache)->Append(4, k.data(), k.data());
-  auto device_cache = cuda::DevicePagedCache::Upload((*cache)->descriptor(), 0);
-  ASSERT_TRUE(device_cache.ok());
+  auto stream = cuda::CudaStream::Create(0);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  constexpr int kKvHeads = 4, kQHeads = 16, kDim = 128, kPage = 64;
+  const std::vector<std::pair<CodecKind, CodecKind>> codecs = {
+      {CodecKind::kTurbo3, CodecKind::kTurbo3}, {CodecKind::kTurbo4, CodecKind::kTurbo2},
+      {CodecKind::kF16, CodecKind::kQ8_0}, {CodecKind::kQ4_0, CodecKind::kTurbo3}};
+  std::vector<Problem> problems;
+  const std::vector<int64_t> lengths = {1, 63, 64, 65, 500, 4097, 20000, 7};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const auto& [k, v] = codecs[i % codecs.size()];
+    problems.push_back(MakeProblem(k, v, kDim, kKvHeads, kPage, lengths[i], kQHeads, 100 + 10 * i));
+    ASSERT_NE(problems.back().device, nullptr);
+  }
+  for (const int top_k : {0, 3}) {
+    AttentionParams params;
+    params.q_heads = kQHeads;
+    params.window = 300;
+    params.top_k = top_k;
+    std::vector<Result> cpu, gpu;
+    std::vector<AttentionProblem> batch;
+    for (Problem& p : problems) {
+      const size_t rows = p.positions.size() * kQHeads;
+      cpu.emplace_back(rows, kDim, top_k);
+      gpu.emplace_back(rows, kDim, top_k);
+    }
+    for (size_t i = 0; i < problems.size(); ++i) {
+      Problem& p = problems[i];
+      const AttentionQueries queries{static_cast<int64_t>(p.positions.size()), p.q.data(), p.positions.data()};
+      ASSERT_TRUE(AttendCpu(p.host->descriptor(), params, queries, cpu[i].output(top_k), {AttentionPath::kScalar}).ok());
+      batch.push_back(AttentionProblem{p.device->descriptor(), queries, gpu[i].output(top_k)});
+    }
+    const absl::Status s = (*stream)->Attend({batch.data(), static_cast<int64_t>(batch.size())}, params);
+    ASSERT_TRUE(s.ok()) << s;
+    for (size_t i = 0; i < problems.size(); ++i) {
+      ExpectAgree(gpu[i], cpu[i], problems[i].positions.size() * kQHeads, top_k,
+                  "problem " + std::to_string(i) + " (" + std::to_string(lengths[i]) + " tokens) top_k=" +
+                      std::to_string(top_k));
+    }
+  }
+}
+
+TEST(CudaAttentionLimitsTest, WhatTheKernelsDoNotTakeIsUnimplementedOrInvalid) {
+  const absl::Status device = cuda::CheckDevice(0);
+  if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
+  auto stream = cuda::CudaStream::Create(0);
+  ASSERT_TRUE(stream.ok());
+  Problem wide = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 640, 1, 16, 4, 1, 1);
   AttentionParams params;
   params.q_heads = 1;
-  params.top_k = 2;
-  std::vector<float> out(128), lse(1), top_logits(2);
-  std::vector<int64_t> top_tokens(2);
-  const int64_t position = 3;
-  const absl::Status s = cuda::AttendCudaFromHost(**device_cache, params, {1, k.data(), &position},
-                                                  {out.data(), lse.data(), top_tokens.data(), top_logits.data()});
+  Result out(3, 640, 0);
+  const AttentionProblem problem{wide.device->descriptor(), {3, wide.q.data(), wide.positions.data()}, out.output(0)};
+  absl::Status s = (*stream)->Attend({&problem, 1}, params);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(std::string(s.message()).find("576"), std::string::npos) << s;
+
+  Problem a = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 1, 16, 4, 2, 2);
+  Problem b = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 16, 4, 2, 3);
+  params.q_heads = 2;
+  Result ra(6, 128, 0), rb(6, 128, 0);
+  const AttentionProblem mixed[] = {{a.device->descriptor(), {3, a.q.data(), a.positions.data()}, ra.output(0)},
+                                    {b.device->descriptor(), {3, b.q.data(), b.positions.data()}, rb.output(0)}};
+  s = (*stream)->Attend({mixed, 2}, params);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+}
+
+// The plan, run on the CPU: every (problem, query, row chunk, kv head,
+// split) is one unit, the splits of a problem cover its tokens, and the
+// lookups find what the numbering put there.
+TEST(AttentionPlanTest, UnitsAndRowsNumberEveryProblemOnce) {
+  constexpr int kKvHeads = 2, kQHeads = 12;  // group 6: two row chunks
+  std::vector<cuda::DeviceProblem> problems(5);
+  const int64_t tokens[] = {1, 300, 128 * 1000, 77, 5};
+  const int64_t queries[] = {1, 2, 1, 3, 1};
+  for (size_t i = 0; i < problems.size(); ++i) {
+    problems[i].cache.kv_heads = kKvHeads;
+    problems[i].cache.tokens = tokens[i];
+    problems[i].n = queries[i];
+  }
+  const cuda::AttentionPlan plan = cuda::PlanAttention(problems.data(), 5, kQHeads, 132, 4);
+  EXPECT_EQ(plan.row_chunks, 2);
+  int64_t units = 0, rows = 0, partials = 0, logits = 0;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const cuda::DeviceProblem& p = problems[i];
+    EXPECT_EQ(p.first_unit, units);
+    EXPECT_EQ(p.first_row, rows);
+    EXPECT_EQ(p.first_partial, partials);
+    EXPECT_EQ(p.first_logit, logits);
+    EXPECT_GE(p.splits, 1);
+    EXPECT_LE(p.splits, cuda::kMaxSplits);
+    EXPECT_GE(p.chunk * p.splits, p.cache.tokens) << i;
+    EXPECT_LT(p.chunk * (p.splits - 1), p.cache.tokens) << i;  // no empty split
+    units += p.n * plan.row_chunks * kKvHeads * p.splits;
+    rows += p.n * kQHeads;
+    partials += p.n * kQHeads * p.splits;
+    logits += p.n * kQHeads * p.cache.tokens;
+  }
+  EXPECT_EQ(plan.units, units);
+  EXPECT_EQ(plan.rows, rows);
+  EXPECT_EQ(plan.partials, partials);
+  EXPECT_EQ(plan.logits, logits);
+  EXPECT_GT(problems[2].splits, 1);  // the long cache is split
+  EXPECT_EQ(problems[0].splits, 1);
+  std::vector<int> seen(static_cast<size_t>(plan.units), 0);
+  for (int64_t unit = 0; unit < plan.units; ++unit) {
+    const int64_t i = cuda::ProblemOfUnit(problems.data(), 5, unit);
+    const cuda::Unit u = cuda::UnitOf(problems[i], unit, plan.row_chunks);
+    ASSERT_LT(u.query, problems[i].n);
+    ASSERT_LT(u.split, problems[i].splits);
+    const int64_t back =
+        problems[i].first_unit + ((u.query * plan.row_chunks + u.row_chunk) * kKvHeads + u.head) * problems[i].splits + u.split;
+    ASSERT_EQ(back, unit);
+    ++seen[unit];
+  }
+  for (int64_t row = 0; row < plan.rows; ++row) {
+    const int64_t i = cuda::ProblemOfRow(problems.data(), 5, row);
+    ASSERT_GE(row, problems[i].first_row);
+    ASSERT_LT(row - problems[i].first_row, problems[i].n * kQHeads);
+  }
+  const cuda::AttentionPlan none = cuda::PlanAttention(nullptr, 0, kQHeads, 132, 0);
+  EXPECT_EQ(none.workspace_bytes(128), 0u);
+}
+
+TEST(AttentionPlanTest, VisibleTokensFollowTheWindow) {
+  EXPECT_EQ(cuda::Visible(10, 0).first, 0);
+  EXPECT_EQ(cuda::Visible(10, 0).last, 10);
+  EXPECT_EQ(cuda::Visible(10, 4).first, 7);
+  EXPECT_EQ(cuda::Visible(2, 4).first, 0);
+  EXPECT_EQ(cuda::Visible(3, 4).first, 0);
+  EXPECT_EQ(cuda::Visible(4, 4).first, 1);
 }
 
 }  // namespace

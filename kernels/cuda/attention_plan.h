@@ -1,0 +1,137 @@
+// How a batch of attention problems is cut into blocks of the CUDA kernels
+// (attention_kernels.cuh), and where its scratch goes. Plain C++: the plan is
+// made on the host and its lookups run on both sides, so the CPU tests check
+// them.
+//
+// The split kernel runs one block per unit = (problem, query, row chunk, kv
+// head, split): up to kRowsPerBlock query heads of one GQA group, against
+// the tokens of one split of the problem's cache. Every problem's cache is
+// cut into splits of one token length chosen for the whole batch (short
+// caches get one split, long ones many), so a decode step over many sessions
+// of different lengths is one launch that fills the device. The merge kernel
+// runs one block per output row (problem, query, q head).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/attention.h"
+#include "kernels/hd.h"
+
+namespace turbokv::cuda {
+
+constexpr int kAttentionWarps = 4;  // warps per block of the split kernel
+constexpr int kRowsPerBlock = 4;    // query heads of one GQA group per block
+// Splits are a multiple of this many tokens: one 32-token tile per warp.
+constexpr int64_t kSplitQuantum = 32 * kAttentionWarps;
+constexpr int kMaxSplits = 256;
+// Largest head dimension the kernels take (576: MLA's latent keys).
+constexpr int kMaxCudaHeadDim = 576;
+
+// One problem of a batch as the kernels read it. The caller fills the first
+// part with device pointers (cache.pages: the device copy of the layer's
+// page table); PlanAttention fills the rest.
+struct DeviceProblem {
+  PagedKvCache cache;
+  int64_t n = 0;                       // queries
+  const float* q = nullptr;            // [n][q_heads][head_dim]
+  const int64_t* positions = nullptr;  // [n]
+  float* out = nullptr;                // [n][q_heads][head_dim]
+  float* lse = nullptr;                // [n][q_heads]
+  int64_t* topk_tokens = nullptr;      // [n][q_heads][top_k], with top_k > 0
+  float* topk_logits = nullptr;
+
+  int splits = 1;
+  int64_t chunk = 1;          // tokens per split
+  int64_t first_unit = 0;     // split-kernel blocks of the problems before it
+  int64_t first_row = 0;      // output rows (query x q head) before it
+  int64_t first_partial = 0;  // partial states (row x split) before it
+  int64_t first_logit = 0;    // with top_k: logits (row x token) before it
+};
+
+struct AttentionPlan {
+  int row_chunks = 1;     // ceil(group / kRowsPerBlock)
+  int64_t units = 0;      // split-kernel blocks
+  int64_t rows = 0;       // output rows: merge blocks
+  int64_t partials = 0;   // partial states: m, l and head_dim accumulators each
+  int64_t logits = 0;     // with top_k: one float per visible-or-not token of each row
+
+  // The scratch the kernels need, in floats from its start: the queries
+  // rotated into the key domain [rows][head_dim], the partial states
+  // [partials][head_dim + 2], the logits [logits].
+  size_t q_rot_offset() const { return 0; }
+  size_t partials_offset(int head_dim) const { return static_cast<size_t>(rows) * head_dim; }
+  size_t logits_offset(int head_dim) const {
+    return partials_offset(head_dim) + static_cast<size_t>(partials) * (head_dim + 2);
+  }
+  size_t workspace_bytes(int head_dim) const {
+    return (logits_offset(head_dim) + static_cast<size_t>(logits)) * sizeof(float);
+  }
+};
+
+// Plans `count` problems sharing kv_heads, q_heads and head_dim (their
+// caches' tokens and query counts set): fills each problem's plan fields.
+// Splits are sized so that the batch gives about eight blocks per
+// multiprocessor (more for long caches: at most kMaxSplits a problem).
+AttentionPlan PlanAttention(DeviceProblem* problems, int64_t count, int q_heads, int sm_count, int top_k);
+
+// The problem a split-kernel block, or an output row, belongs to: the last
+// with first_unit (first_row) <= i.
+TURBOKV_HD int64_t ProblemOfUnit(const DeviceProblem* problems, int64_t count, int64_t unit) {
+  int64_t lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (problems[mid].first_unit <= unit) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+TURBOKV_HD int64_t ProblemOfRow(const DeviceProblem* problems, int64_t count, int64_t row) {
+  int64_t lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (problems[mid].first_row <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// What a unit of a problem computes: unit - first_unit =
+// ((query * row_chunks + row_chunk) * kv_heads + head) * splits + split.
+struct Unit {
+  int64_t query;
+  int row_chunk;
+  int head;
+  int split;
+};
+
+TURBOKV_HD Unit UnitOf(const DeviceProblem& p, int64_t unit, int row_chunks) {
+  int64_t local = unit - p.first_unit;
+  Unit u;
+  u.split = static_cast<int>(local % p.splits);
+  local /= p.splits;
+  u.head = static_cast<int>(local % p.cache.kv_heads);
+  local /= p.cache.kv_heads;
+  u.row_chunk = static_cast<int>(local % row_chunks);
+  u.query = local / row_chunks;
+  return u;
+}
+
+// The tokens a query at `position` sees: [first, last].
+struct VisibleTokens {
+  int64_t first;
+  int64_t last;
+};
+
+TURBOKV_HD VisibleTokens Visible(int64_t position, int64_t window) {
+  return VisibleTokens{window > 0 && position - window + 1 > 0 ? position - window + 1 : 0, position};
+}
+
+}  // namespace turbokv::cuda
