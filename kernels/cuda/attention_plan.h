@@ -5,11 +5,12 @@
 //
 // The split kernel runs one block per unit = (problem, query, row chunk, kv
 // head, split): up to kRowsPerBlock query heads of one GQA group, against
-// the tokens of one split of the problem's cache. Every problem's cache is
-// cut into splits of one token length chosen for the whole batch (short
-// caches get one split, long ones many), so a decode step over many sessions
-// of different lengths is one launch that fills the device. The merge kernel
-// runs one block per output row (problem, query, q head).
+// the tokens of one split of the problem's cache. A problem's splits are a
+// grid by position whose spacing depends on its cache's length alone
+// (SplitTokens), never on the rest of the batch: a session's result is the
+// same, to the bit, attended alone (Step) or in any Decode batch, as on the
+// CPU. The merge kernel runs one block per output row (problem, query, q
+// head).
 #pragma once
 
 #include <cstddef>
@@ -22,8 +23,9 @@ namespace turbokv::cuda {
 
 constexpr int kAttentionWarps = 4;  // warps per block of the split kernel
 constexpr int kRowsPerBlock = 4;    // query heads of one GQA group per block
-// Splits are a multiple of this many tokens: one 32-token tile per warp.
-constexpr int64_t kSplitQuantum = 32 * kAttentionWarps;
+// Tokens of a split of a cache that kMaxSplits splits of kSplitTokens hold;
+// longer caches double it until they fit (SplitTokens).
+constexpr int64_t kSplitTokens = 512;
 constexpr int kMaxSplits = 256;
 // Largest head dimension the kernels take (576: MLA's latent keys).
 constexpr int kMaxCudaHeadDim = 576;
@@ -42,7 +44,7 @@ struct DeviceProblem {
   float* topk_logits = nullptr;
 
   int splits = 1;
-  int64_t chunk = 1;          // tokens per split
+  int64_t chunk = 1;          // tokens per split: split s holds [s * chunk, (s + 1) * chunk)
   int64_t first_unit = 0;     // split-kernel blocks of the problems before it
   int64_t first_row = 0;      // output rows (query x q head) before it
   int64_t first_partial = 0;  // partial states (row x split) before it
@@ -69,11 +71,13 @@ struct AttentionPlan {
   }
 };
 
+// The spacing of a cache's split grid: kSplitTokens, doubled until at most
+// kMaxSplits splits hold `tokens`.
+int64_t SplitTokens(int64_t tokens);
+
 // Plans `count` problems sharing kv_heads, q_heads and head_dim (their
 // caches' tokens and query counts set): fills each problem's plan fields.
-// Splits are sized so that the batch gives about eight blocks per
-// multiprocessor (more for long caches: at most kMaxSplits a problem).
-AttentionPlan PlanAttention(DeviceProblem* problems, int64_t count, int q_heads, int sm_count, int top_k);
+AttentionPlan PlanAttention(DeviceProblem* problems, int64_t count, int q_heads, int top_k);
 
 // The problem a split-kernel block, or an output row, belongs to: the last
 // with first_unit (first_row) <= i.

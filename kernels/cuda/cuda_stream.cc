@@ -175,13 +175,7 @@ absl::Status CudaStream::Attend(const AttentionBatch& batch, const AttentionPara
     tokens_at[i] = down.Add(rows * params.top_k * sizeof(int64_t));
     logits_at[i] = down.Add(rows * params.top_k * sizeof(float));
   }
-  int sm_count = 0;
-  if (absl::Status s = CudaStatus(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_),
-                                  "cudaDeviceGetAttribute");
-      !s.ok()) {
-    return s;
-  }
-  const AttentionPlan plan = PlanAttention(device.data(), batch.count, params.q_heads, sm_count, params.top_k);
+  const AttentionPlan plan = PlanAttention(device.data(), batch.count, params.q_heads, params.top_k);
   const size_t workspace_at = Align(down.size());
   if (absl::Status s = Reserve(workspace_at + plan.workspace_bytes(d), down.size()); !s.ok()) return s;
 

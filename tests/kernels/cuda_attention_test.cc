@@ -228,7 +228,7 @@ TEST(AttentionPlanTest, UnitsAndRowsNumberEveryProblemOnce) {
     problems[i].cache.tokens = tokens[i];
     problems[i].n = queries[i];
   }
-  const cuda::AttentionPlan plan = cuda::PlanAttention(problems.data(), 5, kQHeads, 132, 4);
+  const cuda::AttentionPlan plan = cuda::PlanAttention(problems.data(), 5, kQHeads, 4);
   EXPECT_EQ(plan.row_chunks, 2);
   int64_t units = 0, rows = 0, partials = 0, logits = 0;
   for (size_t i = 0; i < problems.size(); ++i) {
@@ -268,8 +268,22 @@ TEST(AttentionPlanTest, UnitsAndRowsNumberEveryProblemOnce) {
     ASSERT_GE(row, problems[i].first_row);
     ASSERT_LT(row - problems[i].first_row, problems[i].n * kQHeads);
   }
-  const cuda::AttentionPlan none = cuda::PlanAttention(nullptr, 0, kQHeads, 132, 0);
+  const cuda::AttentionPlan none = cuda::PlanAttention(nullptr, 0, kQHeads, 0);
   EXPECT_EQ(none.workspace_bytes(128), 0u);
+  // A problem's splits are its own: the same alone as in the batch.
+  for (size_t i = 0; i < problems.size(); ++i) {
+    cuda::DeviceProblem alone = problems[i];
+    cuda::PlanAttention(&alone, 1, kQHeads, 4);
+    EXPECT_EQ(alone.splits, problems[i].splits) << i;
+    EXPECT_EQ(alone.chunk, problems[i].chunk) << i;
+  }
+}
+
+TEST(AttentionPlanTest, SplitsAreAGridByPositionThatDoublesOnlyForLongCaches) {
+  EXPECT_EQ(cuda::SplitTokens(1), cuda::kSplitTokens);
+  EXPECT_EQ(cuda::SplitTokens(cuda::kSplitTokens * cuda::kMaxSplits), cuda::kSplitTokens);
+  EXPECT_EQ(cuda::SplitTokens(cuda::kSplitTokens * cuda::kMaxSplits + 1), 2 * cuda::kSplitTokens);
+  EXPECT_EQ(cuda::SplitTokens(int64_t{1} << 20), 4096);  // 1M tokens: 256 splits of 4096
 }
 
 TEST(AttentionPlanTest, VisibleTokensFollowTheWindow) {
