@@ -15,26 +15,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "kernels/cpu/cpu_codecs.h"
+#include "service/backend/cpu_backend.h"
 #include "service/text_file.h"
-#if TURBOKV_HAVE_CUDA
-#include "kernels/cuda/cuda_codec.h"
-#endif
 
 namespace turbokv {
 namespace {
-
-// What the GPU side offers, in words.
-std::string CudaFinding(int device) {
-#if TURBOKV_HAVE_CUDA
-  const absl::Status status = cuda::CheckDevice(device);
-  if (status.ok()) return absl::StrCat("CUDA device ", device, " is usable");
-  return absl::StrCat("no usable CUDA device ", device, ": ", status.message());
-#else
-  (void)device;
-  return "built without CUDA";
-#endif
-}
 
 std::optional<std::string> ReadFile(const std::string& path) {
   std::optional<std::string> text = ReadTextFile(path);
@@ -118,25 +103,32 @@ CoreAllowance AvailableCores(const std::string& cgroup_root, const std::string& 
   return allowance;
 }
 
-absl::StatusOr<DeviceChoice> ChooseDevice(absl::string_view flag, int threads) {
+absl::StatusOr<DeviceChoice> ChooseDevice(absl::string_view flag, ThreadPool* pool, size_t memory_budget,
+                                          int streams) {
   DeviceChoice choice;
-  choice.name = absl::StrCat("cpu (simd:", ChosenSimdTarget(), ", ", threads, threads == 1 ? " thread)" : " threads)");
-  if (flag == "cpu") {
-    choice.why = "--device=cpu";
-    return choice;
-  }
   if (flag == "auto") {
-    choice.why = absl::StrCat("--device=auto: ", CudaFinding(0),
-                              "; this version keeps sessions in host memory and computes on the CPU");
+    absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeBackend("cuda:0", pool, memory_budget, streams);
+    if (gpu.ok()) {
+      choice.backend = *std::move(gpu);
+      choice.why = "--device=auto: CUDA device 0 can serve";
+      return choice;
+    }
+    choice.backend = std::make_unique<CpuBackend>(pool);
+    choice.why = absl::StrCat("--device=auto: no GPU (", gpu.status().message(),
+                              "); sessions in host memory, kernels on the CPU");
     return choice;
   }
-  int device = 0;
-  if (absl::StartsWith(flag, "cuda:") && absl::SimpleAtoi(flag.substr(5), &device) && device >= 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--device=", flag, ": ", CudaFinding(device),
-        ", but this version keeps sessions in host memory and computes on the CPU; use --device=cpu or auto"));
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackend(flag, pool, memory_budget, streams);
+  if (absl::IsInvalidArgument(backend.status())) {
+    return absl::InvalidArgumentError(absl::StrCat("--device=", flag, ": expected auto, cpu or cuda:N"));
   }
-  return absl::InvalidArgumentError(absl::StrCat("--device=", flag, ": expected auto, cpu or cuda:N"));
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(), absl::StrCat("--device=", flag, ": ", backend.status().message(),
+                                                              "; use --device=cpu, or auto to fall back to it"));
+  }
+  choice.backend = *std::move(backend);
+  choice.why = absl::StrCat("--device=", flag);
+  return choice;
 }
 
 }  // namespace turbokv

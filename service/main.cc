@@ -35,7 +35,9 @@ Flags (--name=value or --name value):
   --threads=N              kernel threads, 0 = one per core this process may
                            use: its CPU affinity, capped by its cgroup's CPU
                            quota (a container's CPU limit) (default 0)
-  --memory-budget=SIZE     bytes of compressed pages, e.g. 4GiB (default 4GiB)
+  --memory-budget=SIZE     bytes of compressed pages, e.g. 4GiB (default: on
+                           a GPU 80% of its free memory at start, allocated
+                           then as one arena; on the CPU 4GiB)
   --eviction=reject|lru    when the budget is full: refuse the write, or evict
                            least recently used idle sessions (with
                            --spill-dir: demote them to disk) (default reject)
@@ -154,6 +156,7 @@ int main(int argc, char** argv) {
     } else if (name == "memory-budget") {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
       if (!bytes.ok()) return Fail(absl::StrCat("--memory-budget: ", bytes.status().message()));
+      if (*bytes == 0) return Fail("--memory-budget must be more than 0 (leave it out for the device's default)");
       options.memory_budget = *bytes;
     } else if (name == "eviction") {
       if (value == "reject") options.eviction = turbokv::EvictionPolicy::kReject;
@@ -305,7 +308,7 @@ int main(int argc, char** argv) {
     }
   }
   Logf(LogLevel::kInfo, "memory budget %s, eviction %s, session ttl %s, max message %s",
-       turbokv::FormatByteSize(options.memory_budget), options.eviction == turbokv::EvictionPolicy::kLru ? "lru" : "reject",
+       turbokv::FormatByteSize((*server)->memory_budget()), options.eviction == turbokv::EvictionPolicy::kLru ? "lru" : "reject",
        options.session_ttl == absl::ZeroDuration() ? "none" : absl::FormatDuration(options.session_ttl),
        turbokv::FormatByteSize(options.max_message_bytes));
   Logf(LogLevel::kInfo, "listening on %s", absl::StrJoin((*server)->endpoints(), ", "));

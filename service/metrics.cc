@@ -174,8 +174,12 @@ Metrics::Metrics(std::string device, const std::string& tier) : device_(std::mov
                      .Name("turbokv_kernel_duration_seconds")
                      .Help("Time in the compute kernels per call, by operation and device")
                      .Register(r);
-  encode_duration_ = &kernel.Add({{"op", "encode"}, {"device", device_}}, LatencyBuckets());
-  attend_duration_ = &kernel.Add({{"op", "attend"}, {"device", device_}}, LatencyBuckets());
+  kernel_duration_[static_cast<int>(KernelOp::kEncode)] =
+      &kernel.Add({{"op", "encode"}, {"device", device_}}, LatencyBuckets());
+  kernel_duration_[static_cast<int>(KernelOp::kAttend)] =
+      &kernel.Add({{"op", "attend"}, {"device", device_}}, LatencyBuckets());
+  kernel_duration_[static_cast<int>(KernelOp::kDecode)] =
+      &kernel.Add({{"op", "decode"}, {"device", device_}}, LatencyBuckets());
   prometheus::Histogram::BucketBoundaries batch_buckets;
   for (double b = 1; b <= 4096; b *= 2) batch_buckets.push_back(b);
   decode_batch_size_ = &BuildHistogram()
@@ -341,7 +345,7 @@ void Metrics::AddAppendedTokens(int64_t tokens) { appended_tokens_->Increment(st
 void Metrics::AddAttendedQueries(int64_t queries) { attended_queries_->Increment(static_cast<double>(queries)); }
 
 void Metrics::ObserveKernel(KernelOp op, double seconds) {
-  (op == KernelOp::kEncode ? encode_duration_ : attend_duration_)->Observe(seconds);
+  kernel_duration_[static_cast<int>(op)]->Observe(seconds);
 }
 
 void Metrics::ObserveDecodeBatch(int64_t items) { decode_batch_size_->Observe(static_cast<double>(items)); }

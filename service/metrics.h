@@ -28,7 +28,9 @@ class Histogram;
 
 namespace turbokv {
 
-enum class KernelOp { kEncode, kAttend };
+// encode: appended tokens rotated and quantized into pages; attend: the
+// attention kernels; decode: ReadKv's pages decoded back to floats.
+enum class KernelOp { kEncode, kAttend, kDecode };
 enum class KvKind { kKey, kValue };
 
 class Metrics {
@@ -93,8 +95,7 @@ class Metrics {
   std::map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> tenants_;
   prometheus::Counter* appended_tokens_;
   prometheus::Counter* attended_queries_;
-  prometheus::Histogram* encode_duration_;
-  prometheus::Histogram* attend_duration_;
+  prometheus::Histogram* kernel_duration_[3] = {};  // by KernelOp
   prometheus::Histogram* decode_batch_size_;
   // The canonical codes, OK (0) to UNAUTHENTICATED (16); index 0 unused.
   static constexpr int kStatusCodes = 17;

@@ -187,7 +187,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     }
   }
   if (options.threads < 0) return absl::InvalidArgumentError("--threads must be >= 0 (0: one per core)");
-  if (options.memory_budget == 0) return absl::InvalidArgumentError("--memory-budget must be more than 0");
   if (options.max_message_bytes < (1 << 20)) {
     return absl::InvalidArgumentError("--max-message-bytes must be at least 1MiB");
   }
@@ -215,11 +214,22 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     threads = cores.cores;
     threads_why = absl::StrCat("--threads=0: ", cores.why);
   }
-  absl::StatusOr<DeviceChoice> device = ChooseDevice(options.device, threads);
+  server->kernel_pool_ = std::make_unique<ThreadPool>(threads);
+  // Enough workers that cheap calls are not queued behind kernels; one
+  // tenant holds at most half of them. On a GPU, up to four calls run on
+  // the device at once (a stream, with its own staging, each).
+  const int workers = threads + 2;
+  absl::StatusOr<DeviceChoice> device =
+      ChooseDevice(options.device, server->kernel_pool_.get(), options.memory_budget, std::min(workers, 4));
   if (!device.ok()) return device.status();
-  server->device_ = device->name;
+  server->backend_ = std::move(device->backend);
+  server->device_ = server->backend_->name();
   server->device_reason_ = absl::StrCat(device->why, "; threads from ", threads_why);
-  server->metrics_ = std::make_unique<Metrics>("cpu", options.redis_url.empty() ? "disk" : "redis");
+  // The budget: as given, else the GPU's page arena, else 4 GiB of host memory.
+  server->budget_ = options.memory_budget != 0          ? options.memory_budget
+                    : server->backend_->capacity_bytes() != 0 ? server->backend_->capacity_bytes()
+                                                              : kDefaultHostBudget;
+  server->metrics_ = std::make_unique<Metrics>(server->backend_->label(), options.redis_url.empty() ? "disk" : "redis");
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromFile(options.auth_tokens_file);
     if (!authenticator.ok()) return authenticator.status();
@@ -231,9 +241,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TcpCredentials(options);
   if (!credentials.ok()) return credentials.status();
   server->tcp_credentials_ = *std::move(credentials);
-  server->kernel_pool_ = std::make_unique<ThreadPool>(threads);
   StoreOptions store;
-  store.budget_bytes = options.memory_budget;
+  store.backend = server->backend_.get();
+  store.budget_bytes = server->budget_;
   store.eviction = options.eviction;
   store.page_tokens = options.page_tokens;
   store.snapshot_dir = options.snapshot_dir;
@@ -279,13 +289,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   handler.max_tokens = options.max_tokens;
   handler.session_ttl = options.session_ttl;
   handler.max_message_bytes = static_cast<size_t>(options.max_message_bytes) / 2;
-  handler.device = device->name;
+  handler.device = server->device_;
   handler.metrics = server->metrics_.get();
   if (server->authenticator_ != nullptr) handler.snapshot_tenant = options.admin_tenant;
   server->handler_ = std::make_unique<Handler>(server->store_.get(), handler);
-  // Enough workers that cheap calls are not queued behind kernels; one
-  // tenant holds at most half of them.
-  const int workers = threads + 2;
   server->executor_ = std::make_unique<Executor>(workers, std::max(1, workers / 2));
   ServiceLimits limits;
   limits.tenant_calls = options.tenant_max_calls;

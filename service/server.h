@@ -24,6 +24,7 @@ class Exposer;
 namespace turbokv {
 
 class Authenticator;
+class Backend;
 class Executor;
 class Handler;
 class KvCacheService;
@@ -35,7 +36,9 @@ struct ServerOptions {
   std::vector<std::string> listen = {"unix:///tmp/turbokv.sock"};
   std::string device = "auto";  // auto, cpu or cuda:N
   int threads = 0;              // kernel threads; 0: one per core
-  size_t memory_budget = size_t{4} << 30;
+  // Bytes of compressed pages; 0: the device's default (on a GPU, the CUDA
+  // backend's share of its free memory; on the CPU, kDefaultHostBudget).
+  size_t memory_budget = 0;
   EvictionPolicy eviction = EvictionPolicy::kReject;
   absl::Duration session_ttl = absl::Hours(1);  // zero: sessions never expire
   int max_message_bytes = 64 << 20;
@@ -97,6 +100,9 @@ struct ServerOptions {
 // "grpc: message (file:line)". Once, before the first server starts.
 void RouteGrpcLog();
 
+// The budget of a CPU daemon when --memory-budget does not set one.
+constexpr size_t kDefaultHostBudget = size_t{4} << 30;
+
 class Server {
  public:
   // Checks the options and chooses the device; nothing listens yet.
@@ -127,6 +133,7 @@ class Server {
   // http://host:port/metrics as bound, or empty.
   const std::string& metrics_endpoint() const { return metrics_endpoint_; }
   const std::string& device() const { return device_; }
+  size_t memory_budget() const { return budget_; }
   const std::string& device_reason() const { return device_reason_; }
   Handler& handler() { return *handler_; }
   SessionStore& store() { return *store_; }
@@ -140,12 +147,14 @@ class Server {
   ServerOptions options_;
   std::string device_;
   std::string device_reason_;
+  size_t budget_ = 0;
   std::unique_ptr<Authenticator> authenticator_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string metrics_endpoint_;
   std::unique_ptr<ThreadPool> kernel_pool_;
+  std::unique_ptr<Backend> backend_;
   std::unique_ptr<SessionStore> store_;
   std::unique_ptr<Handler> handler_;
   std::unique_ptr<Executor> executor_;

@@ -8,7 +8,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/cpu/thread_pool.h"
 #include "service/error_side.h"
 #include "service/handler/common.h"
 #include "service/status_macros.h"
@@ -62,36 +61,41 @@ Handler::ChunkWrite Handler::WriteOf(SessionCache& session, int l, LayerCache::P
   return write;
 }
 
-void Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
-  // Chunks encode independently: spread them over the kernel threads (a
-  // single chunk spreads its heads and pages instead).
-  const bool by_chunk = writes.size() > 1;
+absl::Status Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
+  // Every chunk with new tokens is one job of a single encode on the
+  // backend; the layers change only once all of them are encoded.
   std::vector<SessionCache::LayerErrors> errors(writes.size());
-  auto commit = [&](int64_t i) {
-    ChunkWrite& write = writes[static_cast<size_t>(i)];
-    SessionCache::LayerErrors& chunk = errors[static_cast<size_t>(i)];
-    write.before = write.layer->tokens();
-    write.after = write.layer->Commit(std::move(write.pending), write.keys, write.values,
-                                      by_chunk ? nullptr : options_.kernel_pool, &chunk.keys, &chunk.values);
-    write.errors->keys.Add(chunk.keys);
-    write.errors->values.Add(chunk.values);
-  };
+  std::vector<std::vector<const uint8_t*>> tables(writes.size());
+  std::vector<EncodeChunk> chunks;
+  for (size_t i = 0; i < writes.size(); ++i) {
+    ChunkWrite& write = writes[i];
+    if (!write.layer->HasNew(write.pending)) continue;
+    EncodeChunk chunk = write.layer->Chunk(write.pending, write.keys, write.values, &tables[i]);
+    chunk.key_errors = &errors[i].keys;
+    chunk.value_errors = &errors[i].values;
+    chunks.push_back(chunk);
+  }
   const absl::Time encode_start = absl::Now();
-  if (options_.kernel_pool != nullptr && by_chunk) {
-    options_.kernel_pool->ParallelFor(static_cast<int64_t>(writes.size()), commit);
-  } else {
-    for (size_t i = 0; i < writes.size(); ++i) commit(static_cast<int64_t>(i));
+  TURBOKV_RETURN_IF_ERROR(store_->backend().Encode(chunks));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - encode_start);
+  int64_t new_token_layers = 0;
+  for (size_t i = 0; i < writes.size(); ++i) {
+    ChunkWrite& write = writes[i];
+    write.before = write.layer->tokens();
+    write.after = write.layer->Apply(std::move(write.pending));
+    new_token_layers += write.after - write.before;
+    write.errors->keys.Add(errors[i].keys);
+    write.errors->values.Add(errors[i].values);
   }
   if (options_.metrics != nullptr) {
-    int64_t new_token_layers = 0;
-    for (const ChunkWrite& write : writes) new_token_layers += write.after - write.before;
-    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
+    options_.metrics->ObserveKernel(KernelOp::kEncode, seconds);
     options_.metrics->AddAppendedTokens(new_token_layers);
     for (size_t i = 0; i < writes.size(); ++i) {
       options_.metrics->ObserveQuantization(writes[i].key_codec, KvKind::kKey, errors[i].keys);
       options_.metrics->ObserveQuantization(writes[i].value_codec, KvKind::kValue, errors[i].values);
     }
   }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, const std::vector<int>& layers,
@@ -108,7 +112,7 @@ absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, 
   for (size_t i = 0; i < layers.size(); ++i) {
     writes[i] = WriteOf(session, layers[i], std::move(pending[i]), keys + i * layer_values, values + i * layer_values);
   }
-  CommitChunks(writes);
+  TURBOKV_RETURN_IF_ERROR(CommitChunks(writes));
   // Pages this chunk sealed go to the spill tier behind the call (later,
   // from the background pass, when the writer's queue is full).
   store_->WriteThrough(session, /*force=*/false).IgnoreError();

@@ -27,11 +27,9 @@ constexpr int64_t kMaxQueriesPerItem = 256;
 absl::Status Handler::RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
                                int64_t queries) {
   if (problems.empty()) return absl::OkStatus();
-  AttentionOptions options;
-  options.pool = options_.kernel_pool;
   const absl::Time start = absl::Now();
   TURBOKV_RETURN_IF_ERROR(
-      AttendCpu(AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params, options));
+      store_->backend().Attend(AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params));
   if (options_.metrics != nullptr) {
     options_.metrics->ObserveKernel(KernelOp::kAttend, absl::ToDoubleSeconds(absl::Now() - start));
     options_.metrics->AddAttendedQueries(queries);
@@ -331,7 +329,7 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
       writes.push_back(WriteOf(session, request.layer(), std::move((*pending)[0]), keys.data() + i * item_values,
                                values.data() + i * item_values));
     }
-    CommitChunks(writes);
+    TURBOKV_RETURN_IF_ERROR(CommitChunks(writes));
   }
 
   // Attention: every item that is still OK, as one batch.

@@ -25,7 +25,8 @@ namespace turbokv {
 class ThreadPool;
 
 struct HandlerOptions {
-  // Runs the attention kernels (nullptr: on the calling thread).
+  // Reads demoted sessions' layers in parallel (nullptr: on the calling
+  // thread). The kernels run on the store's backend.
   ThreadPool* kernel_pool = nullptr;
   // Most tokens a layer may hold, and the default of a session's max_tokens.
   int64_t max_tokens = int64_t{1} << 20;
@@ -150,11 +151,11 @@ class Handler {
   // The write of a chunk into layer `l` of `session`.
   static ChunkWrite WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending, const float* keys,
                             const float* values);
-  // Encodes every chunk: spread over the kernel threads by chunk when there
-  // are several, by head and page within one otherwise; adds each chunk's
+  // Encodes every chunk in one job of the backend, then applies them all
+  // (on error none is: the layers stay as they were); adds each chunk's
   // quantization error to its session's and counts it, with the chunks, in
   // the metrics.
-  void CommitChunks(std::vector<ChunkWrite>& writes);
+  absl::Status CommitChunks(std::vector<ChunkWrite>& writes);
   // Each layer's length before and after a stored chunk.
   struct StoredChunk {
     std::vector<int64_t> before;
@@ -164,7 +165,7 @@ class Handler {
   // [head_dim]) into each layer.
   absl::StatusOr<StoredChunk> StoreChunk(SessionCache& session, const std::vector<int>& layers, int64_t start,
                                          int64_t n, const float* keys, const float* values);
-  // The problems as one batch on the kernel pool, timed in the metrics.
+  // The problems as one batch on the backend, timed in the metrics.
   absl::Status RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
                         int64_t queries);
   // Attention of n queries at `positions` (checked) over one stored layer.

@@ -91,7 +91,11 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
   }
   const SessionConfig& config = session.config();
   std::vector<float> keys(static_cast<size_t>(n) * config.kv_heads * config.head_dim), values(keys.size());
-  layer.Read(cursor.position, n, keys.data(), values.data());
+  const absl::Time decode_start = absl::Now();
+  TURBOKV_RETURN_IF_ERROR(layer.Read(cursor.position, n, keys.data(), values.data()));
+  if (options_.metrics != nullptr) {
+    options_.metrics->ObserveKernel(KernelOp::kDecode, absl::ToDoubleSeconds(absl::Now() - decode_start));
+  }
   response->set_layer(l);
   response->set_start(cursor.position);
   FloatsToTensor(keys, {n, config.kv_heads, config.head_dim}, cursor.dtype, response->mutable_keys());

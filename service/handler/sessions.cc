@@ -107,6 +107,8 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
   config.q_heads = shape.q_heads();
   config.head_dim = shape.head_dim();
   TURBOKV_RETURN_IF_ERROR(ConfigCodecs(proto, &config));
+  // What the device cannot attend is refused now, not at the first Attend.
+  TURBOKV_RETURN_IF_ERROR(store_->backend().CheckHeadDim(config.head_dim));
   config.rotation_seed =
       proto.has_rotation_seed() ? proto.rotation_seed() : (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
   if (proto.max_tokens() < 0 || proto.max_tokens() > options_.max_tokens) {

@@ -1,11 +1,9 @@
 #include "service/store/layer_cache.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/thread_pool.h"
 
 namespace turbokv {
 
@@ -48,96 +46,56 @@ absl::StatusOr<LayerCache::PendingAppend> LayerCache::Prepare(int64_t start, int
   return pending;
 }
 
-absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys,
-                                           const float* values) {
-  absl::StatusOr<PendingAppend> pending = Prepare(start, n);
-  if (!pending.ok()) return pending.status();
-  return Commit(*std::move(pending), keys, values);
-}
-
-int64_t LayerCache::Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool,
-                           EncodeStats* key_errors, EncodeStats* value_errors) {
-  const int64_t start = pending.start;
-  const int64_t end = pending.end;
-  if (end <= tokens_) return tokens_;
-  std::vector<std::shared_ptr<Page>>& fresh = pending.pages;
+EncodeChunk LayerCache::Chunk(const PendingAppend& pending, const float* keys, const float* values,
+                              std::vector<const uint8_t*>* table) const {
+  *table = page_pointers_;
+  EncodeChunk chunk;
   size_t next = 0;
   if (pending.copy_last) {
-    std::memcpy(fresh[0]->data, pages_.back()->data, page_bytes_);
-    pages_.back() = fresh[next++];
+    chunk.copy_from = table->back();
+    table->back() = pending.pages[next++]->data;
+  }
+  for (; next < pending.pages.size(); ++next) table->push_back(pending.pages[next]->data);
+  chunk.key_codec = key_codec_.get();
+  chunk.value_codec = value_codec_.get();
+  chunk.cache = Descriptor();
+  chunk.cache.pages = table->data();
+  chunk.cache.tokens = pending.end;
+  chunk.first = tokens_;
+  const size_t skipped = static_cast<size_t>(tokens_ - pending.start) * kv_heads_ * head_dim();
+  chunk.keys = keys + skipped;
+  chunk.values = values + skipped;
+  return chunk;
+}
+
+int64_t LayerCache::Apply(PendingAppend pending) {
+  if (pending.end <= tokens_) return tokens_;
+  size_t next = 0;
+  if (pending.copy_last) {
+    pages_.back() = pending.pages[next++];
     page_pointers_.back() = pages_.back()->data;
   }
-  for (; next < fresh.size(); ++next) {
-    pages_.push_back(fresh[next]);
+  for (; next < pending.pages.size(); ++next) {
+    pages_.push_back(pending.pages[next]);
     page_pointers_.push_back(pages_.back()->data);
   }
-
-  // Encode the new tokens: one work item per run of consecutive slots in a
-  // page and kv head; items write disjoint bytes, so they run in parallel.
-  struct Run {
-    int64_t first;  // token
-    int64_t page, slot, length;
-    int head;
-  };
-  std::vector<Run> runs;
-  for (int64_t t = tokens_; t < end;) {
-    const int64_t slot = t % page_tokens_;
-    const int64_t length = std::min<int64_t>(end - t, page_tokens_ - slot);
-    for (int h = 0; h < kv_heads_; ++h) runs.push_back(Run{t, t / page_tokens_, slot, length, h});
-    t += length;
-  }
-  const PagedKvCache d = Descriptor();
-  const size_t dim = static_cast<size_t>(key_codec_->layout().head_dim);
-  // Each run's errors apart (runs encode in parallel), summed after.
-  const bool errors = key_errors != nullptr || value_errors != nullptr;
-  std::vector<EncodeStats> run_errors(errors ? 2 * runs.size() : 0);
-  auto encode = [&](int64_t i) {
-    const Run& r = runs[static_cast<size_t>(i)];
-    std::vector<float> k_run(static_cast<size_t>(r.length) * dim), v_run(k_run.size());
-    for (int64_t j = 0; j < r.length; ++j) {
-      const size_t src = (static_cast<size_t>(r.first - start + j) * kv_heads_ + r.head) * dim;
-      std::memcpy(&k_run[j * dim], keys + src, dim * sizeof(float));
-      std::memcpy(&v_run[j * dim], values + src, dim * sizeof(float));
-    }
-    uint8_t* base = pages_[r.page]->data;
-    key_codec_->Encode(r.length, k_run.data(), base + d.key_offset(r.head, r.slot),
-                       errors ? &run_errors[2 * i] : nullptr);
-    value_codec_->Encode(r.length, v_run.data(), base + d.value_offset(r.head, r.slot),
-                         errors ? &run_errors[2 * i + 1] : nullptr);
-  };
-  if (pool != nullptr && runs.size() > 1) {
-    pool->ParallelFor(static_cast<int64_t>(runs.size()), encode);
-  } else {
-    for (size_t i = 0; i < runs.size(); ++i) encode(static_cast<int64_t>(i));
-  }
-  for (size_t i = 0; i < run_errors.size(); i += 2) {
-    if (key_errors != nullptr) key_errors->Add(run_errors[i]);
-    if (value_errors != nullptr) value_errors->Add(run_errors[i + 1]);
-  }
-  tokens_ = end;
+  tokens_ = pending.end;
   return tokens_;
 }
 
-void LayerCache::Read(int64_t start, int64_t n, float* keys, float* values) const {
-  const PagedKvCache d = Descriptor();
-  const size_t dim = static_cast<size_t>(head_dim());
-  for (int64_t t = start; t < start + n;) {
-    const int64_t page = t / page_tokens_;
-    const int64_t slot = t % page_tokens_;
-    const int64_t run = std::min<int64_t>(start + n - t, page_tokens_ - slot);
-    std::vector<float> k_run(static_cast<size_t>(run) * dim), v_run(k_run.size());
-    for (int h = 0; h < kv_heads_; ++h) {
-      const uint8_t* base = pages_[page]->data;
-      key_codec_->Decode(run, base + d.key_offset(h, slot), k_run.data());
-      value_codec_->Decode(run, base + d.value_offset(h, slot), v_run.data());
-      for (int64_t i = 0; i < run; ++i) {
-        const size_t dst = (static_cast<size_t>(t - start + i) * kv_heads_ + h) * dim;
-        std::memcpy(keys + dst, &k_run[i * dim], dim * sizeof(float));
-        std::memcpy(values + dst, &v_run[i * dim], dim * sizeof(float));
-      }
-    }
-    t += run;
+absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys, const float* values) {
+  absl::StatusOr<PendingAppend> pending = Prepare(start, n);
+  if (!pending.ok()) return pending.status();
+  if (HasNew(*pending)) {
+    std::vector<const uint8_t*> table;
+    const EncodeChunk chunk = Chunk(*pending, keys, values, &table);
+    if (absl::Status encoded = pool_->backend().Encode({chunk}); !encoded.ok()) return encoded;
   }
+  return Apply(*std::move(pending));
+}
+
+absl::Status LayerCache::Read(int64_t start, int64_t n, float* keys, float* values) const {
+  return pool_->backend().Decode(*key_codec_, *value_codec_, Descriptor(), start, n, keys, values);
 }
 
 absl::Status LayerCache::LoadPages(int64_t tokens, const std::function<absl::Status(uint8_t*, size_t)>& fill) {
@@ -148,7 +106,9 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const std::function<absl::Sta
   for (size_t i = 0; i < count; ++i) {
     absl::StatusOr<std::shared_ptr<Page>> page = pool_->Allocate(page_bytes_);
     if (!page.ok()) return page.status();
-    if (absl::Status filled = fill((*page)->data, page_bytes_); !filled.ok()) return filled;
+    if (absl::Status filled = pool_->backend().WritePage((*page)->data, page_bytes_, fill); !filled.ok()) {
+      return filled;
+    }
     loaded.push_back(*std::move(page));
   }
   pages_ = std::move(loaded);

@@ -1,5 +1,7 @@
 // One layer of one session: its keys and values in pages of a PagePool, laid
-// out as the attention kernels read them (PagedKvCache, docs/FORMAT.md).
+// out as the attention kernels read them (PagedKvCache, docs/FORMAT.md). The
+// page list, fork sharing and truncation are the same for every backend; the
+// bytes are written and read through the pool's backend.
 // Not thread-safe: the session that owns it serializes access.
 #pragma once
 
@@ -13,11 +15,10 @@
 #include "absl/strings/string_view.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
+#include "service/backend/backend.h"
 #include "service/store/page_pool.h"
 
 namespace turbokv {
-
-class ThreadPool;
 
 class LayerCache {
  public:
@@ -50,28 +51,34 @@ class LayerCache {
   // when the budget is short. Changes nothing.
   absl::StatusOr<PendingAppend> Prepare(int64_t start, int64_t n) const;
 
-  // Stores the chunk Prepare checked (no change to the layer in between):
-  // keys and values [n][kv_heads][head_dim], n = pending.end - pending.start.
-  // Idempotent by position: tokens already stored are acknowledged, not stored
-  // again. Encodes on `pool` when given (not from inside its own ParallelFor).
-  // Returns the new token count. key_errors and value_errors, when given,
-  // get the quantization error of the tokens newly stored (EncodeStats).
-  int64_t Commit(PendingAppend pending, const float* keys, const float* values, ThreadPool* pool = nullptr,
-                 EncodeStats* key_errors = nullptr, EncodeStats* value_errors = nullptr);
+  // Whether a prepared chunk has tokens to store (not all repeated positions).
+  bool HasNew(const PendingAppend& pending) const { return pending.end > tokens_; }
+  // The backend's job for a prepared chunk with new tokens (HasNew): keys
+  // and values [n][kv_heads][head_dim] of positions [pending.start,
+  // pending.end) on the host; only the positions past tokens() are encoded,
+  // into the chunk's own pages. *table holds the page addresses the job
+  // points to: keep it, and the layer unchanged, until the job is done.
+  EncodeChunk Chunk(const PendingAppend& pending, const float* keys, const float* values,
+                    std::vector<const uint8_t*>* table) const;
+  // Installs a chunk whose job the backend has done: its pages and length.
+  // Idempotent by position (a chunk of repeated positions changes nothing).
+  // Returns the new token count.
+  int64_t Apply(PendingAppend pending);
 
-  // Prepare then Commit: the chunk is applied whole or not at all.
+  // Prepare, encode on the pool's backend, Apply: the chunk is applied
+  // whole or not at all.
   absl::StatusOr<int64_t> Append(int64_t start, int64_t n, const float* keys, const float* values);
 
-  // Decodes tokens [start, start + n) (within tokens()) into keys and values
-  // [n][kv_heads][head_dim].
-  void Read(int64_t start, int64_t n, float* keys, float* values) const;
+  // Decodes tokens [start, start + n) (within tokens()) into host keys and
+  // values [n][kv_heads][head_dim], on the pool's backend.
+  absl::Status Read(int64_t start, int64_t n, float* keys, float* values) const;
 
   // The pages holding tokens() tokens, in order (what a snapshot stores:
   // each whole). A page's use_count() is its holders: this layer and forks.
   const std::vector<std::shared_ptr<Page>>& pages() const { return pages_; }
   // Fills an empty layer with `tokens` tokens: takes their pages from the
   // pool and has fill(data, page_bytes()) write each in order (what
-  // pages() held). RESOURCE_EXHAUSTED when they do not fit; fill's error
+  // pages() held), on the host (Backend::WritePage). RESOURCE_EXHAUSTED when they do not fit; fill's error
   // stops it. On error the layer stays empty.
   absl::Status LoadPages(int64_t tokens, const std::function<absl::Status(uint8_t*, size_t)>& fill);
 

@@ -1,10 +1,7 @@
 #include "service/store/page_pool.h"
 
+#include "service/backend/backend.h"
 #include "service/store/tiers/tier.h"
-
-#include <sys/mman.h>
-
-#include <new>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -32,28 +29,14 @@ absl::StatusOr<std::shared_ptr<const void>> PagePool::Charge(size_t bytes) {
 
 absl::StatusOr<std::shared_ptr<Page>> PagePool::Allocate(size_t bytes) {
   if (absl::Status taken = Take(bytes); !taken.ok()) return taken;
-  // Large pages come straight from the kernel (zeroed) and go back to it
-  // when freed, so the process's memory follows the pool's; small ones
-  // would waste most of a 4 KiB mapping and come from the heap.
-  const bool mapped = bytes >= kMapThreshold;
-  uint8_t* data = nullptr;
-  if (mapped) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p != MAP_FAILED) data = static_cast<uint8_t*>(p);
-  } else {
-    data = new (std::nothrow) uint8_t[bytes]();
-  }
-  if (data == nullptr) {
+  absl::StatusOr<uint8_t*> data = backend_->AllocatePage(bytes);
+  if (!data.ok()) {
     used_.fetch_sub(bytes, std::memory_order_relaxed);
-    return absl::ResourceExhaustedError(absl::StrCat("out of host memory allocating ", bytes, " bytes"));
+    return data.status();
   }
-  return std::shared_ptr<Page>(new Page{data, bytes, nullptr}, [this, mapped](Page* page) {
+  return std::shared_ptr<Page>(new Page{*data, bytes, nullptr}, [this](Page* page) {
+    backend_->FreePage(page->data, page->bytes);
     used_.fetch_sub(page->bytes, std::memory_order_relaxed);
-    if (mapped) {
-      munmap(page->data, page->bytes);
-    } else {
-      delete[] page->data;
-    }
     delete page;
   });
 }

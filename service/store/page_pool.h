@@ -1,6 +1,7 @@
-// The memory of one device's compressed caches: pages counted against a byte
-// budget. A page returns its bytes to the budget when its last holder (a
-// layer cache, or a fork sharing it) lets go.
+// The memory of one device's compressed caches: pages of a backend (host or
+// device memory, service/backend/) counted against a byte budget. A page
+// returns its bytes to the budget, and its memory to the backend, when its
+// last holder (a layer cache, or a fork sharing it) lets go.
 #pragma once
 
 #include <atomic>
@@ -12,10 +13,11 @@
 
 namespace turbokv {
 
+class Backend;
 class TierRecord;
 
 struct Page {
-  uint8_t* data = nullptr;
+  uint8_t* data = nullptr;  // on the backend: host or device memory
   size_t bytes = 0;
   // The record of this page on the spill tier, once it is sealed (full) and
   // queued there; shared by every session holding the page. Guarded by the
@@ -25,7 +27,8 @@ struct Page {
 
 class PagePool {
  public:
-  explicit PagePool(size_t budget_bytes) : budget_(budget_bytes) {}
+  // The backend gives the pages' memory and must outlive the pool.
+  PagePool(Backend* backend, size_t budget_bytes) : backend_(backend), budget_(budget_bytes) {}
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
@@ -39,16 +42,15 @@ class PagePool {
   // Allocate.
   absl::StatusOr<std::shared_ptr<const void>> Charge(size_t bytes);
 
-  // Pages of at least this many bytes are mapped from the kernel directly.
-  static constexpr size_t kMapThreshold = size_t{32} << 10;
-
   size_t used_bytes() const { return used_.load(std::memory_order_relaxed); }
   size_t budget_bytes() const { return budget_; }
+  Backend& backend() const { return *backend_; }
 
  private:
   // Counts bytes against the budget, or RESOURCE_EXHAUSTED.
   absl::Status Take(size_t bytes);
 
+  Backend* const backend_;
   const size_t budget_;
   std::atomic<size_t> used_{0};
 };

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "service/backend/cpu_backend.h"
 #include "service/error_side.h"
 #include "service/log.h"
 #include "service/store/snapshot.h"
@@ -107,7 +108,10 @@ size_t SessionMetadataBytes(const SessionConfig& config) {
 }
 
 SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier)
-    : options_(options), pool_(options.budget_bytes), tier_(std::move(tier)) {}
+    : options_(options),
+      own_backend_(options.backend == nullptr ? std::make_unique<CpuBackend>() : nullptr),
+      pool_(options.backend != nullptr ? options.backend : own_backend_.get(), options.budget_bytes),
+      tier_(std::move(tier)) {}
 
 SessionStore::~SessionStore() {
   // The sessions' records are still theirs on the tier: going away here
@@ -341,7 +345,7 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots(absl::Time deadline, 
       for (const LayerCache& layer : session->layers()) frozen.push_back(layer.Fork(layer.tokens()));
     }
     const std::string file = dir + "/" + session->id() + kSnapshotSuffix;
-    absl::StatusOr<uint32_t> crc = WriteSnapshot(dir, *session, frozen, options_.page_tokens);
+    absl::StatusOr<uint32_t> crc = WriteSnapshot(dir, *session, frozen, options_.page_tokens, backend());
     if (!crc.ok()) {
       // The file on disk, if any, holds an older state: set aside (kept
       // for an operator), so that no start serves it as the session.
@@ -605,6 +609,16 @@ PageKey SessionStore::Key(const SessionCache& session, int layer, int index, int
                  c.rotation_seed};
 }
 
+absl::StatusOr<std::shared_ptr<TierRecord>> SessionStore::PutPage(const PageKey& key, const Page& page, bool force) {
+  absl::StatusOr<std::shared_ptr<TierRecord>> record;
+  absl::Status read = backend().ReadPage(page.data, page.bytes, [&](absl::string_view bytes) {
+    record = tier_->PutPage(key, bytes, force);
+    return record.status();
+  });
+  if (!read.ok()) return read;
+  return record;
+}
+
 absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
   if (tier_ == nullptr || !session.resident() || session.gone()) return absl::OkStatus();
   const int64_t pt = options_.page_tokens;
@@ -619,7 +633,7 @@ absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
     }
     for (size_t i = first; i < full; ++i) {
       absl::StatusOr<std::shared_ptr<TierRecord>> record =
-          tier_->PutPage(Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt)), *pages[i], force);
+          PutPage(Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt)), *pages[i], force);
       if (!record.ok()) return record.status();
       std::lock_guard<std::mutex> lock(records_mutex_);
       if (pages[i]->record == nullptr) pages[i]->record = *std::move(record);  // else a fork's came first
@@ -645,7 +659,7 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
     }
     out.tokens = static_cast<int64_t>(out.pages.size()) * pt;
     if (tails && out.pages.size() == full && layer.tokens() % pt != 0) {
-      absl::StatusOr<std::shared_ptr<TierRecord>> tail = tier_->PutPage(
+      absl::StatusOr<std::shared_ptr<TierRecord>> tail = PutPage(
           Key(session, static_cast<int>(l), static_cast<int>(full), static_cast<int>(layer.tokens() % pt)),
           *pages[full], true);
       if (!tail.ok()) return tail.status();

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/codec.h"
+#include "service/backend/backend.h"
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
 #include "service/store/session_config.h"
@@ -69,6 +70,10 @@ enum class EvictionPolicy {
 };
 
 struct StoreOptions {
+  // Where pages live and kernels run; it must outlive the store. nullptr:
+  // host memory, kernels on the calling thread (a CpuBackend of the store's
+  // own).
+  Backend* backend = nullptr;
   size_t budget_bytes = size_t{4} << 30;
   EvictionPolicy eviction = EvictionPolicy::kReject;
   int page_tokens = 64;
@@ -266,6 +271,7 @@ class SessionStore {
   absl::StatusOr<SnapshotReport> LoadSnapshots(absl::Time now);
 
   PagePool& pool() { return pool_; }
+  Backend& backend() { return pool_.backend(); }
   const StoreOptions& options() const { return options_; }
   // Sessions evicted (lru) and expired (ttl) since start.
   int64_t evictions() const { return lru_evictions_.load() + ttl_expiries_.load(); }
@@ -305,10 +311,14 @@ class SessionStore {
   absl::StatusOr<TierSession> TierImage(const SessionCache& session, bool tails);
   // Writes a manifest of the session's sealed pages (under its mutex).
   void WriteTierManifest(SessionCache& session);
+  // Queues a record of the page on the tier (Tier::PutPage), its bytes read
+  // through the backend.
+  absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const Page& page, bool force);
   // The key of a page record of the session.
   static PageKey Key(const SessionCache& session, int layer, int index, int tokens);
 
   const StoreOptions options_;
+  std::unique_ptr<Backend> own_backend_;  // when options_.backend is null
   PagePool pool_;
   std::unique_ptr<Tier> tier_;
   std::mutex records_mutex_;  // guards Page::record

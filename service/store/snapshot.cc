@@ -84,15 +84,15 @@ class FileWriter {
 // Writes `write`'s bytes to dir/name through dir/name.tmp, fsync and rename,
 // then fsyncs the directory. Returns the CRC of what `write` wrote.
 absl::StatusOr<uint32_t> WriteAtomically(const std::string& dir, const std::string& name,
-                                         const std::function<void(FileWriter*)>& write) {
+                                         const std::function<absl::Status(FileWriter*)>& write) {
   const std::string path = dir + "/" + name;
   const std::string temp = path + ".tmp";
   const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return Errno("cannot create", temp);
   FileWriter writer(fd, temp);
-  write(&writer);
+  absl::Status status = write(&writer);
   writer.Flush();
-  absl::Status status = writer.status();
+  if (status.ok()) status = writer.status();
   if (status.ok() && fsync(fd) != 0) status = Errno("cannot fsync", temp);
   close(fd);
   if (status.ok() && rename(temp.c_str(), path.c_str()) != 0) status = Errno("cannot rename", temp);
@@ -146,7 +146,7 @@ absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tok
 }  // namespace
 
 absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCache& session,
-                                       const std::vector<LayerCache>& layers, int page_tokens) {
+                                       const std::vector<LayerCache>& layers, int page_tokens, Backend& backend) {
   std::string header;
   PutSessionHeader(&header, SessionHeader{session.id(), session.tenant(), session.config(), session.created(), page_tokens});
   for (const LayerCache& layer : layers) Put<int64_t>(&header, layer.tokens());
@@ -156,13 +156,19 @@ absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCach
   start += header;
   uint32_t crc = 0;
   absl::StatusOr<uint32_t> written =
-      WriteAtomically(dir, session.id() + kSnapshotSuffix, [&](FileWriter* out) {
+      WriteAtomically(dir, session.id() + kSnapshotSuffix, [&](FileWriter* out) -> absl::Status {
         out->Append(start.data(), start.size());
         for (const LayerCache& layer : layers) {
-          for (const std::shared_ptr<Page>& page : layer.pages()) out->Append(page->data, layer.page_bytes());
+          for (const std::shared_ptr<Page>& page : layer.pages()) {
+            TURBOKV_RETURN_IF_ERROR(backend.ReadPage(page->data, layer.page_bytes(), [&](absl::string_view bytes) {
+              out->Append(bytes.data(), bytes.size());
+              return absl::OkStatus();
+            }));
+          }
         }
         crc = out->crc();
         out->Append(&crc, sizeof(crc));  // little-endian hosts only, as the wire format
+        return absl::OkStatus();
       });
   if (!written.ok()) return written.status();
   return crc;
@@ -248,7 +254,11 @@ absl::StatusOr<SnapshotManifest> ReadManifest(const std::string& dir) {
 }
 
 absl::Status WriteFileAtomically(const std::string& dir, const std::string& name, absl::string_view bytes) {
-  return WriteAtomically(dir, name, [&](FileWriter* out) { out->Append(bytes.data(), bytes.size()); }).status();
+  return WriteAtomically(dir, name, [&](FileWriter* out) {
+           out->Append(bytes.data(), bytes.size());
+           return absl::OkStatus();
+         })
+      .status();
 }
 
 }  // namespace turbokv

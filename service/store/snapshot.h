@@ -34,11 +34,12 @@ struct SnapshotHeader : SessionHeader {
 };
 
 // Writes the snapshot of `session` with `layers` (its layers, or a frozen
-// copy of them: see LayerCache::Fork) to dir/<id>.tkvs through a temp file,
-// fsync and rename, then fsyncs the directory: a crash leaves the old file
-// or the new one, whole. Returns the CRC stored in it.
+// copy of them: see LayerCache::Fork; their pages read through `backend`)
+// to dir/<id>.tkvs through a temp file, fsync and rename, then fsyncs the
+// directory: a crash leaves the old file or the new one, whole. Returns the
+// CRC stored in it.
 absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCache& session,
-                                       const std::vector<LayerCache>& layers, int page_tokens);
+                                       const std::vector<LayerCache>& layers, int page_tokens, Backend& backend);
 
 // Reads the snapshot at `path`: checks the header against the limits
 // CreateSession enforces and the file's size, calls make(header) for the

@@ -28,7 +28,7 @@ using ::turbokv::testing::TensorFloats;
 
 constexpr int kLayers = 2, kKv = 4, kQ = 8, kDim = 128, kLayer = 1;
 
-class DecodeTest : public ::turbokv::testing::HandlerFixture {
+class DecodeTestBase : public ::turbokv::testing::HandlerFixture {
  protected:
   // A session (rotation seed 42) with `tokens` tokens in layer kLayer.
   std::string Create(int64_t tokens, uint64_t seed, const std::string& tenant = "") {
@@ -95,11 +95,21 @@ v1::StepRequest StepOf(const v1::DecodeRequest& decode, const std::string& id, i
   return step;
 }
 
-// B sessions, k draft tokens per item, with and without window/softcap.
-class DecodeEqualsStepTest : public DecodeTest, public ::testing::WithParamInterface<std::tuple<int, int, bool>> {};
+class DecodeTest : public DecodeTestBase, public ::testing::WithParamInterface<std::string> {
+ protected:
+  std::string Device() const override { return GetParam(); }
+};
+
+// On a device, B sessions, k draft tokens per item, with and without
+// window/softcap.
+class DecodeEqualsStepTest : public DecodeTestBase,
+                             public ::testing::WithParamInterface<std::tuple<std::string, int, int, bool>> {
+ protected:
+  std::string Device() const override { return std::get<0>(GetParam()); }
+};
 
 TEST_P(DecodeEqualsStepTest, BitForBit) {
-  const auto [b, k, shaped] = GetParam();
+  const auto [device, b, k, shaped] = GetParam();
   // Two identical groups of sessions of different lengths (across page
   // boundaries): one goes through Decode, the other through Step.
   std::vector<std::string> batched, stepped;
@@ -148,14 +158,18 @@ TEST_P(DecodeEqualsStepTest, BitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Batches, DecodeEqualsStepTest,
-                         ::testing::Combine(::testing::Values(1, 3, 32), ::testing::Values(1, 4), ::testing::Bool()),
+                         ::testing::Combine(::testing::ValuesIn(testing::TestDevices()), ::testing::Values(1, 3, 32),
+                                            ::testing::Values(1, 4), ::testing::Bool()),
                          [](const auto& info) {
-                           return "b" + std::to_string(std::get<0>(info.param)) + "_k" +
-                                  std::to_string(std::get<1>(info.param)) +
-                                  (std::get<2>(info.param) ? "_window_softcap" : "");
+                           return testing::DeviceName(std::get<0>(info.param)) + "_b" +
+                                  std::to_string(std::get<1>(info.param)) + "_k" +
+                                  std::to_string(std::get<2>(info.param)) +
+                                  (std::get<3>(info.param) ? "_window_softcap" : "");
                          });
 
-TEST_F(DecodeTest, AttentionOnlyMessagesLeaveTheSessionsAsTheyAre) {
+INSTANTIATE_TEST_SUITE_P(Devices, DecodeTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
+
+TEST_P(DecodeTest, AttentionOnlyMessagesLeaveTheSessionsAsTheyAre) {
   const std::vector<std::string> ids = {Create(40, 1), Create(75, 2)};
   v1::DecodeRequest decode = MakeDecode(ids, 2, {{10, 39}, {0, 74}}, /*with_keys=*/false, 5);
   auto result = handler_->Decode(decode);
@@ -184,7 +198,7 @@ TEST_F(DecodeTest, AttentionOnlyMessagesLeaveTheSessionsAsTheyAre) {
   EXPECT_EQ(Tokens(ids[1]), 75);
 }
 
-TEST_F(DecodeTest, BadItemsFailAloneAndChangeNothing) {
+TEST_P(DecodeTest, BadItemsFailAloneAndChangeNothing) {
   const std::string good_a = Create(30, 1), good_b = Create(50, 2), gap = Create(20, 3), repeat = Create(20, 4),
                     other_tenant = Create(20, 5, "tenant-b");
   // A session of another shape.
@@ -246,7 +260,7 @@ TEST_F(DecodeTest, BadItemsFailAloneAndChangeNothing) {
   }
 }
 
-TEST_F(DecodeTest, NonFiniteValuesFailTheirItemAlone) {
+TEST_P(DecodeTest, NonFiniteValuesFailTheirItemAlone) {
   const std::vector<std::string> ids = {Create(20, 1), Create(20, 2), Create(20, 3)};
   v1::DecodeRequest decode = MakeDecode(ids, 1, {{20}, {20}, {20}}, true, 4);
   std::vector<float> keys = TensorFloats(decode.keys());
@@ -265,7 +279,7 @@ TEST_F(DecodeTest, NonFiniteValuesFailTheirItemAlone) {
   EXPECT_EQ(Tokens(ids[2]), 20);
 }
 
-TEST_F(DecodeTest, AnItemPastTheBudgetFailsAloneWithResourceExhausted) {
+TEST_P(DecodeTest, AnItemPastTheBudgetFailsAloneWithResourceExhausted) {
   // Pages of 16 tokens x 4 kv heads x (50 + 50) bytes (turbo3, d 128): the
   // budget holds exactly two, and the sessions' metadata.
   Init(2 * 16 * kKv * 100 + 2 * Meta(kLayers));
@@ -281,7 +295,7 @@ TEST_F(DecodeTest, AnItemPastTheBudgetFailsAloneWithResourceExhausted) {
   EXPECT_EQ(Tokens(partial), 11);
 }
 
-TEST_F(DecodeTest, MalformedMessagesAreRefusedWhole) {
+TEST_P(DecodeTest, MalformedMessagesAreRefusedWhole) {
   const std::vector<std::string> ids = {Create(20, 1), Create(20, 2)};
   auto refused = [&](v1::DecodeRequest request, const std::string& what) {
     auto result = handler_->Decode(request);
@@ -315,7 +329,7 @@ TEST_F(DecodeTest, MalformedMessagesAreRefusedWhole) {
   EXPECT_THAT(result->status(0).message(), HasSubstr("layer"));
 }
 
-TEST_F(DecodeTest, MetricsCountTheBatchAndEachFailedItemByCode) {
+TEST_P(DecodeTest, MetricsCountTheBatchAndEachFailedItemByCode) {
   Metrics metrics("cpu");
   HandlerOptions options;
   options.kernel_pool = &pool_;
@@ -337,7 +351,7 @@ TEST_F(DecodeTest, MetricsCountTheBatchAndEachFailedItemByCode) {
   EXPECT_EQ(invalid, 0);
 }
 
-TEST_F(DecodeTest, ConcurrentBatchesSharingSessionsInOppositeOrdersDoNotDeadlock) {
+TEST_P(DecodeTest, ConcurrentBatchesSharingSessionsInOppositeOrdersDoNotDeadlock) {
   std::vector<std::string> ids;
   for (int i = 0; i < 6; ++i) ids.push_back(Create(20, i));
   const std::vector<std::string> reversed(ids.rbegin(), ids.rend());

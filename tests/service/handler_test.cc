@@ -30,7 +30,7 @@ using ::testing::Not;
 
 constexpr int kLayers = 3, kKv = 2, kQ = 8, kDim = 128;
 
-class HandlerTest : public ::turbokv::testing::HandlerFixture {
+class HandlerTest : public ::turbokv::testing::DeviceHandlerFixture {
  protected:
   std::string Create(v1::Codec key = v1::CODEC_TURBO3, v1::Codec value = v1::CODEC_TURBO3) {
     auto response = handler_->CreateSession(MakeCreate(kLayers, kKv, kQ, kDim, key, value));
@@ -70,7 +70,7 @@ class HandlerTest : public ::turbokv::testing::HandlerFixture {
 
 };
 
-TEST_F(HandlerTest, CreateFillsDefaultsAndGivesUnguessableIds) {
+TEST_P(HandlerTest, CreateFillsDefaultsAndGivesUnguessableIds) {
   v1::CreateSessionRequest request = MakeCreate(kLayers, kKv, kQ, kDim, v1::CODEC_UNSPECIFIED, v1::CODEC_TURBO4);
   request.mutable_config()->clear_rotation_seed();
   auto a = handler_->CreateSession(request);
@@ -85,7 +85,7 @@ TEST_F(HandlerTest, CreateFillsDefaultsAndGivesUnguessableIds) {
   EXPECT_NE(a->config().rotation_seed(), b->config().rotation_seed());
 }
 
-TEST_F(HandlerTest, CreateRejectsBadConfigsNamingTheField) {
+TEST_P(HandlerTest, CreateRejectsBadConfigsNamingTheField) {
   struct Case {
     const char* field;
     void (*edit)(v1::CreateSessionRequest&);
@@ -111,7 +111,22 @@ TEST_F(HandlerTest, CreateRejectsBadConfigsNamingTheField) {
   EXPECT_EQ(store_->session_count(), 0u);
 }
 
-TEST_F(HandlerTest, AppendIsIdempotentByPositionAndRejectsGaps) {
+// A session the device cannot attend is refused when it is created, naming
+// the limit, not at its first Attend.
+TEST_P(HandlerTest, HeadDimsTheDeviceCannotAttendAreRefusedAtCreation) {
+  auto mla = handler_->CreateSession(MakeCreate(1, 1, 16, 576));
+  EXPECT_TRUE(mla.ok()) << mla.status();
+  auto wide = handler_->CreateSession(MakeCreate(1, 1, 1, 1024));
+  if (GetParam() == "cpu") {
+    EXPECT_TRUE(wide.ok()) << wide.status();
+    return;
+  }
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(wide.status().message()), HasSubstr("head_dim = 1024: attention on the GPU"));
+  EXPECT_THAT(std::string(wide.status().message()), HasSubstr("up to 576"));
+}
+
+TEST_P(HandlerTest, AppendIsIdempotentByPositionAndRejectsGaps) {
   const std::string id = Create();
   auto first = Append(id, 1, 0, 40, 1);
   ASSERT_TRUE(first.ok()) << first.status();
@@ -131,7 +146,7 @@ TEST_F(HandlerTest, AppendIsIdempotentByPositionAndRejectsGaps) {
   EXPECT_EQ(Info(id).layer_tokens(0), 0);
 }
 
-TEST_F(HandlerTest, AllLayersAppendStoresEveryLayer) {
+TEST_P(HandlerTest, AllLayersAppendStoresEveryLayer) {
   const std::string id = Create();
   const int64_t n = 20;
   const auto k = GaussianVectors(kLayers * n * kKv, kDim, 5), v = GaussianVectors(kLayers * n * kKv, kDim, 6);
@@ -149,7 +164,7 @@ TEST_F(HandlerTest, AllLayersAppendStoresEveryLayer) {
   EXPECT_LT(testing::RelativeL2(kv->first, layer2), 0.25);
 }
 
-TEST_F(HandlerTest, BadAppendsAreRejectedNamingTheFieldAndChangeNothing) {
+TEST_P(HandlerTest, BadAppendsAreRejectedNamingTheFieldAndChangeNothing) {
   const std::string id = Create();
   ASSERT_TRUE(Append(id, 0, 0, 8, 1).ok());
   const auto k = GaussianVectors(4 * kKv, kDim, 9), v = GaussianVectors(4 * kKv, kDim, 10);
@@ -194,7 +209,7 @@ TEST_F(HandlerTest, BadAppendsAreRejectedNamingTheFieldAndChangeNothing) {
   }
 }
 
-TEST_F(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
+TEST_P(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
   // One page: 16 tokens x 2 heads x (50 + 50 bytes) = 3200 bytes (turbo3, d 128).
   Init(3200 * 5 + 2 * Meta(kLayers));  // room for two sessions' metadata
   const std::string id = Create();
@@ -222,7 +237,7 @@ TEST_F(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
   EXPECT_EQ(store_->pool().used_bytes(), used + Meta(kLayers));
 }
 
-TEST_F(HandlerTest, LruEvictsTheLeastRecentlyUsedIdleSession) {
+TEST_P(HandlerTest, LruEvictsTheLeastRecentlyUsedIdleSession) {
   Init(3200 * 6 + 3 * Meta(kLayers), EvictionPolicy::kLru);
   const std::string old_one = Create(), recent = Create(), writer = Create();
   ASSERT_TRUE(Append(old_one, 0, 0, 32, 1).ok());  // 2 pages
@@ -242,7 +257,7 @@ TEST_F(HandlerTest, LruEvictsTheLeastRecentlyUsedIdleSession) {
   EXPECT_EQ(Info(writer).layer_tokens(0), 48);
 }
 
-TEST_F(HandlerTest, IdleSessionsExpireAfterTheirTtl) {
+TEST_P(HandlerTest, IdleSessionsExpireAfterTheirTtl) {
   v1::CreateSessionRequest request = MakeCreate(kLayers, kKv, kQ, kDim);
   request.mutable_config()->mutable_idle_ttl()->set_seconds(5);
   auto created = handler_->CreateSession(request);
@@ -258,7 +273,7 @@ TEST_F(HandlerTest, IdleSessionsExpireAfterTheirTtl) {
   EXPECT_EQ(Info(keeps).layer_tokens(0), 0);
 }
 
-TEST_F(HandlerTest, AttentionMatchesAFloatReferenceOverTheDecodedCache) {
+TEST_P(HandlerTest, AttentionMatchesAFloatReferenceOverTheDecodedCache) {
   for (v1::Codec codec : {v1::CODEC_TURBO3, v1::CODEC_Q8_0, v1::CODEC_F16}) {
     const std::string id = Create(codec, v1::CODEC_TURBO4);
     const int64_t n = 300;
@@ -292,7 +307,7 @@ TEST_F(HandlerTest, AttentionMatchesAFloatReferenceOverTheDecodedCache) {
   }
 }
 
-TEST_F(HandlerTest, AttendChecksPositionsAndOptions) {
+TEST_P(HandlerTest, AttendChecksPositionsAndOptions) {
   const std::string id = Create();
   const std::vector<float> q = GaussianVectors(2 * kQ, kDim, 1);
   v1::AttendRequest request;
@@ -338,7 +353,7 @@ TEST_F(HandlerTest, AttendChecksPositionsAndOptions) {
 
 // Every other request type, field by field: the status, the field named in
 // the message, and the session unchanged afterwards.
-TEST_F(HandlerTest, EveryRequestTypeRejectsBadFieldsAndChangesNothing) {
+TEST_P(HandlerTest, EveryRequestTypeRejectsBadFieldsAndChangesNothing) {
   const std::string id = Create();
   ASSERT_TRUE(Append(id, 0, 0, 40, 1).ok());
   ASSERT_TRUE(Append(id, 1, 0, 30, 2).ok());
@@ -438,7 +453,7 @@ TEST_F(HandlerTest, EveryRequestTypeRejectsBadFieldsAndChangesNothing) {
   expect(handler_->GetSession(get, "other-tenant").status(), absl::StatusCode::kNotFound, "no session " + id);
 }
 
-TEST_F(HandlerTest, StepAppendsOneTokenAndAttendsWithIt) {
+TEST_P(HandlerTest, StepAppendsOneTokenAndAttendsWithIt) {
   const std::string id = Create();
   ASSERT_TRUE(Append(id, 1, 0, 50, 1).ok());
   const auto k = GaussianVectors(kKv, kDim, 2), v = GaussianVectors(kKv, kDim, 3), q = GaussianVectors(kQ, kDim, 4);
@@ -471,7 +486,7 @@ TEST_F(HandlerTest, StepAppendsOneTokenAndAttendsWithIt) {
   EXPECT_EQ(Info(id).layer_tokens(1), 51);
 }
 
-TEST_F(HandlerTest, ReadKvRoundTripsWithinCodecToleranceInAnyDtypeAndMessageSize) {
+TEST_P(HandlerTest, ReadKvRoundTripsWithinCodecToleranceInAnyDtypeAndMessageSize) {
   const std::string id = Create(v1::CODEC_F16, v1::CODEC_TURBO3);
   const int64_t n = 70;
   const auto k = GaussianVectors(n * kKv, kDim, 1), v = GaussianVectors(n * kKv, kDim, 2);
@@ -513,7 +528,7 @@ TEST_F(HandlerTest, ReadKvRoundTripsWithinCodecToleranceInAnyDtypeAndMessageSize
   EXPECT_EQ(handler_->StartReadKv(read).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(HandlerTest, ForkSharesPagesAndDivergesAfterAppends) {
+TEST_P(HandlerTest, ForkSharesPagesAndDivergesAfterAppends) {
   const std::string source = Create();
   for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(Append(source, l, 0, 200, 10 + l).ok());
   const size_t before = store_->pool().used_bytes();
@@ -551,7 +566,7 @@ TEST_F(HandlerTest, ForkSharesPagesAndDivergesAfterAppends) {
   EXPECT_EQ(handler_->ForkSession(fork_request).status().code(), absl::StatusCode::kNotFound);
 }
 
-TEST_F(HandlerTest, TruncateAndDeleteReturnMemory) {
+TEST_P(HandlerTest, TruncateAndDeleteReturnMemory) {
   const std::string id = Create();
   ASSERT_TRUE(Append(id, 0, 0, 100, 1).ok());
   v1::TruncateSessionRequest truncate;
@@ -573,7 +588,7 @@ TEST_F(HandlerTest, TruncateAndDeleteReturnMemory) {
   EXPECT_EQ(Append(id, 0, 25, 1, 3).status().code(), absl::StatusCode::kNotFound);
 }
 
-TEST_F(HandlerTest, StatsCountSharedPagesOnce) {
+TEST_P(HandlerTest, StatsCountSharedPagesOnce) {
   const std::string id = Create();
   for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(Append(id, l, 0, 64, l).ok());  // 4 pages each
   v1::ForkSessionRequest fork;
@@ -592,7 +607,7 @@ TEST_F(HandlerTest, StatsCountSharedPagesOnce) {
   EXPECT_NEAR(stats->compression_ratio(), 2.0 * kLayers * 64 * kKv * kDim * 4 / used, 1e-9);
 }
 
-TEST_F(HandlerTest, ManySessionsFromManyThreads) {
+TEST_P(HandlerTest, ManySessionsFromManyThreads) {
   constexpr int kThreads = 6, kRounds = 8;
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
@@ -629,7 +644,7 @@ TEST_F(HandlerTest, ManySessionsFromManyThreads) {
   EXPECT_EQ(store_->pool().used_bytes(), 4u * 3200 + Meta(kLayers));  // the shared session's 64 tokens
 }
 
-TEST_F(HandlerTest, LruEvictsNothingWhenEvictingCannotMakeRoom) {
+TEST_P(HandlerTest, LruEvictsNothingWhenEvictingCannotMakeRoom) {
   // Eight idle sessions of 2 pages each, and a writer.
   Init(3200 * 20 + 9 * Meta(kLayers), EvictionPolicy::kLru);
   std::vector<std::string> idle;
@@ -666,7 +681,7 @@ TEST_F(HandlerTest, LruEvictsNothingWhenEvictingCannotMakeRoom) {
   EXPECT_EQ(store_->evictions(), 0);
 }
 
-TEST_F(HandlerTest, ValuesACodecWouldSaturateAreRefusedNamingWhere) {
+TEST_P(HandlerTest, ValuesACodecWouldSaturateAreRefusedNamingWhere) {
   const std::string turbo = Create(), f16 = Create(v1::CODEC_F16, v1::CODEC_Q8_0);
   ASSERT_TRUE(Append(turbo, 0, 0, 8, 1).ok());
   const int64_t n = 4;
@@ -701,7 +716,7 @@ TEST_F(HandlerTest, ValuesACodecWouldSaturateAreRefusedNamingWhere) {
   for (float x : TensorFloats(fine->result().output())) ASSERT_TRUE(std::isfinite(x));
 }
 
-TEST_F(HandlerTest, ReadKvRefusesRepeatedLayersAndSaysWhyASessionWent) {
+TEST_P(HandlerTest, ReadKvRefusesRepeatedLayersAndSaysWhyASessionWent) {
   Init(3200 * 4 + 2 * Meta(kLayers), EvictionPolicy::kLru);
   const std::string id = Create();
   ASSERT_TRUE(Append(id, 0, 0, 32, 1).ok());
@@ -726,7 +741,7 @@ TEST_F(HandlerTest, ReadKvRefusesRepeatedLayersAndSaysWhyASessionWent) {
   EXPECT_THAT(std::string(next.status().message()), HasSubstr("while being read"));
 }
 
-TEST_F(HandlerTest, AReadKvTokenLargerThanAReplyIsRefused) {
+TEST_P(HandlerTest, AReadKvTokenLargerThanAReplyIsRefused) {
   HandlerOptions options;
   options.max_message_bytes = 1024;  // one f32 token of 2 kv heads x 128 is 2,048 bytes of keys and values
   handler_ = std::make_unique<Handler>(store_.get(), options);
@@ -739,8 +754,9 @@ TEST_F(HandlerTest, AReadKvTokenLargerThanAReplyIsRefused) {
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("more than a reply may carry"));
 }
 
-TEST_F(HandlerTest, SessionsAreCappedPerDaemonAndPerTenant) {
+TEST_P(HandlerTest, SessionsAreCappedPerDaemonAndPerTenant) {
   StoreOptions store_options;
+  store_options.backend = backend_.get();
   store_options.page_tokens = 16;
   store_options.max_sessions = 3;
   store_options.max_tenant_sessions = 2;
@@ -758,8 +774,9 @@ TEST_F(HandlerTest, SessionsAreCappedPerDaemonAndPerTenant) {
   EXPECT_THAT(std::string(fourth.status().message()), HasSubstr("--max-sessions"));
 }
 
-TEST_F(HandlerTest, SnapshotIsForTheAdminTenantOnly) {
+TEST_P(HandlerTest, SnapshotIsForTheAdminTenantOnly) {
   StoreOptions store_options;
+  store_options.backend = backend_.get();
   store_options.snapshot_dir = ::testing::TempDir();
   store_ = std::make_unique<SessionStore>(store_options);
   HandlerOptions options;
@@ -773,6 +790,8 @@ TEST_F(HandlerTest, SnapshotIsForTheAdminTenantOnly) {
   handler_ = std::make_unique<Handler>(store_.get(), options);
   EXPECT_EQ(handler_->Snapshot(v1::SnapshotRequest(), "ops").status().code(), absl::StatusCode::kPermissionDenied);
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, HandlerTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
 }  // namespace
 }  // namespace turbokv

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/service/backend_testing.h"
 #include "kernels/cpu/thread_pool.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
@@ -51,9 +52,12 @@ v1::LayerCodecs Range(int first, int last, v1::Codec key, v1::Codec value) {
 
 // A handler over a store with a snapshot dir and a spill tier in a fresh
 // temporary folder; Reopen starts another store on the same folders.
-class LayerCodecsTest : public ::testing::Test {
+class LayerCodecsTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Backend>> backend = testing::TestBackend(GetParam(), &pool_, kBudget);
+    if (!backend.ok()) GTEST_SKIP() << GetParam() << " cannot serve here: " << backend.status().message();
+    backend_ = *std::move(backend);
     dir_ = absl::StrCat(::testing::TempDir(), "layer-codecs-", getpid(), "-", count_++);
     mkdir(dir_.c_str(), 0755);
     mkdir((dir_ + "/snapshots").c_str(), 0755);
@@ -65,6 +69,8 @@ class LayerCodecsTest : public ::testing::Test {
     handler_.reset();
     store_.reset();
     StoreOptions options;
+    options.backend = backend_.get();
+    options.budget_bytes = kBudget;
     options.page_tokens = kPage;
     options.snapshot_dir = dir_ + "/snapshots";
     std::unique_ptr<Tier> tier;
@@ -103,7 +109,13 @@ class LayerCodecsTest : public ::testing::Test {
     const LayerCache& cache = (*session)->layers()[layer];
     std::string bytes;
     for (const std::shared_ptr<Page>& page : cache.pages()) {
-      bytes.append(reinterpret_cast<const char*>(page->data), cache.page_bytes());
+      EXPECT_TRUE(store_->backend()
+                      .ReadPage(page->data, cache.page_bytes(),
+                                [&](absl::string_view page_bytes) {
+                                  bytes.append(page_bytes.data(), page_bytes.size());
+                                  return absl::OkStatus();
+                                })
+                      .ok());
     }
     return bytes;
   }
@@ -127,9 +139,11 @@ class LayerCodecsTest : public ::testing::Test {
     return info.ok() ? *info : v1::SessionInfo();
   }
 
+  static constexpr size_t kBudget = size_t{1} << 30;
   static inline int count_ = 0;
   std::string dir_;
   ThreadPool pool_{2};
+  std::unique_ptr<Backend> backend_;
   Metrics metrics_{"cpu"};
   std::unique_ptr<SessionStore> store_;
   std::unique_ptr<Handler> handler_;
@@ -139,7 +153,7 @@ class LayerCodecsTest : public ::testing::Test {
 // turbo4/f16: each layer equals, byte for byte and in attention, a
 // single-codec session of its codecs fed the same tokens, before and after a
 // fork, a truncate, a snapshot round trip and a trip through the spill tier.
-TEST_F(LayerCodecsTest, EachLayerOfAMixedSessionIsItsCodecsSingleSession) {
+TEST_P(LayerCodecsTest, EachLayerOfAMixedSessionIsItsCodecsSingleSession) {
   v1::CreateSessionRequest mixed_request = MakeCreate(kLayers, kKv, kQ, kDim);
   *mixed_request.mutable_config()->add_layer_codecs() = Range(2, 2, v1::CODEC_TURBO4, v1::CODEC_F16);
   *mixed_request.mutable_config()->add_layer_codecs() = Range(0, 0, v1::CODEC_Q8_0, v1::CODEC_Q8_0);
@@ -255,7 +269,7 @@ TEST_F(LayerCodecsTest, EachLayerOfAMixedSessionIsItsCodecsSingleSession) {
 // A snapshot of format version 1 (before per-layer codecs: no preset or
 // ranges in its header) still loads, its session with the codecs it names;
 // a version this turbokvd does not know is DATA_LOSS naming the versions read.
-TEST_F(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
+TEST_P(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
   const std::string id = Create(MakeCreate(kLayers, kKv, kQ, kDim, v1::CODEC_Q8_0, v1::CODEC_TURBO4));
   const int64_t n = 40;
   const auto k = GaussianVectors(kLayers * n * kKv, kDim, 1), v = GaussianVectors(kLayers * n * kKv, kDim, 2);
@@ -318,7 +332,7 @@ TEST_F(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
 // The quantization error each layer reports (SessionInfo, and the metrics'
 // histogram) is the error of what ReadKv gives back, for every codec and both
 // rotation block sizes (d = 64 and 128).
-TEST_F(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {
+TEST_P(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {
   const v1::Codec codecs[] = {v1::CODEC_F16,    v1::CODEC_Q8_0,   v1::CODEC_Q4_0,
                               v1::CODEC_TURBO2, v1::CODEC_TURBO3, v1::CODEC_TURBO4};
   const int layers = 6;
@@ -374,7 +388,7 @@ TEST_F(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {
 }
 
 // Each preset expands to its documented table, and is echoed by name.
-TEST_F(LayerCodecsTest, PresetsExpandToTheirTables) {
+TEST_P(LayerCodecsTest, PresetsExpandToTheirTables) {
   struct Expected {
     const char* preset;
     v1::Codec key, value;
@@ -443,7 +457,7 @@ TEST_F(LayerCodecsTest, PresetsExpandToTheirTables) {
   EXPECT_EQ(created->config().layer_codecs(0).key_codec(), v1::CODEC_F16);
 }
 
-TEST_F(LayerCodecsTest, BadTablesAreRefusedNamingTheField) {
+TEST_P(LayerCodecsTest, BadTablesAreRefusedNamingTheField) {
   struct Case {
     const char* message;
     void (*edit)(v1::SessionConfig&);
@@ -485,6 +499,8 @@ TEST_F(LayerCodecsTest, BadTablesAreRefusedNamingTheField) {
   }
   EXPECT_EQ(store_->session_count(), 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, LayerCodecsTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
 }  // namespace
 }  // namespace turbokv

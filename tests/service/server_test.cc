@@ -17,6 +17,7 @@
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/service/backend_testing.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "service/device.h"
@@ -35,12 +36,19 @@ constexpr int kLayers = 2, kKv = 2, kQ = 4, kDim = 128;
 
 std::string SocketPath() { return absl::StrCat("/tmp/turbokv-server-test-", getpid(), ".sock"); }
 
-class ServerTest : public ::testing::TestWithParam<bool> {
+// On each device (the GPU skips where it cannot serve), through the unix
+// socket and TCP.
+class ServerTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
  protected:
   void SetUp() override {
+    const std::string device = std::get<0>(GetParam());
+    if (device != "cpu") {
+      absl::StatusOr<std::unique_ptr<Backend>> probe = testing::TestBackend(device, nullptr, size_t{1} << 20);
+      if (!probe.ok()) GTEST_SKIP() << device << " cannot serve here: " << probe.status().message();
+    }
     ServerOptions options;
     options.listen = {"unix://" + SocketPath(), "127.0.0.1:0"};
-    options.device = "cpu";
+    options.device = device;
     options.threads = 2;
     options.memory_budget = size_t{256} << 20;
     options.expiry_interval = absl::Milliseconds(20);
@@ -52,7 +60,7 @@ class ServerTest : public ::testing::TestWithParam<bool> {
     ASSERT_EQ(server_->endpoints().size(), 2u);
     EXPECT_THAT(server_->endpoints()[1], ::testing::StartsWith("127.0.0.1:"));
     EXPECT_NE(server_->endpoints()[1], "127.0.0.1:0");
-    client_ = Client::Connect(GetParam() ? server_->endpoints()[1] : server_->endpoints()[0]);
+    client_ = Client::Connect(Endpoint());
     ASSERT_TRUE(client_->WaitUntilServing(absl::Seconds(10)).ok());
   }
   void TearDown() override {
@@ -60,6 +68,11 @@ class ServerTest : public ::testing::TestWithParam<bool> {
       EXPECT_TRUE(server_->Shutdown(absl::Seconds(1)).ok());
     }
   }
+
+  // The TCP listener or the unix socket, as the test's parameter says.
+  std::string Endpoint() const { return std::get<1>(GetParam()) ? server_->endpoints()[1] : server_->endpoints()[0]; }
+  // The device label of the metrics: "cpu", "cuda:0".
+  static std::string Label() { return std::get<0>(GetParam()); }
 
   Session NewSession(v1::Codec codec = v1::CODEC_TURBO3) {
     SessionOptions options;
@@ -202,7 +215,7 @@ TEST_P(ServerTest, ManyClientsAtOnce) {
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       std::unique_ptr<Client> client =
-          Client::Connect(GetParam() ? server_->endpoints()[1] : server_->endpoints()[0]);
+          Client::Connect(Endpoint());
       SessionOptions options;
       options.layers = kLayers;
       options.kv_heads = kKv;
@@ -298,7 +311,7 @@ TEST_P(ServerTest, DecodeStreamsSharingSessionsInOppositeOrdersDoNotDeadlock) {
   const auto q = GaussianVectors(ids.size() * kQ, kDim, 2);
   std::atomic<int> failures{0}, messages{0};
   auto run = [&](std::vector<std::string> order) {
-    auto client = Client::Connect(GetParam() ? server_->endpoints()[1] : server_->endpoints()[0]);
+    auto client = Client::Connect(Endpoint());
     auto stream = client->OpenDecodeStream();
     DecodeBatch batch;
     batch.session_ids = order;
@@ -362,13 +375,13 @@ TEST_P(ServerTest, MetricsCountWhatHappened) {
   EXPECT_THAT(text, HasSubstr("turbokv_tokens_stored 150"));
   EXPECT_THAT(text, HasSubstr("turbokv_appended_tokens_total 150"));
   EXPECT_THAT(text, HasSubstr("turbokv_attended_queries_total 3"));
-  EXPECT_THAT(text, HasSubstr("turbokv_memory_budget_bytes{device=\"cpu\"} 268435456"));
+  EXPECT_THAT(text, HasSubstr("turbokv_memory_budget_bytes{device=\"" + Label() + "\"} 268435456"));
   EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"NOT_FOUND\",method=\"GetSession\",side=\"client\"} 1"));
   EXPECT_THAT(text, HasSubstr("turbokv_rpc_errors_total{code=\"NOT_FOUND\",method=\"GetSession\",side=\"server\"} 0"));
   EXPECT_THAT(text, HasSubstr("turbokv_tenant_sessions{tenant=\"\"} 1"));
   EXPECT_GT(testing::Sample(text, "turbokv_tenant_memory_bytes{tenant=\"\"}"), 0);
-  EXPECT_GT(testing::Sample(text, "turbokv_memory_used_bytes{device=\"cpu\"}"), 0);
-  EXPECT_THAT(text, HasSubstr("turbokv_build_info{device=\"cpu\",simd=\""));
+  EXPECT_GT(testing::Sample(text, "turbokv_memory_used_bytes{device=\"" + Label() + "\"}"), 0);
+  EXPECT_THAT(text, HasSubstr("turbokv_build_info{device=\"" + Label() + "\",simd=\""));
   EXPECT_THAT(text, HasSubstr("version=\"" TURBOKV_VERSION "\"} 1"));
   EXPECT_GT(testing::Sample(text, "process_resident_memory_bytes"), 1 << 20);
   EXPECT_GT(testing::Sample(text, "process_open_fds"), 2);
@@ -376,7 +389,7 @@ TEST_P(ServerTest, MetricsCountWhatHappened) {
   EXPECT_LE(testing::Sample(text, "process_start_time_seconds"), absl::ToUnixMicros(absl::Now()) * 1e-6);
   EXPECT_THAT(text, HasSubstr("turbokv_inflight_calls{method=\"Step\"} 0"));
   EXPECT_THAT(text, HasSubstr("turbokv_rpc_duration_seconds_count{code=\"OK\",method=\"Append\"} 2"));
-  EXPECT_THAT(text, HasSubstr("turbokv_kernel_duration_seconds_count{device=\"cpu\",op=\"attend\"} 1"));
+  EXPECT_THAT(text, HasSubstr("turbokv_kernel_duration_seconds_count{device=\"" + Label() + "\",op=\"attend\"} 1"));
   EXPECT_THAT(text, HasSubstr("turbokv_evictions_total{reason=\"lru\"} 0"));
   EXPECT_THAT(text, ::testing::Not(HasSubstr(session.id())));
 }
@@ -518,8 +531,10 @@ TEST(AvailableCoresTest, TheTightestCgroupQuotaCapsTheAffinityMask) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(UnixAndTcp, ServerTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Tcp" : "Unix"; });
+INSTANTIATE_TEST_SUITE_P(UnixAndTcp, ServerTest, ::testing::Combine(::testing::ValuesIn(testing::TestDevices()), ::testing::Bool()),
+                         [](const auto& info) {
+                           return testing::DeviceName(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_Tcp" : "_Unix");
+                         });
 
 }  // namespace
 }  // namespace turbokv

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/service/backend_testing.h"
 #include "service/store/record_io.h"
 #include "service/store/session_store.h"
 #include "service/store/tiers/disk_tier.h"
@@ -52,26 +53,40 @@ struct Store {
   TierScanReport scan;
 };
 
-Store OpenStore(const std::string& dir, size_t budget = size_t{64} << 20, size_t spill_budget = size_t{1} << 30,
-                EvictionPolicy eviction = EvictionPolicy::kLru) {
-  DiskTierOptions disk;
-  disk.dir = dir;
-  disk.budget_bytes = spill_budget;
-  disk.page_tokens = kPage;
-  disk.segment_bytes = size_t{1} << 20;
-  auto tier = DiskTier::Open(disk);
-  EXPECT_TRUE(tier.ok()) << tier.status();
-  StoreOptions options;
-  options.budget_bytes = budget;
-  options.eviction = eviction;
-  options.page_tokens = kPage;
-  Store out;
-  out.store = std::make_unique<SessionStore>(options, *std::move(tier));
-  auto scan = out.store->LoadTier(absl::Now());
-  EXPECT_TRUE(scan.ok()) << scan.status();
-  if (scan.ok()) out.scan = *std::move(scan);
-  return out;
-}
+// On each device: the store's pages in its memory, demoted from it and
+// promoted back into it (the GPU skips, saying why, where it cannot serve).
+class SpillTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Backend>> backend = testing::TestBackend(GetParam(), nullptr, size_t{256} << 20);
+    if (!backend.ok()) GTEST_SKIP() << GetParam() << " cannot serve here: " << backend.status().message();
+    backend_ = *std::move(backend);
+  }
+
+  Store OpenStore(const std::string& dir, size_t budget = size_t{64} << 20, size_t spill_budget = size_t{1} << 30,
+                  EvictionPolicy eviction = EvictionPolicy::kLru) {
+    DiskTierOptions disk;
+    disk.dir = dir;
+    disk.budget_bytes = spill_budget;
+    disk.page_tokens = kPage;
+    disk.segment_bytes = size_t{1} << 20;
+    auto tier = DiskTier::Open(disk);
+    EXPECT_TRUE(tier.ok()) << tier.status();
+    StoreOptions options;
+    options.backend = backend_.get();
+    options.budget_bytes = budget;
+    options.eviction = eviction;
+    options.page_tokens = kPage;
+    Store out;
+    out.store = std::make_unique<SessionStore>(options, *std::move(tier));
+    auto scan = out.store->LoadTier(absl::Now());
+    EXPECT_TRUE(scan.ok()) << scan.status();
+    if (scan.ok()) out.scan = *std::move(scan);
+    return out;
+  }
+
+  std::unique_ptr<Backend> backend_;
+};
 
 SessionConfig Config() {
   SessionConfig config;
@@ -112,7 +127,7 @@ std::vector<float> Contents(SessionStore& store, SessionCache& session) {
   if (!promoted.ok()) return out;
   for (const LayerCache& layer : session.layers()) {
     std::vector<float> k(static_cast<size_t>(layer.tokens()) * kHeads * kDim), v(k.size());
-    layer.Read(0, layer.tokens(), k.data(), v.data());
+    EXPECT_TRUE(layer.Read(0, layer.tokens(), k.data(), v.data()).ok());
     out.insert(out.end(), k.begin(), k.end());
     out.insert(out.end(), v.begin(), v.end());
   }
@@ -126,7 +141,7 @@ std::vector<int64_t> LayerTokens(SessionCache& session) {
   return tokens;
 }
 
-TEST(SpillTest, DemotionDropsMemoryAndPromotionBringsItBackBitExact) {
+TEST_P(SpillTest, DemotionDropsMemoryAndPromotionBringsItBackBitExact) {
   const std::string dir = FreshDir("roundtrip");
   Store s = OpenStore(dir);
   auto session = s.store->Create(Config(), "tenant", absl::Now());
@@ -152,7 +167,7 @@ TEST(SpillTest, DemotionDropsMemoryAndPromotionBringsItBackBitExact) {
   EXPECT_EQ(LayerTokens(**session), (std::vector<int64_t>{210, 210}));
 }
 
-TEST(SpillTest, ARestartFindsEverySealedPageAndAFlushedTail) {
+TEST_P(SpillTest, ARestartFindsEverySealedPageAndAFlushedTail) {
   const std::string dir = FreshDir("restart");
   std::string kept, flushed, forked, truncated, deleted;
   std::vector<float> kept_sealed, flushed_all, fork_all, truncated_all;
@@ -219,7 +234,7 @@ TEST(SpillTest, ARestartFindsEverySealedPageAndAFlushedTail) {
   EXPECT_FALSE(s.store->Find(deleted, "t1", absl::Now()).ok()) << "a deleted session stays deleted";
 }
 
-TEST(SpillTest, TornAndForeignRecordsAreSkippedAndFailOnlyTheirSession) {
+TEST_P(SpillTest, TornAndForeignRecordsAreSkippedAndFailOnlyTheirSession) {
   const std::string dir = FreshDir("torn");
   std::string good, other;
   {
@@ -275,7 +290,7 @@ TEST(SpillTest, TornAndForeignRecordsAreSkippedAndFailOnlyTheirSession) {
 // A manifest naming a page record that is gone (here: the first page of layer 0,
 // damaged on disk) cuts that layer there; the layers after it still come
 // back whole.
-TEST(SpillTest, AMissingPageCutsOnlyItsLayer) {
+TEST_P(SpillTest, AMissingPageCutsOnlyItsLayer) {
   const std::string dir = FreshDir("missing");
   std::string id;
   {
@@ -319,7 +334,7 @@ TEST(SpillTest, AMissingPageCutsOnlyItsLayer) {
   EXPECT_EQ(LayerTokens(**session), (std::vector<int64_t>{0, 130}));
 }
 
-TEST(SpillTest, AFullBudgetDemotesInsteadOfEvictingAndNothingIsLost) {
+TEST_P(SpillTest, AFullBudgetDemotesInsteadOfEvictingAndNothingIsLost) {
   const std::string dir = FreshDir("lru");
   // Pages of 64 tokens x 2 heads x (52 + 136) bytes: ~24 KiB; 16 sessions
   // of 2 layers x 4 pages take ~3 MiB against a 1 MiB budget.
@@ -339,7 +354,7 @@ TEST(SpillTest, AFullBudgetDemotesInsteadOfEvictingAndNothingIsLost) {
   EXPECT_EQ(s.store->Snapshot().lru_evictions, 0);
 }
 
-TEST(SpillTest, APinnedSessionIsNeverDemoted) {
+TEST_P(SpillTest, APinnedSessionIsNeverDemoted) {
   const std::string dir = FreshDir("pinned");
   Store s = OpenStore(dir, size_t{1} << 20);
   SessionConfig pinned_config = Config();
@@ -358,7 +373,7 @@ TEST(SpillTest, APinnedSessionIsNeverDemoted) {
   EXPECT_TRUE((*pinned)->resident());
 }
 
-TEST(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
+TEST_P(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
   const std::string dir = FreshDir("full");
   Store s = OpenStore(dir, size_t{1} << 20, size_t{1} << 20);
   absl::Status last;
@@ -382,7 +397,7 @@ TEST(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
   EXPECT_TRUE(absl::StrContains(last.message(), "spill")) << last;
 }
 
-TEST(SpillTest, TheBackgroundPassDemotesAboveTheWatermarkAndDropsTheOldestOnDisk) {
+TEST_P(SpillTest, TheBackgroundPassDemotesAboveTheWatermarkAndDropsTheOldestOnDisk) {
   const std::string dir = FreshDir("watermarks");
   const size_t page = size_t{kHeads} * kPage *
                       (MakeCodecLayout(CodecKind::kTurbo3, kDim).code_size() +
@@ -420,7 +435,7 @@ TEST(SpillTest, TheBackgroundPassDemotesAboveTheWatermarkAndDropsTheOldestOnDisk
 // uses: the writer copies the live records forward and the files shrink back
 // to about what is live; the kept sessions read back as before and survive a
 // restart.
-TEST(SpillTest, SegmentsOfMostlyDeadRecordsAreCompacted) {
+TEST_P(SpillTest, SegmentsOfMostlyDeadRecordsAreCompacted) {
   const std::string dir = FreshDir("compact");
   std::vector<std::string> kept;
   std::vector<std::vector<float>> contents;
@@ -475,7 +490,7 @@ TEST(SpillTest, SegmentsOfMostlyDeadRecordsAreCompacted) {
   }
 }
 
-TEST(SpillTest, ADirectoryThatCannotBeWrittenIsRefusedNamingIt) {
+TEST_P(SpillTest, ADirectoryThatCannotBeWrittenIsRefusedNamingIt) {
   if (geteuid() == 0) {
     // root writes anywhere: a path under a regular file cannot be created.
     const std::string file = FreshDir("file");
@@ -491,6 +506,8 @@ TEST(SpillTest, ADirectoryThatCannotBeWrittenIsRefusedNamingIt) {
   ASSERT_FALSE(tier.ok());
   EXPECT_TRUE(absl::StrContains(tier.status().message(), dir)) << tier.status();
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, SpillTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
 }  // namespace
 }  // namespace turbokv

@@ -8,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/paged_cache.h"
+#include "service/backend/cpu_backend.h"
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
 #include "service/store/session_store.h"
@@ -20,6 +21,10 @@ namespace {
 using ::turbokv::testing::GaussianVectors;
 
 constexpr int kHeads = 2, kDim = 128, kPage = 64;
+
+// The store's logic is the same for every backend: these tests keep pages
+// in host memory.
+CpuBackend host;
 
 std::shared_ptr<const Codec> MakeCodec(CodecKind kind, uint64_t seed) {
   auto codec = MakeCpuCodec(CodecSpec{kind, kDim, seed});
@@ -69,7 +74,7 @@ TEST(Crc32cTest, MatchesTheStandardCheckValues) {
 }
 
 TEST(PagePoolTest, BudgetIsEnforcedAndReturned) {
-  PagePool pool(1000);
+  PagePool pool(&host, 1000);
   auto a = pool.Allocate(600);
   ASSERT_TRUE(a.ok());
   EXPECT_EQ(pool.used_bytes(), 600u);
@@ -86,7 +91,7 @@ TEST(PagePoolTest, BudgetIsEnforcedAndReturned) {
 }
 
 TEST(LayerCacheTest, AppendIsIdempotentByPositionAndRejectsGaps) {
-  PagePool pool(1 << 26);
+  PagePool pool(&host, 1 << 26);
   const Tokens data(150, 3);
   LayerCache once = MakeLayer(&pool);
   ASSERT_EQ(*once.Append(0, 150, data.key(0), data.value(0)), 150);
@@ -106,7 +111,7 @@ TEST(LayerCacheTest, AppendIsIdempotentByPositionAndRejectsGaps) {
 
 TEST(LayerCacheTest, AChunkOverTheBudgetChangesNothing) {
   LayerCache probe = MakeLayer(nullptr);
-  PagePool pool(2 * probe.page_bytes() + 10);
+  PagePool pool(&host, 2 * probe.page_bytes() + 10);
   LayerCache layer = MakeLayer(&pool);
   const Tokens data(200, 5);
   ASSERT_EQ(*layer.Append(0, 100, data.key(0), data.value(0)), 100);  // 2 pages
@@ -122,7 +127,7 @@ TEST(LayerCacheTest, AChunkOverTheBudgetChangesNothing) {
 }
 
 TEST(LayerCacheTest, ForkSharesPagesAndDivergesOnAppend) {
-  PagePool pool(1 << 26);
+  PagePool pool(&host, 1 << 26);
   LayerCache original = MakeLayer(&pool);
   const Tokens data(1001, 7), other(1, 99);
   ASSERT_EQ(*original.Append(0, 1000, data.key(0), data.value(0)), 1000);  // 15 full pages + 40
@@ -151,7 +156,7 @@ TEST(LayerCacheTest, ForkSharesPagesAndDivergesOnAppend) {
 }
 
 TEST(LayerCacheTest, TruncateReleasesPages) {
-  PagePool pool(1 << 26);
+  PagePool pool(&host, 1 << 26);
   LayerCache layer = MakeLayer(&pool);
   const Tokens data(300, 11);
   ASSERT_EQ(*layer.Append(0, 300, data.key(0), data.value(0)), 300);  // 5 pages
@@ -166,7 +171,7 @@ TEST(LayerCacheTest, TruncateReleasesPages) {
 }
 
 TEST(LayerCacheTest, KernelsReadTheStoredPages) {
-  PagePool pool(1 << 26);
+  PagePool pool(&host, 1 << 26);
   LayerCache layer = MakeLayer(&pool);
   const Tokens data(500, 13);
   ASSERT_EQ(*layer.Append(0, 200, data.key(0), data.value(0)), 200);
@@ -218,7 +223,7 @@ TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
   Tokens data(100, 1);
   ASSERT_TRUE((*session)->layers()[1].Append(0, 100, data.key(0), data.value(0)).ok());
   const std::string dir = ::testing::TempDir();
-  auto written = WriteSnapshot(dir, **session, (*session)->layers(), kPage);
+  auto written = WriteSnapshot(dir, **session, (*session)->layers(), kPage, store.backend());
   ASSERT_TRUE(written.ok()) << written.status();
   const std::string path = dir + "/" + (*session)->id() + kSnapshotSuffix;
   const std::string bytes = ReadAll(path);

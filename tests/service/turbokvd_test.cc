@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/service/backend_testing.h"
 #include "tests/service/daemon_testing.h"
 
 namespace turbokv {
@@ -39,8 +40,18 @@ SessionOptions SmallSession() {
   return options;
 }
 
-TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
-  Daemon daemon({"--listen=" + Socket(), "--device", "cpu", "--threads=2", "--memory-budget=64MiB"});
+// The daemon on each device; the GPU skips, saying why, where it cannot serve.
+class TurbokvdDeviceTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "cpu") return;
+    absl::StatusOr<std::unique_ptr<Backend>> probe = testing::TestBackend(GetParam(), nullptr, size_t{1} << 20);
+    if (!probe.ok()) GTEST_SKIP() << GetParam() << " cannot serve here: " << probe.status().message();
+  }
+};
+
+TEST_P(TurbokvdDeviceTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
+  Daemon daemon({"--listen=" + Socket(), "--device", GetParam(), "--threads=2", "--memory-budget=64MiB"});
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
   auto session = client->CreateSession(SmallSession());
@@ -55,7 +66,7 @@ TEST(TurbokvdTest, ServesThroughTheClientAndExitsCleanlyOnSigterm) {
 
   EXPECT_EQ(daemon.Stop(SIGTERM), 0);
   const std::string log = daemon.Log();
-  EXPECT_THAT(log, HasSubstr("device cpu (simd:"));
+  EXPECT_THAT(log, HasSubstr(GetParam() == "cpu" ? "device cpu (simd:" : "device " + GetParam() + " ("));
   EXPECT_THAT(log, HasSubstr("memory budget 64.00 MiB, eviction reject"));
   EXPECT_THAT(log, HasSubstr("listening on " + Socket()));
   EXPECT_THAT(log, HasSubstr("SIGTERM, draining"));
@@ -217,10 +228,11 @@ std::vector<float> Contents(const Session& session) {
   return all;
 }
 
-TEST(TurbokvdTest, SnapshotsSurviveRestartsAndDamageFailsOnlyItsSession) {
+TEST_P(TurbokvdDeviceTest, SnapshotsSurviveRestartsAndDamageFailsOnlyItsSession) {
   const std::string dir = absl::StrCat(::testing::TempDir(), "turbokvd-snapshots-", getpid());
   std::system(("rm -rf " + dir).c_str());
-  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--snapshot-dir=" + dir};
+  const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=" + GetParam(), "--memory-budget=256MiB",
+                                          "--snapshot-dir=" + dir};
   const SessionOptions options = SmallSession();
   std::vector<std::string> ids;
   std::vector<std::vector<float>> before;
@@ -293,6 +305,7 @@ TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
   };
   const Case cases[] = {
       {{"--memory-budget=lots"}, "--memory-budget: 'lots' is not a size"},
+      {{"--memory-budget=0"}, "--memory-budget must be more than 0 (leave it out for the device's default)"},
       {{"--eviction=random"}, "--eviction=random: expected reject or lru"},
       {{"--device=tpu"}, "--device=tpu: expected auto, cpu or cuda:N"},
       {{"--no-such-flag=1"}, "unknown flag --no-such-flag"},
@@ -310,6 +323,33 @@ TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
     EXPECT_EQ(daemon.Wait(), 2) << c.message;
     EXPECT_THAT(daemon.Log(), HasSubstr(c.message));
   }
+}
+
+// --device=cuda:0 serves on the GPU, or exits naming why it cannot; auto
+// then falls back to the CPU, saying why.
+TEST(TurbokvdTest, TheGpuServesOrTheDaemonSaysWhyNot) {
+  absl::StatusOr<std::unique_ptr<Backend>> gpu = testing::TestBackend("cuda:0", nullptr, size_t{1} << 20);
+  if (gpu.ok()) {
+    gpu->reset();
+    Daemon daemon({"--listen=" + Socket(), "--device=auto", "--memory-budget=64MiB"});
+    auto client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+    EXPECT_THAT(client->Stats()->device(), HasSubstr("cuda:0 ("));
+    EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+    EXPECT_THAT(daemon.Log(), HasSubstr("--device=auto: CUDA device 0 can serve"));
+    return;
+  }
+  const std::string why(gpu.status().message());
+  Daemon refused({"--listen=" + Socket(), "--device=cuda:0"});
+  EXPECT_EQ(refused.Wait(), 2);
+  EXPECT_THAT(refused.Log(), HasSubstr("--device=cuda:0: " + why + "; use --device=cpu, or auto to fall back to it"));
+  Daemon fallback({"--listen=" + Socket(), "--device=auto", "--metrics-listen="});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << fallback.Log();
+  EXPECT_THAT(client->Stats()->device(), HasSubstr("cpu (simd:"));
+  EXPECT_EQ(fallback.Stop(SIGTERM), 0);
+  EXPECT_THAT(fallback.Log(), HasSubstr("--device=auto: no GPU (" + why + "); sessions in host memory, kernels on the CPU"));
+  EXPECT_THAT(fallback.Log(), HasSubstr("memory budget 4.00 GiB"));
 }
 
 TEST(TurbokvdTest, VersionPrintsItAndExits) {
@@ -380,6 +420,9 @@ TEST(TurbokvdTest, AListenerThatCannotBeBoundFailsTheStart) {
   EXPECT_EQ(daemon.Wait(), 2);
   EXPECT_THAT(daemon.Log(), HasSubstr("cannot listen on unix:///nonexistent-dir/x.sock"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, TurbokvdDeviceTest, ::testing::ValuesIn(testing::TestDevices()),
+                         testing::DeviceTestName);
 
 }  // namespace
 }  // namespace turbokv

@@ -379,7 +379,7 @@ void DiskTier::Enqueue(Job job) {
   work_.notify_one();
 }
 
-absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key, const Page& page, bool force) {
+absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key, absl::string_view page, bool force) {
   std::string header;
   PutString(&header, key.session);
   PutString(&header, key.tenant);
@@ -389,7 +389,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key
   Put<uint8_t>(&header, static_cast<uint8_t>(key.key_codec));
   Put<uint8_t>(&header, static_cast<uint8_t>(key.value_codec));
   Put<uint64_t>(&header, key.rotation_seed);
-  const size_t bytes = kFrameBytes + header.size() + page.bytes + kCrcBytes;
+  const size_t bytes = kFrameBytes + header.size() + page.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -404,8 +404,8 @@ absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key
   job.type = kPage;
   job.record = record;
   job.session = key.session;
-  job.head = Frame(kPage, next_lsn_, header, page.bytes);
-  job.head.append(reinterpret_cast<const char*>(page.data), page.bytes);
+  job.head = Frame(kPage, next_lsn_, header, page.size());
+  job.head.append(page.data(), page.size());
   job.bytes = bytes;
   Enqueue(std::move(job));
   return std::shared_ptr<TierRecord>(std::move(record));

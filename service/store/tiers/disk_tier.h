@@ -45,7 +45,7 @@ class DiskTier final : public Tier {
 
   const char* name() const override { return "disk"; }
   absl::StatusOr<TierScanReport> Scan() override;
-  absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const Page& page, bool force) override;
+  absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, absl::string_view page, bool force) override;
   std::shared_ptr<TierRecord> PutManifest(const TierSession& session) override;
   void PutTombstone(const std::string& session, const std::string& tenant) override;
   absl::Status Wait(const TierRecord& record) override;

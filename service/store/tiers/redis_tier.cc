@@ -245,7 +245,7 @@ void RedisTier::Enqueue(Job job) {
   work_.notify_one();
 }
 
-absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& key, const Page& page, bool force) {
+absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& key, absl::string_view page, bool force) {
   std::string value(kPageMagic, sizeof(kPageMagic));
   Put<uint16_t>(&value, kVersion);
   Put<uint16_t>(&value, 0);
@@ -257,10 +257,9 @@ absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& ke
   Put<uint8_t>(&value, static_cast<uint8_t>(key.value_codec));
   Put<uint16_t>(&value, 0);
   Put<uint64_t>(&value, key.rotation_seed);
-  Put<uint32_t>(&value, static_cast<uint32_t>(page.bytes));
-  const absl::string_view payload(reinterpret_cast<const char*>(page.data), page.bytes);
-  Put<uint32_t>(&value, Crc32c(payload));
-  value.append(payload.data(), payload.size());
+  Put<uint32_t>(&value, static_cast<uint32_t>(page.size()));
+  Put<uint32_t>(&value, Crc32c(page));
+  value.append(page.data(), page.size());
   const size_t bytes = value.size();
   std::lock_guard<std::mutex> lock(mutex_);
   if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {

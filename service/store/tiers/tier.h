@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/codec.h"
 #include "service/store/page_pool.h"
@@ -95,10 +96,11 @@ class Tier {
   // Reads what the tier holds (once, before any Put).
   virtual absl::StatusOr<TierScanReport> Scan() = 0;
 
-  // Queues a record of a page's bytes (copied) and returns its handle.
+  // Queues a record of a page's bytes (copied, on the host: see
+  // Backend::ReadPage) and returns its handle.
   // RESOURCE_EXHAUSTED when the tier's budget cannot take it; UNAVAILABLE
   // when the writer's queue is full and !force (the caller tries later).
-  virtual absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const Page& page, bool force) = 0;
+  virtual absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, absl::string_view page, bool force) = 0;
   // Queues a manifest: the session's state from now on (records listed by
   // lsn; page records of the session with larger lsns extend it).
   virtual std::shared_ptr<TierRecord> PutManifest(const TierSession& session) = 0;

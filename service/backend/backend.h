@@ -1,0 +1,98 @@
+// Where pages live and kernels run (DESIGN.md section 2): the one part of the
+// daemon that knows whether a page's bytes are host or device memory. The
+// store keeps page lists, the budget and reference counts the same for every
+// backend and asks its backend to allocate, fill, read, encode and decode
+// pages; the handler runs attention through it. CpuBackend (cpu_backend.h)
+// keeps pages in host memory and runs kernels/cpu; CudaBackend
+// (cuda_backend.h) carves them from one device arena and runs kernels/cuda on
+// its streams. Every backend writes the same bytes (docs/FORMAT.md), so
+// snapshots and tier records move between them unchanged.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "kernels/attention.h"
+#include "kernels/codec.h"
+#include "kernels/paged_cache.h"
+
+namespace turbokv {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  // For logs and Stats, e.g. "cpu (simd:AVX2, 2 threads)" or
+  // "cuda:0 (NVIDIA H200, 139.8 GiB, compute 9.0)".
+  const std::string& name() const { return name_; }
+  // The device label of the metrics: "cpu", "cuda:0".
+  const std::string& label() const { return label_; }
+  // The most bytes of pages it can hold (a device arena's size); 0 when only
+  // the budget bounds it (host memory).
+  virtual size_t capacity_bytes() const = 0;
+
+  // OK when sessions of this head dimension can run here; UNIMPLEMENTED
+  // naming the limit otherwise (CreateSession refuses such sessions rather
+  // than fail their attention later).
+  virtual absl::Status CheckHeadDim(int head_dim) const = 0;
+
+  // --- Pages ---
+  // A zeroed page of `bytes`; RESOURCE_EXHAUSTED when the backend's memory
+  // cannot give one. Thread-safe.
+  virtual absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) = 0;
+  // Gives back a page of AllocatePage (same size). Thread-safe.
+  virtual void FreePage(uint8_t* page, size_t bytes) = 0;
+  // Calls use() with the page's `bytes` bytes readable on the host: the page
+  // itself on the CPU, a copy of it on a device. use's error, or the copy's.
+  virtual absl::Status ReadPage(const uint8_t* page, size_t bytes,
+                                const std::function<absl::Status(absl::string_view)>& use) = 0;
+  // Has fill(data, bytes) write the page's bytes on the host (into the page
+  // itself on the CPU, into a buffer that is then copied to the device).
+  // fill's error, or the copy's; the page is then undefined.
+  virtual absl::Status WritePage(uint8_t* page, size_t bytes,
+                                 const std::function<absl::Status(uint8_t*, size_t)>& fill) = 0;
+
+  // --- Kernels ---
+  // Encodes every chunk (kernels/paged_cache.h; a prepared append of the
+  // store, LayerCache::Chunk) into its pages. An error leaves every layer as
+  // it was (the caller drops the chunks' pages).
+  virtual absl::Status Encode(absl::Span<const EncodeChunk> chunks) = 0;
+  // Decodes tokens [first, first + n) of a layer (cache as in EncodeChunk)
+  // into host keys and values [n][kv_heads][head_dim].
+  virtual absl::Status Decode(const Codec& key_codec, const Codec& value_codec, const PagedKvCache& cache,
+                              int64_t first, int64_t n, float* keys, float* values) = 0;
+  // Attention over a batch (kernels/attention.h). Caches as in EncodeChunk;
+  // queries, positions and outputs are host memory. The caller checked the
+  // batch (shapes, positions); UNIMPLEMENTED naming what this backend cannot
+  // compute, never a detour to other hardware.
+  virtual absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params) = 0;
+
+ protected:
+  Backend(std::string name, std::string label) : name_(std::move(name)), label_(std::move(label)) {}
+
+ private:
+  const std::string name_;
+  const std::string label_;
+};
+
+class ThreadPool;
+
+// The backend of `device`: "cpu" (host memory, kernels over `pool`) or
+// "cuda:N" (GPU N, a page arena of arena_bytes, 0: CudaBackend's default
+// share of its free memory; `streams` calls at once on it).
+// FAILED_PRECONDITION naming why a GPU cannot serve (a build without CUDA, no
+// driver or device, too old a GPU, too little free memory);
+// INVALID_ARGUMENT for another name.
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(absl::string_view device, ThreadPool* pool, size_t arena_bytes = 0,
+                                                     int streams = 4);
+
+}  // namespace turbokv

@@ -1,0 +1,82 @@
+#include "service/backend/cpu_backend.h"
+
+#include <sys/mman.h>
+
+#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_codecs.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace turbokv {
+namespace {
+
+std::string CpuName(ThreadPool* pool) {
+  const int threads = pool != nullptr ? pool->size() : 1;
+  return absl::StrCat("cpu (simd:", ChosenSimdTarget(), ", ", threads, threads == 1 ? " thread)" : " threads)");
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(ThreadPool* pool) : Backend(CpuName(pool), "cpu"), pool_(pool) {}
+
+absl::Status CpuBackend::CheckHeadDim(int) const { return absl::OkStatus(); }
+
+absl::StatusOr<uint8_t*> CpuBackend::AllocatePage(size_t bytes) {
+  // Large pages come straight from the kernel (zeroed) and go back to it
+  // when freed, so the process's memory follows the pool's; small ones
+  // would waste most of a 4 KiB mapping and come from the heap.
+  uint8_t* data = nullptr;
+  if (bytes >= kMapThreshold) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) data = static_cast<uint8_t*>(p);
+  } else {
+    data = new (std::nothrow) uint8_t[bytes]();
+  }
+  if (data == nullptr) return absl::ResourceExhaustedError(absl::StrCat("out of host memory allocating ", bytes, " bytes"));
+  return data;
+}
+
+void CpuBackend::FreePage(uint8_t* page, size_t bytes) {
+  if (bytes >= kMapThreshold) {
+    munmap(page, bytes);
+  } else {
+    delete[] page;
+  }
+}
+
+absl::Status CpuBackend::ReadPage(const uint8_t* page, size_t bytes,
+                                  const std::function<absl::Status(absl::string_view)>& use) {
+  return use(absl::string_view(reinterpret_cast<const char*>(page), bytes));
+}
+
+absl::Status CpuBackend::WritePage(uint8_t* page, size_t bytes,
+                                   const std::function<absl::Status(uint8_t*, size_t)>& fill) {
+  return fill(page, bytes);
+}
+
+absl::Status CpuBackend::Encode(absl::Span<const EncodeChunk> chunks) {
+  // Chunks encode independently: spread them over the threads (a single
+  // chunk spreads its heads and pages instead).
+  if (pool_ != nullptr && chunks.size() > 1) {
+    pool_->ParallelFor(static_cast<int64_t>(chunks.size()),
+                       [&](int64_t i) { EncodeChunkCpu(chunks[static_cast<size_t>(i)], nullptr); });
+  } else {
+    for (const EncodeChunk& chunk : chunks) EncodeChunkCpu(chunk, pool_);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Decode(const Codec& key_codec, const Codec& value_codec, const PagedKvCache& cache,
+                                int64_t first, int64_t n, float* keys, float* values) {
+  DecodeCpu(key_codec, value_codec, cache, first, n, keys, values);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Attend(const AttentionBatch& batch, const AttentionParams& params) {
+  AttentionOptions options;
+  options.pool = pool_;
+  return AttendCpu(batch, params, options);
+}
+
+}  // namespace turbokv

@@ -1,0 +1,36 @@
+// Pages in host memory, kernels on the CPU (kernels/cpu): the embedded
+// default, and the backend of every machine without a usable GPU.
+#pragma once
+
+#include "service/backend/backend.h"
+
+namespace turbokv {
+
+class CpuBackend : public Backend {
+ public:
+  // Kernels spread their work over `pool`; nullptr runs them on the calling
+  // thread.
+  explicit CpuBackend(ThreadPool* pool = nullptr);
+
+  size_t capacity_bytes() const override { return 0; }
+  absl::Status CheckHeadDim(int head_dim) const override;
+  absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) override;
+  void FreePage(uint8_t* page, size_t bytes) override;
+  absl::Status ReadPage(const uint8_t* page, size_t bytes,
+                        const std::function<absl::Status(absl::string_view)>& use) override;
+  absl::Status WritePage(uint8_t* page, size_t bytes,
+                         const std::function<absl::Status(uint8_t*, size_t)>& fill) override;
+  absl::Status Encode(absl::Span<const EncodeChunk> chunks) override;
+  absl::Status Decode(const Codec& key_codec, const Codec& value_codec, const PagedKvCache& cache, int64_t first,
+                      int64_t n, float* keys, float* values) override;
+  absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params) override;
+
+  // Pages of at least this many bytes are mapped from the kernel directly
+  // (and go back to it when freed); smaller ones come from the heap.
+  static constexpr size_t kMapThreshold = size_t{32} << 10;
+
+ private:
+  ThreadPool* pool_;
+};
+
+}  // namespace turbokv

@@ -1,0 +1,150 @@
+#include "service/backend/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cuda/attention_plan.h"
+#include "kernels/cuda/cuda_codec.h"
+#include "kernels/cuda/cuda_stream.h"
+
+namespace turbokv {
+namespace {
+
+// Pages start on this boundary (cudaMalloc's own).
+constexpr size_t kPageAlignment = 256;
+
+std::string GiB(size_t bytes) { return absl::StrFormat("%.1f GiB", static_cast<double>(bytes) / (1 << 30)); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBackendOptions& options) {
+  const std::string label = absl::StrCat("cuda:", options.device);
+  if (absl::Status usable = cuda::CheckDevice(options.device); !usable.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(label, ": ", usable.message()));
+  }
+  if (absl::Status s = cuda::CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"); !s.ok()) return s;
+  // Threads that wait for the device sleep instead of spinning on a core the
+  // request path needs. Refused once the device's context exists (another
+  // backend of this process made it first): it keeps that setting.
+  if (cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) != cudaSuccess) cudaGetLastError();
+  cudaDeviceProp prop;
+  if (absl::Status s = cuda::CudaStatus(cudaGetDeviceProperties(&prop, options.device), "cudaGetDeviceProperties");
+      !s.ok()) {
+    return s;
+  }
+  size_t free_bytes = 0, total_bytes = 0;
+  if (absl::Status s = cuda::CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"); !s.ok()) return s;
+  size_t arena_bytes = options.arena_bytes;
+  if (arena_bytes == 0) arena_bytes = static_cast<size_t>(static_cast<double>(free_bytes) * kDefaultArenaFraction);
+  arena_bytes = arena_bytes / kPageAlignment * kPageAlignment;
+  if (arena_bytes == 0 || arena_bytes > free_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(label, " (", prop.name, ") has ", GiB(free_bytes), " free of ",
+                                                      GiB(total_bytes), "; a page arena of ", GiB(arena_bytes),
+                                                      " (--memory-budget) does not fit"));
+  }
+  void* arena = nullptr;
+  if (cudaMalloc(&arena, arena_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat(label, ": cannot allocate a page arena of ", GiB(arena_bytes), " (", GiB(free_bytes), " free)"));
+  }
+  const int streams = std::max(1, options.streams);
+  const std::string name =
+      absl::StrCat(label, " (", prop.name, ", compute ", prop.major, ".", prop.minor, ", page arena ", GiB(arena_bytes),
+                   " of ", GiB(free_bytes), " free, ", streams, streams == 1 ? " stream)" : " streams)");
+  std::unique_ptr<CudaBackend> backend(
+      new CudaBackend(name, label, options.device, static_cast<uint8_t*>(arena), arena_bytes));
+  for (int i = 0; i < streams; ++i) {
+    absl::StatusOr<std::unique_ptr<cuda::CudaStream>> stream = cuda::CudaStream::Create(options.device);
+    if (!stream.ok()) return stream.status();
+    backend->free_.push_back(stream->get());
+    backend->streams_.push_back(*std::move(stream));
+  }
+  return backend;
+}
+
+CudaBackend::CudaBackend(std::string name, std::string label, int device, uint8_t* arena, size_t arena_bytes)
+    : Backend(std::move(name), std::move(label)),
+      device_(device),
+      arena_(arena),
+      allocator_(arena_bytes, kPageAlignment) {}
+
+CudaBackend::~CudaBackend() {
+  streams_.clear();
+  cudaSetDevice(device_);
+  cudaFree(arena_);
+}
+
+CudaBackend::Lease::Lease(CudaBackend* backend) : backend_(backend) {
+  std::unique_lock<std::mutex> lock(backend->mutex_);
+  backend->released_.wait(lock, [&] { return !backend->free_.empty(); });
+  stream_ = backend->free_.back();
+  backend->free_.pop_back();
+}
+
+CudaBackend::Lease::~Lease() {
+  {
+    std::lock_guard<std::mutex> lock(backend_->mutex_);
+    backend_->free_.push_back(stream_);
+  }
+  backend_->released_.notify_one();
+}
+
+absl::Status CudaBackend::CheckHeadDim(int head_dim) const {
+  if (head_dim <= cuda::kMaxCudaHeadDim) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat("head_dim = ", head_dim, ": attention on the GPU (", label(),
+                                               ") takes head_dim up to ", cuda::kMaxCudaHeadDim,
+                                               "; a turbokvd with --device=cpu takes up to ", kMaxHeadDim));
+}
+
+absl::StatusOr<uint8_t*> CudaBackend::AllocatePage(size_t bytes) {
+  const std::optional<size_t> offset = allocator_.Allocate(bytes);
+  if (!offset.has_value()) {
+    const ArenaAllocator::Usage usage = allocator_.usage();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the page arena of ", label(), " has no free range of ", bytes, " bytes: ", usage.used, " of ", usage.capacity,
+        " bytes used, the free ones in ", usage.free_ranges, " ranges, the largest ", usage.largest_free, " bytes"));
+  }
+  uint8_t* page = arena_ + *offset;
+  // Zeroed, as host pages are: the slots a page does not hold yet go to
+  // snapshots and tiers as zeros, never as another session's bytes.
+  absl::Status zeroed = Lease(this)->Zero(page, bytes);
+  if (!zeroed.ok()) {
+    allocator_.Free(*offset, bytes);
+    return zeroed;
+  }
+  return page;
+}
+
+void CudaBackend::FreePage(uint8_t* page, size_t bytes) { allocator_.Free(static_cast<size_t>(page - arena_), bytes); }
+
+absl::Status CudaBackend::ReadPage(const uint8_t* page, size_t bytes,
+                                   const std::function<absl::Status(absl::string_view)>& use) {
+  std::vector<char> host(bytes);
+  if (absl::Status s = Lease(this)->CopyToHost(page, bytes, host.data()); !s.ok()) return s;
+  return use(absl::string_view(host.data(), host.size()));
+}
+
+absl::Status CudaBackend::WritePage(uint8_t* page, size_t bytes,
+                                    const std::function<absl::Status(uint8_t*, size_t)>& fill) {
+  std::vector<uint8_t> host(bytes);
+  if (absl::Status s = fill(host.data(), bytes); !s.ok()) return s;
+  return Lease(this)->CopyToDevice(host.data(), bytes, page);
+}
+
+absl::Status CudaBackend::Encode(absl::Span<const EncodeChunk> chunks) { return Lease(this)->Encode(chunks); }
+
+absl::Status CudaBackend::Decode(const Codec&, const Codec&, const PagedKvCache& cache, int64_t first, int64_t n,
+                                 float* keys, float* values) {
+  return Lease(this)->Decode(cache, first, n, keys, values);
+}
+
+absl::Status CudaBackend::Attend(const AttentionBatch& batch, const AttentionParams& params) {
+  return Lease(this)->Attend(batch, params);
+}
+
+}  // namespace turbokv

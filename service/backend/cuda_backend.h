@@ -1,0 +1,80 @@
+// Pages in device memory, kernels on the GPU: one arena of device memory
+// allocated at start and carved into pages (ArenaAllocator: no cudaMalloc
+// on the request path), and a few CUDA streams (kernels/cuda/cuda_stream.h)
+// that calls take turns on, each with its own staging and scratch. Built
+// only with CUDA (TURBOKV_HAVE_CUDA).
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "service/backend/arena.h"
+#include "service/backend/backend.h"
+
+namespace turbokv {
+
+namespace cuda {
+class CudaStream;
+}
+
+struct CudaBackendOptions {
+  int device = 0;
+  // Bytes of the page arena. 0: kDefaultArenaFraction of the device's free
+  // memory at start.
+  size_t arena_bytes = 0;
+  // Calls that run on the device at once (a CUDA stream each); more wait.
+  int streams = 4;
+};
+
+class CudaBackend : public Backend {
+ public:
+  // What the arena takes of the device's free memory by default: the rest is
+  // for the CUDA context, the streams' scratch and other processes.
+  static constexpr double kDefaultArenaFraction = 0.8;
+
+  // FAILED_PRECONDITION naming why when the device cannot serve (no driver
+  // or device, compute capability below 8.0, an arena larger than its free
+  // memory); RESOURCE_EXHAUSTED when the arena cannot be allocated.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
+  ~CudaBackend() override;
+
+  size_t capacity_bytes() const override { return allocator_.usage().capacity; }
+  absl::Status CheckHeadDim(int head_dim) const override;
+  absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) override;
+  void FreePage(uint8_t* page, size_t bytes) override;
+  absl::Status ReadPage(const uint8_t* page, size_t bytes,
+                        const std::function<absl::Status(absl::string_view)>& use) override;
+  absl::Status WritePage(uint8_t* page, size_t bytes,
+                         const std::function<absl::Status(uint8_t*, size_t)>& fill) override;
+  absl::Status Encode(absl::Span<const EncodeChunk> chunks) override;
+  absl::Status Decode(const Codec& key_codec, const Codec& value_codec, const PagedKvCache& cache, int64_t first,
+                      int64_t n, float* keys, float* values) override;
+  absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params) override;
+
+ private:
+  // A stream held for one call: waits for a free one, gives it back.
+  class Lease {
+   public:
+    explicit Lease(CudaBackend* backend);
+    ~Lease();
+    cuda::CudaStream* operator->() const { return stream_; }
+
+   private:
+    CudaBackend* backend_;
+    cuda::CudaStream* stream_;
+  };
+
+  CudaBackend(std::string name, std::string label, int device, uint8_t* arena, size_t arena_bytes);
+
+  const int device_;
+  uint8_t* const arena_;
+  ArenaAllocator allocator_;
+  std::vector<std::unique_ptr<cuda::CudaStream>> streams_;
+  std::mutex mutex_;
+  std::condition_variable released_;
+  std::vector<cuda::CudaStream*> free_;  // under mutex_
+};
+
+}  // namespace turbokv

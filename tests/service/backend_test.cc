@@ -1,0 +1,190 @@
+// What the backends' host-side logic does, on every machine: the device
+// arena's allocator, the choice of device and its errors, the CPU backend's
+// pages.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/thread_pool.h"
+#include "service/backend/arena.h"
+#include "service/backend/cpu_backend.h"
+#include "service/device.h"
+#include "tests/service/backend_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ArenaAllocatorTest, RangesAreAlignedDisjointAndComeBackWhole) {
+  ArenaAllocator arena(10000, 256);  // 39 ranges of 256 (9984 bytes)
+  EXPECT_EQ(arena.usage().capacity, 9984u);
+  const std::optional<size_t> a = arena.Allocate(1);
+  const std::optional<size_t> b = arena.Allocate(300);  // 512
+  const std::optional<size_t> c = arena.Allocate(256);
+  ASSERT_TRUE(a && b && c);
+  for (size_t offset : {*a, *b, *c}) EXPECT_EQ(offset % 256, 0u);
+  EXPECT_EQ(arena.usage().used, 256u + 512 + 256);
+  EXPECT_FALSE(arena.Allocate(9984 - 1024 + 1).has_value());  // one byte more than is left
+  const std::optional<size_t> rest = arena.Allocate(9984 - 1024);
+  ASSERT_TRUE(rest.has_value());
+  EXPECT_FALSE(arena.Allocate(1).has_value());
+  EXPECT_EQ(arena.usage().largest_free, 0u);
+  // Freed in an order that leaves holes, then merged back into one range.
+  arena.Free(*b, 300);
+  EXPECT_EQ(arena.usage().free_ranges, 1u);
+  EXPECT_EQ(arena.usage().largest_free, 512u);
+  arena.Free(*rest, 9984 - 1024);
+  EXPECT_EQ(arena.usage().free_ranges, 2u);
+  arena.Free(*a, 1);
+  arena.Free(*c, 256);
+  const ArenaAllocator::Usage usage = arena.usage();
+  EXPECT_EQ(usage.used, 0u);
+  EXPECT_EQ(usage.free_ranges, 1u);
+  EXPECT_EQ(usage.largest_free, 9984u);
+}
+
+TEST(ArenaAllocatorTest, BestFitKeepsTheLargeRangeForALargePage) {
+  ArenaAllocator arena(64 << 10, 256);
+  std::vector<size_t> small;
+  for (int i = 0; i < 8; ++i) small.push_back(*arena.Allocate(1024));
+  const size_t big = *arena.Allocate(16 << 10);
+  arena.Free(small[1], 1024);  // a 1 KiB hole, and the big tail after `big`
+  const size_t again = *arena.Allocate(1024);
+  EXPECT_EQ(again, small[1]);  // the hole that fits, not the tail
+  EXPECT_EQ(arena.usage().largest_free, (64u << 10) - 8 * 1024 - (16 << 10));
+  arena.Free(big, 16 << 10);
+}
+
+// Pages of mixed sizes taken and given back from several threads at once:
+// no two live ranges overlap, and the arena ends whole.
+TEST(ArenaAllocatorTest, ManyThreadsNeverGetOverlappingRanges) {
+  constexpr size_t kCapacity = size_t{8} << 20;
+  ArenaAllocator arena(kCapacity, 256);
+  std::vector<std::atomic<int>> owner(kCapacity / 256);
+  for (auto& o : owner) o = -1;
+  std::atomic<int> overlaps{0}, refused{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 random(t);
+      std::vector<std::pair<size_t, size_t>> held;
+      for (int i = 0; i < 5000; ++i) {
+        if (!held.empty() && random() % 2 == 0) {
+          const size_t k = random() % held.size();
+          const auto [offset, bytes] = held[k];
+          for (size_t u = offset / 256; u < (offset + bytes + 255) / 256; ++u) owner[u] = -1;
+          arena.Free(offset, bytes);
+          held.erase(held.begin() + static_cast<long>(k));
+          continue;
+        }
+        const size_t bytes = 1 + random() % (64 << 10);
+        const std::optional<size_t> offset = arena.Allocate(bytes);
+        if (!offset.has_value()) {
+          ++refused;
+          continue;
+        }
+        for (size_t u = *offset / 256; u < (*offset + bytes + 255) / 256; ++u) {
+          int free_unit = -1;
+          if (!owner[u].compare_exchange_strong(free_unit, t)) ++overlaps;
+        }
+        held.emplace_back(*offset, bytes);
+      }
+      for (const auto& [offset, bytes] : held) {
+        for (size_t u = offset / 256; u < (offset + bytes + 255) / 256; ++u) owner[u] = -1;
+        arena.Free(offset, bytes);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(overlaps.load(), 0);
+  const ArenaAllocator::Usage usage = arena.usage();
+  EXPECT_EQ(usage.used, 0u);
+  EXPECT_EQ(usage.free_ranges, 1u);
+  EXPECT_EQ(usage.largest_free, kCapacity);
+}
+
+TEST(CpuBackendTest, PagesAreZeroedHostMemoryReadAndWrittenInPlace) {
+  ThreadPool pool(2);
+  CpuBackend backend(&pool);
+  EXPECT_THAT(backend.name(), HasSubstr("cpu (simd:"));
+  EXPECT_THAT(backend.name(), HasSubstr("2 threads"));
+  EXPECT_EQ(backend.label(), "cpu");
+  EXPECT_EQ(backend.capacity_bytes(), 0u);
+  EXPECT_TRUE(backend.CheckHeadDim(kMaxHeadDim).ok());
+  for (size_t bytes : {size_t{100}, CpuBackend::kMapThreshold, CpuBackend::kMapThreshold * 3 + 7}) {
+    absl::StatusOr<uint8_t*> page = backend.AllocatePage(bytes);
+    ASSERT_TRUE(page.ok()) << page.status();
+    EXPECT_TRUE(std::all_of(*page, *page + bytes, [](uint8_t b) { return b == 0; })) << bytes;
+    ASSERT_TRUE(backend
+                    .WritePage(*page, bytes,
+                               [&](uint8_t* data, size_t n) {
+                                 EXPECT_EQ(data, *page);  // in place: no copy on the CPU
+                                 std::memset(data, 0x5a, n);
+                                 return absl::OkStatus();
+                               })
+                    .ok());
+    ASSERT_TRUE(backend
+                    .ReadPage(*page, bytes,
+                              [&](absl::string_view view) {
+                                EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.data()), *page);
+                                EXPECT_EQ(view, std::string(bytes, '\x5a'));
+                                return absl::OkStatus();
+                              })
+                    .ok());
+    // fill's error is the write's.
+    EXPECT_EQ(backend.WritePage(*page, bytes, [](uint8_t*, size_t) { return absl::DataLossError("torn"); }).code(),
+              absl::StatusCode::kDataLoss);
+    backend.FreePage(*page, bytes);
+  }
+}
+
+TEST(DeviceChoiceTest, CpuAutoAndCudaSayWhatTheyChoseAndWhy) {
+  ThreadPool pool(2);
+  absl::StatusOr<DeviceChoice> cpu = ChooseDevice("cpu", &pool, 0, 2);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->backend->label(), "cpu");
+  EXPECT_EQ(cpu->why, "--device=cpu");
+
+  for (const char* bad : {"gpu", "cuda", "cuda:", "cuda:-1", "cuda:x", "CPU"}) {
+    absl::StatusOr<DeviceChoice> refused = ChooseDevice(bad, &pool, 0, 2);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("expected auto, cpu or cuda:N")) << bad;
+  }
+
+  absl::StatusOr<DeviceChoice> gpu = ChooseDevice("cuda:0", &pool, size_t{64} << 20, 2);
+  absl::StatusOr<DeviceChoice> automatic = ChooseDevice("auto", &pool, size_t{64} << 20, 2);
+  ASSERT_TRUE(automatic.ok()) << automatic.status();
+  if (gpu.ok()) {
+    EXPECT_EQ(gpu->backend->label(), "cuda:0");
+    EXPECT_EQ(gpu->backend->capacity_bytes(), size_t{64} << 20);
+    EXPECT_THAT(gpu->backend->name(), HasSubstr("page arena 0.1 GiB"));
+    EXPECT_EQ(automatic->backend->label(), "cuda:0");
+    EXPECT_EQ(automatic->why, "--device=auto: CUDA device 0 can serve");
+    // A GPU that cannot hold the arena says so, with its numbers.
+    absl::StatusOr<DeviceChoice> huge = ChooseDevice("cuda:0", &pool, size_t{1} << 50, 2);
+    EXPECT_EQ(huge.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(huge.status().message()), HasSubstr("does not fit"));
+    return;
+  }
+  // No GPU here: cuda:0 is refused saying why; auto takes the CPU, saying why.
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(gpu.status().message()), HasSubstr("--device=cuda:0: "));
+  EXPECT_THAT(std::string(gpu.status().message()), HasSubstr("use --device=cpu, or auto to fall back to it"));
+  EXPECT_EQ(automatic->backend->label(), "cpu");
+  EXPECT_THAT(automatic->why, HasSubstr("--device=auto: no GPU ("));
+  EXPECT_THAT(automatic->why, HasSubstr("sessions in host memory, kernels on the CPU"));
+  // A GPU other than 0 is named in its own refusal.
+  absl::StatusOr<DeviceChoice> third = ChooseDevice("cuda:3", &pool, 0, 2);
+  EXPECT_THAT(std::string(third.status().message()), HasSubstr("cuda:3"));
+}
+
+}  // namespace
+}  // namespace turbokv
