@@ -1,10 +1,12 @@
 // turbokv-bench e2e: the service over a unix socket, next to what it is built
 // from, measured in one run: append throughput, Step and Attend latency, the
-// in-process attention kernel on the same stored layer, and an empty gRPC
-// round trip (a health check) on the same channel. With --batch B: one decode
-// step over every layer for B sessions through a Decode stream, the same work
-// as B x L unary Step calls, and the kernels alone on the same batches,
-// interleaved. With --spill: the disk tier (RunSpill).
+// daemon's attention backend called in process on the same stored layer (the
+// kernels alone on the CPU; on a GPU, with their copies in and out), and an
+// empty gRPC round trip (a health check) on the same channel. With --batch B:
+// one decode step over every layer for B sessions through a Decode stream,
+// the same work as B x L unary Step calls, and the backend alone on the same
+// batches, interleaved. --device cpu (default) or cuda:N. With --spill: the
+// disk tier (RunSpill).
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -27,7 +29,6 @@
 #include "bench/prefill.h"
 #include "client/cpp/client.h"
 #include "kernels/attention.h"
-#include "kernels/cpu/thread_pool.h"
 #include "service/handler/handler.h"
 #include "service/server.h"
 #include "service/store/session_store.h"
@@ -76,7 +77,6 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
     for (float& x : queries) x = normal(rng);
   };
   std::unique_ptr<DecodeStream> decode = client.OpenDecodeStream();
-  ThreadPool kernel_pool(static_cast<int>(shape.threads));
   std::vector<double> decode_us, unary_us, kernel_us, handler_us;  // per layer-step
   int64_t position = shape.tokens;
   for (long long step = 0; step < steps; ++step) {
@@ -154,11 +154,9 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
       }
       AttentionParams params;
       params.q_heads = static_cast<int>(shape.q_heads);
-      AttentionOptions attention_options;
-      attention_options.pool = &kernel_pool;
       const auto start = Clock::now();
-      const absl::Status status =
-          AttendCpu(AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params, attention_options);
+      const absl::Status status = server.store().backend().Attend(
+          AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params);
       kernel_us.push_back(Micros(start));
       if (!status.ok()) return 1;
     }
@@ -193,16 +191,16 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
     return 0;
   }
   std::printf("turbokvd over a unix socket: %lld sessions x %lld tokens, %lld layers, %s keys and values, %lld kv heads, "
-              "%lld q heads, d %lld, %lld threads, %lld steps\n\n",
+              "%lld q heads, d %lld, %lld threads, %lld steps, %s\n\n",
               batch, shape.tokens, shape.layers, v1::Codec_Name(session_options.key_codec).c_str(), shape.kv_heads,
-              shape.q_heads, shape.head_dim, shape.threads, steps);
+              shape.q_heads, shape.head_dim, shape.threads, steps, server.device().c_str());
   std::printf("| path (one layer-step = %lld sessions, 1 token each) | p50 | p99 | tokens/s |\n|---|---:|---:|---:|\n",
               batch);
   std::printf("| (a) Decode stream, one message per layer | %.0f us | %.0f us | %.0f |\n", decode_p50,
               Percentile(decode_us, 0.99), tokens_per_s(decode_us));
   std::printf("| (b) %lld unary Step calls per layer, one thread | %.0f us | %.0f us | %.0f |\n", batch, unary_p50,
               Percentile(unary_us, 0.99), tokens_per_s(unary_us));
-  std::printf("| (c) the attention kernel alone, same batch | %.0f us | %.0f us | %.0f |\n", kernel_p50,
+  std::printf("| (c) the attention backend alone, same batch | %.0f us | %.0f us | %.0f |\n", kernel_p50,
               Percentile(kernel_us, 0.99), tokens_per_s(kernel_us));
   std::printf("| (d) the handler's Decode in process, same messages | %.0f us | %.0f us | %.0f |\n", handler_p50,
               Percentile(handler_us, 0.99), tokens_per_s(handler_us));
@@ -390,7 +388,7 @@ int RunE2e(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"tokens", "kv-heads", "q-heads", "head-dim", "layers", "threads", "chunk", "calls", "codec",
-                      "batch", "steps", "rounds"},
+                      "batch", "steps", "rounds", "device"},
                      {"json", "spill"}, &error)) {
     return UsageError(error);
   }
@@ -424,12 +422,16 @@ int RunE2e(int argc, char** argv) {
   ServerOptions server_options;
   const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");
   server_options.listen = {socket};
-  server_options.device = "cpu";
+  server_options.device = options.Get("device", "cpu");
   server_options.threads = static_cast<int>(threads);
   server_options.memory_budget = size_t{16} << 30;
   server_options.metrics_listen = "";
   absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(server_options);
-  if (!server.ok() || !(*server)->Start().ok()) {
+  if (!server.ok()) {
+    std::fprintf(stderr, "turbokv-bench e2e: %s\n", std::string(server.status().message()).c_str());
+    return 1;
+  }
+  if (!(*server)->Start().ok()) {
     std::fprintf(stderr, "turbokv-bench e2e: the server did not start\n");
     return 1;
   }
@@ -463,7 +465,6 @@ int RunE2e(int argc, char** argv) {
   std::vector<float> key(token_values), value(token_values), query(static_cast<size_t>(q_heads) * head_dim);
   for (float& x : query) x = normal(rng);
   std::vector<double> step_us, attend_us, kernel_us, rtt_us;
-  ThreadPool kernel_pool(static_cast<int>(threads));
   absl::StatusOr<std::shared_ptr<SessionCache>> stored = (*server)->store().Find(session->id(), "", absl::Now());
   std::vector<float> out(query.size()), lse(q_heads);
   int64_t position = tokens;
@@ -493,11 +494,10 @@ int RunE2e(int argc, char** argv) {
       const int64_t last = cache.tokens - 1;
       AttentionParams params;
       params.q_heads = static_cast<int>(q_heads);
-      AttentionOptions attention_options;
-      attention_options.pool = &kernel_pool;
+      const AttentionProblem problem{cache, AttentionQueries{1, query.data(), &last},
+                                     AttentionOutput{out.data(), lse.data()}};
       const auto start = Clock::now();
-      absl::Status status = AttendCpu(cache, params, AttentionQueries{1, query.data(), &last},
-                                      AttentionOutput{out.data(), lse.data()}, attention_options);
+      absl::Status status = (*server)->store().backend().Attend(AttentionBatch{&problem, 1}, params);
       kernel_us.push_back(Micros(start));
       if (!status.ok()) return 1;
     }
@@ -525,15 +525,15 @@ int RunE2e(int argc, char** argv) {
         step_p50 / (kernel_p50 + rtt_p50));
     return 0;
   }
-  std::printf("turbokvd over a unix socket, %s keys and values, %lld kv heads, %lld q heads, d %lld, %lld threads\n\n",
-              v1::Codec_Name(codec).c_str(), kv_heads, q_heads, head_dim, threads);
+  std::printf("turbokvd over a unix socket, %s keys and values, %lld kv heads, %lld q heads, d %lld, %lld threads, %s\n\n",
+              v1::Codec_Name(codec).c_str(), kv_heads, q_heads, head_dim, threads, (*server)->device().c_str());
   std::printf("| measure | p50 | p99 |\n|---|---:|---:|\n");
   std::printf("| append, %lld tokens x %lld layers in chunks of %lld (fp16 in) | %.0f token-layers/s, %.0f MB/s | |\n",
               tokens, layers, chunk, token_layers_per_s, input_mb_per_s);
   std::printf("| Step (append 1 token + attend, %lld tokens) | %.0f us | %.0f us |\n", tokens, step_p50,
               Percentile(step_us, 0.99));
   std::printf("| Attend (1 query) | %.0f us | %.0f us |\n", Percentile(attend_us, 0.5), Percentile(attend_us, 0.99));
-  std::printf("| in-process kernel, same layer and query | %.0f us | %.0f us |\n", kernel_p50,
+  std::printf("| attention backend in process, same layer and query | %.0f us | %.0f us |\n", kernel_p50,
               Percentile(kernel_us, 0.99));
   std::printf("| empty gRPC round trip (health check) | %.0f us | %.0f us |\n", rtt_p50, Percentile(rtt_us, 0.99));
   std::printf("\nStep p50 / (kernel p50 + empty round trip p50) = %.2f (target <= 1.5: %s)\n",

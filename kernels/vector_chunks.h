@@ -62,16 +62,7 @@ struct ChunkVector {
 };
 
 TURBOKV_HD ChunkVector LocateChunkVector(const VectorChunk* chunks, int count, int64_t v, int head_dim) {
-  int lo = 0, hi = count - 1;  // the last chunk with first_vector <= v
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (chunks[mid].first_vector <= v) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const VectorChunk& c = chunks[lo];
+  const VectorChunk& c = chunks[LastAtOrBelow(chunks, count, &VectorChunk::first_vector, v)];
   const int64_t local = v - c.first_vector;
   const int64_t token = c.first + local / c.kv_heads;
   const int64_t head = local % c.kv_heads;

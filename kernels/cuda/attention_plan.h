@@ -82,29 +82,11 @@ AttentionPlan PlanAttention(DeviceProblem* problems, int64_t count, int q_heads,
 // The problem a split-kernel block, or an output row, belongs to: the last
 // with first_unit (first_row) <= i.
 TURBOKV_HD int64_t ProblemOfUnit(const DeviceProblem* problems, int64_t count, int64_t unit) {
-  int64_t lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (problems[mid].first_unit <= unit) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+  return LastAtOrBelow(problems, count, &DeviceProblem::first_unit, unit);
 }
 
 TURBOKV_HD int64_t ProblemOfRow(const DeviceProblem* problems, int64_t count, int64_t row) {
-  int64_t lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (problems[mid].first_row <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+  return LastAtOrBelow(problems, count, &DeviceProblem::first_row, row);
 }
 
 // What a unit of a problem computes: unit - first_unit =

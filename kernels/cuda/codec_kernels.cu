@@ -194,19 +194,6 @@ __global__ void DecodeGgmlKernel(Locate locate, CodecKind kind, int blocks, int 
   }
 }
 
-// Sum over the warp of a double, returned to lane 0.
-__device__ __forceinline__ double WarpSumDouble(double x) {
-#pragma unroll
-  for (int step = 16; step > 0; step /= 2) x += __shfl_down_sync(kFullMask, x, step);
-  return x;
-}
-
-__device__ __forceinline__ int WarpSumInt(int x) {
-#pragma unroll
-  for (int step = 16; step > 0; step /= 2) x += __shfl_down_sync(kFullMask, x, step);
-  return x;
-}
-
 // One warp per vector (f16 is one block of head_dim values): lanes take
 // every 32nd value; what the vector lost is summed over the warp.
 template <class Locate>
@@ -227,11 +214,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     }
   }
   if (errors == nullptr) return;
-  error.error_sq = WarpSumDouble(error.error_sq);
-  error.norm_sq = WarpSumDouble(error.norm_sq);
-  error.fields = WarpSumInt(error.fields);
-  error.saturated = WarpSumInt(error.saturated);
-  error.underflowed = WarpSumInt(error.underflowed);
+  error.error_sq = WarpSum(error.error_sq);
+  error.norm_sq = WarpSum(error.norm_sq);
+  error.fields = WarpSum(error.fields);
+  error.saturated = WarpSum(error.saturated);
+  error.underflowed = WarpSum(error.underflowed);
   if (lane == 0) errors[v] = error;
 }
 

@@ -31,7 +31,8 @@ __device__ __forceinline__ void WarpFwht(float (&v)[V], int lane) {
 }
 
 // Sum over the warp, returned to every lane.
-__device__ __forceinline__ float WarpSum(float x) {
+template <class T>
+__device__ __forceinline__ T WarpSum(T x) {
 #pragma unroll
   for (int step = 16; step > 0; step /= 2) x += __shfl_xor_sync(kFullMask, x, step);
   return x;

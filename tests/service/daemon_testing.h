@@ -1,4 +1,4 @@
-// The real turbokvd binary (TURBOKVD_PATH) as a child process, for tests.
+// The real turbokvd binary (TURBOKVD_PATH, or $TURBOKVD) as a child process, for tests.
 #pragma once
 
 #include <arpa/inet.h>
@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -50,10 +51,13 @@ class Daemon {
         const rlimit limit = {file_size_limit, file_size_limit};
         setrlimit(RLIMIT_FSIZE, &limit);
       }
-      std::vector<char*> argv = {const_cast<char*>(TURBOKVD_PATH), const_cast<char*>("--metrics-listen=127.0.0.1:0")};
+      // $TURBOKVD, where set, is the binary (a bundle run on another machine:
+      // scripts/gpu-bundle.sh); else this build's.
+      const char* binary = std::getenv("TURBOKVD") != nullptr ? std::getenv("TURBOKVD") : TURBOKVD_PATH;
+      std::vector<char*> argv = {const_cast<char*>(binary), const_cast<char*>("--metrics-listen=127.0.0.1:0")};
       for (std::string& flag : flags) argv.push_back(flag.data());
       argv.push_back(nullptr);
-      execv(TURBOKVD_PATH, argv.data());
+      execv(binary, argv.data());
       _exit(127);
     }
   }
