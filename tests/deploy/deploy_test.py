@@ -525,8 +525,9 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(objects["ConfigMap"]["metadata"]["labels"]["grafana_dashboard"], "1")
 
     def test_sidecar_requests_no_gpu_by_default(self):
-        # Before: each pod asked for 2 GPUs, one for a sidecar that cannot
-        # use it (turbokvd refuses --device=cuda:N in this version).
+        # Before: each pod asked for 2 GPUs, one for a sidecar that did not
+        # use it (turbokvd computed only on the CPU then). The sidecar gets a
+        # GPU only with device cuda:N, and then sees it.
         example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
         objects, notes = rendered_chart()
         for deployment in (example, objects["Deployment"]):
@@ -544,6 +545,36 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(sidecar["resources"]["limits"]["nvidia.com/mig-3g.71gb"], 1)
         self.assertEqual(sidecar["resources"]["requests"]["nvidia.com/mig-3g.71gb"], 1)
         self.assertNotIn("NVIDIA_VISIBLE_DEVICES", {e["name"] for e in sidecar["env"]})
+
+    def test_empty_memory_budget_leaves_the_flag_out(self):
+        # memoryBudget "" is turbokvd's own default (on a GPU, an arena of
+        # 80% of its free memory; on the CPU, 4 GiB), which --memory-budget=0
+        # does not ask for: turbokvd refuses 0.
+        with open(os.path.join(CHART, "values.schema.json")) as f:
+            schema = json.load(f)
+        for device, notes_say in (("cpu", "the default: 4GiB"), ("cuda:0", "80% of the GPU's free memory")):
+            with self.subTest(device):
+                values = default_values()
+                values["turbokvd"].update({"device": device, "memoryBudget": ""})
+                jsonschema.validate(values, schema)
+                objects, notes = rendered_chart(values)
+                args = check_sidecar(self, objects["Deployment"])
+                self.assertFalse([a for a in args if a.startswith("--memory-budget")], args)
+                self.assertIn(notes_say, notes)
+        for budget in ("0", "0GiB", "0.0MiB"):
+            values = default_values()
+            values["turbokvd"]["memoryBudget"] = budget
+            with self.assertRaises(jsonschema.ValidationError, msg=budget):
+                jsonschema.validate(values, schema)
+        self.assertIn("--memory-budget=24GiB", check_sidecar(self, rendered_chart()[0]["Deployment"]))
+        # The flags without --memory-budget start turbokvd with the CPU's 4 GiB.
+        values = default_values()
+        values["turbokvd"]["memoryBudget"] = ""
+        args = check_sidecar(self, rendered_chart(values)[0]["Deployment"])
+        with tempfile.TemporaryDirectory(prefix="turbokv-deploy-") as tmp:
+            with local_turbokvd(self, args, tmp) as daemon:
+                exposition = daemon.scrape()
+        self.assertEqual(sample(exposition, "turbokv_memory_budget_bytes", device="cpu"), 4 << 30, exposition)
 
     def test_pods_pass_pod_security_restricted(self):
         # Before: no securityContext anywhere, so the namespace's "restricted"
