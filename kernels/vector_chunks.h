@@ -17,7 +17,10 @@ namespace turbokv {
 // One chunk: `count` tokens of one layer from token `first`, every kv head,
 // as the keys or the values of the layer.
 struct VectorChunk {
-  const uint8_t* const* pages = nullptr;  // the layer's page table
+  // The layer's page table from page first_page on (the pages the chunk's
+  // tokens are in, and maybe more).
+  const uint8_t* const* pages = nullptr;
+  int64_t first_page = 0;
   float* x = nullptr;                     // [count][kv_heads][head_dim] f32
   int64_t first = 0;
   int64_t count = 0;
@@ -33,12 +36,14 @@ struct VectorChunk {
 };
 
 // The keys (values: false) or values (true) of tokens [first, first + count)
-// of `cache`, between x and the pages of `pages` (cache.pages by default: a
-// device launch passes the device copy of the table).
+// of `cache`, between x and its pages: cache.pages by default, or a device
+// copy of its page table from page first_page on.
 inline VectorChunk MakeVectorChunk(const PagedKvCache& cache, bool values, int64_t first, int64_t count, float* x,
-                                   int64_t first_vector, const uint8_t* const* pages = nullptr) {
+                                   int64_t first_vector, const uint8_t* const* pages = nullptr,
+                                   int64_t first_page = 0) {
   VectorChunk c;
   c.pages = pages != nullptr ? pages : cache.pages;
+  c.first_page = pages != nullptr ? first_page : 0;
   c.x = x;
   c.first = first;
   c.count = count;
@@ -68,7 +73,7 @@ TURBOKV_HD ChunkVector LocateChunkVector(const VectorChunk* chunks, int count, i
   const int64_t head = local % c.kv_heads;
   // The pages a chunk addresses are the caller's to write (an encode) or
   // only read (a decode).
-  uint8_t* page = const_cast<uint8_t*>(c.pages[token / c.page_tokens]);
+  uint8_t* page = const_cast<uint8_t*>(c.pages[token / c.page_tokens - c.first_page]);
   return ChunkVector{c.x + local * head_dim,
                      page + static_cast<size_t>(head) * c.head_bytes + c.part_offset +
                          static_cast<size_t>(token % c.page_tokens) * c.record_bytes,

@@ -420,6 +420,19 @@ absl::Status Server::Start() {
   return absl::OkStatus();
 }
 
+void Server::SetDeviceHealth() {
+  const absl::Status device = backend_->Health();
+  if (device.ok() || device_failed_) return;
+  // Once the device fails it stays failed: the daemon stops answering
+  // SERVING, so that a liveness probe restarts it.
+  device_failed_ = true;
+  Logf(LogLevel::kError, "%s; health turns NOT_SERVING", std::string(device.message()).c_str());
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    server->GetHealthCheckService()->SetServingStatus(false);
+  }
+}
+
 void Server::SetTierHealth() {
   if (options_.redis_url.empty()) return;
   const bool up = store_->tier()->Health().ok();
@@ -446,6 +459,7 @@ void Server::ExpireLoop() {
       Logf(LogLevel::kWarning, "session %s dropped: the spill tier is over its high watermark", id.c_str());
     }
     SetTierHealth();
+    SetDeviceHealth();
     // A failure is logged when it first happens, not every pass.
     const std::string error(rebalanced.error.message());
     if (!error.empty() && error != last_demotion_error) {

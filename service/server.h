@@ -143,11 +143,15 @@ class Server {
   void ExpireLoop();
   // With the Redis tier: its health in the health service.
   void SetTierHealth();
+  // A device that failed for good (Backend::Health) turns the health service
+  // NOT_SERVING, for "" and the service, and logs why, once.
+  void SetDeviceHealth();
 
   ServerOptions options_;
   std::string device_;
   std::string device_reason_;
   size_t budget_ = 0;
+  bool device_failed_ = false;  // the expiry thread's
   std::unique_ptr<Authenticator> authenticator_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<Metrics> metrics_;

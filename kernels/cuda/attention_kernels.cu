@@ -124,6 +124,9 @@ __device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t
 // the split's partial state of each row.
 template <bool kHead128>
 __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, float* shared) {
+  // The descriptor in registers, as a kernel parameter was: the logits
+  // written below could alias the problem array for all the compiler knows.
+  const PagedKvCache cache = p.cache;
   const int d = l.head_dim;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g0 = u.row_chunk * kRowsPerBlock;
@@ -138,15 +141,15 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
     q_s[x] = l.q_rot[(p.first_row + local_row0) * d + x];
   }
   if (threadIdx.x < 16) {
-    LoadCentroids(p.cache.key_layout, centroids_s, threadIdx.x);
-    LoadCentroids(p.cache.value_layout, centroids_s + 16, threadIdx.x);
+    LoadCentroids(cache.key_layout, centroids_s, threadIdx.x);
+    LoadCentroids(cache.value_layout, centroids_s + 16, threadIdx.x);
   }
   float* acc = acc_s + warp * kRowsPerBlock * d;
   for (int x = lane; x < rows * d; x += 32) acc[x] = 0.0f;
   float acc_r[kRowsPerBlock][4] = {};  // kHead128: dimension lane + 32 k of row r
   const bool turbo_values_128 =
-      TurboBits(p.cache.value_layout.kind) != 0 && p.cache.value_layout.block_values == 128;
-  float* logits = l.top_k > 0 ? l.logits + p.first_logit + local_row0 * p.cache.tokens : nullptr;
+      TurboBits(cache.value_layout.kind) != 0 && cache.value_layout.block_values == 128;
+  float* logits = l.top_k > 0 ? l.logits + p.first_logit + local_row0 * cache.tokens : nullptr;
   __syncthreads();
 
   const VisibleTokens visible = Visible(p.positions[u.query], l.window);
@@ -165,18 +168,18 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
     {
       float dot[kRowsPerBlock] = {};
       if (valid) {
-        const int64_t page = t / p.cache.page_tokens;  // one 64-bit division per token
-        const int64_t slot = t - page * p.cache.page_tokens;
-        const uint8_t* base = p.cache.pages[page];
-        KeyDots(p.cache.key_layout, base + p.cache.key_offset(u.head, slot), q_s, rows, centroids_s, dot);
-        value = base + p.cache.value_offset(u.head, slot);
+        const int64_t page = t / cache.page_tokens;  // one 64-bit division per token
+        const int64_t slot = t - page * cache.page_tokens;
+        const uint8_t* base = cache.pages[page];
+        KeyDots(cache.key_layout, base + cache.key_offset(u.head, slot), q_s, rows, centroids_s, dot);
+        value = base + cache.value_offset(u.head, slot);
       }
 #pragma unroll
       for (int r = 0; r < kRowsPerBlock; ++r) {
         float x = dot[r] * l.scale;
         if (l.softcap > 0.0f) x = l.softcap * tanhf(x / l.softcap);
         logit[r] = valid && r < rows ? x : -INFINITY;
-        if (logits != nullptr && valid && r < rows) logits[r * p.cache.tokens + t] = x;
+        if (logits != nullptr && valid && r < rows) logits[r * cache.tokens + t] = x;
       }
     }
     float weight[kRowsPerBlock] = {};
@@ -207,10 +210,10 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
       if (kHead128) {
         float v[4];
         if (turbo_values_128) {
-          TurboBlock128LaneValues(record, TurboBits(p.cache.value_layout.kind), lane, centroids_s + 16, v);
+          TurboBlock128LaneValues(record, TurboBits(cache.value_layout.kind), lane, centroids_s + 16, v);
         } else {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) v[k] = DecodeValueAt(p.cache.value_layout, record, lane + 32 * k, centroids_s + 16);
+          for (int k = 0; k < 4; ++k) v[k] = DecodeValueAt(cache.value_layout, record, lane + 32 * k, centroids_s + 16);
         }
 #pragma unroll
         for (int r = 0; r < kRowsPerBlock; ++r) {
@@ -219,7 +222,7 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
         }
       } else {
         for (int i = lane; i < d; i += 32) {
-          const float v = DecodeValueAt(p.cache.value_layout, record, i, centroids_s + 16);
+          const float v = DecodeValueAt(cache.value_layout, record, i, centroids_s + 16);
 #pragma unroll
           for (int r = 0; r < kRowsPerBlock; ++r) {
             if (r < rows) acc[r * d + i] += w[r] * v;
@@ -346,9 +349,10 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(Launch l) {
 
 constexpr int kTopKThreads = 256;
 
-// Float order as unsigned order: a larger float has a larger key.
+// Float order as unsigned order: a larger float has a larger key, and -0
+// the key of +0 (the CPU ranks them equal, the earlier token first).
 __device__ __forceinline__ uint32_t OrderedKey(float x) {
-  const uint32_t u = __float_as_uint(x);
+  const uint32_t u = x == 0.0f ? 0u : __float_as_uint(x);
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
@@ -519,9 +523,11 @@ cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProb
   l.partials = base + plan.partials_offset(d);
   l.logits = base + plan.logits_offset(d);
 
-  // Rows and units past what one grid dimension takes run in slices (rows)
-  // or loop inside the blocks (units).
+  // One block per row; units past what one grid dimension takes loop
+  // inside the blocks. (A call's rows are bounded far below this by the
+  // message size.)
   constexpr int64_t kMaxGrid = 0x7fffffff;
+  if (plan.rows > kMaxGrid) return cudaErrorInvalidValue;
   const bool block128 = RotationBlockValues(d) == 128;
   if (block128) {
     RotateQueriesKernel<4><<<static_cast<unsigned>(plan.rows), 32, 0, stream>>>(l);

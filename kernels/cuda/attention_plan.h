@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/attention.h"
 #include "kernels/hd.h"
@@ -78,6 +79,19 @@ int64_t SplitTokens(int64_t tokens);
 // Plans `count` problems sharing kv_heads, q_heads and head_dim (their
 // caches' tokens and query counts set): fills each problem's plan fields.
 AttentionPlan PlanAttention(DeviceProblem* problems, int64_t count, int q_heads, int top_k);
+
+// The scratch a query of a problem takes in a launch: its rotated rows, its
+// splits' partial states and, with top_k, its logits.
+size_t ScratchPerQuery(const PagedKvCache& cache, const AttentionParams& params);
+
+// The problems cut into launches whose scratch stays within scratch_bytes
+// (one query of one problem alone may pass it): a problem's queries go in
+// passes when they need more, each a problem over a slice of its queries
+// and outputs. Every query of every problem is in exactly one pass, in
+// order. A query's result does not depend on what else a launch holds, so
+// the passes change nothing in it.
+std::vector<std::vector<AttentionProblem>> CutIntoPasses(const AttentionProblem* problems, size_t count,
+                                                         const AttentionParams& params, size_t scratch_bytes);
 
 // The problem a split-kernel block, or an output row, belongs to: the last
 // with first_unit (first_row) <= i.

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/attention_kernels.cuh"
+#include "kernels/cuda/attention_plan.h"
 #include "kernels/cuda/codec_kernels.cuh"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/vector_chunks.h"
@@ -33,6 +34,9 @@ class Regions {
 };
 
 int64_t PagesOf(const PagedKvCache& cache) { return (cache.tokens + cache.page_tokens - 1) / cache.page_tokens; }
+
+// The page a chunk's first token is in: an encode needs the table from there.
+int64_t FirstPage(const EncodeChunk& chunk) { return chunk.first / chunk.cache.page_tokens; }
 
 absl::Status LaunchStatus(cudaError_t error, const char* what) {
   if (error == cudaErrorNotSupported) {
@@ -152,6 +156,14 @@ absl::Status CudaStream::Attend(const AttentionBatch& batch, const AttentionPara
                        "; problem 0 has ", first.kv_heads, " and ", d, ": a batch shares its shape"));
     }
   }
+  for (const std::vector<AttentionProblem>& pass : CutIntoPasses(problems, count, params, kScratchBytes)) {
+    if (absl::Status s = AttendPass(pass.data(), pass.size(), params); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaStream::AttendPass(const AttentionProblem* problems, size_t count, const AttentionParams& params) {
+  const int d = problems[0].cache.key_layout.head_dim;
   // Up: the problems, then each one's page table, queries and positions.
   // Down: each one's outputs. Then the kernels' scratch (device only).
   std::vector<DeviceProblem> device(count);
@@ -175,7 +187,7 @@ absl::Status CudaStream::Attend(const AttentionBatch& batch, const AttentionPara
     tokens_at[i] = down.Add(rows * params.top_k * sizeof(int64_t));
     logits_at[i] = down.Add(rows * params.top_k * sizeof(float));
   }
-  const AttentionPlan plan = PlanAttention(device.data(), batch.count, params.q_heads, params.top_k);
+  const AttentionPlan plan = PlanAttention(device.data(), static_cast<int64_t>(count), params.q_heads, params.top_k);
   const size_t workspace_at = Align(down.size());
   if (absl::Status s = Reserve(workspace_at + plan.workspace_bytes(d), down.size()); !s.ok()) return s;
 
@@ -203,7 +215,8 @@ absl::Status CudaStream::Attend(const AttentionBatch& batch, const AttentionPara
   }
   cudaEventRecord(kernels_start_, stream_);
   if (absl::Status s = LaunchStatus(LaunchAttention(device.data(), reinterpret_cast<const DeviceProblem*>(device_at(problems_at)),
-                                                    batch.count, plan, params, device_at(workspace_at), stream_),
+                                                    static_cast<int64_t>(count), plan, params, device_at(workspace_at),
+                                                    stream_),
                                     "attention kernels");
       !s.ok()) {
     return s;
@@ -263,7 +276,7 @@ absl::Status CudaStream::Encode(absl::Span<const EncodeChunk> chunks) {
     if (chunk.first >= chunk.cache.tokens) continue;
     const size_t floats = static_cast<size_t>(chunk.cache.tokens - chunk.first) * chunk.cache.kv_heads *
                           chunk.cache.key_layout.head_dim * sizeof(float);
-    table_at[c] = up.Add(static_cast<size_t>(PagesOf(chunk.cache)) * sizeof(uint8_t*));
+    table_at[c] = up.Add(static_cast<size_t>(PagesOf(chunk.cache) - FirstPage(chunk)) * sizeof(uint8_t*));
     keys_at[c] = up.Add(floats);
     values_at[c] = up.Add(floats);
   }
@@ -283,7 +296,8 @@ absl::Status CudaStream::Encode(absl::Span<const EncodeChunk> chunks) {
     if (chunk.first >= chunk.cache.tokens) continue;
     const size_t floats = static_cast<size_t>(chunk.cache.tokens - chunk.first) * chunk.cache.kv_heads *
                           chunk.cache.key_layout.head_dim * sizeof(float);
-    std::memcpy(host_at(table_at[c]), chunk.cache.pages, static_cast<size_t>(PagesOf(chunk.cache)) * sizeof(uint8_t*));
+    std::memcpy(host_at(table_at[c]), chunk.cache.pages + FirstPage(chunk),
+                static_cast<size_t>(PagesOf(chunk.cache) - FirstPage(chunk)) * sizeof(uint8_t*));
     std::memcpy(host_at(keys_at[c]), chunk.keys, floats);
     std::memcpy(host_at(values_at[c]), chunk.values, floats);
   }
@@ -296,7 +310,8 @@ absl::Status CudaStream::Encode(absl::Span<const EncodeChunk> chunks) {
       const int64_t tokens = chunk.cache.tokens - chunk.first;
       out[i] = MakeVectorChunk(chunk.cache, side.values, chunk.first, tokens,
                                reinterpret_cast<float*>(device_at(side.values ? values_at[side.chunk] : keys_at[side.chunk])),
-                               first_vector, reinterpret_cast<const uint8_t* const*>(device_at(table_at[side.chunk])));
+                               first_vector, reinterpret_cast<const uint8_t* const*>(device_at(table_at[side.chunk])),
+                               FirstPage(chunk));
       first_vector += tokens * chunk.cache.kv_heads;
     }
   }
@@ -367,18 +382,21 @@ absl::Status CudaStream::Encode(absl::Span<const EncodeChunk> chunks) {
 absl::Status CudaStream::Decode(const PagedKvCache& cache, int64_t first, int64_t n, float* keys, float* values) {
   if (n <= 0) return absl::OkStatus();
   const size_t floats = static_cast<size_t>(n) * cache.kv_heads * cache.key_layout.head_dim * sizeof(float);
+  // The pages of the range only.
+  const int64_t first_page = first / cache.page_tokens;
+  const size_t pages = static_cast<size_t>((first + n - 1) / cache.page_tokens - first_page + 1);
   Regions up;
-  const size_t table_at = up.Add(static_cast<size_t>(PagesOf(cache)) * sizeof(uint8_t*));
+  const size_t table_at = up.Add(pages * sizeof(uint8_t*));
   const size_t chunks_at = up.Add(2 * sizeof(VectorChunk));
   Regions down(Align(up.size()));
   const size_t keys_at = down.Add(floats);
   const size_t values_at = down.Add(floats);
   if (absl::Status s = Reserve(down.size(), down.size()); !s.ok()) return s;
-  std::memcpy(host_at(table_at), cache.pages, static_cast<size_t>(PagesOf(cache)) * sizeof(uint8_t*));
+  std::memcpy(host_at(table_at), cache.pages + first_page, pages * sizeof(uint8_t*));
   auto* chunk = reinterpret_cast<VectorChunk*>(host_at(chunks_at));
   const auto* table = reinterpret_cast<const uint8_t* const*>(device_at(table_at));
-  chunk[0] = MakeVectorChunk(cache, false, first, n, reinterpret_cast<float*>(device_at(keys_at)), 0, table);
-  chunk[1] = MakeVectorChunk(cache, true, first, n, reinterpret_cast<float*>(device_at(values_at)), 0, table);
+  chunk[0] = MakeVectorChunk(cache, false, first, n, reinterpret_cast<float*>(device_at(keys_at)), 0, table, first_page);
+  chunk[1] = MakeVectorChunk(cache, true, first, n, reinterpret_cast<float*>(device_at(values_at)), 0, table, first_page);
   const Drain drain(stream_);
   if (absl::Status s = CudaStatus(
           cudaMemcpyAsync(device_at(0), host_at(0), up.size(), cudaMemcpyHostToDevice, stream_), "copy the range in");

@@ -37,7 +37,9 @@ class CudaStream {
   // Attention over a batch (kernels/attention.h). The problems share
   // kv_heads and head_dim (INVALID_ARGUMENT otherwise); UNIMPLEMENTED for
   // head_dim above kMaxCudaHeadDim or top_k above kMaxCudaTopK. Checks
-  // every problem first (CheckAttention).
+  // every problem first (CheckAttention). One launch when the kernels'
+  // scratch fits kScratchBytes (a decode step of a batch does), passes of
+  // queries otherwise.
   absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params);
   // Encodes every chunk (kernels/paged_cache.h; pages on this device): one
   // launch per codec layout among their keys and values, the same bytes as
@@ -52,8 +54,12 @@ class CudaStream {
   // Zeroes device memory.
   absl::Status Zero(void* device, size_t bytes);
 
+  // The most scratch one attention launch takes (rotated queries, partial
+  // states, logits), past what its inputs and outputs need.
+  static constexpr size_t kScratchBytes = size_t{256} << 20;
+
   // Seconds the device spent in the kernels of the last Attend, Encode or
-  // Decode (CUDA events around the launches).
+  // Decode (CUDA events around the launches; the last pass of an Attend).
   double last_kernel_seconds() const { return last_kernel_seconds_; }
   // Device and pinned host bytes held now.
   size_t device_bytes() const { return device_capacity_; }
@@ -61,6 +67,8 @@ class CudaStream {
 
  private:
   explicit CudaStream(int device) : device_(device) {}
+  // One launch over problems the caller checked.
+  absl::Status AttendPass(const AttentionProblem* problems, size_t count, const AttentionParams& params);
   // Makes the device current and both buffers at least this large.
   absl::Status Reserve(size_t device_bytes, size_t host_bytes);
   // Waits for the stream; the kernels' time between the events.

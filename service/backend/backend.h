@@ -40,6 +40,11 @@ class Backend {
   // the budget bounds it (host memory).
   virtual size_t capacity_bytes() const = 0;
 
+  // OK while the device can serve; once it cannot (a GPU whose context a
+  // fault poisoned: every later call on it fails), why. The server's health
+  // then turns NOT_SERVING.
+  virtual absl::Status Health() { return absl::OkStatus(); }
+
   // OK when sessions of this head dimension can run here; UNIMPLEMENTED
   // naming the limit otherwise (CreateSession refuses such sessions rather
   // than fail their attention later).

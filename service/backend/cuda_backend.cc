@@ -28,8 +28,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   }
   if (absl::Status s = cuda::CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"); !s.ok()) return s;
   // Threads that wait for the device sleep instead of spinning on a core the
-  // request path needs. Refused once the device's context exists (another
-  // backend of this process made it first): it keeps that setting.
+  // request path needs (the device's flags, for this whole process).
   if (cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) != cudaSuccess) cudaGetLastError();
   cudaDeviceProp prop;
   if (absl::Status s = cuda::CudaStatus(cudaGetDeviceProperties(&prop, options.device), "cudaGetDeviceProperties");
@@ -112,7 +111,7 @@ absl::StatusOr<uint8_t*> CudaBackend::AllocatePage(size_t bytes) {
   uint8_t* page = arena_ + *offset;
   // Zeroed, as host pages are: the slots a page does not hold yet go to
   // snapshots and tiers as zeros, never as another session's bytes.
-  absl::Status zeroed = Lease(this)->Zero(page, bytes);
+  absl::Status zeroed = Watch(Lease(this)->Zero(page, bytes));
   if (!zeroed.ok()) {
     allocator_.Free(*offset, bytes);
     return zeroed;
@@ -125,7 +124,7 @@ void CudaBackend::FreePage(uint8_t* page, size_t bytes) { allocator_.Free(static
 absl::Status CudaBackend::ReadPage(const uint8_t* page, size_t bytes,
                                    const std::function<absl::Status(absl::string_view)>& use) {
   std::vector<char> host(bytes);
-  if (absl::Status s = Lease(this)->CopyToHost(page, bytes, host.data()); !s.ok()) return s;
+  if (absl::Status s = Watch(Lease(this)->CopyToHost(page, bytes, host.data())); !s.ok()) return s;
   return use(absl::string_view(host.data(), host.size()));
 }
 
@@ -133,18 +132,43 @@ absl::Status CudaBackend::WritePage(uint8_t* page, size_t bytes,
                                     const std::function<absl::Status(uint8_t*, size_t)>& fill) {
   std::vector<uint8_t> host(bytes);
   if (absl::Status s = fill(host.data(), bytes); !s.ok()) return s;
-  return Lease(this)->CopyToDevice(host.data(), bytes, page);
+  return Watch(Lease(this)->CopyToDevice(host.data(), bytes, page));
 }
 
-absl::Status CudaBackend::Encode(absl::Span<const EncodeChunk> chunks) { return Lease(this)->Encode(chunks); }
+absl::Status CudaBackend::Encode(absl::Span<const EncodeChunk> chunks) { return Watch(Lease(this)->Encode(chunks)); }
 
 absl::Status CudaBackend::Decode(const Codec&, const Codec&, const PagedKvCache& cache, int64_t first, int64_t n,
                                  float* keys, float* values) {
-  return Lease(this)->Decode(cache, first, n, keys, values);
+  return Watch(Lease(this)->Decode(cache, first, n, keys, values));
 }
 
 absl::Status CudaBackend::Attend(const AttentionBatch& batch, const AttentionParams& params) {
-  return Lease(this)->Attend(batch, params);
+  return Watch(Lease(this)->Attend(batch, params));
+}
+
+absl::Status CudaBackend::Watch(absl::Status status) {
+  if (absl::IsInternal(status)) suspect_ = true;
+  return status;
+}
+
+absl::Status CudaBackend::Health() {
+  if (!suspect_.exchange(false)) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return health_;
+  }
+  // A fault that poisons the context (an illegal address, a launch failure)
+  // makes every later call on the device fail: a call that touches the
+  // context tells it from an error of one call alone.
+  cudaSetDevice(device_);
+  size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t error = cudaMemGetInfo(&free_bytes, &total_bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (error != cudaSuccess && health_.ok()) {
+    health_ = absl::UnavailableError(absl::StrCat(label(), " failed (", cudaGetErrorName(error), ": ",
+                                                  cudaGetErrorString(error),
+                                                  "): every call on it fails until turbokvd restarts"));
+  }
+  return health_;
 }
 
 }  // namespace turbokv

@@ -5,6 +5,7 @@
 // only with CUDA (TURBOKV_HAVE_CUDA).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -41,6 +42,7 @@ class CudaBackend : public Backend {
   ~CudaBackend() override;
 
   size_t capacity_bytes() const override { return allocator_.usage().capacity; }
+  absl::Status Health() override;
   absl::Status CheckHeadDim(int head_dim) const override;
   absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) override;
   void FreePage(uint8_t* page, size_t bytes) override;
@@ -67,6 +69,9 @@ class CudaBackend : public Backend {
   };
 
   CudaBackend(std::string name, std::string label, int device, uint8_t* arena, size_t arena_bytes);
+  // A call's status, as it returns: a CUDA error (INTERNAL) makes Health
+  // look at the device.
+  absl::Status Watch(absl::Status status);
 
   const int device_;
   uint8_t* const arena_;
@@ -75,6 +80,8 @@ class CudaBackend : public Backend {
   std::mutex mutex_;
   std::condition_variable released_;
   std::vector<cuda::CudaStream*> free_;  // under mutex_
+  std::atomic<bool> suspect_{false};     // a call failed with a CUDA error
+  absl::Status health_;                  // under mutex_: once the device failed, why
 };
 
 }  // namespace turbokv

@@ -377,8 +377,13 @@ TEST(VectorChunkTest, LocatedVectorsAreTheLayersRecords) {
     chunk.keys = k[i].data();
     chunk.values = v[i].data();
     EncodeChunkCpu(chunk, nullptr);
-    key_chunks.push_back(MakeVectorChunk(by_vector[i].cache, false, first[i], end[i] - first[i], k[i].data(), next));
-    value_chunks.push_back(MakeVectorChunk(by_vector[i].cache, true, first[i], end[i] - first[i], v[i].data(), next));
+    // The table from the chunk's first page on, as a GPU encode stages it.
+    const int64_t first_page = first[i] / kPage;
+    const uint8_t* const* table = by_vector[i].table.data() + first_page;
+    key_chunks.push_back(
+        MakeVectorChunk(by_vector[i].cache, false, first[i], end[i] - first[i], k[i].data(), next, table, first_page));
+    value_chunks.push_back(
+        MakeVectorChunk(by_vector[i].cache, true, first[i], end[i] - first[i], v[i].data(), next, table, first_page));
     next += (end[i] - first[i]) * kKvHeads;
   }
   for (int64_t x = 0; x < next; ++x) {

@@ -3,6 +3,7 @@
 // batches of caches of different lengths and codecs, top_k, head_dim 576.
 // Skips, saying why, when no usable CUDA device is present. The plan's
 // lookups run on the CPU and are tested everywhere.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -277,6 +278,65 @@ TEST(AttentionPlanTest, UnitsAndRowsNumberEveryProblemOnce) {
     EXPECT_EQ(alone.splits, problems[i].splits) << i;
     EXPECT_EQ(alone.chunk, problems[i].chunk) << i;
   }
+}
+
+// Calls whose scratch would pass the budget go in passes of queries: each
+// query of each problem once, in order, with its own outputs; a pass within
+// the budget unless one query alone passes it.
+TEST(AttentionPlanTest, PassesCoverEveryQueryOnceWithinTheScratchBudget) {
+  AttentionParams params;
+  params.q_heads = 8;
+  params.top_k = 2;
+  constexpr int kDim = 128;
+  const int64_t tokens[] = {100, 70000, 1 << 20, 5};
+  const int64_t queries[] = {3, 40, 2, 1000};
+  std::vector<AttentionProblem> problems(4);
+  std::vector<std::vector<float>> q(4), out(4), lse(4), logits(4);
+  std::vector<std::vector<int64_t>> positions(4), top(4);
+  for (size_t i = 0; i < 4; ++i) {
+    problems[i].cache.key_layout.head_dim = kDim;
+    problems[i].cache.kv_heads = 2;
+    problems[i].cache.tokens = tokens[i];
+    q[i].resize(queries[i] * params.q_heads * kDim);
+    out[i].resize(q[i].size());
+    lse[i].resize(queries[i] * params.q_heads);
+    logits[i].resize(lse[i].size() * params.top_k);
+    top[i].resize(logits[i].size());
+    positions[i].resize(queries[i]);
+    problems[i].queries = {queries[i], q[i].data(), positions[i].data()};
+    problems[i].output = {out[i].data(), lse[i].data(), top[i].data(), logits[i].data()};
+  }
+  const size_t budget = size_t{16} << 20;
+  const auto passes = cuda::CutIntoPasses(problems.data(), 4, params, budget);
+  EXPECT_GT(passes.size(), 1u);
+  std::vector<int64_t> next(4, 0);
+  for (const auto& pass : passes) {
+    size_t bytes = 0;
+    int64_t pass_queries = 0;
+    for (const AttentionProblem& p : pass) {
+      const size_t i = std::find(std::begin(tokens), std::end(tokens), p.cache.tokens) - std::begin(tokens);
+      ASSERT_LT(i, 4u);
+      EXPECT_EQ(p.queries.q, q[i].data() + next[i] * params.q_heads * kDim);
+      EXPECT_EQ(p.queries.positions, positions[i].data() + next[i]);
+      EXPECT_EQ(p.output.out, out[i].data() + next[i] * params.q_heads * kDim);
+      EXPECT_EQ(p.output.lse, lse[i].data() + next[i] * params.q_heads);
+      EXPECT_EQ(p.output.topk_tokens, top[i].data() + next[i] * params.q_heads * params.top_k);
+      EXPECT_EQ(p.output.topk_logits, logits[i].data() + next[i] * params.q_heads * params.top_k);
+      next[i] += p.queries.n;
+      pass_queries += p.queries.n;
+      bytes += p.queries.n * cuda::ScratchPerQuery(p.cache, params);
+    }
+    EXPECT_TRUE(bytes <= budget || pass_queries == 1) << bytes;
+  }
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(next[i], queries[i]) << i;
+  // A decode step of 32 sessions of 128K tokens, no top_k, is one launch.
+  params.top_k = 0;
+  std::vector<AttentionProblem> decode(32, problems[0]);
+  for (AttentionProblem& p : decode) {
+    p.cache.tokens = 131072;
+    p.queries.n = 1;
+  }
+  EXPECT_EQ(cuda::CutIntoPasses(decode.data(), decode.size(), params, cuda::CudaStream::kScratchBytes).size(), 1u);
 }
 
 TEST(AttentionPlanTest, SplitsAreAGridByPositionThatDoublesOnlyForLongCaches) {
