@@ -164,12 +164,15 @@ TEST_F(CrossDeviceTest, TheGpuStoresReadsAndAttendsAsTheCpu) {
     return h.TruncateSession(truncate);
   });
   EXPECT_EQ(gpu_info.layer_tokens(1), cpu_info.layer_tokens(1));
-  auto [cpu_fork, gpu_fork] = Both([&](Handler& h) {
+  // (Not a structured binding: the lambda below uses them.)
+  const auto forks = Both([&](Handler& h) {
     v1::ForkSessionRequest fork;
     fork.set_source_session_id(&h == cpu_.handler.get() ? cpu_ids[0] : gpu_ids[0]);
     fork.set_prefix_tokens(61);
     return h.ForkSession(fork);
   });
+  const v1::ForkSessionResponse& cpu_fork = forks.first;
+  const v1::ForkSessionResponse& gpu_fork = forks.second;
   auto [cpu_attend, gpu_attend] = Both([&](Handler& h) {
     v1::StepRequest step;
     step.set_session_id(&h == cpu_.handler.get() ? cpu_fork.session_id() : gpu_fork.session_id());
