@@ -23,6 +23,8 @@
 
 namespace turbokv::cuda {
 
+struct StagingLayout;
+
 class CudaStream {
  public:
   // A stream on `device`, which must pass CheckDevice.
@@ -69,6 +71,8 @@ class CudaStream {
   explicit CudaStream(int device) : device_(device) {}
   // One launch over problems the caller checked.
   absl::Status AttendPass(const AttentionProblem* problems, size_t count, const AttentionParams& params);
+  // Enqueues the copy of a call's results back to the pinned buffer.
+  absl::Status CopyBack(const StagingLayout& layout, const char* what);
   // Makes the device current and both buffers at least this large.
   absl::Status Reserve(size_t device_bytes, size_t host_bytes);
   // Waits for the stream; the kernels' time between the events.
