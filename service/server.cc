@@ -442,7 +442,7 @@ void Server::SetTierHealth() {
 }
 
 void Server::ExpireLoop() {
-  // Pages under PagePool::kMapThreshold come from the heap, which keeps what
+  // Host pages under CpuBackend::kMapThreshold come from the heap, which keeps what
   // is freed: once the pool has shrunk by kTrimBytes, the free heap goes
   // back to the kernel, so the process's memory follows the pool's.
   constexpr size_t kTrimBytes = size_t{8} << 20;

@@ -20,7 +20,6 @@ class DevicePagedCache {
 
   // pages: a host array of device pointers, valid while this lives.
   const PagedKvCache& descriptor() const { return descriptor_; }
-  int device() const { return device_; }
 
  private:
   DevicePagedCache() = default;

@@ -33,9 +33,6 @@ class CudaStream {
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
 
-  int device() const { return device_; }
-  cudaStream_t stream() const { return stream_; }
-
   // Attention over a batch (kernels/attention.h). The problems share
   // kv_heads and head_dim (INVALID_ARGUMENT otherwise); UNIMPLEMENTED for
   // head_dim above kMaxCudaHeadDim or top_k above kMaxCudaTopK. Checks
@@ -63,9 +60,6 @@ class CudaStream {
   // Seconds the device spent in the kernels of the last Attend, Encode or
   // Decode (CUDA events around the launches; the last pass of an Attend).
   double last_kernel_seconds() const { return last_kernel_seconds_; }
-  // Device and pinned host bytes held now.
-  size_t device_bytes() const { return device_capacity_; }
-  size_t host_bytes() const { return host_capacity_; }
 
  private:
   explicit CudaStream(int device) : device_(device) {}

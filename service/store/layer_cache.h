@@ -15,7 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
-#include "service/backend/backend.h"
+#include "kernels/paged_cache.h"
 #include "service/store/page_pool.h"
 
 namespace turbokv {

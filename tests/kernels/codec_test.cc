@@ -14,6 +14,7 @@
 #include "kernels/paged_cache.h"
 #include "kernels/vector_chunks.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/kernels/layer_testing.h"
 
 namespace turbokv {
 namespace {
@@ -340,50 +341,35 @@ TEST(DecodeValueAtTest, LaneValuesMatch) {
 // the CPU codec writes the pages EncodeChunkCpu writes.
 TEST(VectorChunkTest, LocatedVectorsAreTheLayersRecords) {
   constexpr int kKvHeads = 3, kPage = 16, kDim = 64;
-  auto keys = MakeCpuCodec({CodecKind::kTurbo3, kDim, 11});
-  auto values = MakeCpuCodec({CodecKind::kQ8_0, kDim, 12});
-  ASSERT_TRUE(keys.ok() && values.ok());
-  struct Layer {
-    std::vector<std::vector<uint8_t>> pages;
-    std::vector<const uint8_t*> table;
-    PagedKvCache cache;
-  };
-  // Two layers: tokens [5, 40) of one, [16, 17) of another.
+  // Two layers: tokens [5, 40) of one, [16, 17) of another; each encoded
+  // by EncodeChunkCpu and, vector by vector, through the chunks.
   const int64_t first[] = {5, 16}, end[] = {40, 17};
-  Layer by_chunk[2], by_vector[2];
+  std::vector<std::unique_ptr<testing::HostLayer>> by_chunk, by_vector;
   std::vector<float> k[2], v[2];
   std::vector<VectorChunk> key_chunks, value_chunks;
   int64_t next = 0;
   for (int i = 0; i < 2; ++i) {
     k[i] = testing::GaussianVectors((end[i] - first[i]) * kKvHeads, kDim, 20 + i);
     v[i] = testing::GaussianVectors((end[i] - first[i]) * kKvHeads, kDim, 30 + i);
-    for (Layer* layer : {&by_chunk[i], &by_vector[i]}) {
-      layer->cache.key_layout = (*keys)->layout();
-      layer->cache.value_layout = (*values)->layout();
-      layer->cache.key_seed = 11;
-      layer->cache.value_seed = 12;
-      layer->cache.kv_heads = kKvHeads;
-      layer->cache.page_tokens = kPage;
-      layer->cache.tokens = end[i];
-      for (int64_t p = 0; p * kPage < end[i]; ++p) layer->pages.emplace_back(layer->cache.page_bytes(), 0);
-      for (auto& page : layer->pages) layer->table.push_back(page.data());
-      layer->cache.pages = layer->table.data();
+    for (auto* layers : {&by_chunk, &by_vector}) {
+      layers->push_back(
+          std::make_unique<testing::HostLayer>(CodecKind::kTurbo3, CodecKind::kQ8_0, kDim, kKvHeads, kPage, end[i], 11));
     }
     EncodeChunk chunk;
-    chunk.key_codec = keys->get();
-    chunk.value_codec = values->get();
-    chunk.cache = by_chunk[i].cache;
+    chunk.key_codec = by_chunk[i]->keys.get();
+    chunk.value_codec = by_chunk[i]->values.get();
+    chunk.cache = by_chunk[i]->cache;
     chunk.first = first[i];
     chunk.keys = k[i].data();
     chunk.values = v[i].data();
     EncodeChunkCpu(chunk, nullptr);
     // The table from the chunk's first page on, as a GPU encode stages it.
     const int64_t first_page = first[i] / kPage;
-    const uint8_t* const* table = by_vector[i].table.data() + first_page;
+    const uint8_t* const* table = by_vector[i]->table.data() + first_page;
     key_chunks.push_back(
-        MakeVectorChunk(by_vector[i].cache, false, first[i], end[i] - first[i], k[i].data(), next, table, first_page));
+        MakeVectorChunk(by_vector[i]->cache, false, first[i], end[i] - first[i], k[i].data(), next, table, first_page));
     value_chunks.push_back(
-        MakeVectorChunk(by_vector[i].cache, true, first[i], end[i] - first[i], v[i].data(), next, table, first_page));
+        MakeVectorChunk(by_vector[i]->cache, true, first[i], end[i] - first[i], v[i].data(), next, table, first_page));
     next += (end[i] - first[i]) * kKvHeads;
   }
   for (int64_t x = 0; x < next; ++x) {
@@ -391,10 +377,10 @@ TEST(VectorChunkTest, LocatedVectorsAreTheLayersRecords) {
     const ChunkVector value = LocateChunkVector(value_chunks.data(), 2, x, kDim);
     EXPECT_EQ(key.seed, 11u);
     EXPECT_EQ(value.seed, 12u);
-    (*keys)->Encode(1, key.x, key.record);
-    (*values)->Encode(1, value.x, value.record);
+    by_vector[0]->keys->Encode(1, key.x, key.record);  // every layer's codecs have the same specs
+    by_vector[0]->values->Encode(1, value.x, value.record);
   }
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(by_vector[i].pages, by_chunk[i].pages) << "layer " << i;
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(by_vector[i]->pages, by_chunk[i]->pages) << "layer " << i;
 }
 
 TEST(FidelityTest, UnitVectorsMeetTheBars) {

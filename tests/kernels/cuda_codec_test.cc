@@ -15,6 +15,7 @@
 #include "kernels/cuda/cuda_stream.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/kernels/layer_testing.h"
 
 namespace turbokv {
 namespace {
@@ -91,32 +92,17 @@ TEST(CudaFidelityTest, UnitVectorsMeetTheBars) {
 
 // One layer on both sides: host pages encoded by the CPU codecs, device
 // pages by CudaStream::Encode, from the same starting bytes.
-struct TwinLayer {
-  std::unique_ptr<Codec> keys, values;
-  PagedKvCache cache;  // host pages
-  std::vector<std::vector<uint8_t>> host;
-  std::vector<const uint8_t*> host_table, device_table;
+struct TwinLayer : testing::HostLayer {
+  std::vector<const uint8_t*> device_table;
 
-  TwinLayer(CodecKind k, CodecKind v, int d, int kv_heads, int page_tokens, int64_t tokens, uint64_t seed) {
-    keys = *MakeCpuCodec({k, d, seed}, CpuPath::kScalar);
-    values = *MakeCpuCodec({v, d, seed + 1}, CpuPath::kScalar);
-    cache.key_layout = keys->layout();
-    cache.value_layout = values->layout();
-    cache.key_seed = seed;
-    cache.value_seed = seed + 1;
-    cache.kv_heads = kv_heads;
-    cache.page_tokens = page_tokens;
-    cache.tokens = tokens;
-    const int64_t pages = (tokens + page_tokens - 1) / page_tokens;
-    for (int64_t i = 0; i < pages; ++i) {
-      host.emplace_back(cache.page_bytes(), static_cast<uint8_t>(i * 37 + 1));  // stale bytes, as a reused page has
-      host_table.push_back(host.back().data());
+  TwinLayer(CodecKind k, CodecKind v, int d, int kv_heads, int page_tokens, int64_t tokens, uint64_t seed)
+      : HostLayer(k, v, d, kv_heads, page_tokens, tokens, seed) {
+    for (const std::vector<uint8_t>& bytes : pages) {
       void* page = nullptr;
       EXPECT_EQ(cudaMalloc(&page, cache.page_bytes()), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(page, host.back().data(), cache.page_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(page, bytes.data(), cache.page_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
       device_table.push_back(static_cast<const uint8_t*>(page));
     }
-    cache.pages = host_table.data();
   }
   ~TwinLayer() {
     for (const uint8_t* page : device_table) cudaFree(const_cast<uint8_t*>(page));
@@ -194,7 +180,7 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
   // The last chunk starts in a page shared with a fork: it is copied first.
   TwinLayer shared(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, kKvHeads, kPage, kPage, 40 + shapes.size() - 1);
   const size_t last = shapes.size() - 1;
-  cpu_chunks[last].copy_from = shared.host_table[0];
+  cpu_chunks[last].copy_from = shared.table[0];
   gpu_chunks[last].copy_from = shared.device_table[0];
   for (const EncodeChunk& chunk : cpu_chunks) EncodeChunkCpu(chunk, nullptr);
   const absl::Status encoded = (*stream)->Encode(gpu_chunks);
@@ -204,7 +190,7 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
     const Shape& s = shapes[i];
     const TwinLayer& layer = *layers[i];
     std::vector<std::vector<uint8_t>> device_pages;
-    for (size_t p = 0; p < layer.host.size(); ++p) device_pages.push_back(layer.DevicePage(p));
+    for (size_t p = 0; p < layer.pages.size(); ++p) device_pages.push_back(layer.DevicePage(p));
     for (int h = 0; h < kKvHeads; ++h) {
       for (const bool v : {false, true}) {
         const CodecSpec spec{v ? s.v : s.k, s.d, v ? layer.cache.value_seed : layer.cache.key_seed};
@@ -214,7 +200,7 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
           const float* row = input.data() + ((t - s.first) * kKvHeads + h) * s.d;
           x.insert(x.end(), row, row + s.d);
         }
-        const std::vector<uint8_t> expected = Records(layer.cache, layer.host, v, h, s.first, s.end);
+        const std::vector<uint8_t> expected = Records(layer.cache, layer.pages, v, h, s.first, s.end);
         const std::vector<uint8_t> actual = Records(layer.cache, device_pages, v, h, s.first, s.end);
         const testing::CodeComparison c = testing::CompareCodes(
             spec, v ? layer.cache.value_layout : layer.cache.key_layout, x.data(), s.end - s.first, expected.data(),
@@ -223,7 +209,7 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
         EXPECT_EQ(c.scale_mismatches, 0u) << "chunk " << i;
         EXPECT_EQ(c.byte_mismatches, 0u) << "chunk " << i;
         // Tokens before the chunk keep their bytes (or the shared page's).
-        EXPECT_EQ(Records(layer.cache, layer.host, v, h, 0, s.first), Records(layer.cache, device_pages, v, h, 0, s.first))
+        EXPECT_EQ(Records(layer.cache, layer.pages, v, h, 0, s.first), Records(layer.cache, device_pages, v, h, 0, s.first))
             << "chunk " << i;
       }
     }
@@ -243,9 +229,9 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
   // CPU's pages, to the bit.
   const TwinLayer& layer = *layers[0];
   std::vector<std::vector<uint8_t>> device_pages;
-  for (size_t p = 0; p < layer.host.size(); ++p) device_pages.push_back(layer.DevicePage(p));
-  for (size_t p = 0; p < layer.host.size(); ++p) {
-    ASSERT_EQ(cudaMemcpy(const_cast<uint8_t*>(layer.device_table[p]), layer.host[p].data(), layer.cache.page_bytes(),
+  for (size_t p = 0; p < layer.pages.size(); ++p) device_pages.push_back(layer.DevicePage(p));
+  for (size_t p = 0; p < layer.pages.size(); ++p) {
+    ASSERT_EQ(cudaMemcpy(const_cast<uint8_t*>(layer.device_table[p]), layer.pages[p].data(), layer.cache.page_bytes(),
                          cudaMemcpyHostToDevice),
               cudaSuccess);
   }

@@ -14,6 +14,7 @@
 #include "kernels/cuda/cuda_staging.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/kernels/layer_testing.h"
 
 namespace turbokv {
 namespace {
@@ -105,28 +106,6 @@ TEST(AttentionStagingTest, TheStagedBatchGivesTheCallersOwnResults) {
   }
 }
 
-// A layer with host pages on two sides: the CPU's encode, and the staged one.
-struct Layer {
-  std::unique_ptr<Codec> keys, values;
-  PagedKvCache cache;
-  std::vector<std::vector<uint8_t>> pages;
-  std::vector<const uint8_t*> table;
-  Layer(CodecKind k, CodecKind v, int d, int kv, int page, int64_t tokens, uint64_t seed) {
-    keys = *MakeCpuCodec({k, d, seed}, CpuPath::kScalar);
-    values = *MakeCpuCodec({v, d, seed + 1}, CpuPath::kScalar);
-    cache.key_layout = keys->layout();
-    cache.value_layout = values->layout();
-    cache.key_seed = seed;
-    cache.value_seed = seed + 1;
-    cache.kv_heads = kv;
-    cache.page_tokens = page;
-    cache.tokens = tokens;
-    for (int64_t p = 0; p * page < tokens; ++p) pages.emplace_back(cache.page_bytes(), static_cast<uint8_t>(p + 1));
-    for (auto& bytes : pages) table.push_back(bytes.data());
-    cache.pages = table.data();
-  }
-};
-
 TEST(EncodeStagingTest, TheStagedChunksWriteTheCpusBytesAndDeliverEachVectorsError) {
   constexpr int kKv = 3, kDim = 64, kPage = 16;
   struct Shape {
@@ -137,15 +116,15 @@ TEST(EncodeStagingTest, TheStagedChunksWriteTheCpusBytesAndDeliverEachVectorsErr
                           {CodecKind::kF16, CodecKind::kTurbo3, 17, 18},
                           {CodecKind::kTurbo3, CodecKind::kQ4_0, 33, 60},
                           {CodecKind::kTurbo3, CodecKind::kTurbo3, 20, 20}};  // nothing new: skipped
-  std::vector<std::unique_ptr<Layer>> cpu, staged;
+  std::vector<std::unique_ptr<testing::HostLayer>> cpu, staged;
   std::vector<std::vector<float>> k, v;
   std::vector<EncodeChunk> cpu_chunks, staged_chunks;
   std::vector<EncodeStats> stats(2 * 4);
-  Layer shared(CodecKind::kTurbo3, CodecKind::kQ4_0, kDim, kKv, kPage, kPage, 7);
+  testing::HostLayer shared(CodecKind::kTurbo3, CodecKind::kQ4_0, kDim, kKv, kPage, kPage, 7);
   for (size_t i = 0; i < 4; ++i) {
     const Shape& s = shapes[i];
-    cpu.push_back(std::make_unique<Layer>(s.k, s.v, kDim, kKv, kPage, s.end, 100 + 2 * i));
-    staged.push_back(std::make_unique<Layer>(s.k, s.v, kDim, kKv, kPage, s.end, 100 + 2 * i));
+    cpu.push_back(std::make_unique<testing::HostLayer>(s.k, s.v, kDim, kKv, kPage, s.end, 100 + 2 * i));
+    staged.push_back(std::make_unique<testing::HostLayer>(s.k, s.v, kDim, kKv, kPage, s.end, 100 + 2 * i));
     k.push_back(GaussianVectors((s.end - s.first) * kKv, kDim, 200 + i));
     v.push_back(GaussianVectors((s.end - s.first) * kKv, kDim, 300 + i));
     for (auto* side : {&cpu, &staged}) {

@@ -1,0 +1,43 @@
+// One layer in host memory for the tests of chunked encodes and decodes: its
+// codecs (the scalar reference) and its pages, laid out as PagedKvCache
+// describes, filled with stale bytes (p * 37 + 1 in page p), as a reused
+// page holds. Not copyable: the table points into the pages.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/codec.h"
+
+namespace turbokv::testing {
+
+struct HostLayer {
+  std::unique_ptr<Codec> keys, values;
+  PagedKvCache cache;
+  std::vector<std::vector<uint8_t>> pages;
+  std::vector<const uint8_t*> table;
+
+  // Keys rotated with `seed`, values with seed + 1; `tokens` tokens.
+  HostLayer(CodecKind k, CodecKind v, int d, int kv_heads, int page_tokens, int64_t tokens, uint64_t seed) {
+    keys = *MakeCpuCodec({k, d, seed}, CpuPath::kScalar);
+    values = *MakeCpuCodec({v, d, seed + 1}, CpuPath::kScalar);
+    cache.key_layout = keys->layout();
+    cache.value_layout = values->layout();
+    cache.key_seed = seed;
+    cache.value_seed = seed + 1;
+    cache.kv_heads = kv_heads;
+    cache.page_tokens = page_tokens;
+    cache.tokens = tokens;
+    for (int64_t p = 0; p * page_tokens < tokens; ++p) {
+      pages.emplace_back(cache.page_bytes(), static_cast<uint8_t>(p * 37 + 1));
+    }
+    for (std::vector<uint8_t>& page : pages) table.push_back(page.data());
+    cache.pages = table.data();
+  }
+  HostLayer(const HostLayer&) = delete;
+  HostLayer& operator=(const HostLayer&) = delete;
+};
+
+}  // namespace turbokv::testing
