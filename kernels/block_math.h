@@ -269,47 +269,88 @@ TURBOKV_HD float DecodeValueAt(const CodecLayout& layout, const uint8_t* record,
   }
 }
 
+// An aligned 16-bit little-endian word (turbo index planes start at even
+// offsets of a 16-byte aligned page: one load on a GPU, not two).
+TURBOKV_HD uint32_t LoadAlignedU16(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const uint16_t*>(p);
+#else
+  return LoadHalfBits(p);
+#endif
+}
+
+// q[0..3] into v (on a GPU one 16-byte load: q must be 16-byte aligned).
+TURBOKV_HD void LoadFloat4(const float* q, float* v) {
+#if defined(__CUDA_ARCH__)
+  const float4 x = *reinterpret_cast<const float4*>(q);
+  v[0] = x.x;
+  v[1] = x.y;
+  v[2] = x.z;
+  v[3] = x.w;
+#else
+  for (int e = 0; e < 4; ++e) v[e] = q[e];
+#endif
+}
+
 // Dot products of kRows query rows (q + r * q_stride, 128 values each, in the
-// rotated domain) with one stored turbo block of 128 values: for each row,
-// (s / B) * sum_j q[j] * c[index_j]. The block's index planes are read once
-// into registers as 16-bit words and every index is taken from them with
-// constant shifts, which keeps a GPU thread from issuing one byte load per
-// index. `dot` accumulates.
+// rotated domain; q and q_stride 16-byte aligned) with one stored turbo
+// block of 128 values: for each row, (s / B) * sum_j q[j] * c[index_j]. The
+// block's index planes are read once into registers as 16-bit words; the
+// values run in spans that share one shift of those words (32 values for 2
+// and 3 bits, 64 for 4), so that within a span every word index and shift is
+// a constant and a GPU thread keeps its registers few. `dot` accumulates.
 template <int kBits, int kRows>
 TURBOKV_HD void TurboBlock128Dots(const uint8_t* block, const float* q, int q_stride, int rows,
                                   const float* centroids, float* dot) {
-  constexpr int kPlaneBytes = 128 * kBits / 8;
-  uint32_t words[kPlaneBytes / 2];
+  constexpr int kWords = 128 * kBits / 16;
+  constexpr int kSpan = kBits == 4 ? 64 : 32;
+  uint32_t words[kWords];
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int k = 0; k < kPlaneBytes / 2; ++k) {
-    words[k] = static_cast<uint32_t>(block[kTurboScaleBytes + 2 * k]) |
-               (static_cast<uint32_t>(block[kTurboScaleBytes + 2 * k + 1]) << 8);
-  }
+  for (int k = 0; k < kWords; ++k) words[k] = LoadAlignedU16(block + kTurboScaleBytes + 2 * k);
   float part[kRows] = {};
 #if defined(__CUDA_ARCH__)
-#pragma unroll
+#pragma unroll 1
 #endif
-  for (int j = 0; j < 128; ++j) {
-    int index;
-    if (kBits == 4) {
-      const int byte = j & 63;
-      index = (words[byte >> 1] >> (8 * (byte & 1) + 4 * (j >> 6))) & 15;
-    } else {
-      const int byte = j & 31;
-      index = (words[byte >> 1] >> (8 * (byte & 1) + 2 * (j >> 5))) & 3;
-      if (kBits == 3) {
-        const int high = 32 + (j & 15);
-        index |= ((words[high >> 1] >> (8 * (high & 1) + (j >> 4))) & 1) << 2;
-      }
-    }
-    const float c = centroids[index];
+  for (int span = 0; span < 128 / kSpan; ++span) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-    for (int r = 0; r < kRows; ++r) {
-      if (r < rows) part[r] += q[r * q_stride + j] * c;
+    for (int j4 = 0; j4 < kSpan; j4 += 4) {
+      float qv[kRows][4];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+      for (int r = 0; r < kRows; ++r) {
+        if (r < rows) LoadFloat4(q + r * q_stride + span * kSpan + j4, qv[r]);
+      }
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+      for (int e = 0; e < 4; ++e) {
+        // Value j = span * kSpan + jj. 4 bits: byte j % 64, nibble j / 64.
+        // 2 and 3 bits: low bits in byte j % 32 at bit 2 (j / 32); the
+        // third in byte 32 + j % 16 at bit j / 16.
+        const int jj = j4 + e;
+        int index;
+        if (kBits == 4) {
+          index = (words[jj >> 1] >> (8 * (jj & 1) + 4 * span)) & 15;
+        } else {
+          index = (words[jj >> 1] >> (8 * (jj & 1) + 2 * span)) & 3;
+          if (kBits == 3) {
+            const int high = 32 + (jj & 15);
+            index |= ((words[high >> 1] >> (8 * (high & 1) + 2 * span + (jj >> 4))) & 1) << 2;
+          }
+        }
+        const float c = centroids[index];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+        for (int r = 0; r < kRows; ++r) {
+          if (r < rows) part[r] += qv[r][e] * c;
+        }
+      }
     }
   }
   const float f = TurboDecodeFactor(block, 128);
@@ -342,6 +383,32 @@ TURBOKV_HD void TurboBlock128LaneValues(const uint8_t* block, int bits, int lane
     int index = (low >> (2 * k)) & 3;
     if (bits == 3) index |= ((high >> ((lane >> 4) + 2 * k)) & 1) << 2;
     v[k] = f * centroids[index];
+  }
+}
+
+// The same four values i = lane + 32 k of a record of 128 values of f16,
+// q8_0 or q4_0 (as DecodeValueAt), with the codec's branch taken once, not
+// once per value: the unrolled per-value switch cost a GPU thread its
+// registers.
+TURBOKV_HD void PlainLaneValues128(CodecKind kind, const uint8_t* record, int lane, float* v) {
+  switch (kind) {
+    case CodecKind::kF16:
+      for (int k = 0; k < 4; ++k) v[k] = HalfBitsToFloat(LoadHalfBits(record + 2 * (lane + 32 * k)));
+      return;
+    case CodecKind::kQ8_0:  // value lane + 32 k: block k, value lane
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t* block = record + k * kQ8BlockBytes;
+        v[k] = static_cast<int8_t>(block[2 + lane]) * HalfBitsToFloat(LoadHalfBits(block));
+      }
+      return;
+    default: {  // q4_0: block k, nibble lane / 16 of byte lane % 16
+      const int byte = 2 + (lane & 15), shift = 4 * (lane >> 4);
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t* block = record + k * kQ4BlockBytes;
+        v[k] = static_cast<float>(((block[byte] >> shift) & 15) - 8) * HalfBitsToFloat(LoadHalfBits(block));
+      }
+      return;
+    }
   }
 }
 

@@ -74,9 +74,10 @@ __global__ void RotateQueriesKernel(Launch l) {
 
 // sum_i q[r][i] * k[i] over one record for `rows` query rows held in shared
 // memory ([rows][d]); turbo keys sum q * c per block and scale once by s / B.
+template <bool kHead128>
 __device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t* record, const float* q, int rows,
                                         const float* centroids, float (&dot)[kRowsPerBlock]) {
-  const int d = layout.head_dim;
+  const int d = kHead128 ? 128 : layout.head_dim;
   const int bits = TurboBits(layout.kind);
   if (bits == 0) {
     for (int i = 0; i < d; ++i) {
@@ -90,7 +91,9 @@ __device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t
   }
   const int bv = layout.block_values;
   if (bv == 128) {
-    for (int b = 0; b < layout.blocks; ++b) {
+    // kHead128: one block (a constant trip count keeps the loop's registers).
+    const int blocks = kHead128 ? 1 : layout.blocks;
+    for (int b = 0; b < blocks; ++b) {
       const uint8_t* block = record + static_cast<size_t>(b) * layout.block_bytes;
       if (bits == 2) TurboBlock128Dots<2, kRowsPerBlock>(block, q + b * 128, d, rows, centroids, dot);
       if (bits == 3) TurboBlock128Dots<3, kRowsPerBlock>(block, q + b * 128, d, rows, centroids, dot);
@@ -124,10 +127,18 @@ __device__ __forceinline__ void KeyDots(const CodecLayout& layout, const uint8_t
 // the split's partial state of each row.
 template <bool kHead128>
 __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, float* shared) {
-  // The descriptor in registers, as a kernel parameter was: the logits
-  // written below could alias the problem array for all the compiler knows.
-  const PagedKvCache cache = p.cache;
-  const int d = l.head_dim;
+  // What the token loop reads of the descriptor, in registers: the logits
+  // written below could alias the problem array for all the compiler knows,
+  // and the rest of the descriptor would only hold registers.
+  const CodecLayout key_layout = p.cache.key_layout;
+  const CodecLayout value_layout = p.cache.value_layout;
+  const uint8_t* const* pages = p.cache.pages;
+  const int64_t page_tokens = p.cache.page_tokens;
+  const int64_t tokens = p.cache.tokens;
+  const size_t key_head = p.cache.key_offset(u.head, 0);  // the unit's kv head in a page
+  const size_t value_head = p.cache.value_offset(u.head, 0);
+  const size_t key_bytes = key_layout.code_size(), value_bytes = value_layout.code_size();
+  const int d = kHead128 ? 128 : l.head_dim;  // a constant where it can be
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g0 = u.row_chunk * kRowsPerBlock;
   const int rows = min(kRowsPerBlock, l.group - g0);
@@ -141,21 +152,21 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
     q_s[x] = l.q_rot[(p.first_row + local_row0) * d + x];
   }
   if (threadIdx.x < 16) {
-    LoadCentroids(cache.key_layout, centroids_s, threadIdx.x);
-    LoadCentroids(cache.value_layout, centroids_s + 16, threadIdx.x);
+    LoadCentroids(key_layout, centroids_s, threadIdx.x);
+    LoadCentroids(value_layout, centroids_s + 16, threadIdx.x);
   }
   float* acc = acc_s + warp * kRowsPerBlock * d;
   for (int x = lane; x < rows * d; x += 32) acc[x] = 0.0f;
   float acc_r[kRowsPerBlock][4] = {};  // kHead128: dimension lane + 32 k of row r
-  const bool turbo_values_128 =
-      TurboBits(cache.value_layout.kind) != 0 && cache.value_layout.block_values == 128;
-  float* logits = l.top_k > 0 ? l.logits + p.first_logit + local_row0 * cache.tokens : nullptr;
+  const bool turbo_values_128 = TurboBits(value_layout.kind) != 0 && value_layout.block_values == 128;
+  float* logits = l.top_k > 0 ? l.logits + p.first_logit + local_row0 * tokens : nullptr;
   __syncthreads();
 
   const VisibleTokens visible = Visible(p.positions[u.query], l.window);
   const int64_t begin = max(visible.first, u.split * p.chunk);
   const int64_t end = min(visible.last + 1, (u.split + 1) * p.chunk);
   float m[kRowsPerBlock], s[kRowsPerBlock];
+#pragma unroll
   for (int r = 0; r < kRowsPerBlock; ++r) {
     m[r] = -INFINITY;
     s[r] = 0.0f;
@@ -168,18 +179,18 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
     {
       float dot[kRowsPerBlock] = {};
       if (valid) {
-        const int64_t page = t / cache.page_tokens;  // one 64-bit division per token
-        const int64_t slot = t - page * cache.page_tokens;
-        const uint8_t* base = cache.pages[page];
-        KeyDots(cache.key_layout, base + cache.key_offset(u.head, slot), q_s, rows, centroids_s, dot);
-        value = base + cache.value_offset(u.head, slot);
+        const int64_t page = t / page_tokens;  // one division per token
+        const int64_t slot = t - page * page_tokens;
+        const uint8_t* base = pages[page];
+        KeyDots<kHead128>(key_layout, base + key_head + slot * key_bytes, q_s, rows, centroids_s, dot);
+        value = base + value_head + slot * value_bytes;
       }
 #pragma unroll
       for (int r = 0; r < kRowsPerBlock; ++r) {
         float x = dot[r] * l.scale;
         if (l.softcap > 0.0f) x = l.softcap * tanhf(x / l.softcap);
         logit[r] = valid && r < rows ? x : -INFINITY;
-        if (logits != nullptr && valid && r < rows) logits[r * cache.tokens + t] = x;
+        if (logits != nullptr && valid && r < rows) logits[r * tokens + t] = x;
       }
     }
     float weight[kRowsPerBlock] = {};
@@ -210,10 +221,9 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
       if (kHead128) {
         float v[4];
         if (turbo_values_128) {
-          TurboBlock128LaneValues(record, TurboBits(cache.value_layout.kind), lane, centroids_s + 16, v);
+          TurboBlock128LaneValues(record, TurboBits(value_layout.kind), lane, centroids_s + 16, v);
         } else {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) v[k] = DecodeValueAt(cache.value_layout, record, lane + 32 * k, centroids_s + 16);
+          PlainLaneValues128(value_layout.kind, record, lane, v);
         }
 #pragma unroll
         for (int r = 0; r < kRowsPerBlock; ++r) {
@@ -222,7 +232,7 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
         }
       } else {
         for (int i = lane; i < d; i += 32) {
-          const float v = DecodeValueAt(cache.value_layout, record, i, centroids_s + 16);
+          const float v = DecodeValueAt(value_layout, record, i, centroids_s + 16);
 #pragma unroll
           for (int r = 0; r < kRowsPerBlock; ++r) {
             if (r < rows) acc[r * d + i] += w[r] * v;
@@ -231,14 +241,16 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
       }
     }
   }
-  if (kHead128) {
-    for (int r = 0; r < rows; ++r) {
+  // Register arrays are indexed by constants only (unrolled, rows as a
+  // predicate): a runtime index would move them to local memory.
+#pragma unroll
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    if (r >= rows) continue;
+    if (kHead128) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) acc[r * d + lane + 32 * k] = acc_r[r][k];
     }
-  }
-  if (lane == 0) {
-    for (int r = 0; r < rows; ++r) {
+    if (lane == 0) {
       ml_s[(warp * kRowsPerBlock + r) * 2] = m[r];
       ml_s[(warp * kRowsPerBlock + r) * 2 + 1] = s[r];
     }
@@ -271,9 +283,18 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
   __syncthreads();  // the next unit of this block reuses the shared memory
 }
 
+// Blocks a multiprocessor keeps resident: on sm_90 four (16 warps), which
+// ptxas fits in 128 registers a thread without spilling (five would spill;
+// scripts/cuda-resources.sh); sm_80's code needs a few more, so three.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kSplitBlocksPerSm = 3;
+#else
+constexpr int kSplitBlocksPerSm = 4;
+#endif
+
 template <bool kHead128>
-__global__ void __launch_bounds__(32 * kWarps) SplitKernel(Launch l, int64_t units) {
-  extern __shared__ float shared[];
+__global__ void __launch_bounds__(32 * kWarps, kSplitBlocksPerSm) SplitKernel(Launch l, int64_t units) {
+  extern __shared__ __align__(16) float shared[];  // q rows read as float4
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
     const DeviceProblem& p = l.problems[ProblemOfUnit(l.problems, l.count, unit)];
     RunUnit<kHead128>(l, p, UnitOf(p, unit, l.row_chunks), shared);
@@ -529,6 +550,7 @@ cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProb
   constexpr int64_t kMaxGrid = 0x7fffffff;
   if (plan.rows > kMaxGrid) return cudaErrorInvalidValue;
   const bool block128 = RotationBlockValues(d) == 128;
+  cudaGetLastError();  // what cudaGetLastError reports below is these launches'
   if (block128) {
     RotateQueriesKernel<4><<<static_cast<unsigned>(plan.rows), 32, 0, stream>>>(l);
   } else {

@@ -335,6 +335,27 @@ TEST(DecodeValueAtTest, LaneValuesMatch) {
   }
 }
 
+// PlainLaneValues128 (the CUDA value decode of f16, q8_0 and q4_0 at
+// head_dim 128) gives DecodeValueAt's values.
+TEST(DecodeValueAtTest, PlainLaneValuesMatch) {
+  for (CodecKind kind : {CodecKind::kF16, CodecKind::kQ8_0, CodecKind::kQ4_0}) {
+    const auto codec = Make(kind, 128, CpuPath::kScalar, 0);
+    const std::vector<float> x = GaussianVectors(4, 128, 15);
+    const Encoded e = RoundTrip(*codec, x);
+    for (int vec = 0; vec < 4; ++vec) {
+      const uint8_t* record = e.codes.data() + vec * codec->code_size();
+      for (int lane = 0; lane < 32; ++lane) {
+        float v[4];
+        PlainLaneValues128(kind, record, lane, v);
+        for (int k = 0; k < 4; ++k) {
+          ASSERT_EQ(v[k], DecodeValueAt(codec->layout(), record, lane + 32 * k, nullptr))
+              << CodecName(kind) << " lane " << lane << " k " << k;
+        }
+      }
+    }
+  }
+}
+
 // DESIGN.md section 1: relative MSE on 100,000 random unit vectors, d = 128.
 // The addressing the CUDA codecs use for a batch of chunks (vector_chunks.h)
 // finds the records PagedKvCache lays out: encoding each located vector with
