@@ -28,4 +28,5 @@ strip --strip-unneeded "$staging"/bin/* "$staging"/lib/*
 rm -rf .gpu && mkdir .gpu
 tar -C "$staging" -cf - bin lib | xz -9 -T2 > .gpu/bundle.tar.xz
 cp scripts/gpu-run.sh .gpu/run.sh
+"${CUDACXX:-/usr/local/cuda/bin/nvcc}" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p' > .gpu/cuda-version
 echo "gpu-bundle: .gpu/bundle.tar.xz, $(du -h .gpu/bundle.tar.xz | cut -f1) ($(du -sh "$staging" | cut -f1) unpacked)"

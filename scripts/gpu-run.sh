@@ -16,11 +16,12 @@ tar -C "$here" -xJf "$bundle/bundle.tar.xz" || { echo "gpu-run: cannot unpack $b
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TURBOKVD="$here/bin/turbokvd"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader || true
+echo "built with CUDA runtime $(cat "$bundle/cuda-version" 2>/dev/null || echo unknown) (a driver must support it)"
 failed=0
 run_tests() {  # binary, gtest filter
   local log="$out/tests.log"
   echo "== $1 --gtest_filter=$2" >> "$log"
-  timeout 300 "$here/bin/$1" --gtest_brief=1 --gtest_filter="$2" >> "$log" 2>&1
+  timeout 300 "$here/bin/$1" --gtest_filter="$2" >> "$log" 2>&1
   local rc=$?
   echo "$1: exit $rc" | tee -a "$log"
   [ "$rc" -eq 0 ] || failed=1
@@ -34,6 +35,14 @@ run_tests backend_test '*'
 run_tests cross_device_test '*'
 run_tests turbokvd_test 'TurbokvdTest.TheGpuServesOrTheDaemonSaysWhyNot'
 grep -E "FAILED|Failure" "$out/tests.log" | head -40
+# Every test here is for the GPU: a skip means it did not reach one (a
+# driver older than the CUDA runtime of the build, say), not a pass.
+skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]' "$out/tests.log")
+if [ "$skipped" -gt 0 ]; then
+  echo "gpu-run: $skipped GPU tests SKIPPED, so nothing of theirs ran on the GPU; the first reasons:"
+  grep -A1 -E '(Skipped|skipped)$' "$out/tests.log" | grep -v -E '^(--|.*Skipped)$' | sort | uniq -c | head -5
+  failed=1
+fi
 {
   bench="$here/bin/turbokv-bench"
   "$bench" codec --codec all --head-dim 128 --vectors 1000000 --impl cuda

@@ -262,6 +262,7 @@ cudaError_t Launch(const CodecLayout& layout, Locate locate, size_t n, Quantizat
                    cudaStream_t stream) {
   if (layout.blocks == 0) return cudaErrorNotSupported;
   if (n == 0) return cudaSuccess;
+  cudaGetLastError();  // what cudaGetLastError reports below is this launch's
   const size_t total_blocks = n * static_cast<size_t>(layout.blocks);
   switch (layout.kind) {
     case CodecKind::kF16:

@@ -26,7 +26,9 @@ absl::Status LaunchStatus(cudaError_t error, const char* what) {
 class Drain {
  public:
   explicit Drain(cudaStream_t stream) : stream_(stream) {}
-  ~Drain() { cudaStreamSynchronize(stream_); }
+  ~Drain() {
+    if (cudaStreamSynchronize(stream_) != cudaSuccess) cudaGetLastError();  // the call reported its own error
+  }
   Drain(const Drain&) = delete;
   Drain& operator=(const Drain&) = delete;
 

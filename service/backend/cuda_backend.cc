@@ -40,13 +40,21 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   }
   size_t free_bytes = 0, total_bytes = 0;
   if (absl::Status s = cuda::CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"); !s.ok()) return s;
+  // Each stream grows a scratch buffer of up to kScratchBytes outside the
+  // arena (attention's workspace): the arena leaves room for all of them.
+  const int streams = std::max(1, options.streams);
+  const size_t scratch = static_cast<size_t>(streams) * cuda::CudaStream::kScratchBytes;
+  const size_t room = free_bytes > scratch ? free_bytes - scratch : 0;
   size_t arena_bytes = options.arena_bytes;
-  if (arena_bytes == 0) arena_bytes = static_cast<size_t>(static_cast<double>(free_bytes) * kDefaultArenaFraction);
+  if (arena_bytes == 0) {
+    arena_bytes = std::min(room, static_cast<size_t>(static_cast<double>(free_bytes) * kDefaultArenaFraction));
+  }
   arena_bytes = arena_bytes / kPageAlignment * kPageAlignment;
-  if (arena_bytes == 0 || arena_bytes > free_bytes) {
-    return absl::FailedPreconditionError(absl::StrCat(label, " (", prop.name, ") has ", GiB(free_bytes), " free of ",
-                                                      GiB(total_bytes), "; a page arena of ", GiB(arena_bytes),
-                                                      " (--memory-budget) does not fit"));
+  if (arena_bytes == 0 || arena_bytes > room) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(label, " (", prop.name, ") has ", GiB(free_bytes), " free of ", GiB(total_bytes),
+                     "; a page arena of ", GiB(arena_bytes), " (--memory-budget) and ", streams,
+                     " streams' scratch of ", GiB(scratch), " do not fit"));
   }
   void* arena = nullptr;
   if (cudaMalloc(&arena, arena_bytes) != cudaSuccess) {
@@ -54,7 +62,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
     return absl::ResourceExhaustedError(
         absl::StrCat(label, ": cannot allocate a page arena of ", GiB(arena_bytes), " (", GiB(free_bytes), " free)"));
   }
-  const int streams = std::max(1, options.streams);
   const std::string name =
       absl::StrCat(label, " (", prop.name, ", compute ", prop.major, ".", prop.minor, ", page arena ", GiB(arena_bytes),
                    " of ", GiB(free_bytes), " free, ", streams, streams == 1 ? " stream)" : " streams)");

@@ -23,7 +23,9 @@ class CudaStream;
 struct CudaBackendOptions {
   int device = 0;
   // Bytes of the page arena. 0: kDefaultArenaFraction of the device's free
-  // memory at start.
+  // memory at start, less where the streams' scratch would not fit beside
+  // it. The arena and streams x CudaStream::kScratchBytes must fit the free
+  // memory.
   size_t arena_bytes = 0;
   // Calls that run on the device at once (a CUDA stream each); more wait.
   int streams = 4;
@@ -36,8 +38,9 @@ class CudaBackend : public Backend {
   static constexpr double kDefaultArenaFraction = 0.8;
 
   // FAILED_PRECONDITION naming why when the device cannot serve (no driver
-  // or device, compute capability below 8.0, an arena larger than its free
-  // memory); RESOURCE_EXHAUSTED when the arena cannot be allocated.
+  // or device, compute capability below 8.0, an arena that with the
+  // streams' scratch does not fit its free memory); RESOURCE_EXHAUSTED when
+  // the arena cannot be allocated.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
   ~CudaBackend() override;
 
@@ -61,6 +64,8 @@ class CudaBackend : public Backend {
    public:
     explicit Lease(CudaBackend* backend);
     ~Lease();
+    Lease(const Lease&) = delete;  // a copy would give the stream back twice
+    Lease& operator=(const Lease&) = delete;
     cuda::CudaStream* operator->() const { return stream_; }
 
    private:
