@@ -25,7 +25,9 @@ struct EncodeChunk {
   // array of the pages' addresses (host or device memory), cache.tokens the
   // new length. The pages the chunk writes are the caller's alone (new
   // pages, or the copy of a shared one), so a failed encode leaves the
-  // layer's tokens as they were.
+  // layer's tokens as they were. New pages (NewPages) may hold any bytes:
+  // the encode zeroes them before writing, so that the slots they do not
+  // hold yet read as zeros (in snapshots and tiers), never as stale bytes.
   PagedKvCache cache;
   int64_t first = 0;  // the chunk writes tokens [first, cache.tokens)
   // When not null: before encoding, the page holding token `first` gets the
@@ -39,6 +41,18 @@ struct EncodeChunk {
   EncodeStats* key_errors = nullptr;
   EncodeStats* value_errors = nullptr;
 };
+
+// The chunk's new pages: cache.pages[first, end) of those its tokens are in,
+// every one past the page holding token `first`, and that one too when the
+// chunk starts it.
+struct PageRange {
+  int64_t first = 0;
+  int64_t end = 0;
+};
+inline PageRange NewPages(const EncodeChunk& chunk) {
+  const int64_t page_tokens = chunk.cache.page_tokens;
+  return {(chunk.first + page_tokens - 1) / page_tokens, (chunk.cache.tokens + page_tokens - 1) / page_tokens};
+}
 
 // Encodes a chunk whose pages are host memory with its CPU codecs; its runs
 // of slots (one page, one kv head) spread over `pool` when given.

@@ -35,6 +35,12 @@ struct VectorChunk {
   int page_tokens = 0;
 };
 
+// A page a launch zeroes (a chunk's new page: NewPages in paged_cache.h).
+struct ZeroedPage {
+  uint8_t* page = nullptr;  // 16-byte aligned
+  size_t bytes = 0;
+};
+
 // The keys (values: false) or values (true) of tokens [first, first + count)
 // of `cache`, between x and its pages: cache.pages by default, or a device
 // copy of its page table from page first_page on.

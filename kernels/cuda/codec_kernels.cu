@@ -5,6 +5,8 @@
 // SumPartials16 through shared memory, and the per-value math is the shared
 // host/device code of block_math.h, so the bytes equal the CPU reference's.
 // Built with --fmad=false: no multiply-add contraction, as on the CPU.
+#include <algorithm>
+
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
 #include "kernels/cuda/codebooks.cuh"
@@ -232,6 +234,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   for (int i = lane; i < head_dim; i += 32) vector.x[i] = HalfBitsToFloat(LoadHalfBits(vector.record + 2 * i));
 }
 
+// One block a page (pages 16-byte aligned): 16-byte stores, then the tail.
+__global__ void ZeroPagesKernel(const ZeroedPage* pages, size_t count) {
+  for (size_t i = blockIdx.x; i < count; i += gridDim.x) {
+    uint8_t* page = pages[i].page;
+    const size_t bytes = pages[i].bytes, wide = bytes / 16;
+    for (size_t j = threadIdx.x; j < wide; j += blockDim.x) reinterpret_cast<uint4*>(page)[j] = make_uint4(0, 0, 0, 0);
+    for (size_t j = wide * 16 + threadIdx.x; j < bytes; j += blockDim.x) page[j] = 0;
+  }
+}
+
 constexpr int kThreads = 256;
 
 unsigned GridFor(size_t items, size_t per_block) {
@@ -320,6 +332,14 @@ cudaError_t LaunchDecodeChunks(const CodecLayout& layout, const VectorChunk* chu
                                cudaStream_t stream) {
   const Chunked locate{chunks, count, layout.head_dim};
   return Launch<DecodeKernels<Chunked>>(layout, locate, vectors, nullptr, stream);
+}
+
+cudaError_t LaunchZeroPages(const ZeroedPage* pages, size_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  cudaGetLastError();  // what cudaGetLastError reports below is this launch's
+  constexpr size_t kMaxBlocks = 65535;  // pages past it loop in the blocks
+  ZeroPagesKernel<<<static_cast<unsigned>(std::min(count, kMaxBlocks)), kThreads, 0, stream>>>(pages, count);
+  return cudaGetLastError();
 }
 
 }  // namespace turbokv::cuda

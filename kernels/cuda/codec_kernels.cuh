@@ -35,4 +35,8 @@ cudaError_t LaunchEncodeChunks(const CodecLayout& layout, const VectorChunk* chu
 cudaError_t LaunchDecodeChunks(const CodecLayout& layout, const VectorChunk* chunks, int count, size_t vectors,
                                cudaStream_t stream);
 
+// Zeroes pages[count] (the array and the pages on the device): the new pages
+// of an encode, before its launches.
+cudaError_t LaunchZeroPages(const ZeroedPage* pages, size_t count, cudaStream_t stream);
+
 }  // namespace turbokv::cuda

@@ -135,7 +135,7 @@ EncodeStaging::EncodeStaging(absl::Span<const EncodeChunk> chunks)
     }
   }
   // Up: each chunk's page table (from its first page), keys and values; each
-  // group's descriptors. Down: each group's errors.
+  // group's descriptors; the new pages to zero. Down: each group's errors.
   Regions up;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const EncodeChunk& chunk = chunks[c];
@@ -143,8 +143,11 @@ EncodeStaging::EncodeStaging(absl::Span<const EncodeChunk> chunks)
     table_at_[c] = up.Add(static_cast<size_t>(PagesOf(chunk.cache) - FirstPage(chunk)) * sizeof(uint8_t*));
     keys_at_[c] = up.Add(KeyValueBytes(chunk));
     values_at_[c] = up.Add(KeyValueBytes(chunk));
+    const PageRange fresh = NewPages(chunk);
+    zero_count_ += static_cast<size_t>(fresh.end - fresh.first);
   }
   for (Group& group : groups_) group.chunks_at = up.Add(group.sides.size() * sizeof(VectorChunk));
+  zeroes_at_ = up.Add(zero_count_ * sizeof(ZeroedPage));
   layout_.up = up.size();
   layout_.down_begin = Align(up.size());
   Regions down(layout_.down_begin);
@@ -158,6 +161,7 @@ EncodeStaging::EncodeStaging(absl::Span<const EncodeChunk> chunks)
 }
 
 void EncodeStaging::Fill(uint8_t* host, uint8_t* device) {
+  ZeroedPage* zeroes = At<ZeroedPage>(host, zeroes_at_);
   for (size_t c = 0; c < chunks_.size(); ++c) {
     const EncodeChunk& chunk = chunks_[c];
     if (chunk.first >= chunk.cache.tokens) continue;
@@ -165,6 +169,11 @@ void EncodeStaging::Fill(uint8_t* host, uint8_t* device) {
                 static_cast<size_t>(PagesOf(chunk.cache) - FirstPage(chunk)) * sizeof(uint8_t*));
     std::memcpy(host + keys_at_[c], chunk.keys, KeyValueBytes(chunk));
     std::memcpy(host + values_at_[c], chunk.values, KeyValueBytes(chunk));
+    const PageRange fresh = NewPages(chunk);
+    for (int64_t p = fresh.first; p < fresh.end; ++p) {
+      // The chunk's pages are the caller's to write (EncodeChunk).
+      *zeroes++ = ZeroedPage{const_cast<uint8_t*>(chunk.cache.pages[p]), chunk.cache.page_bytes()};
+    }
   }
   launches_.clear();
   for (const Group& group : groups_) {

@@ -88,6 +88,10 @@ class EncodeStaging {
   void Fill(uint8_t* host, uint8_t* device);
   const std::vector<Launch>& launches() const { return launches_; }
   std::vector<PageCopy> copies() const;
+  // The chunks' new pages, to zero before the launches: [zero_count()] in
+  // the device buffer once filled.
+  const ZeroedPage* zeroes(uint8_t* device) const { return reinterpret_cast<const ZeroedPage*>(device + zeroes_at_); }
+  size_t zero_count() const { return zero_count_; }
   // Adds each vector's error, back in `host`, to its chunk's stats.
   void Deliver(const uint8_t* host) const;
 
@@ -108,6 +112,7 @@ class EncodeStaging {
   bool errors_ = false;
   std::vector<Group> groups_;
   std::vector<size_t> table_at_, keys_at_, values_at_;
+  size_t zeroes_at_ = 0, zero_count_ = 0;
   StagingLayout layout_;
   std::vector<Launch> launches_;
 };

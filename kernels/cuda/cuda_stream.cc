@@ -180,6 +180,11 @@ absl::Status CudaStream::Encode(absl::Span<const EncodeChunk> chunks) {
       !s.ok()) {
     return s;
   }
+  if (absl::Status s = LaunchStatus(LaunchZeroPages(staging.zeroes(device), staging.zero_count(), stream_),
+                                    "zero the new pages");
+      !s.ok()) {
+    return s;
+  }
   for (const EncodeStaging::PageCopy& copy : staging.copies()) {
     if (absl::Status s = CudaStatus(cudaMemcpyAsync(copy.to, copy.from, copy.bytes, cudaMemcpyDeviceToDevice, stream_),
                                     "copy a shared page");
@@ -265,12 +270,6 @@ absl::Status CudaStream::CopyToDevice(const void* host, size_t bytes, void* devi
     return s;
   }
   return CudaStatus(cudaStreamSynchronize(stream_), "copy to the device");
-}
-
-absl::Status CudaStream::Zero(void* device, size_t bytes) {
-  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
-  if (absl::Status s = CudaStatus(cudaMemsetAsync(device, 0, bytes, stream_), "cudaMemsetAsync"); !s.ok()) return s;
-  return CudaStatus(cudaStreamSynchronize(stream_), "cudaMemsetAsync");
 }
 
 }  // namespace turbokv::cuda

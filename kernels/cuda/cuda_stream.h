@@ -40,9 +40,10 @@ class CudaStream {
   // scratch fits kScratchBytes (a decode step of a batch does), passes of
   // queries otherwise.
   absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params);
-  // Encodes every chunk (kernels/paged_cache.h; pages on this device): one
-  // launch per codec layout among their keys and values, the same bytes as
-  // the CPU codecs, and their quantization error when asked.
+  // Encodes every chunk (kernels/paged_cache.h; pages on this device): its
+  // new pages zeroed, then one launch per codec layout among their keys and
+  // values, the same bytes as the CPU codecs, and their quantization error
+  // when asked.
   absl::Status Encode(absl::Span<const EncodeChunk> chunks);
   // Decodes tokens [first, first + n) of a cache on this device into host
   // keys and values [n][kv_heads][head_dim].
@@ -50,8 +51,6 @@ class CudaStream {
   // Copies between host and device memory (through the pinned buffer).
   absl::Status CopyToHost(const void* device, size_t bytes, void* host);
   absl::Status CopyToDevice(const void* host, size_t bytes, void* device);
-  // Zeroes device memory.
-  absl::Status Zero(void* device, size_t bytes);
 
   // The most scratch one attention launch takes (rotated queries, partial
   // states, logits), past what its inputs and outputs need.

@@ -118,15 +118,9 @@ absl::StatusOr<uint8_t*> CudaBackend::AllocatePage(size_t bytes) {
         "the page arena of ", label(), " has no free range of ", bytes, " bytes: ", usage.used, " of ", usage.capacity,
         " bytes used, the free ones in ", usage.free_ranges, " ranges, the largest ", usage.largest_free, " bytes"));
   }
-  uint8_t* page = arena_ + *offset;
-  // Zeroed, as host pages are: the slots a page does not hold yet go to
-  // snapshots and tiers as zeros, never as another session's bytes.
-  absl::Status zeroed = Watch(Lease(this)->Zero(page, bytes));
-  if (!zeroed.ok()) {
-    allocator_.Free(*offset, bytes);
-    return zeroed;
-  }
-  return page;
+  // Not zeroed here (a lease and a wait a page): Encode zeroes a chunk's
+  // new pages in its own launch, and the other writers fill pages whole.
+  return arena_ + *offset;
 }
 
 void CudaBackend::FreePage(uint8_t* page, size_t bytes) { allocator_.Free(static_cast<size_t>(page - arena_), bytes); }

@@ -384,7 +384,12 @@ TEST(VectorChunkTest, LocatedVectorsAreTheLayersRecords) {
     chunk.keys = k[i].data();
     chunk.values = v[i].data();
     EncodeChunkCpu(chunk, nullptr);
-    // The table from the chunk's first page on, as a GPU encode stages it.
+    // The new pages zeroed, and the table from the chunk's first page on, as
+    // a GPU encode stages them.
+    const PageRange fresh = NewPages(chunk);
+    for (int64_t p = fresh.first; p < fresh.end; ++p) {
+      std::fill(by_vector[i]->pages[p].begin(), by_vector[i]->pages[p].end(), 0);
+    }
     const int64_t first_page = first[i] / kPage;
     const uint8_t* const* table = by_vector[i]->table.data() + first_page;
     key_chunks.push_back(

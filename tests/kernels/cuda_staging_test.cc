@@ -151,6 +151,16 @@ TEST(EncodeStagingTest, TheStagedChunksWriteTheCpusBytesAndDeliverEachVectorsErr
   buffers.CopyIn(staging.layout());
   ASSERT_EQ(staging.copies().size(), 1u);
   for (const cuda::EncodeStaging::PageCopy& copy : staging.copies()) std::memcpy(copy.to, copy.from, copy.bytes);
+  // The new pages, zeroed: layer 0's three, layer 1's none (token 17 is in
+  // page 1, already begun), layer 2's page 3 (page 2 is the shared copy).
+  ASSERT_EQ(staging.zero_count(), 4u);
+  const ZeroedPage* zeroes = staging.zeroes(buffers.device.data());
+  for (size_t z = 0; z < staging.zero_count(); ++z) {
+    EXPECT_EQ(zeroes[z].bytes, staged[z < 3 ? 0 : 2]->cache.page_bytes()) << z;
+    std::memset(zeroes[z].page, 0, zeroes[z].bytes);
+  }
+  EXPECT_EQ(zeroes[0].page, staged[0]->table[0]);
+  EXPECT_EQ(zeroes[3].page, staged[2]->table[3]);
   // The "kernels": each located vector encoded by the CPU codec of its
   // layout and seed; each block's error set to a number that names it.
   std::map<std::pair<CodecKind, uint64_t>, std::unique_ptr<Codec>> codecs;
@@ -174,6 +184,14 @@ TEST(EncodeStagingTest, TheStagedChunksWriteTheCpusBytesAndDeliverEachVectorsErr
   }
   buffers.CopyBack(staging.layout());
   staging.Deliver(buffers.host.data());
+  // A new page's slots past the chunk hold zeros; a begun page keeps its bytes.
+  const PagedKvCache& layer0 = staged[0]->cache;
+  for (int h = 0; h < kKv; ++h) {
+    const uint8_t* page = staged[0]->table[2];
+    for (size_t b = layer0.key_offset(h, 40 - 32); b < layer0.key_offset(h, kPage); ++b) ASSERT_EQ(page[b], 0) << h;
+    for (size_t b = layer0.value_offset(h, 40 - 32); b < layer0.value_offset(h, kPage); ++b) ASSERT_EQ(page[b], 0) << h;
+  }
+  EXPECT_EQ(staged[1]->table[1][staged[1]->cache.key_offset(0, 0)], 1 * 37 + 1);
   for (size_t i = 0; i < 4; ++i) {
     EXPECT_EQ(staged[i]->pages, cpu[i]->pages) << "layer " << i;
     for (int part = 0; part < 2; ++part) {
