@@ -298,7 +298,8 @@ TURBOKV_HD void LoadFloat4(const float* q, float* v) {
 // block's index planes are read once into registers as 16-bit words; the
 // values run in spans that share one shift of those words (32 values for 2
 // and 3 bits, 64 for 4), so that within a span every word index and shift is
-// a constant and a GPU thread keeps its registers few. `dot` accumulates.
+// a constant and a GPU thread keeps its registers few. The sums are fused
+// multiply-adds (one GPU instruction). `dot` accumulates.
 template <int kBits, int kRows>
 TURBOKV_HD void TurboBlock128Dots(const uint8_t* block, const float* q, int q_stride, int rows,
                                   const float* centroids, float* dot) {
@@ -348,7 +349,7 @@ TURBOKV_HD void TurboBlock128Dots(const uint8_t* block, const float* q, int q_st
 #pragma unroll
 #endif
         for (int r = 0; r < kRows; ++r) {
-          if (r < rows) part[r] += qv[r][e] * c;
+          if (r < rows) part[r] = fmaf(qv[r][e], c, part[r]);
         }
       }
     }
