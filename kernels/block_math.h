@@ -332,16 +332,17 @@ TURBOKV_HD void TurboBlock128Dots(const uint8_t* block, const float* q, int q_st
       for (int e = 0; e < 4; ++e) {
         // Value j = span * kSpan + jj. 4 bits: byte j % 64, nibble j / 64.
         // 2 and 3 bits: low bits in byte j % 32 at bit 2 (j / 32); the
-        // third in byte 32 + j % 16 at bit j / 16.
+        // third in byte 32 + j % 16 at bit j / 16. The words are shifted
+        // by the span already (below), so every shift here is a constant.
         const int jj = j4 + e;
         int index;
         if (kBits == 4) {
-          index = (words[jj >> 1] >> (8 * (jj & 1) + 4 * span)) & 15;
+          index = (words[jj >> 1] >> (8 * (jj & 1))) & 15;
         } else {
-          index = (words[jj >> 1] >> (8 * (jj & 1) + 2 * span)) & 3;
+          index = (words[jj >> 1] >> (8 * (jj & 1))) & 3;
           if (kBits == 3) {
             const int high = 32 + (jj & 15);
-            index |= ((words[high >> 1] >> (8 * (high & 1) + 2 * span + (jj >> 4))) & 1) << 2;
+            index |= ((words[high >> 1] >> (8 * (high & 1) + (jj >> 4))) & 1) << 2;
           }
         }
         const float c = centroids[index];
@@ -353,6 +354,11 @@ TURBOKV_HD void TurboBlock128Dots(const uint8_t* block, const float* q, int q_st
         }
       }
     }
+    // The next span's bits down to where this one's were.
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int k = 0; k < kWords; ++k) words[k] >>= kBits == 4 ? 4 : 2;
   }
   const float f = TurboDecodeFactor(block, 128);
   for (int r = 0; r < kRows; ++r) {
