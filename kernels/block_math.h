@@ -292,6 +292,47 @@ TURBOKV_HD void LoadFloat4(const float* q, float* v) {
 #endif
 }
 
+// Eight f16 values at p (on a GPU one 16-byte load: p must be 16-byte
+// aligned there).
+TURBOKV_HD void LoadHalf8(const uint8_t* p, float* v) {
+#if defined(__CUDA_ARCH__)
+  const uint4 x = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = HalfBitsToFloat(static_cast<uint16_t>(w[k] & 0xffffu));
+    v[2 * k + 1] = HalfBitsToFloat(static_cast<uint16_t>(w[k] >> 16));
+  }
+#else
+  for (int k = 0; k < 8; ++k) v[k] = HalfBitsToFloat(LoadHalfBits(p + 2 * k));
+#endif
+}
+
+// Dot products of kRows query rows (q + r * q_stride, d values each; q and
+// q_stride 16-byte aligned) with one f16 record of d values (d a multiple
+// of 8; the record 16-byte aligned on a GPU), eight values a load: the
+// fp16 cache's key scoring. `dot` accumulates.
+template <int kRows>
+TURBOKV_HD void F16Dots(const uint8_t* record, int d, const float* q, int q_stride, int rows, float* dot) {
+  for (int i = 0; i < d; i += 8) {
+    float k[8];
+    LoadHalf8(record + 2 * i, k);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) continue;
+      float qv[8];
+      LoadFloat4(q + r * q_stride + i, qv);
+      LoadFloat4(q + r * q_stride + i + 4, qv + 4);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+      for (int e = 0; e < 8; ++e) dot[r] = fmaf(qv[e], k[e], dot[r]);
+    }
+  }
+}
+
 // Dot products of kRows query rows (q + r * q_stride, 128 values each, in the
 // rotated domain; q and q_stride 16-byte aligned) with one stored turbo
 // block of 128 values: for each row, (s / B) * sum_j q[j] * c[index_j]. The

@@ -6,6 +6,10 @@
 
 #include "kernels/hd.h"
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
 namespace turbokv {
 
 TURBOKV_HD uint32_t FloatBits(float f) {
@@ -61,7 +65,12 @@ TURBOKV_HD uint16_t FloatToHalfBits(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
+// Exact (every binary16 is a float): the GPU's conversion instruction gives
+// the same float as the bit manipulation below, in one instruction.
 TURBOKV_HD float HalfBitsToFloat(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
@@ -72,6 +81,7 @@ TURBOKV_HD float HalfBitsToFloat(uint16_t h) {
   }
   if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (mant << 13));
   return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+#endif
 }
 
 // Little-endian load and store of an fp16 field at any byte offset.

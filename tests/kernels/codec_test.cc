@@ -312,6 +312,27 @@ TEST(DecodeValueAtTest, Block128DotsMatchDecodedDots) {
   }
 }
 
+// F16Dots (the CUDA scoring of f16 keys) against dot products with the
+// values DecodeValueAt decodes.
+TEST(DecodeValueAtTest, F16DotsMatchDecodedDots) {
+  for (int d : {64, 128, 192}) {
+    const auto codec = Make(CodecKind::kF16, d, CpuPath::kScalar);
+    const Encoded e = RoundTrip(*codec, GaussianVectors(3, d, 16));
+    const std::vector<float> q = GaussianVectors(3, d, 17);
+    for (int v = 0; v < 3; ++v) {
+      const uint8_t* record = e.codes.data() + v * codec->code_size();
+      float dot[4] = {};
+      F16Dots<4>(record, d, q.data(), d, 3, dot);
+      for (int r = 0; r < 3; ++r) {
+        double expected = 0;
+        for (int i = 0; i < d; ++i) expected += double(q[r * d + i]) * DecodeValueAt(codec->layout(), record, i, nullptr);
+        EXPECT_NEAR(dot[r], expected, 1e-5 * (1 + std::fabs(expected))) << d;
+      }
+      EXPECT_EQ(dot[3], 0.0f);
+    }
+  }
+}
+
 // TurboBlock128LaneValues (the CUDA value decode) gives DecodeValueAt's values.
 TEST(DecodeValueAtTest, LaneValuesMatch) {
   for (CodecKind kind : {CodecKind::kTurbo2, CodecKind::kTurbo3, CodecKind::kTurbo4}) {
