@@ -37,7 +37,7 @@ run_tests turbokvd_test 'TurbokvdTest.TheGpuServesOrTheDaemonSaysWhyNot'
 grep -E "FAILED|Failure" "$out/tests.log" | head -40
 # Every test here is for the GPU: a skip means it did not reach one (a
 # driver older than the CUDA runtime of the build, say), not a pass.
-skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]' "$out/tests.log")
+skipped=$(grep -c -E '^\[  SKIPPED \] [A-Za-z].* \([0-9]+ ms\)$' "$out/tests.log")  # once a test, not the summary
 if [ "$skipped" -gt 0 ]; then
   echo "gpu-run: $skipped GPU tests SKIPPED, so nothing of theirs ran on the GPU; the first reasons:"
   grep -A1 -E '(Skipped|skipped)$' "$out/tests.log" | grep -v -E '^(--|.*Skipped)$' | sort | uniq -c | head -5

@@ -180,6 +180,7 @@ absl::Status CudaStream::Encode(absl::Span<const EncodeChunk> chunks) {
       !s.ok()) {
     return s;
   }
+  cudaEventRecord(kernels_start_, stream_);
   if (absl::Status s = LaunchStatus(LaunchZeroPages(staging.zeroes(device), staging.zero_count(), stream_),
                                     "zero the new pages");
       !s.ok()) {
@@ -192,7 +193,6 @@ absl::Status CudaStream::Encode(absl::Span<const EncodeChunk> chunks) {
       return s;
     }
   }
-  cudaEventRecord(kernels_start_, stream_);
   for (const EncodeStaging::Launch& launch : staging.launches()) {
     if (absl::Status s = LaunchStatus(
             LaunchEncodeChunks(launch.layout, launch.chunks, launch.count, launch.vectors, launch.errors, stream_),

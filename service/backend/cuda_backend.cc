@@ -42,6 +42,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   if (absl::Status s = cuda::CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"); !s.ok()) return s;
   // Each stream grows a scratch buffer of up to kScratchBytes outside the
   // arena (attention's workspace): the arena leaves room for all of them.
+  // (Its staging of inputs and outputs grows beyond that with the largest
+  // message; a call that finds no memory for it fails alone.)
   const int streams = std::max(1, options.streams);
   const size_t scratch = static_cast<size_t>(streams) * cuda::CudaStream::kScratchBytes;
   const size_t room = free_bytes > scratch ? free_bytes - scratch : 0;
@@ -50,11 +52,16 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
     arena_bytes = std::min(room, static_cast<size_t>(static_cast<double>(free_bytes) * kDefaultArenaFraction));
   }
   arena_bytes = arena_bytes / kPageAlignment * kPageAlignment;
+  const std::string has =
+      absl::StrCat(label, " (", prop.name, ") has ", GiB(free_bytes), " free of ", GiB(total_bytes), "; ");
+  if (room == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(has, streams, " streams' scratch of ", GiB(scratch),
+                                                      " leaves no room for a page arena: the page arena does not fit"));
+  }
   if (arena_bytes == 0 || arena_bytes > room) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(label, " (", prop.name, ") has ", GiB(free_bytes), " free of ", GiB(total_bytes),
-                     "; a page arena of ", GiB(arena_bytes), " (--memory-budget) and ", streams,
-                     " streams' scratch of ", GiB(scratch), " do not fit"));
+    return absl::FailedPreconditionError(absl::StrCat(has, "a page arena of ", GiB(arena_bytes),
+                                                      " (--memory-budget) does not fit beside ", streams,
+                                                      " streams' scratch of ", GiB(scratch)));
   }
   void* arena = nullptr;
   if (cudaMalloc(&arena, arena_bytes) != cudaSuccess) {
