@@ -241,6 +241,20 @@ TURBOKV_HD void DecodeBlockToKernelDomain(const CodecLayout& layout, const uint8
   }
 }
 
+// Value i of a record of an unrotated codec (f16, q8_0, q4_0).
+template <CodecKind kKind>
+TURBOKV_HD float PlainValueAt(const uint8_t* record, int i) {
+  if (kKind == CodecKind::kF16) return HalfBitsToFloat(LoadHalfBits(record + 2 * i));
+  if (kKind == CodecKind::kQ8_0) {
+    const uint8_t* block = record + (i >> 5) * kQ8BlockBytes;
+    return static_cast<int8_t>(block[2 + (i & 31)]) * HalfBitsToFloat(LoadHalfBits(block));
+  }
+  const uint8_t* block = record + (i >> 5) * kQ4BlockBytes;  // q4_0
+  const int j = i & 31;
+  const int q = j < 16 ? (block[2 + j] & 15) : (block[2 + j - 16] >> 4);
+  return static_cast<float>(q - 8) * HalfBitsToFloat(LoadHalfBits(block));
+}
+
 // Value i (0 <= i < head_dim) of one record in the attention kernels' domain:
 // rotated, (s / B) * c[index], for turbo codecs; the plain value otherwise.
 // `centroids` is the codebook of a turbo layout (unused for the others).
@@ -248,17 +262,11 @@ TURBOKV_HD float DecodeValueAt(const CodecLayout& layout, const uint8_t* record,
                                const float* centroids) {
   switch (layout.kind) {
     case CodecKind::kF16:
-      return HalfBitsToFloat(LoadHalfBits(record + 2 * i));
-    case CodecKind::kQ8_0: {
-      const uint8_t* block = record + (i >> 5) * kQ8BlockBytes;
-      return static_cast<int8_t>(block[2 + (i & 31)]) * HalfBitsToFloat(LoadHalfBits(block));
-    }
-    case CodecKind::kQ4_0: {
-      const uint8_t* block = record + (i >> 5) * kQ4BlockBytes;
-      const int j = i & 31;
-      const int q = j < 16 ? (block[2 + j] & 15) : (block[2 + j - 16] >> 4);
-      return static_cast<float>(q - 8) * HalfBitsToFloat(LoadHalfBits(block));
-    }
+      return PlainValueAt<CodecKind::kF16>(record, i);
+    case CodecKind::kQ8_0:
+      return PlainValueAt<CodecKind::kQ8_0>(record, i);
+    case CodecKind::kQ4_0:
+      return PlainValueAt<CodecKind::kQ4_0>(record, i);
     default: {
       const int shift = BlockShift(layout.block_values);
       const uint8_t* block = record + static_cast<size_t>(i >> shift) * layout.block_bytes;
@@ -441,22 +449,14 @@ TURBOKV_HD void TurboBlock128LaneValues(const uint8_t* block, int bits, int lane
 TURBOKV_HD void PlainLaneValues128(CodecKind kind, const uint8_t* record, int lane, float* v) {
   switch (kind) {
     case CodecKind::kF16:
-      for (int k = 0; k < 4; ++k) v[k] = HalfBitsToFloat(LoadHalfBits(record + 2 * (lane + 32 * k)));
+      for (int k = 0; k < 4; ++k) v[k] = PlainValueAt<CodecKind::kF16>(record, lane + 32 * k);
       return;
-    case CodecKind::kQ8_0:  // value lane + 32 k: block k, value lane
-      for (int k = 0; k < 4; ++k) {
-        const uint8_t* block = record + k * kQ8BlockBytes;
-        v[k] = static_cast<int8_t>(block[2 + lane]) * HalfBitsToFloat(LoadHalfBits(block));
-      }
+    case CodecKind::kQ8_0:
+      for (int k = 0; k < 4; ++k) v[k] = PlainValueAt<CodecKind::kQ8_0>(record, lane + 32 * k);
       return;
-    default: {  // q4_0: block k, nibble lane / 16 of byte lane % 16
-      const int byte = 2 + (lane & 15), shift = 4 * (lane >> 4);
-      for (int k = 0; k < 4; ++k) {
-        const uint8_t* block = record + k * kQ4BlockBytes;
-        v[k] = static_cast<float>(((block[byte] >> shift) & 15) - 8) * HalfBitsToFloat(LoadHalfBits(block));
-      }
+    default:
+      for (int k = 0; k < 4; ++k) v[k] = PlainValueAt<CodecKind::kQ4_0>(record, lane + 32 * k);
       return;
-    }
   }
 }
 
