@@ -103,8 +103,6 @@ void EncodeRun(const EncodeChunk& chunk, const Run& run, EncodeStats* key_errors
 void EncodeChunkCpu(const EncodeChunk& chunk, ThreadPool* pool) {
   const PagedKvCache& c = chunk.cache;
   if (chunk.first >= c.tokens) return;
-  const PageRange fresh = NewPages(chunk);
-  for (int64_t p = fresh.first; p < fresh.end; ++p) std::memset(Writable(c, p * c.page_tokens), 0, c.page_bytes());
   if (chunk.copy_from != nullptr) std::memcpy(Writable(c, chunk.first), chunk.copy_from, c.page_bytes());
   const std::vector<Run> runs = Runs(c, chunk.first, c.tokens);
   // Each run's errors apart (runs encode in parallel), summed after.

@@ -25,9 +25,10 @@ struct EncodeChunk {
   // array of the pages' addresses (host or device memory), cache.tokens the
   // new length. The pages the chunk writes are the caller's alone (new
   // pages, or the copy of a shared one), so a failed encode leaves the
-  // layer's tokens as they were. New pages (NewPages) may hold any bytes:
-  // the encode zeroes them before writing, so that the slots they do not
-  // hold yet read as zeros (in snapshots and tiers), never as stale bytes.
+  // layer's tokens as they were. The slots of new pages (NewPages) that the
+  // chunk does not write must read as zeros (in snapshots and tiers), never
+  // as stale bytes: host pages come zeroed (CpuBackend), a GPU's encode
+  // zeroes its new pages first (its arena's pages are reused as they are).
   PagedKvCache cache;
   int64_t first = 0;  // the chunk writes tokens [first, cache.tokens)
   // When not null: before encoding, the page holding token `first` gets the
@@ -54,7 +55,8 @@ inline PageRange NewPages(const EncodeChunk& chunk) {
   return {(chunk.first + page_tokens - 1) / page_tokens, (chunk.cache.tokens + page_tokens - 1) / page_tokens};
 }
 
-// Encodes a chunk whose pages are host memory with its CPU codecs; its runs
+// Encodes a chunk whose pages are host memory, new ones zeroed, with its CPU
+// codecs; its runs
 // of slots (one page, one kv head) spread over `pool` when given.
 void EncodeChunkCpu(const EncodeChunk& chunk, ThreadPool* pool);
 

@@ -51,10 +51,11 @@ class Backend {
   virtual absl::Status CheckHeadDim(int head_dim) const = 0;
 
   // --- Pages ---
-  // A page of `bytes`, its bytes undefined until written: whole (WritePage,
-  // a copy on write) or by Encode, which zeroes a chunk's new pages first
-  // (EncodeChunk). RESOURCE_EXHAUSTED when the backend's memory cannot give
-  // one. Thread-safe.
+  // A page of `bytes`: zeroed on the host; on a device its bytes are
+  // undefined until written, whole (WritePage, a copy on write) or by
+  // Encode, which zeroes a chunk's new pages first (EncodeChunk).
+  // RESOURCE_EXHAUSTED when the backend's memory cannot give one.
+  // Thread-safe.
   virtual absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) = 0;
   // Gives back a page of AllocatePage (same size). Thread-safe.
   virtual void FreePage(uint8_t* page, size_t bytes) = 0;

@@ -32,9 +32,9 @@ class PagePool {
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
-  // A page of `bytes`, its bytes undefined until written
-  // (Backend::AllocatePage). RESOURCE_EXHAUSTED, naming the bytes used,
-  // needed and the budget, when it does not fit. Thread-safe. The pool must
+  // A page of `bytes`, zeroed or not as Backend::AllocatePage says.
+  // RESOURCE_EXHAUSTED, naming the bytes used, needed and the budget, when
+  // it does not fit. Thread-safe. The pool must
   // outlive its pages.
   absl::StatusOr<std::shared_ptr<Page>> Allocate(size_t bytes);
 

@@ -404,13 +404,12 @@ TEST(VectorChunkTest, LocatedVectorsAreTheLayersRecords) {
     chunk.first = first[i];
     chunk.keys = k[i].data();
     chunk.values = v[i].data();
+    // The new pages zeroed on both sides, as the CPU backend gives them and
+    // as a GPU encode's launch leaves them.
+    by_chunk[i]->Zero(NewPages(chunk));
+    by_vector[i]->Zero(NewPages(chunk));
     EncodeChunkCpu(chunk, nullptr);
-    // The new pages zeroed, and the table from the chunk's first page on, as
-    // a GPU encode stages them.
-    const PageRange fresh = NewPages(chunk);
-    for (int64_t p = fresh.first; p < fresh.end; ++p) {
-      std::fill(by_vector[i]->pages[p].begin(), by_vector[i]->pages[p].end(), 0);
-    }
+    // The table from the chunk's first page on, as a GPU encode stages it.
     const int64_t first_page = first[i] / kPage;
     const uint8_t* const* table = by_vector[i]->table.data() + first_page;
     key_chunks.push_back(

@@ -143,7 +143,10 @@ TEST(EncodeStagingTest, TheStagedChunksWriteTheCpusBytesAndDeliverEachVectorsErr
       (side == &cpu ? cpu_chunks : staged_chunks).push_back(chunk);
     }
   }
-  for (const EncodeChunk& chunk : cpu_chunks) EncodeChunkCpu(chunk, nullptr);
+  for (size_t i = 0; i < 4; ++i) {
+    cpu[i]->Zero(NewPages(cpu_chunks[i]));  // as the CPU backend gives new pages
+    EncodeChunkCpu(cpu_chunks[i], nullptr);
+  }
 
   cuda::EncodeStaging staging(staged_chunks);
   Buffers buffers(staging.layout());

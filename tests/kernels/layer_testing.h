@@ -4,12 +4,14 @@
 // page holds. Not copyable: the table points into the pages.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "kernels/attention.h"
 #include "kernels/codec.h"
+#include "kernels/paged_cache.h"
 
 namespace turbokv::testing {
 
@@ -38,6 +40,12 @@ struct HostLayer {
   }
   HostLayer(const HostLayer&) = delete;
   HostLayer& operator=(const HostLayer&) = delete;
+
+  // Zeroes pages [range.first, range.end): a chunk's new pages as the CPU
+  // backend gives them, or as a GPU encode's launch leaves them.
+  void Zero(PageRange range) {
+    for (int64_t p = range.first; p < range.end; ++p) std::fill(pages[p].begin(), pages[p].end(), 0);
+  }
 };
 
 }  // namespace turbokv::testing
