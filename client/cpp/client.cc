@@ -1,5 +1,6 @@
 #include "client/cpp/client.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/status/status.h"
@@ -408,20 +409,33 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Hea
 
 absl::Status Client::WaitUntilServing(absl::Duration timeout) const {
   const absl::Time deadline = absl::Now() + timeout;
-  absl::Status last = absl::DeadlineExceededError("no answer yet");
+  // Each check fails fast while the channel cannot connect, with why (no
+  // such socket, refused, a TLS mismatch, ...); that reason is what a caller
+  // needs when the deadline passes, not the bare "Deadline Exceeded" of a
+  // check still waiting then.
+  absl::Status reason = absl::DeadlineExceededError("no answer");
   while (absl::Now() < deadline) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(deadline));
-    context.set_wait_for_ready(true);
     grpc::health::v1::HealthCheckRequest request;
     grpc::health::v1::HealthCheckResponse response;
-    last = FromGrpcStatus(health_->Check(&context, request, &response));
-    if (last.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) return absl::OkStatus();
-    if (last.ok()) last = absl::UnavailableError("the daemon is not serving");
-    absl::SleepFor(absl::Milliseconds(20));
+    const absl::Status status = FromGrpcStatus(health_->Check(&context, request, &response));
+    if (status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) return absl::OkStatus();
+    if (status.ok()) {
+      reason = absl::UnavailableError("the daemon is not serving");
+      absl::SleepFor(absl::Milliseconds(20));
+      continue;
+    }
+    if (status.code() != absl::StatusCode::kDeadlineExceeded) reason = status;
+    // Sleep until the channel's next connection attempt has an outcome (its
+    // reconnect backoff is at most a second), polling at least every 250 ms.
+    const grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
+    if (state != GRPC_CHANNEL_READY) {
+      channel_->WaitForStateChange(state, absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Milliseconds(250))));
+    }
   }
   return absl::DeadlineExceededError(absl::StrCat("turbokvd did not become ready within ",
-                                                  absl::FormatDuration(timeout), ": ", last.message()));
+                                                  absl::FormatDuration(timeout), ": ", reason.message()));
 }
 
 absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) const {

@@ -234,7 +234,8 @@ class Client {
   // target: unix:///path or host:port. Does not wait for the daemon.
   static std::unique_ptr<Client> Connect(const std::string& target, const ClientOptions& options = {});
 
-  // Waits until the daemon answers its health check as SERVING.
+  // Waits until the daemon answers its health check as SERVING; past the
+  // timeout, DEADLINE_EXCEEDED with the last reason it could not be reached.
   absl::Status WaitUntilServing(absl::Duration timeout) const;
   // One health check round trip: SERVING, NOT_SERVING, ...
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health() const;
