@@ -56,8 +56,8 @@ inline PageRange NewPages(const EncodeChunk& chunk) {
 }
 
 // Encodes a chunk whose pages are host memory, new ones zeroed, with its CPU
-// codecs; its runs
-// of slots (one page, one kv head) spread over `pool` when given.
+// codecs; its runs of slots (one page, one kv head) spread over `pool` when
+// given.
 void EncodeChunkCpu(const EncodeChunk& chunk, ThreadPool* pool);
 
 // Decodes tokens [first, first + n) of a cache in host memory with its CPU

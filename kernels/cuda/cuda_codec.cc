@@ -47,10 +47,6 @@ absl::Status RunOnDevice(int device, const In* in, size_t in_bytes, Out* out, si
 
 absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return absl::OkStatus();
-  // The runtime keeps the error as this thread's last one: cleared here, it
-  // is not reported again by the next launch's cudaGetLastError (an error
-  // that poisoned the context stays: every call reports it).
-  cudaGetLastError();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
                                           cudaGetErrorString(error), ")"));
 }

@@ -34,8 +34,7 @@ class PagePool {
 
   // A page of `bytes`, zeroed or not as Backend::AllocatePage says.
   // RESOURCE_EXHAUSTED, naming the bytes used, needed and the budget, when
-  // it does not fit. Thread-safe. The pool must
-  // outlive its pages.
+  // it does not fit. Thread-safe. The pool must outlive its pages.
   absl::StatusOr<std::shared_ptr<Page>> Allocate(size_t bytes);
 
   // Counts `bytes` of memory held outside pages (a session's metadata)
