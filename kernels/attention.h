@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/status.h"
 #include "kernels/layout.h"
@@ -30,6 +31,9 @@ class ThreadPool;
 //   h * page_tokens * (K + V) + page_tokens * K + t * V.
 // Records are the codec format of docs/FORMAT.md. A page is
 // kv_heads * page_tokens * (K + V) bytes; the last page may be partly filled.
+// Tokens before first_token are in the pages (as zeros) but never attended
+// here: a layer's sink tokens, kept apart at higher precision
+// (AttentionProblem::sinks).
 struct PagedKvCache {
   CodecLayout key_layout;
   CodecLayout value_layout;
@@ -38,6 +42,7 @@ struct PagedKvCache {
   int kv_heads = 0;
   int page_tokens = 0;
   int64_t tokens = 0;                  // tokens stored
+  int64_t first_token = 0;             // the first attended token, <= tokens
   const uint8_t* const* pages = nullptr;  // ceil(tokens / page_tokens) pages
 
   TURBOKV_HD size_t page_bytes() const {
@@ -72,12 +77,17 @@ struct AttentionParams {
   int top_k = 0;              // > 0: also return the k highest logits per query head
 };
 
-// n queries [n][q_heads][head_dim] f32, each at a position; a query at p sees
-// tokens [0, p] (or the last `window` of them). 0 <= p < cache.tokens.
+// n queries [n][q_heads][head_dim] f32, each at a position p >= 0: it sees
+// the stored tokens of [first_token, tokens) among [0, p] (or the last
+// `window` of [0, p]); a query past the stored tokens sees up to the last.
 struct AttentionQueries {
   int64_t n = 0;
   const float* q = nullptr;
   const int64_t* positions = nullptr;
+  // [n][q_heads], or nullptr: added to each logit of that query head before
+  // the softcap (the part of a centered key's score its stored key lacks,
+  // KeyTransform).
+  const float* logit_offset = nullptr;
 };
 
 // out: [n][q_heads][head_dim] f32. lse: [n][q_heads], the natural-log
@@ -116,12 +126,22 @@ struct AttentionOptions {
   bool integer_dot_products = true;
 };
 
+struct KeyTransform;
+
 // One problem of a batch: queries against one layer of one session's cache,
-// and where their results go.
+// and where their results go. A layer stored with a KeyTransform or with
+// sink tokens is one problem too; AttendTransformed turns it into plain
+// ones (what the device kernels take): queries scaled and offset for the
+// pages, the sinks a problem of their own, merged after.
 struct AttentionProblem {
   PagedKvCache cache;
   AttentionQueries queries;
   AttentionOutput output;
+  // How the pages' vectors were stored (key_transform.h); nullptr: as given.
+  const KeyTransform* transform = nullptr;
+  // Tokens [0, cache.first_token) in host memory, their own codecs and one
+  // page (sinks.tokens of them, never transformed); tokens 0: none.
+  PagedKvCache sinks = {};
 };
 
 // Problems [count] sharing one AttentionParams (q_heads, scale, softcap,
@@ -133,15 +153,32 @@ struct AttentionBatch {
 };
 
 // Checks the descriptor, parameters and positions; INVALID_ARGUMENT naming
-// the field otherwise.
+// the field otherwise. (Not the transform and sinks: AttendTransformed.)
 absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& params,
                             const AttentionQueries& queries, const AttentionOutput& output);
 
 // Attention on the CPU over a whole batch: every problem is checked first
 // (INVALID_ARGUMENT naming the problem and field, nothing computed), then the
 // work items of all problems (kv head x token chunk) run as one parallel job.
+// Problems with a transform or sinks go through AttendTransformed, their
+// sinks in the same job.
 absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
                        const AttentionOptions& options = {});
+
+// Runs a batch of plain problems (no transform, no sinks) on a device.
+using PlainAttention = std::function<absl::Status(const AttentionBatch&, const AttentionParams&)>;
+
+// A batch whose problems may carry a transform and sinks, on any device:
+// each such problem's queries are multiplied by its key scales (and, with a
+// softcap, given their logit offsets) for `pages`, which attends the pages;
+// its sinks are attended by `sinks` (nullptr: by `pages`, in the same
+// batch); then the offsets without a softcap go to the log-sum-exps and
+// top-k logits, the value means to the outputs, and the sinks' results are
+// merged in (MergeAttention, top-k lists merged). Problems without either
+// pass through untouched. INVALID_ARGUMENT when a transform or sinks do not
+// match their cache.
+absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParams& params,
+                               const PlainAttention& pages, const PlainAttention& sinks);
 
 // A batch of one.
 inline absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,

@@ -84,7 +84,7 @@ void ScanScalar(const ScanTask& task, ScanState* state) {
       const float* q = task.q + static_cast<size_t>(r) * d;
       float score = 0.0f;
       for (int i = 0; i < d; ++i) score += q[i] * k[i];
-      const float logit = Logit(score, task.scale, task.softcap);
+      const float logit = Logit(score, task.scale, task.offset != nullptr ? task.offset[r] : 0.0f, task.softcap);
       state->top[r].Push(logit, t);
       float* acc = state->acc.data() + static_cast<size_t>(r) * d;
       if (logit > state->m[r]) {
@@ -119,6 +119,9 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
   if (cache.kv_heads <= 0) return Invalid("kv_heads", "must be positive");
   if (cache.page_tokens <= 0) return Invalid("page_tokens", "must be positive");
   if (cache.tokens <= 0) return Invalid("tokens", "the cache holds no tokens");
+  if (cache.first_token < 0 || cache.first_token > cache.tokens) {
+    return Invalid("first_token", absl::StrCat(cache.first_token, " is not in [0, tokens = ", cache.tokens, "]"));
+  }
   if (cache.pages == nullptr) return Invalid("pages", "missing");
   if (params.q_heads <= 0 || params.q_heads % cache.kv_heads != 0) {
     return Invalid("q_heads", absl::StrCat(params.q_heads, " is not a positive multiple of kv_heads ",
@@ -135,16 +138,21 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
   if (queries.n <= 0) return Invalid("queries", "no queries");
   if (queries.q == nullptr || queries.positions == nullptr) return Invalid("queries", "missing data");
   for (int64_t i = 0; i < queries.n; ++i) {
-    const int64_t p = queries.positions[i];
-    if (p < 0 || p >= cache.tokens) {
-      return Invalid("positions", absl::StrCat("query ", i, " is at position ", p,
-                                               "; the cache holds positions 0 to ", cache.tokens - 1));
+    if (queries.positions[i] < 0) {
+      return Invalid("positions", absl::StrCat("query ", i, " is at position ", queries.positions[i]));
     }
   }
   const size_t values = static_cast<size_t>(queries.n) * params.q_heads * d;
   for (size_t i = 0; i < values; ++i) {
     if (!std::isfinite(queries.q[i])) {
       return Invalid("queries", absl::StrCat("value ", i, " is not finite"));
+    }
+  }
+  if (queries.logit_offset != nullptr) {
+    for (size_t i = 0; i < static_cast<size_t>(queries.n) * params.q_heads; ++i) {
+      if (!std::isfinite(queries.logit_offset[i])) {
+        return Invalid("logit_offset", absl::StrCat("value ", i, " is not finite"));
+      }
     }
   }
   if (output.out == nullptr || output.lse == nullptr) return Invalid("output", "missing buffers");
@@ -178,12 +186,13 @@ struct Pass {
   AttentionQueries queries;  // this pass's queries
   AttentionOutput output;    // and their rows of the problem's output
   int rows = 0;              // queries.n * group
-  std::vector<int64_t> first, last;  // visible range of each query
-  int64_t begin = 0, end = 0;        // the span any query sees
+  std::vector<int64_t> first, last;  // visible range of each query (first > last: none)
+  int64_t begin = 0, end = 0;        // the span any query sees (end <= begin: none)
   int64_t chunk = 0;                 // tokens per chunk; chunk c covers [c * chunk, (c + 1) * chunk)
   int64_t first_chunk = 0, chunks = 0;
   int64_t first_item = 0;            // index of its first work item in the batch
   std::vector<float> q;              // [kv_heads][rows][head_dim], in the key domain
+  std::vector<float> offsets;        // [kv_heads][rows] logit offsets, or empty
   std::unique_ptr<HadamardRotation> value_rotation;
   std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
 };
@@ -217,8 +226,10 @@ void PreparePass(const AttentionParams& params, AttentionPath path, Pass* pass) 
   pass->begin = cache.tokens;
   pass->end = 0;
   for (int64_t i = 0; i < n; ++i) {
-    pass->last[i] = pass->queries.positions[i];
-    pass->first[i] = params.window > 0 ? std::max<int64_t>(0, pass->last[i] - params.window + 1) : 0;
+    const int64_t p = pass->queries.positions[i];
+    pass->last[i] = std::min(p, cache.tokens - 1);
+    pass->first[i] = std::max(cache.first_token, params.window > 0 ? p - params.window + 1 : 0);
+    if (pass->first[i] > pass->last[i]) continue;  // sees nothing here
     pass->begin = std::min(pass->begin, pass->first[i]);
     pass->end = std::max(pass->end, pass->last[i] + 1);
   }
@@ -237,13 +248,15 @@ void PreparePass(const AttentionParams& params, AttentionPath path, Pass* pass) 
   }
   const int rows = pass->rows;
   pass->q.resize(static_cast<size_t>(cache.kv_heads) * rows * d);
+  if (pass->queries.logit_offset != nullptr) pass->offsets.resize(static_cast<size_t>(cache.kv_heads) * rows);
   for (int h = 0; h < cache.kv_heads; ++h) {
     for (int r = 0; r < rows; ++r) {
       const int64_t query = r / group;
       const int q_head = h * group + r % group;
+      const size_t row = static_cast<size_t>(query) * params.q_heads + q_head;
       float* dst = pass->q.data() + (static_cast<size_t>(h) * rows + r) * d;
-      std::memcpy(dst, pass->queries.q + (query * params.q_heads + q_head) * static_cast<size_t>(d),
-                  d * sizeof(float));
+      std::memcpy(dst, pass->queries.q + row * d, d * sizeof(float));
+      if (!pass->offsets.empty()) pass->offsets[static_cast<size_t>(h) * rows + r] = pass->queries.logit_offset[row];
     }
   }
   if (key_rotation) Rotate(*key_rotation, path, /*inverse=*/false, pass->q.data(), int64_t{cache.kv_heads} * rows);
@@ -255,7 +268,8 @@ void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, i
   const PagedKvCache& cache = *pass.cache;
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
-  ScanState& total = *pass.states[static_cast<size_t>(h) * pass.chunks];
+  ScanState empty(pass.rows, d, params.top_k);  // a pass whose queries see nothing here
+  ScanState& total = pass.chunks > 0 ? *pass.states[static_cast<size_t>(h) * pass.chunks] : empty;
   for (int64_t c = 1; c < pass.chunks; ++c) MergeState(*pass.states[h * pass.chunks + c], d, &total);
   for (int r = 0; r < pass.rows; ++r) {
     const int64_t query = r / group;
@@ -290,11 +304,11 @@ void ForEach(ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& fn
 
 }  // namespace
 
-absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
-                       const AttentionOptions& options) {
-  if (batch.count < 0 || (batch.count > 0 && batch.problems == nullptr)) {
-    return Invalid("batch", "missing problems");
-  }
+namespace {
+
+// A batch of plain problems (no transform, no sinks).
+absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& params,
+                            const AttentionOptions& options) {
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
     if (absl::Status s = CheckAttention(p.cache, params, p.queries, p.output); !s.ok()) {
@@ -314,7 +328,8 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
       pass.cache = &p.cache;
       const size_t row = static_cast<size_t>(first) * q_heads;
       pass.queries = {std::min(kQueriesPerPass, p.queries.n - first), p.queries.q + row * d,
-                      p.queries.positions + first};
+                      p.queries.positions + first,
+                      p.queries.logit_offset != nullptr ? p.queries.logit_offset + row : nullptr};
       pass.output = {p.output.out + row * d, p.output.lse + row, k ? p.output.topk_tokens + row * k : nullptr,
                      k ? p.output.topk_logits + row * k : nullptr};
       passes.push_back(std::move(pass));
@@ -331,7 +346,7 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
     const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : DefaultChunkTokens(*pass.cache);
     pass.chunk = chunk;
     pass.first_chunk = pass.begin / chunk;
-    pass.chunks = (pass.end - 1) / chunk - pass.first_chunk + 1;
+    pass.chunks = pass.end > pass.begin ? (pass.end - 1) / chunk - pass.first_chunk + 1 : 0;
     pass.states.resize(static_cast<size_t>(pass.cache->kv_heads) * pass.chunks);
     pass.first_item = items;
     items += static_cast<int64_t>(pass.cache->kv_heads) * pass.chunks;
@@ -353,6 +368,7 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
     task.q = pass.q.data() + static_cast<size_t>(task.head) * pass.rows * d;
     task.first = pass.first.data();
     task.last = pass.last.data();
+    if (!pass.offsets.empty()) task.offset = pass.offsets.data() + static_cast<size_t>(task.head) * pass.rows;
     task.scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
     task.softcap = params.softcap;
     task.top_k = params.top_k;
@@ -376,6 +392,21 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
                finishing[static_cast<size_t>(i)].second);
   });
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
+                       const AttentionOptions& options) {
+  if (batch.count < 0 || (batch.count > 0 && batch.problems == nullptr)) {
+    return Invalid("batch", "missing problems");
+  }
+  const bool plain = std::none_of(batch.problems, batch.problems + batch.count,
+                                  [](const AttentionProblem& p) { return p.transform != nullptr || p.sinks.tokens > 0; });
+  if (plain) return AttendPlainCpu(batch, params, options);
+  return AttendTransformed(
+      batch, params, [&](const AttentionBatch& b, const AttentionParams& p) { return AttendPlainCpu(b, p, options); },
+      nullptr);
 }
 
 void MergeAttention(size_t count, int head_dim, float* out_a, float* lse_a, const float* out_b,

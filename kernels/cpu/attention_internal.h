@@ -43,6 +43,7 @@ struct ScanTask {
   const float* q = nullptr;        // [rows][head_dim], in the key domain (rotated for turbo keys)
   const int64_t* first = nullptr;  // [queries] first visible token of each query
   const int64_t* last = nullptr;   // [queries] last visible token
+  const float* offset = nullptr;   // [rows] added to every logit of the row, or nullptr
   float scale = 1.0f;
   float softcap = 0.0f;
   int top_k = 0;
@@ -62,9 +63,9 @@ struct ScanState {
   std::vector<TopK> top;
 };
 
-// The logit of a raw score: scaled, then soft-capped when softcap > 0.
-inline float Logit(float score, float scale, float softcap) {
-  const float x = score * scale;
+// The logit of a raw score: scaled and offset, then soft-capped when softcap > 0.
+inline float Logit(float score, float scale, float offset, float softcap) {
+  const float x = score * scale + offset;
   return softcap > 0.0f ? softcap * std::tanh(x / softcap) : x;
 }
 

@@ -124,6 +124,7 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
   const auto inv_cap = hn::Set(d, task.softcap > 0.0f ? 1.0f / task.softcap : 0.0f);
   for (int r = 0; r < task.rows; ++r) {
     float* lr = logits + r * kScanTile;
+    const auto offset = hn::Set(d, task.offset != nullptr ? task.offset[r] : 0.0f);
     const int query = r / task.group;
     const int64_t lo = std::max<int64_t>(task.first[query] - t0, 0);
     const int64_t hi = std::min<int64_t>(task.last[query] - t0 + 1, n);  // visible: [lo, hi)
@@ -134,7 +135,7 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
     const bool whole = lo == 0 && hi == kScanTile;  // every slot visible: no masks
     auto max = hn::Set(d, -INFINITY);
     for (int j = 0; j < kScanTile; j += lanes) {
-      auto x = hn::Mul(hn::Load(d, lr + j), scale);
+      auto x = hn::MulAdd(hn::Load(d, lr + j), scale, offset);
       // Not inlined: GCC 12 miscompiles Highway's inlined Tanh in this loop on
       // the AVX-512 targets (wrong logits, caught by the softcap tests).
       if (task.softcap > 0.0f) x = hn::Mul(cap, hn::CallTanh(d, hn::Mul(x, inv_cap)));

@@ -174,7 +174,12 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
   float* logits = l.top_k > 0 ? l.logits + p.first_logit + local_row0 * tokens : nullptr;
   __syncthreads();
 
-  const VisibleTokens visible = Visible(p.positions[u.query], l.window);
+  const VisibleTokens visible = Visible(p.positions[u.query], l.window, p.cache);
+  float offset[kRowsPerBlock];
+#pragma unroll
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    offset[r] = p.logit_offset != nullptr && r < rows ? p.logit_offset[local_row0 + r] : 0.0f;
+  }
   const int64_t begin = max(visible.first, u.split * p.chunk);
   const int64_t end = min(visible.last + 1, (u.split + 1) * p.chunk);
   float m[kRowsPerBlock], s[kRowsPerBlock];
@@ -199,7 +204,7 @@ __device__ void RunUnit(const Launch& l, const DeviceProblem& p, const Unit& u, 
       }
 #pragma unroll
       for (int r = 0; r < kRowsPerBlock; ++r) {
-        float x = dot[r] * l.scale;
+        float x = fmaf(dot[r], l.scale, offset[r]);
         if (l.softcap > 0.0f) x = l.softcap * tanhf(x / l.softcap);
         logit[r] = valid && r < rows ? x : -INFINITY;
         if (logits != nullptr && valid && r < rows) logits[r * tokens + t] = x;
@@ -416,7 +421,9 @@ __device__ int BlockInclusiveSum(int x, int* scratch) {
 // and -inf past the visible count. A radix select over the logits' ordered
 // bits finds the k-th highest key; the keys above it and the earliest
 // tokens equal to it are gathered and sorted (bitonic) in shared memory.
-__global__ void __launch_bounds__(kTopKThreads) TopKKernel(Launch l) {
+// (At least two blocks an SM: left to itself, ptxas held the kernel to 32
+// registers on sm_80 and spilled once visibility took the cache's bounds.)
+__global__ void __launch_bounds__(kTopKThreads, 2) TopKKernel(Launch l) {
   __shared__ unsigned histogram[256];
   __shared__ uint32_t candidate_key[kMaxCudaTopK];
   __shared__ int64_t candidate_token[kMaxCudaTopK];
@@ -428,9 +435,9 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(Launch l) {
   const DeviceProblem& p = l.problems[ProblemOfRow(l.problems, l.count, row)];
   const int64_t local = row - p.first_row;
   const float* logits = l.logits + p.first_logit + local * p.cache.tokens;
-  const VisibleTokens visible = Visible(p.positions[local / l.q_heads], l.window);
+  const VisibleTokens visible = Visible(p.positions[local / l.q_heads], l.window, p.cache);
   const int64_t n = visible.last - visible.first + 1;
-  const int k = static_cast<int>(min(static_cast<int64_t>(l.top_k), n));
+  const int k = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(l.top_k), n)));
 
   // Radix select, eight bits a pass from the top: after the passes,
   // prefix_s is the k-th highest key, and remaining_s how many tokens with

@@ -63,7 +63,9 @@ std::vector<std::vector<AttentionProblem>> CutIntoPasses(const AttentionProblem*
       const size_t rows = static_cast<size_t>(q) * params.q_heads;
       const size_t top = rows * params.top_k;
       pass.push_back(AttentionProblem{
-          p.cache, AttentionQueries{take, p.queries.q + rows * d, p.queries.positions + q},
+          p.cache,
+          AttentionQueries{take, p.queries.q + rows * d, p.queries.positions + q,
+                           p.queries.logit_offset != nullptr ? p.queries.logit_offset + rows : nullptr},
           AttentionOutput{p.output.out + rows * d, p.output.lse + rows,
                           params.top_k > 0 ? p.output.topk_tokens + top : nullptr,
                           params.top_k > 0 ? p.output.topk_logits + top : nullptr}});

@@ -43,6 +43,7 @@ struct DeviceProblem {
   float* lse = nullptr;                // [n][q_heads]
   int64_t* topk_tokens = nullptr;      // [n][q_heads][top_k], with top_k > 0
   float* topk_logits = nullptr;
+  const float* logit_offset = nullptr;  // [n][q_heads], or nullptr
 
   int splits = 1;
   int64_t chunk = 1;          // tokens per split: split s holds [s * chunk, (s + 1) * chunk)
@@ -124,14 +125,18 @@ TURBOKV_HD Unit UnitOf(const DeviceProblem& p, int64_t unit, int row_chunks) {
   return u;
 }
 
-// The tokens a query at `position` sees: [first, last].
+// The tokens of a cache a query at `position` sees: [first, last] (none
+// when first > last): its window's, from the cache's first attended token to
+// its last stored one.
 struct VisibleTokens {
   int64_t first;
   int64_t last;
 };
 
-TURBOKV_HD VisibleTokens Visible(int64_t position, int64_t window) {
-  return VisibleTokens{window > 0 && position - window + 1 > 0 ? position - window + 1 : 0, position};
+TURBOKV_HD VisibleTokens Visible(int64_t position, int64_t window, const PagedKvCache& cache) {
+  const int64_t from_window = window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+  return VisibleTokens{from_window > cache.first_token ? from_window : cache.first_token,
+                       position < cache.tokens - 1 ? position : cache.tokens - 1};
 }
 
 }  // namespace turbokv::cuda

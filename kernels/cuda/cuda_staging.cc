@@ -51,8 +51,9 @@ AttentionStaging::AttentionStaging(const AttentionProblem* problems, size_t coun
       head_dim_(problems[0].cache.key_layout.head_dim),
       device_(count) {
   const size_t d = static_cast<size_t>(head_dim_);
-  // Up: the descriptors, then each problem's page table, queries and
-  // positions. Down: each one's outputs. Then the kernels' scratch.
+  // Up: the descriptors, then each problem's page table, queries,
+  // positions and logit offsets. Down: each one's outputs. Then the
+  // kernels' scratch.
   Regions up;
   problems_at_ = up.Add(count * sizeof(DeviceProblem));
   for (size_t i = 0; i < count; ++i) {
@@ -60,6 +61,9 @@ AttentionStaging::AttentionStaging(const AttentionProblem* problems, size_t coun
     table_at_.push_back(up.Add(static_cast<size_t>(PagesOf(p.cache)) * sizeof(uint8_t*)));
     q_at_.push_back(up.Add(static_cast<size_t>(p.queries.n) * params.q_heads * d * sizeof(float)));
     positions_at_.push_back(up.Add(static_cast<size_t>(p.queries.n) * sizeof(int64_t)));
+    offsets_at_.push_back(p.queries.logit_offset != nullptr
+                              ? up.Add(static_cast<size_t>(p.queries.n) * params.q_heads * sizeof(float))
+                              : 0);
     device_[i].cache = p.cache;
     device_[i].n = p.queries.n;
   }
@@ -93,9 +97,14 @@ const std::vector<DeviceProblem>& AttentionStaging::Fill(uint8_t* host, uint8_t*
     dp.lse = At<float>(device, lse_at_[i]);
     dp.topk_tokens = top ? At<int64_t>(device, tokens_at_[i]) : nullptr;
     dp.topk_logits = top ? At<float>(device, logits_at_[i]) : nullptr;
+    dp.logit_offset = p.queries.logit_offset != nullptr ? At<const float>(device, offsets_at_[i]) : nullptr;
     std::memcpy(host + table_at_[i], p.cache.pages, static_cast<size_t>(PagesOf(p.cache)) * sizeof(uint8_t*));
     std::memcpy(host + q_at_[i], p.queries.q, static_cast<size_t>(p.queries.n) * params_.q_heads * d * sizeof(float));
     std::memcpy(host + positions_at_[i], p.queries.positions, static_cast<size_t>(p.queries.n) * sizeof(int64_t));
+    if (p.queries.logit_offset != nullptr) {
+      std::memcpy(host + offsets_at_[i], p.queries.logit_offset,
+                  static_cast<size_t>(p.queries.n) * params_.q_heads * sizeof(float));
+    }
   }
   std::memcpy(host + problems_at_, device_.data(), count_ * sizeof(DeviceProblem));
   return device_;

@@ -58,7 +58,7 @@ class AttentionStaging {
   AttentionPlan plan_;
   StagingLayout layout_;
   size_t problems_at_ = 0, workspace_at_ = 0;
-  std::vector<size_t> table_at_, q_at_, positions_at_, out_at_, lse_at_, tokens_at_, logits_at_;
+  std::vector<size_t> table_at_, q_at_, positions_at_, offsets_at_, out_at_, lse_at_, tokens_at_, logits_at_;
 };
 
 // One encode: every chunk with new tokens, its keys and its values, in one

@@ -154,7 +154,12 @@ absl::Status CudaBackend::Decode(const Codec&, const Codec&, const PagedKvCache&
 }
 
 absl::Status CudaBackend::Attend(const AttentionBatch& batch, const AttentionParams& params) {
-  return Watch(Lease(this)->Attend(batch, params));
+  // Layers stored with a transform or sink tokens: the pages on the GPU,
+  // the sinks (host memory, a few tokens) on the CPU, merged on the host.
+  return AttendTransformed(
+      batch, params,
+      [this](const AttentionBatch& b, const AttentionParams& p) { return Watch(Lease(this)->Attend(b, p)); },
+      [](const AttentionBatch& b, const AttentionParams& p) { return AttendCpu(b, p); });
 }
 
 absl::Status CudaBackend::Watch(absl::Status status) {

@@ -31,6 +31,8 @@ struct Problem {
   std::vector<float> keys, values, q;  // originals
   std::vector<int64_t> positions;
   std::unique_ptr<PagedCacheBuffer> cache;
+  int64_t first_token = 0;     // the cache's first attended token
+  std::vector<float> offsets;  // [n][q_heads] logit offsets, or empty
 };
 
 Problem MakeProblem(CodecKind k, CodecKind v, int d, int kv_heads, int group, int64_t tokens,
@@ -68,9 +70,12 @@ Result Attend(const Problem& p, const AttentionOptions& options) {
   r.lse.assign(rows, std::nanf(""));
   r.top_tokens.assign(rows * std::max(p.params.top_k, 0), -7);
   r.top_logits.assign(rows * std::max(p.params.top_k, 0), std::nanf(""));
-  const AttentionQueries queries{static_cast<int64_t>(p.positions.size()), p.q.data(), p.positions.data()};
+  const AttentionQueries queries{static_cast<int64_t>(p.positions.size()), p.q.data(), p.positions.data(),
+                                 p.offsets.empty() ? nullptr : p.offsets.data()};
   const AttentionOutput output{r.out.data(), r.lse.data(), r.top_tokens.data(), r.top_logits.data()};
-  const absl::Status s = AttendCpu(p.cache->descriptor(), p.params, queries, output, options);
+  PagedKvCache cache = p.cache->descriptor();
+  cache.first_token = p.first_token;
+  const absl::Status s = AttendCpu(cache, p.params, queries, output, options);
   EXPECT_TRUE(s.ok()) << s;
   return r;
 }
@@ -79,7 +84,7 @@ Result Attend(const Problem& p, const AttentionOptions& options) {
 ReferenceResult DecodedReference(const Problem& p) {
   return ReferenceAttention(DecodedThroughCodec(p.key_spec, p.keys),
                             DecodedThroughCodec(p.value_spec, p.values), p.kv_heads,
-                            p.key_spec.head_dim, p.q, p.positions, p.params);
+                            p.key_spec.head_dim, p.q, p.positions, p.params, p.first_token, p.offsets);
 }
 
 // How close a path must come to the double-precision reference: float
@@ -96,6 +101,10 @@ void ExpectMatchesReference(const Result& r, const ReferenceResult& ref, const s
                             Tolerance tol = kFloat) {
   EXPECT_LT(RelativeL2(r.out, ref.out), tol.out) << what;
   for (size_t i = 0; i < ref.lse.size(); ++i) {
+    if (std::isinf(ref.lse[i])) {  // the query sees no token
+      ASSERT_EQ(r.lse[i], ref.lse[i]) << what << " row " << i;
+      continue;
+    }
     ASSERT_NEAR(r.lse[i], ref.lse[i], tol.logit * std::max(1.0, std::fabs(ref.lse[i])))
         << what << " row " << i;
   }
@@ -190,6 +199,36 @@ TEST(AttentionFeaturesTest, TopKMatchesTheReference) {
   EXPECT_GE(r.top_tokens[2], 0);
 }
 
+// Tokens before the cache's first_token are masked (a query before it sees
+// nothing: zeros, lse -inf, top-k padding), a query past the stored tokens
+// sees up to the last, and logit offsets shift each row before the softcap.
+TEST(AttentionFeaturesTest, FirstTokenPositionsPastTheEndAndLogitOffsets) {
+  for (float softcap : {0.0f, 5.0f}) {
+    Problem p = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 4, 6.0f);
+    p.params.softcap = softcap;
+    p.params.top_k = 3;
+    p.first_token = 20;
+    p.positions = {299, 400, 10, 150};
+    p.offsets = GaussianVectors(1, 4 * p.params.q_heads, 99);
+    for (float& x : p.offsets) x *= 3.0f;
+    const ReferenceResult ref = DecodedReference(p);
+    const std::string what = "softcap " + std::to_string(softcap);
+    ExpectAllPathsMatch(p, ref, what);
+    const Result r = Attend(p, {});
+    const size_t row = 2 * p.params.q_heads;  // the query at 10, before the first token
+    EXPECT_EQ(r.lse[row], -INFINITY) << what;
+    EXPECT_EQ(r.out[row * 128], 0.0f) << what;
+    EXPECT_EQ(r.top_tokens[row * 3], -1) << what;
+    for (int64_t token : r.top_tokens) EXPECT_TRUE(token == -1 || token >= 20) << what;
+    // The offsets are really applied: without them the log-sum-exps move.
+    Problem plain = MakeProblem(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 300, 4, 6.0f);
+    plain.params = p.params;
+    plain.first_token = p.first_token;
+    plain.positions = p.positions;
+    EXPECT_GT(std::fabs(Attend(plain, {}).lse[0] - r.lse[0]), 0.1) << what;
+  }
+}
+
 // More queries than one pass holds (a long prefill): causal positions over the
 // whole cache, split into passes inside AttendCpu.
 TEST(AttentionFeaturesTest, ManyQueriesRunInPasses) {
@@ -219,6 +258,8 @@ TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   Problem capped = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo2, 128, 2, 4, 300, 2, 6.0f);
   capped.params.softcap = 5.0f;
   capped.params.window = 50;
+  capped.first_token = 7;
+  capped.offsets = GaussianVectors(1, 2 * capped.params.q_heads, 98);
   problems.push_back(std::move(capped));
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   int tested = 0;
@@ -347,8 +388,8 @@ TEST(AttentionValidationTest, BadRequestsNameTheField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s;
   };
-  expect(attend(p.params, 10), "positions");
   expect(attend(p.params, -1), "positions");
+  EXPECT_TRUE(attend(p.params, 10).ok());  // past the stored tokens: sees them all
   AttentionParams bad = p.params;
   bad.q_heads = 7;
   expect(attend(bad, 3), "q_heads");
@@ -370,6 +411,13 @@ TEST(AttentionValidationTest, BadRequestsNameTheField) {
   wrong = p.cache->descriptor();
   wrong.value_layout.kind = static_cast<CodecKind>(42);
   expect(AttendCpu(wrong, p.params, {1, p.q.data(), &position}, output), "value_layout");
+  wrong = p.cache->descriptor();
+  wrong.first_token = 11;
+  expect(AttendCpu(wrong, p.params, {1, p.q.data(), &position}, output), "first_token");
+  std::vector<float> offsets(8, 0.0f);
+  offsets[2] = INFINITY;
+  expect(AttendCpu(p.cache->descriptor(), p.params, {1, p.q.data(), &position, offsets.data()}, output),
+         "logit_offset");
 }
 
 }  // namespace

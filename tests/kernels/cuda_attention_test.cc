@@ -346,13 +346,21 @@ TEST(AttentionPlanTest, SplitsAreAGridByPositionThatDoublesOnlyForLongCaches) {
   EXPECT_EQ(cuda::SplitTokens(int64_t{1} << 20), 4096);  // 1M tokens: 256 splits of 4096
 }
 
-TEST(AttentionPlanTest, VisibleTokensFollowTheWindow) {
-  EXPECT_EQ(cuda::Visible(10, 0).first, 0);
-  EXPECT_EQ(cuda::Visible(10, 0).last, 10);
-  EXPECT_EQ(cuda::Visible(10, 4).first, 7);
-  EXPECT_EQ(cuda::Visible(2, 4).first, 0);
-  EXPECT_EQ(cuda::Visible(3, 4).first, 0);
-  EXPECT_EQ(cuda::Visible(4, 4).first, 1);
+TEST(AttentionPlanTest, VisibleTokensFollowTheWindowTheFirstTokenAndTheEnd) {
+  PagedKvCache cache;
+  cache.tokens = 20;
+  EXPECT_EQ(cuda::Visible(10, 0, cache).first, 0);
+  EXPECT_EQ(cuda::Visible(10, 0, cache).last, 10);
+  EXPECT_EQ(cuda::Visible(10, 4, cache).first, 7);
+  EXPECT_EQ(cuda::Visible(2, 4, cache).first, 0);
+  EXPECT_EQ(cuda::Visible(3, 4, cache).first, 0);
+  EXPECT_EQ(cuda::Visible(4, 4, cache).first, 1);
+  EXPECT_EQ(cuda::Visible(30, 0, cache).last, 19);  // past the stored tokens: up to the last
+  cache.first_token = 4;                            // sink tokens, attended apart
+  EXPECT_EQ(cuda::Visible(10, 0, cache).first, 4);
+  EXPECT_EQ(cuda::Visible(10, 4, cache).first, 7);
+  const cuda::VisibleTokens none = cuda::Visible(2, 0, cache);
+  EXPECT_GT(none.first, none.last);
 }
 
 }  // namespace

@@ -92,7 +92,8 @@ TEST(AttentionStagingTest, TheStagedBatchGivesTheCallersOwnResults) {
   // The "kernels": the CPU over the staged descriptors, into the staged outputs.
   std::vector<AttentionProblem> staged;
   for (const cuda::DeviceProblem& p : described) {
-    staged.push_back(AttentionProblem{p.cache, {p.n, p.q, p.positions}, {p.out, p.lse, p.topk_tokens, p.topk_logits}});
+    staged.push_back(
+        AttentionProblem{p.cache, {p.n, p.q, p.positions, p.logit_offset}, {p.out, p.lse, p.topk_tokens, p.topk_logits}});
   }
   ASSERT_TRUE(AttendCpu(AttentionBatch{staged.data(), 3}, params).ok());
   buffers.CopyBack(staging.layout());

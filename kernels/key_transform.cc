@@ -1,0 +1,302 @@
+// KeyTransform, and AttendTransformed (attention.h): attention over layers
+// stored with a transform or with sink tokens, on any device's kernels.
+#include "kernels/key_transform.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/attention.h"
+
+namespace turbokv {
+namespace {
+
+// Floors every entry of x[d] at `fraction` of their mean (all zeros stay).
+void FloorAtMeanFraction(float* x, int d, float fraction) {
+  double mean = 0;
+  for (int c = 0; c < d; ++c) mean += x[c];
+  const float floor = static_cast<float>(fraction * mean / d);
+  for (int c = 0; c < d; ++c) x[c] = std::max(x[c], floor);
+}
+
+}  // namespace
+
+void KeyTransform::Apply(int64_t n, float* keys, float* values) const {
+  const size_t row = static_cast<size_t>(kv_heads) * head_dim;
+  for (int64_t t = 0; t < n; ++t) {
+    float* k = keys + t * row;
+    float* v = values + t * row;
+    for (size_t i = 0; i < row; ++i) {
+      if (!key_mean.empty()) k[i] -= key_mean[i];
+      if (!key_scale.empty()) k[i] /= key_scale[i];
+      if (!value_mean.empty()) v[i] -= value_mean[i];
+    }
+  }
+}
+
+void KeyTransform::Invert(int64_t n, float* keys, float* values) const {
+  const size_t row = static_cast<size_t>(kv_heads) * head_dim;
+  for (int64_t t = 0; t < n; ++t) {
+    float* k = keys + t * row;
+    float* v = values + t * row;
+    for (size_t i = 0; i < row; ++i) {
+      if (!key_scale.empty()) k[i] *= key_scale[i];
+      if (!key_mean.empty()) k[i] += key_mean[i];
+      if (!value_mean.empty()) v[i] += value_mean[i];
+    }
+  }
+}
+
+absl::Status KeyTransform::Check(int expected_kv_heads, int expected_head_dim) const {
+  if (empty()) return absl::OkStatus();
+  if (kv_heads != expected_kv_heads || head_dim != expected_head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("key transform of ", kv_heads, " kv heads x ", head_dim,
+                                                   " for a layer of ", expected_kv_heads, " x ", expected_head_dim));
+  }
+  const size_t size = static_cast<size_t>(kv_heads) * head_dim;
+  for (const auto& [name, v] : {std::make_pair("key_mean", &key_mean), std::make_pair("key_scale", &key_scale),
+                                std::make_pair("value_mean", &value_mean)}) {
+    if (!v->empty() && v->size() != size) {
+      return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " holds ", v->size(), " values, not ", size));
+    }
+    for (float x : *v) {
+      if (!std::isfinite(x)) return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " is not finite"));
+    }
+  }
+  for (float s : key_scale) {
+    if (!(s > 0.0f)) return absl::InvalidArgumentError("key transform: a key scale is not positive");
+  }
+  return absl::OkStatus();
+}
+
+KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int kv_heads, int head_dim,
+                             const float* keys, const float* values, int q_heads, const float* queries) {
+  KeyTransform t;
+  if (!options.any() || n < kMinTransformTokens) return t;
+  t.kv_heads = kv_heads;
+  t.head_dim = head_dim;
+  const size_t row = static_cast<size_t>(kv_heads) * head_dim;
+  auto mean_of = [&](const float* x) {
+    std::vector<double> sum(row, 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (size_t c = 0; c < row; ++c) sum[c] += x[i * row + c];
+    }
+    std::vector<float> mean(row);
+    for (size_t c = 0; c < row; ++c) mean[c] = static_cast<float>(sum[c] / n);
+    return mean;
+  };
+  if (options.center_values) t.value_mean = mean_of(values);
+  if (!options.center_keys) return t;
+  t.key_mean = mean_of(keys);
+  if (!options.scale_keys) return t;
+
+  std::vector<double> var(row, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    for (size_t c = 0; c < row; ++c) {
+      const double x = keys[i * row + c] - t.key_mean[c];
+      var[c] += x * x;
+    }
+  }
+  std::vector<double> q_square(row, 0.0);
+  const int group = q_heads / kv_heads;
+  if (queries != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      for (int qh = 0; qh < q_heads; ++qh) {
+        const float* q = queries + (static_cast<size_t>(i) * q_heads + qh) * head_dim;
+        double* sum = q_square.data() + static_cast<size_t>(qh / group) * head_dim;
+        for (int c = 0; c < head_dim; ++c) sum[c] += static_cast<double>(q[c]) * q[c];
+      }
+    }
+  }
+  t.key_scale.assign(row, 1.0f);
+  for (int h = 0; h < kv_heads; ++h) {
+    std::vector<float> sigma(head_dim), r(head_dim, 1.0f);
+    for (int c = 0; c < head_dim; ++c) {
+      sigma[c] = static_cast<float>(std::sqrt(var[h * head_dim + c] / n));
+      if (queries != nullptr) r[c] = static_cast<float>(std::sqrt(q_square[h * head_dim + c] / (n * group)));
+    }
+    FloorAtMeanFraction(sigma.data(), head_dim, 0.1f);
+    FloorAtMeanFraction(r.data(), head_dim, 0.1f);
+    float* s = t.key_scale.data() + static_cast<size_t>(h) * head_dim;
+    double square = 0;
+    for (int c = 0; c < head_dim; ++c) {
+      s[c] = sigma[c] > 0.0f && r[c] > 0.0f ? std::sqrt(sigma[c] / r[c]) : 1.0f;
+      square += static_cast<double>(s[c]) * s[c];
+    }
+    const float norm = static_cast<float>(1.0 / std::sqrt(square / head_dim));
+    for (int c = 0; c < head_dim; ++c) s[c] *= norm;
+  }
+  return t;
+}
+
+namespace {
+
+// Higher logit first; the earlier token among equal logits (as TopK).
+bool RanksBefore(float logit_a, int64_t token_a, float logit_b, int64_t token_b) {
+  return logit_a > logit_b || (logit_a == logit_b && token_a < token_b);
+}
+
+// What AttendTransformed keeps for one problem with a transform or sinks.
+struct Prepared {
+  std::vector<float> q;        // [n][q_heads][head_dim] scaled queries, or empty
+  std::vector<float> offsets;  // [n][q_heads] logit offsets of the key means, or empty
+  bool offsets_in_kernel = false;
+  // The sinks' results, merged into the problem's after.
+  std::vector<float> sink_out, sink_lse, sink_logits;
+  std::vector<int64_t> sink_tokens;
+};
+
+absl::Status CheckExtras(const AttentionProblem& p, int64_t index) {
+  const auto invalid = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("problem ", index, ": ", what));
+  };
+  const PagedKvCache& c = p.cache;
+  if (p.transform != nullptr) {
+    if (absl::Status s = p.transform->Check(c.kv_heads, c.key_layout.head_dim); !s.ok()) return invalid(std::string(s.message()));
+  }
+  if (p.sinks.tokens != c.first_token) {
+    return invalid(absl::StrCat("sinks hold ", p.sinks.tokens, " tokens, the pages start at token ", c.first_token));
+  }
+  if (p.sinks.tokens > 0 && (p.sinks.kv_heads != c.kv_heads || p.sinks.key_layout.head_dim != c.key_layout.head_dim ||
+                             p.sinks.value_layout.head_dim != c.key_layout.head_dim)) {
+    return invalid("sinks do not have the pages' kv heads and head_dim");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParams& params,
+                               const PlainAttention& pages, const PlainAttention& sinks) {
+  std::vector<AttentionProblem> plain(batch.problems, batch.problems + batch.count);
+  std::vector<AttentionProblem> sink_problems;
+  std::vector<int64_t> sink_owner;
+  std::vector<Prepared> prepared(static_cast<size_t>(batch.count));
+  const int q_heads = params.q_heads;
+  for (int64_t i = 0; i < batch.count; ++i) {
+    const AttentionProblem& p = batch.problems[i];
+    if (p.transform == nullptr && p.sinks.tokens == 0) continue;
+    if (absl::Status s = CheckExtras(p, i); !s.ok()) return s;
+    if (p.cache.kv_heads <= 0 || q_heads % p.cache.kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("problem ", i, ": q_heads ", q_heads,
+                                                     " is not a multiple of kv_heads ", p.cache.kv_heads));
+    }
+    Prepared& prep = prepared[static_cast<size_t>(i)];
+    AttentionProblem& out = plain[static_cast<size_t>(i)];
+    out.transform = nullptr;
+    out.sinks = PagedKvCache();
+    const int d = p.cache.key_layout.head_dim;
+    const int group = q_heads / p.cache.kv_heads;
+    const size_t rows = static_cast<size_t>(p.queries.n) * q_heads;
+    const float scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+    const KeyTransform* t = p.transform;
+    if (t != nullptr && !t->key_scale.empty()) {
+      prep.q.assign(p.queries.q, p.queries.q + rows * d);
+      for (size_t r = 0; r < rows; ++r) {
+        const float* s = t->key_scale.data() + static_cast<size_t>(r % q_heads / group) * d;
+        for (int c = 0; c < d; ++c) prep.q[r * d + c] *= s[c];
+      }
+      out.queries.q = prep.q.data();
+    }
+    if (t != nullptr && !t->key_mean.empty()) {
+      prep.offsets.resize(rows);
+      for (size_t r = 0; r < rows; ++r) {
+        const float* q = p.queries.q + r * d;
+        const float* m = t->key_mean.data() + static_cast<size_t>(r % q_heads / group) * d;
+        double dot = 0;
+        for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * m[c];
+        prep.offsets[r] = static_cast<float>(scale * dot) +
+                          (p.queries.logit_offset != nullptr ? p.queries.logit_offset[r] : 0.0f);
+      }
+      // Without a softcap the offset only shifts every logit of a row: it
+      // goes to the results after, keeping the kernels' logits small.
+      prep.offsets_in_kernel = params.softcap > 0.0f;
+      if (prep.offsets_in_kernel) out.queries.logit_offset = prep.offsets.data();
+    }
+    if (p.sinks.tokens > 0) {
+      prep.sink_out.resize(rows * d);
+      prep.sink_lse.resize(rows);
+      prep.sink_tokens.resize(rows * params.top_k);
+      prep.sink_logits.resize(rows * params.top_k);
+      AttentionProblem s;
+      s.cache = p.sinks;
+      s.queries = p.queries;  // the sinks are stored as given: the caller's queries and offsets
+      s.output = {prep.sink_out.data(), prep.sink_lse.data(), params.top_k ? prep.sink_tokens.data() : nullptr,
+                  params.top_k ? prep.sink_logits.data() : nullptr};
+      sink_problems.push_back(s);
+      sink_owner.push_back(i);
+    }
+  }
+
+  if (sinks == nullptr) {
+    const size_t page_count = plain.size();
+    plain.insert(plain.end(), sink_problems.begin(), sink_problems.end());
+    if (absl::Status s = pages(AttentionBatch{plain.data(), static_cast<int64_t>(plain.size())}, params); !s.ok()) {
+      return s;
+    }
+    plain.resize(page_count);
+  } else {
+    if (absl::Status s = pages(AttentionBatch{plain.data(), static_cast<int64_t>(plain.size())}, params); !s.ok()) {
+      return s;
+    }
+    if (!sink_problems.empty()) {
+      absl::Status s = sinks(AttentionBatch{sink_problems.data(), static_cast<int64_t>(sink_problems.size())}, params);
+      if (!s.ok()) return s;
+    }
+  }
+
+  for (int64_t i = 0; i < batch.count; ++i) {
+    const AttentionProblem& p = batch.problems[i];
+    if (p.transform == nullptr && p.sinks.tokens == 0) continue;
+    const Prepared& prep = prepared[static_cast<size_t>(i)];
+    const int d = p.cache.key_layout.head_dim;
+    const int group = q_heads / p.cache.kv_heads;
+    const size_t rows = static_cast<size_t>(p.queries.n) * q_heads;
+    const int k = params.top_k;
+    for (size_t r = 0; r < rows; ++r) {
+      float& lse = p.output.lse[r];
+      if (lse == -INFINITY) continue;  // the pages held nothing this row sees
+      if (!prep.offsets.empty() && !prep.offsets_in_kernel) {
+        lse += prep.offsets[r];
+        for (int j = 0; j < k; ++j) {
+          if (p.output.topk_tokens[r * k + j] >= 0) p.output.topk_logits[r * k + j] += prep.offsets[r];
+        }
+      }
+      if (p.transform != nullptr && !p.transform->value_mean.empty()) {
+        const float* m = p.transform->value_mean.data() + static_cast<size_t>(r % q_heads / group) * d;
+        for (int c = 0; c < d; ++c) p.output.out[r * d + c] += m[c];
+      }
+    }
+    if (p.sinks.tokens == 0) continue;
+    MergeAttention(rows, d, p.output.out, p.output.lse, prep.sink_out.data(), prep.sink_lse.data());
+    std::vector<int64_t> tokens(static_cast<size_t>(k));
+    std::vector<float> logits(static_cast<size_t>(k));
+    for (size_t r = 0; r < rows && k > 0; ++r) {
+      int64_t* out_tokens = p.output.topk_tokens + r * k;
+      float* out_logits = p.output.topk_logits + r * k;
+      const int64_t* sink_tokens = prep.sink_tokens.data() + r * k;
+      const float* sink_logits = prep.sink_logits.data() + r * k;
+      int a = 0, b = 0;
+      for (int j = 0; j < k; ++j) {
+        const bool have_a = a < k && out_tokens[a] >= 0;
+        const bool have_b = b < k && sink_tokens[b] >= 0;
+        if (have_a && (!have_b || RanksBefore(out_logits[a], out_tokens[a], sink_logits[b], sink_tokens[b]))) {
+          tokens[j] = out_tokens[a];
+          logits[j] = out_logits[a++];
+        } else if (have_b) {
+          tokens[j] = sink_tokens[b];
+          logits[j] = sink_logits[b++];
+        } else {
+          tokens[j] = -1;
+          logits[j] = -INFINITY;
+        }
+      }
+      std::copy(tokens.begin(), tokens.end(), out_tokens);
+      std::copy(logits.begin(), logits.end(), out_logits);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace turbokv

@@ -1,0 +1,402 @@
+// KeyTransform and attention over layers stored with a transform and sink
+// tokens (AttendTransformed): exact against float attention over the same
+// stored data mapped back, on every path and every SIMD target.
+#include "kernels/key_transform.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "hwy/targets.h"
+#include "kernels/attention.h"
+#include "kernels/paged_cache.h"
+#include "tests/kernels/attention_testing.h"
+#include "tests/kernels/codec_testing.h"
+
+namespace turbokv {
+namespace {
+
+using ::turbokv::testing::DecodedThroughCodec;
+using ::turbokv::testing::ReferenceAttention;
+using ::turbokv::testing::ReferenceResult;
+using ::turbokv::testing::RelativeL2;
+
+constexpr int kPage = 64;
+
+// Vectors shaped like a Qwen model's keys: a component shared by every token
+// (norm about `shared`) on top of channels of very different spread, a few
+// of them outliers.
+std::vector<float> SharedComponentVectors(int64_t n, int kv_heads, int d, float shared, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  const size_t row = static_cast<size_t>(kv_heads) * d;
+  std::vector<float> bias(row), spread(row);
+  for (size_t c = 0; c < row; ++c) {
+    bias[c] = shared * normal(rng) / std::sqrt(static_cast<float>(d));
+    spread[c] = c % 29 == 3 ? 12.0f : 0.3f + std::fabs(normal(rng));
+  }
+  std::vector<float> x(static_cast<size_t>(n) * row);
+  for (int64_t t = 0; t < n; ++t) {
+    for (size_t c = 0; c < row; ++c) x[t * row + c] = bias[c] + spread[c] * normal(rng);
+  }
+  return x;
+}
+
+struct Result {
+  std::vector<float> out, lse, top_logits;
+  std::vector<int64_t> top_tokens;
+};
+
+// A layer stored as the service stores it: the first `sinks` tokens apart
+// in f16 (zeros in the pages), the rest through a transform fitted on
+// tokens [sinks, sinks + fit) and their queries, in the pages' codecs.
+struct Stored {
+  int d = 0, kv_heads = 0;
+  AttentionParams params;
+  std::vector<float> keys, values, q;  // the originals
+  std::vector<int64_t> positions;
+  KeyTransform transform;
+  int64_t sink_tokens = 0;
+  std::unique_ptr<PagedCacheBuffer> pages, sinks;
+  // What the layer holds, mapped back: the sinks decoded, the rest decoded
+  // and inverted.
+  std::vector<float> held_keys, held_values;
+
+  // The problem, its outputs in *r; `with_transform` false leaves the
+  // transform out (attention over what is stored, as if untransformed).
+  AttentionProblem Problem(Result* r, bool with_transform = true) const {
+    const size_t rows = positions.size() * params.q_heads;
+    r->out.assign(rows * d, std::nanf(""));
+    r->lse.assign(rows, std::nanf(""));
+    r->top_tokens.assign(rows * params.top_k, -7);
+    r->top_logits.assign(rows * params.top_k, std::nanf(""));
+    AttentionProblem p;
+    p.cache = pages->descriptor();
+    p.cache.first_token = sink_tokens;
+    p.queries = {static_cast<int64_t>(positions.size()), q.data(), positions.data()};
+    p.output = {r->out.data(), r->lse.data(), r->top_tokens.data(), r->top_logits.data()};
+    p.transform = with_transform && !transform.empty() ? &transform : nullptr;
+    if (sink_tokens > 0) p.sinks = sinks->descriptor();
+    return p;
+  }
+
+  Result Attend(const AttentionOptions& options) const {
+    Result r;
+    const AttentionProblem p = Problem(&r);
+    const absl::Status s = AttendCpu(AttentionBatch{&p, 1}, params, options);
+    EXPECT_TRUE(s.ok()) << s;
+    return r;
+  }
+
+  // Float attention (double) over what the layer holds, mapped back.
+  ReferenceResult Reference() const {
+    return ReferenceAttention(held_keys, held_values, kv_heads, d, q, positions, params);
+  }
+};
+
+Stored MakeStored(CodecKind key_codec, CodecKind value_codec, int d, int kv_heads, int group, int64_t tokens,
+                  int64_t sinks, const KeyTransformOptions& options, int64_t fit = 256) {
+  Stored s;
+  s.d = d;
+  s.kv_heads = kv_heads;
+  s.params.q_heads = kv_heads * group;
+  s.sink_tokens = sinks;
+  const size_t row = static_cast<size_t>(kv_heads) * d;
+  s.keys = SharedComponentVectors(tokens, kv_heads, d, 300.0f, 1 + d);
+  s.values = SharedComponentVectors(tokens, kv_heads, d, 3.0f, 2 + d);
+  // Queries: a shared component too, at a gain that keeps attention peaked
+  // but not one-hot.
+  s.q = SharedComponentVectors(5 * group, kv_heads, d, 6.0f, 3 + d);
+  for (float& x : s.q) x *= 0.05f;
+  s.positions = {tokens - 1, tokens / 2, sinks, std::max<int64_t>(sinks - 1, 0), tokens * 3 / 4};
+  fit = std::min(fit, tokens - sinks);
+  const std::vector<float> fit_q = SharedComponentVectors(fit * group, kv_heads, d, 6.0f, 4 + d);
+  s.transform = FitKeyTransform(options, fit, kv_heads, d, s.keys.data() + sinks * row, s.values.data() + sinks * row,
+                                s.params.q_heads, fit_q.data());
+  std::vector<float> k = s.keys, v = s.values;
+  std::fill(k.begin(), k.begin() + sinks * row, 0.0f);
+  std::fill(v.begin(), v.begin() + sinks * row, 0.0f);
+  s.transform.Apply(tokens - sinks, k.data() + sinks * row, v.data() + sinks * row);
+  const CodecSpec key_spec{key_codec, d, 0x1234}, value_spec{value_codec, d, 0x5678};
+  s.pages = *PagedCacheBuffer::Create(key_spec, value_spec, kv_heads, kPage);
+  s.pages->Append(tokens, k.data(), v.data());
+  s.held_keys = DecodedThroughCodec(key_spec, k);
+  s.held_values = DecodedThroughCodec(value_spec, v);
+  s.transform.Invert(tokens - sinks, s.held_keys.data() + sinks * row, s.held_values.data() + sinks * row);
+  if (sinks > 0) {
+    const CodecSpec f16{CodecKind::kF16, d, 0};
+    s.sinks = *PagedCacheBuffer::Create(f16, f16, kv_heads, static_cast<int>(sinks));
+    s.sinks->Append(sinks, s.keys.data(), s.values.data());
+    const std::vector<float> sink_keys(s.keys.begin(), s.keys.begin() + sinks * row);
+    const std::vector<float> sink_values(s.values.begin(), s.values.begin() + sinks * row);
+    const std::vector<float> held_k = DecodedThroughCodec(f16, sink_keys), held_v = DecodedThroughCodec(f16, sink_values);
+    std::copy(held_k.begin(), held_k.end(), s.held_keys.begin());
+    std::copy(held_v.begin(), held_v.end(), s.held_values.begin());
+  }
+  return s;
+}
+
+// The outputs within `out` relative L2 of the reference, log-sum-exps and
+// top-k logits within `logit` of max(1, |x|), top-k tokens equal where
+// their logits are apart.
+void ExpectMatches(const Result& r, const ReferenceResult& ref, int top_k, double out, double logit,
+                   const std::string& what) {
+  EXPECT_LT(RelativeL2(r.out, ref.out), out) << what;
+  for (size_t i = 0; i < ref.lse.size(); ++i) {
+    ASSERT_NEAR(r.lse[i], ref.lse[i], logit * std::max(1.0, std::fabs(ref.lse[i]))) << what << " row " << i;
+    const std::vector<std::pair<double, int64_t>>& logits = ref.logits[i];
+    for (size_t j = 0; j < static_cast<size_t>(top_k); ++j) {
+      if (j >= logits.size()) {  // past what the query sees: padding
+        EXPECT_EQ(r.top_tokens[i * top_k + j], -1) << what << " row " << i << " rank " << j;
+        continue;
+      }
+      const auto& [l, token] = logits[j];
+      const double slack = logit * std::max(1.0, std::fabs(l));
+      ASSERT_NEAR(r.top_logits[i * top_k + j], l, slack) << what << " row " << i << " rank " << j;
+      const bool apart = (j == 0 || logits[j - 1].first - l > 2 * slack) &&
+                         (j + 1 >= logits.size() || l - logits[j + 1].first > 2 * slack);
+      if (apart) {
+        EXPECT_EQ(r.top_tokens[i * top_k + j], token) << what << " row " << i << " rank " << j;
+      }
+    }
+  }
+}
+
+const KeyTransformOptions kCenterScale{true, true, false};
+const KeyTransformOptions kEverything{true, true, true};
+
+TEST(KeyTransformTest, ApplyAndInvertAreInverses) {
+  const std::vector<float> keys = SharedComponentVectors(100, 2, 64, 300.0f, 5);
+  const std::vector<float> values = SharedComponentVectors(100, 2, 64, 3.0f, 6);
+  const KeyTransform t = FitKeyTransform(kEverything, 100, 2, 64, keys.data(), values.data(), 2, nullptr);
+  ASSERT_FALSE(t.empty());
+  EXPECT_TRUE(t.Check(2, 64).ok());
+  std::vector<float> k = keys, v = values;
+  t.Apply(100, k.data(), v.data());
+  // Centered: the stored keys' mean is (near) zero, their norm far below the originals'.
+  double mean0 = 0;
+  for (int i = 0; i < 100; ++i) mean0 += k[static_cast<size_t>(i) * 128];
+  EXPECT_NEAR(mean0 / 100, 0.0, 1e-3);
+  EXPECT_LT(std::inner_product(k.begin(), k.end(), k.begin(), 0.0),
+            0.1 * std::inner_product(keys.begin(), keys.end(), keys.begin(), 0.0));
+  t.Invert(100, k.data(), v.data());
+  EXPECT_LT(RelativeL2(k, keys), 1e-6);
+  EXPECT_LT(RelativeL2(v, values), 1e-6);
+}
+
+TEST(KeyTransformTest, TooFewTokensOrNothingAskedFitNothing) {
+  const std::vector<float> keys = SharedComponentVectors(kMinTransformTokens, 1, 64, 300.0f, 7);
+  EXPECT_TRUE(FitKeyTransform(kEverything, kMinTransformTokens - 1, 1, 64, keys.data(), keys.data(), 1, nullptr).empty());
+  EXPECT_TRUE(FitKeyTransform({}, kMinTransformTokens, 1, 64, keys.data(), keys.data(), 1, nullptr).empty());
+  const KeyTransform centered =
+      FitKeyTransform({true, false, false}, kMinTransformTokens, 1, 64, keys.data(), keys.data(), 1, nullptr);
+  EXPECT_EQ(centered.key_mean.size(), 64u);
+  EXPECT_TRUE(centered.key_scale.empty());
+  EXPECT_TRUE(centered.value_mean.empty());
+}
+
+TEST(KeyTransformTest, ScalesAreNormalizedAndFollowTheQueries) {
+  constexpr int d = 64;
+  const std::vector<float> keys = SharedComponentVectors(500, 1, d, 300.0f, 8);
+  // Queries large on channel 5 only: keys there must be kept more precisely
+  // (a smaller scale) than without queries.
+  std::vector<float> q(500 * 2 * d, 0.1f);
+  for (int i = 0; i < 500 * 2; ++i) q[static_cast<size_t>(i) * d + 5] = 20.0f;
+  const KeyTransform plain = FitKeyTransform(kCenterScale, 500, 1, d, keys.data(), keys.data(), 2, nullptr);
+  const KeyTransform aware = FitKeyTransform(kCenterScale, 500, 1, d, keys.data(), keys.data(), 2, q.data());
+  for (const KeyTransform* t : {&plain, &aware}) {
+    double square = 0;
+    for (float s : t->key_scale) {
+      EXPECT_GT(s, 0.0f);
+      square += s * s;
+    }
+    EXPECT_NEAR(square / d, 1.0, 1e-4);
+  }
+  EXPECT_LT(aware.key_scale[5] / plain.key_scale[5], 0.5);
+}
+
+TEST(KeyTransformTest, CheckNamesWhatDoesNotMatch) {
+  const std::vector<float> keys = SharedComponentVectors(64, 2, 64, 300.0f, 9);
+  KeyTransform t = FitKeyTransform(kEverything, 64, 2, 64, keys.data(), keys.data(), 2, nullptr);
+  EXPECT_NE(std::string(t.Check(2, 128).message()).find("kv heads"), std::string::npos);
+  t.key_scale[3] = 0.0f;
+  EXPECT_NE(std::string(t.Check(2, 64).message()).find("not positive"), std::string::npos);
+  t.key_scale[3] = 1.0f;
+  t.value_mean[7] = INFINITY;
+  EXPECT_NE(std::string(t.Check(2, 64).message()).find("value_mean"), std::string::npos);
+  t.value_mean.pop_back();
+  EXPECT_NE(std::string(t.Check(2, 64).message()).find("holds"), std::string::npos);
+}
+
+// Exactness: attention over a layer stored with the transform and sinks
+// equals float attention over what it holds mapped back, for every path,
+// codec pair, head dimension, with window, softcap and top-k.
+TEST(TransformedAttentionTest, EqualsFloatAttentionOverTheHeldDataOnEveryPath) {
+  struct Case {
+    CodecKind k, v;
+    int d, group;
+    int64_t sinks;
+    KeyTransformOptions options;
+  };
+  const Case cases[] = {{CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 4, 4, kCenterScale},
+                        {CodecKind::kTurbo4, CodecKind::kTurbo3, 64, 7, 1, kEverything},
+                        {CodecKind::kQ8_0, CodecKind::kTurbo4, 128, 2, 0, kEverything},
+                        {CodecKind::kTurbo2, CodecKind::kQ4_0, 64, 3, 4, {true, false, false}},
+                        {CodecKind::kF16, CodecKind::kF16, 64, 2, 4, {}}};
+  AttentionOptions simd_float{AttentionPath::kSimd};
+  simd_float.integer_dot_products = false;
+  for (const Case& c : cases) {
+    for (int variant = 0; variant < 3; ++variant) {
+      Stored s = MakeStored(c.k, c.v, c.d, 2, c.group, 700, c.sinks, c.options);
+      if (variant == 1) {
+        s.params.softcap = 30.0f;
+        s.params.window = 200;
+      }
+      if (variant == 2) {
+        s.params.top_k = 5;
+        s.params.softmax_scale = 0.3f;
+      }
+      const ReferenceResult ref = s.Reference();
+      const std::string what = std::string(CodecName(c.k)) + "/" + CodecName(c.v) + " d=" + std::to_string(c.d) +
+                               " sinks=" + std::to_string(c.sinks) + " variant " + std::to_string(variant);
+      ExpectMatches(s.Attend({AttentionPath::kScalar}), ref, s.params.top_k, 2e-5, 1e-4, what + " scalar");
+      ExpectMatches(s.Attend(simd_float), ref, s.params.top_k, 2e-5, 1e-4, what + " simd float");
+      ExpectMatches(s.Attend({AttentionPath::kSimd}), ref, s.params.top_k, 5e-4, 1e-3, what + " simd");
+    }
+  }
+}
+
+TEST(TransformedAttentionTest, EveryTargetMatchesTheReference) {
+  const Stored s = MakeStored(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 500, 4, kEverything);
+  Stored capped = MakeStored(CodecKind::kTurbo4, CodecKind::kTurbo3, 64, 2, 4, 300, 1, kCenterScale);
+  capped.params.softcap = 20.0f;
+  capped.params.top_k = 3;
+  int tested = 0;
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    for (const Stored* stored : {&s, static_cast<const Stored*>(&capped)}) {
+      ExpectMatches(stored->Attend({AttentionPath::kSimd}), stored->Reference(), stored->params.top_k, 5e-4, 1e-3,
+                    hwy::TargetName(target));
+    }
+    ++tested;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
+}
+
+// What the transform is for: keys with a large shared component lose most
+// of their attention error to it.
+TEST(TransformedAttentionTest, CutsTheErrorOnSharedComponentKeys) {
+  for (CodecKind codec : {CodecKind::kTurbo3, CodecKind::kTurbo4, CodecKind::kQ8_0}) {
+    const Stored plain = MakeStored(codec, CodecKind::kF16, 128, 2, 4, 2000, 0, {});
+    const Stored transformed = MakeStored(codec, CodecKind::kF16, 128, 2, 4, 2000, 0, kCenterScale);
+    const ReferenceResult exact = ReferenceAttention(plain.keys, plain.values, 2, 128, plain.q, plain.positions,
+                                                     plain.params);
+    const double before = RelativeL2(plain.Attend({}).out, exact.out);
+    const double after = RelativeL2(transformed.Attend({}).out, exact.out);
+    std::printf("%s keys with a shared component: attention error %.4f plain, %.4f transformed\n", CodecName(codec),
+                before, after);
+    EXPECT_LT(after, 0.5 * before) << CodecName(codec);
+  }
+}
+
+// Without the transform's terms the result is wrong: the offsets and value
+// means are really applied (a transform that did nothing would pass the
+// exactness test trivially only if it were empty).
+TEST(TransformedAttentionTest, LeavingTheTransformOutChangesTheResult) {
+  const Stored s = MakeStored(CodecKind::kTurbo4, CodecKind::kTurbo4, 64, 2, 4, 300, 0, kEverything);
+  Result with, without;
+  const AttentionProblem p = s.Problem(&with), q = s.Problem(&without, false);
+  ASSERT_TRUE(AttendCpu(AttentionBatch{&p, 1}, s.params).ok());
+  ASSERT_TRUE(AttendCpu(AttentionBatch{&q, 1}, s.params).ok());
+  EXPECT_GT(RelativeL2(without.out, with.out), 0.1);
+  EXPECT_GT(std::fabs(without.lse[0] - with.lse[0]), 1.0);
+}
+
+// Queries before the first page token see only sinks; a query at a sink
+// position sees sinks up to it; a window past the sinks sees none of them.
+TEST(TransformedAttentionTest, SinksFollowPositionsAndWindows) {
+  Stored s = MakeStored(CodecKind::kTurbo3, CodecKind::kTurbo3, 64, 1, 2, 200, 4, kCenterScale);
+  s.positions = {0, 2, 3, 4, 150};
+  s.params.window = 3;
+  s.params.top_k = 4;
+  const ReferenceResult ref = s.Reference();
+  const Result r = s.Attend({AttentionPath::kScalar});
+  ExpectMatches(r, ref, 4, 2e-5, 1e-4, "sinks and window");
+  // Position 0 sees token 0 only (a sink): its top-1 is token 0, then padding.
+  EXPECT_EQ(r.top_tokens[0], 0);
+  EXPECT_EQ(r.top_tokens[1], -1);
+  // Position 150 with a window of 3 sees tokens 148-150 only.
+  const size_t row = 4 * s.params.q_heads;
+  for (int j = 0; j < 3; ++j) EXPECT_GE(r.top_tokens[row * 4 + j], 148);
+}
+
+TEST(TransformedAttentionTest, MismatchedSinksOrTransformAreRefused) {
+  Stored s = MakeStored(CodecKind::kTurbo3, CodecKind::kTurbo3, 64, 2, 2, 100, 4, kCenterScale);
+  Result r;
+  AttentionProblem p = s.Problem(&r);
+  p.cache.first_token = 3;  // the sinks hold 4
+  absl::Status status = AttendCpu(AttentionBatch{&p, 1}, s.params);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(status.message()).find("sinks"), std::string::npos) << status;
+  KeyTransform wrong = s.transform;
+  wrong.kv_heads = 1;
+  p = s.Problem(&r);
+  p.transform = &wrong;
+  status = AttendCpu(AttentionBatch{&p, 1}, s.params);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(status.message()).find("key transform"), std::string::npos) << status;
+}
+
+// A device runs the pages and the CPU the sinks (PlainAttention callbacks):
+// the same results, to the bit, as the CPU running both in one batch.
+TEST(TransformedAttentionTest, PagesAndSinksApartGiveTheSameBits) {
+  Stored b = MakeStored(CodecKind::kQ8_0, CodecKind::kTurbo3, 128, 2, 4, 90, 2, kCenterScale);
+  for (float softcap : {0.0f, 25.0f}) {
+    AttentionParams params = b.params;
+    params.softcap = softcap;
+    params.top_k = 3;
+    Stored left = MakeStored(CodecKind::kTurbo3, CodecKind::kTurbo4, 128, 2, 4, 500, 4, kEverything);
+    Result together[2], apart[2];
+    left.params = params;
+    b.params = params;
+    const AttentionProblem one[2] = {left.Problem(&together[0]), b.Problem(&together[1])};
+    ASSERT_TRUE(AttendCpu(AttentionBatch{one, 2}, params).ok());
+    const AttentionProblem two[2] = {left.Problem(&apart[0]), b.Problem(&apart[1])};
+    int page_calls = 0, sink_calls = 0;
+    ASSERT_TRUE(AttendTransformed(
+                    AttentionBatch{two, 2}, params,
+                    [&](const AttentionBatch& batch, const AttentionParams& p) {
+                      ++page_calls;
+                      for (int64_t i = 0; i < batch.count; ++i) {
+                        EXPECT_EQ(batch.problems[i].transform, nullptr);
+                        EXPECT_EQ(batch.problems[i].sinks.tokens, 0);
+                        EXPECT_EQ(batch.problems[i].queries.logit_offset != nullptr, softcap > 0.0f);
+                      }
+                      return AttendCpu(batch, p);
+                    },
+                    [&](const AttentionBatch& batch, const AttentionParams& p) {
+                      ++sink_calls;
+                      EXPECT_EQ(batch.count, 2);
+                      return AttendCpu(batch, p);
+                    })
+                    .ok());
+    EXPECT_EQ(page_calls, 1);
+    EXPECT_EQ(sink_calls, 1);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(apart[i].out, together[i].out) << softcap;
+      EXPECT_EQ(apart[i].lse, together[i].lse) << softcap;
+      EXPECT_EQ(apart[i].top_tokens, together[i].top_tokens) << softcap;
+      EXPECT_EQ(apart[i].top_logits, together[i].top_logits) << softcap;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace turbokv
