@@ -454,6 +454,10 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
   *config->mutable_idle_ttl() =
       google::protobuf::util::TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(options.idle_ttl));
   config->set_pinned(options.pinned);
+  config->set_key_transform(options.key_transform);
+  config->set_center_values(options.center_values);
+  if (options.sink_tokens.has_value()) config->set_sink_tokens(*options.sink_tokens);
+  config->set_sink_codec(options.sink_codec);
   absl::StatusOr<v1::CreateSessionResponse> response =
       Call(&v1::KvCacheService::Stub::CreateSession, *stub_, *options_, request);
   if (!response.ok()) return response.status();

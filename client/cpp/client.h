@@ -56,6 +56,12 @@ struct SessionOptions {
   int64_t max_tokens = 0;                 // 0: the daemon's limit
   absl::Duration idle_ttl = absl::ZeroDuration();  // zero: the daemon's --session-ttl
   bool pinned = false;  // never demoted to the daemon's --spill-dir
+  // How keys are stored before their codec (docs/API.md "Keys made safe");
+  // unspecified: the daemon's default, center and scale.
+  v1::KeyTransform key_transform = v1::KEY_TRANSFORM_UNSPECIFIED;
+  bool center_values = false;
+  std::optional<int> sink_tokens;  // unset: the daemon's default (4)
+  v1::Codec sink_codec = v1::CODEC_UNSPECIFIED;  // f16 or q8_0
 };
 
 struct Attention {

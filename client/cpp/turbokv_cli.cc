@@ -432,6 +432,15 @@ absl::Status Create(const turbokv::Client& client, const Args& args) {
   options.preset = args.Text("preset");
   options.idle_ttl = args.Duration("ttl");
   options.pinned = args.Bool("pinned");
+  const std::string& transform = args.Text("key-transform");
+  if (!transform.empty() &&
+      !turbokv::v1::KeyTransform_Parse("KEY_TRANSFORM_" + absl::AsciiStrToUpper(transform), &options.key_transform)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--key-transform=", transform, ": use none, center or center_scale"));
+  }
+  options.center_values = args.Bool("center-values");
+  if (args.Int("sink-tokens") >= 0) options.sink_tokens = static_cast<int>(args.Int("sink-tokens"));
+  options.sink_codec = args.Codec("sink-codec");
   absl::StatusOr<turbokv::Session> session = client.CreateSession(options);
   if (!session.ok()) return session.status();
   if (args.Json()) {
@@ -734,6 +743,13 @@ const std::vector<Command>& Commands() {
                           DurationFlag("ttl", "0s", absl::ZeroDuration(), absl::Hours(24 * 365),
                                        "deleted after this long without a call; 0s: the daemon's --session-ttl"),
                           OtherFlag("pinned", Kind::kBool, "false", "never demoted to the daemon's --spill-dir"),
+                          OtherFlag("key-transform", Kind::kText, "",
+                                    "how keys are stored before their codec: none, center or center_scale; empty: "
+                                    "the daemon's default (center_scale)"),
+                          OtherFlag("center-values", Kind::kBool, "false", "values centered before their codec too"),
+                          IntFlag("sink-tokens", -1, -1, 64,
+                                  "first tokens of every layer kept apart in --sink-codec; -1: the daemon's default (4)"),
+                          OtherFlag("sink-codec", Kind::kCodec, "", "codec of the sink tokens: f16 or q8_0"),
                           OutputFlag()}) {
       create.push_back(flag);
     }

@@ -49,12 +49,14 @@ absl::StatusOr<std::vector<LayerCache::PendingAppend>> Handler::PrepareAppend(
 }
 
 Handler::ChunkWrite Handler::WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending,
-                                     const float* keys, const float* values) {
+                                     const float* keys, const float* values, const float* queries) {
   ChunkWrite write;
   write.layer = &session.layers()[l];
   write.pending = std::move(pending);
   write.keys = keys;
   write.values = values;
+  write.queries = queries;
+  write.q_heads = session.config().q_heads;
   write.key_codec = session.config().KeyCodec(l);
   write.value_codec = session.config().ValueCodec(l);
   write.errors = &session.errors()[l];
@@ -70,7 +72,8 @@ absl::Status Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
   for (size_t i = 0; i < writes.size(); ++i) {
     ChunkWrite& write = writes[i];
     if (!write.layer->HasNew(write.pending)) continue;
-    EncodeChunk chunk = write.layer->Chunk(write.pending, write.keys, write.values, &tables[i]);
+    EncodeChunk chunk =
+        write.layer->Chunk(&write.pending, write.keys, write.values, write.queries, write.q_heads, &tables[i]);
     chunk.key_errors = &errors[i].keys;
     chunk.value_errors = &errors[i].values;
     chunks.push_back(chunk);
@@ -100,7 +103,7 @@ absl::Status Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
 
 absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, const std::vector<int>& layers,
                                                         int64_t start, int64_t n, const float* keys,
-                                                        const float* values) {
+                                                        const float* values, const float* queries) {
   const SessionConfig& config = session.config();
   TURBOKV_RETURN_IF_ERROR(CheckStorable(config, KvPart::kKeys, keys, layers, start, n, "keys"));
   TURBOKV_RETURN_IF_ERROR(CheckStorable(config, KvPart::kValues, values, layers, start, n, "values"));
@@ -108,9 +111,11 @@ absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, 
   TURBOKV_ASSIGN_OR_RETURN(std::vector<LayerCache::PendingAppend> pending,
                            PrepareAppend(session, layers, start, n, held));
   const size_t layer_values = static_cast<size_t>(n) * config.kv_heads * config.head_dim;
+  const size_t layer_queries = static_cast<size_t>(n) * config.q_heads * config.head_dim;
   std::vector<ChunkWrite> writes(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
-    writes[i] = WriteOf(session, layers[i], std::move(pending[i]), keys + i * layer_values, values + i * layer_values);
+    writes[i] = WriteOf(session, layers[i], std::move(pending[i]), keys + i * layer_values, values + i * layer_values,
+                        queries != nullptr ? queries + i * layer_queries : nullptr);
   }
   TURBOKV_RETURN_IF_ERROR(CommitChunks(writes));
   // Pages this chunk sealed go to the spill tier behind the call (later,
@@ -162,8 +167,15 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
   if (rank == 4) shape.insert(shape.begin(), config.layers);
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> keys, TensorToFloats(request.keys(), shape, "keys"));
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> values, TensorToFloats(request.values(), shape, "values"));
+  std::vector<float> queries;
+  if (request.has_queries()) {
+    std::vector<int64_t> query_shape = shape;
+    query_shape[rank - 2] = config.q_heads;
+    TURBOKV_ASSIGN_OR_RETURN(queries, TensorToFloats(request.queries(), query_shape, "queries"));
+  }
 
-  TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk, StoreChunk(session, layers, request.start(), n, keys.data(), values.data()));
+  TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk, StoreChunk(session, layers, request.start(), n, keys.data(),
+                                                         values.data(), queries.empty() ? nullptr : queries.data()));
   v1::AppendResponse response;
   response.set_start(request.start());
   int64_t tokens = INT64_MAX;

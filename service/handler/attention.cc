@@ -49,7 +49,7 @@ absl::Status Handler::RunAttention(const LayerCache& layer, const AttentionParam
   const AttentionOutput output{out.data(), lse.data(), top ? top_tokens.data() : nullptr,
                                top ? top_logits.data() : nullptr};
   TURBOKV_RETURN_IF_ERROR(
-      RunBatch({AttentionProblem{layer.Descriptor(), {n, queries.data(), positions.data()}, output}}, params, n));
+      RunBatch({layer.Attention({n, queries.data(), positions.data()}, output)}, params, n));
   FloatsToTensor(out, {n, params.q_heads, dim}, v1::DTYPE_F32, result->mutable_output());
   FloatsToTensor(lse, {n, params.q_heads}, v1::DTYPE_F32, result->mutable_lse());
   result->mutable_top_k_tokens()->Assign(top_tokens.begin(), top_tokens.end());
@@ -124,7 +124,8 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   TURBOKV_RETURN_IF_ERROR(CheckScoresFinite(params, query, config.head_dim, "query"));
 
   TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk,
-                           StoreChunk(*session, {request.layer()}, request.position(), 1, key.data(), value.data()));
+                           StoreChunk(*session, {request.layer()}, request.position(), 1, key.data(), value.data(),
+                                      query.data()));
   LayerCache& layer = session->layers()[request.layer()];
   v1::StepResponse response;
   response.set_tokens(chunk.after[0]);
@@ -327,7 +328,7 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
         continue;
       }
       writes.push_back(WriteOf(session, request.layer(), std::move((*pending)[0]), keys.data() + i * item_values,
-                               values.data() + i * item_values));
+                               values.data() + i * item_values, queries.data() + i * item_queries));
     }
     TURBOKV_RETURN_IF_ERROR(CommitChunks(writes));
   }
@@ -342,13 +343,10 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   std::vector<AttentionProblem> problems;
   for (size_t i = 0; i < batch; ++i) {
     if (!status[i].ok()) continue;
-    AttentionProblem problem;
-    problem.cache = locked.sessions[i]->layers()[request.layer()].Descriptor();
-    problem.queries = {shape.k, queries.data() + i * row * shape.head_dim, request.positions().data() + i * shape.k};
-    problem.output = {out.data() + i * row * shape.head_dim, lse.data() + i * row,
-                      top ? top_tokens.data() + i * row * top : nullptr,
-                      top ? top_logits.data() + i * row * top : nullptr};
-    problems.push_back(problem);
+    problems.push_back(locked.sessions[i]->layers()[request.layer()].Attention(
+        {shape.k, queries.data() + i * row * shape.head_dim, request.positions().data() + i * shape.k},
+        {out.data() + i * row * shape.head_dim, lse.data() + i * row, top ? top_tokens.data() + i * row * top : nullptr,
+         top ? top_logits.data() + i * row * top : nullptr}));
   }
   if (absl::Status run = RunBatch(problems, params, static_cast<int64_t>(problems.size()) * shape.k); !run.ok()) {
     for (ChunkWrite& write : writes) write.layer->Truncate(write.before);  // a failed message changes nothing

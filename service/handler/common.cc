@@ -61,6 +61,10 @@ void ConfigToProto(const SessionConfig& config, v1::SessionConfig* proto) {
     layers->set_value_codec(ToProtoCodec(range.value));
   }
   proto->set_preset(config.preset);
+  proto->set_key_transform(static_cast<v1::KeyTransform>(config.key_transform));
+  proto->set_center_values(config.center_values);
+  proto->set_sink_tokens(config.sink_tokens);
+  proto->set_sink_codec(ToProtoCodec(config.sink_codec));
 }
 
 absl::Status CheckLayer(const SessionConfig& config, int layer, absl::string_view field) {

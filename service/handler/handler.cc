@@ -132,6 +132,7 @@ v1::SessionInfo Handler::Info(const SessionCache& session) const {
     layer->set_value_codec(value);
   }
   info.set_bits_per_value(BitsPerValue(config));
+  info.set_transformed_layers(session.transformed_layers());
   EncodeStats all;
   for (const SessionCache::LayerErrors& layer : session.errors()) {
     info.add_key_errors(layer.keys.mean_error());

@@ -134,13 +134,16 @@ class Handler {
                                                                        int64_t start, int64_t n,
                                                                        absl::Span<const SessionCache* const> held);
   // A prepared chunk of one layer and where its keys and values
-  // ([n][kv_heads][head_dim]) are; CommitChunks fills before and after, the
-  // layer's length around the commit.
+  // ([n][kv_heads][head_dim]) are, and its queries ([n][q_heads][head_dim],
+  // or null) for a key transform it fits; CommitChunks fills before and
+  // after, the layer's length around the commit.
   struct ChunkWrite {
     LayerCache* layer = nullptr;
     LayerCache::PendingAppend pending;
     const float* keys = nullptr;
     const float* values = nullptr;
+    const float* queries = nullptr;
+    int q_heads = 0;
     // The layer's codecs and its session's error totals (SessionCache::errors).
     CodecKind key_codec = CodecKind::kTurbo3;
     CodecKind value_codec = CodecKind::kTurbo3;
@@ -150,7 +153,7 @@ class Handler {
   };
   // The write of a chunk into layer `l` of `session`.
   static ChunkWrite WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending, const float* keys,
-                            const float* values);
+                            const float* values, const float* queries);
   // Encodes every chunk in one job of the backend, then applies them all
   // (on error none is: the layers stay as they were); adds each chunk's
   // quantization error to its session's and counts it, with the chunks, in
@@ -162,9 +165,10 @@ class Handler {
     std::vector<int64_t> after;
   };
   // PrepareAppend, then encodes keys and values ([layers.size()][n][kv_heads]
-  // [head_dim]) into each layer.
+  // [head_dim]) into each layer; queries ([layers.size()][n][q_heads]
+  // [head_dim], or null) serve the key transforms the chunk fits.
   absl::StatusOr<StoredChunk> StoreChunk(SessionCache& session, const std::vector<int>& layers, int64_t start,
-                                         int64_t n, const float* keys, const float* values);
+                                         int64_t n, const float* keys, const float* values, const float* queries);
   // The problems as one batch on the backend, timed in the metrics.
   absl::Status RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
                         int64_t queries);

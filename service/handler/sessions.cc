@@ -82,6 +82,34 @@ absl::Status ConfigCodecs(const v1::SessionConfig& proto, SessionConfig* config)
   return absl::OkStatus();
 }
 
+// The key transform, value centering and sink tokens from proto, checked.
+absl::Status ConfigStorage(const v1::SessionConfig& proto, SessionConfig* config) {
+  switch (proto.key_transform()) {
+    case v1::KEY_TRANSFORM_UNSPECIFIED:
+    case v1::KEY_TRANSFORM_CENTER_SCALE: config->key_transform = KeyTransformMode::kCenterScale; break;
+    case v1::KEY_TRANSFORM_CENTER: config->key_transform = KeyTransformMode::kCenter; break;
+    case v1::KEY_TRANSFORM_NONE: config->key_transform = KeyTransformMode::kNone; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("config.key_transform = ", proto.key_transform(),
+                                                     " is not a KeyTransform (NONE, CENTER, CENTER_SCALE)"));
+  }
+  config->center_values = proto.center_values();
+  config->sink_tokens = proto.has_sink_tokens() ? proto.sink_tokens() : kDefaultSinkTokens;
+  if (config->sink_tokens < 0 || config->sink_tokens > kMaxSinkTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("config.sink_tokens = ", config->sink_tokens, " must be in [0, ",
+                                                   kMaxSinkTokens, "] (unset: ", kDefaultSinkTokens, ")"));
+  }
+  switch (proto.sink_codec()) {
+    case v1::CODEC_UNSPECIFIED:
+    case v1::CODEC_F16: config->sink_codec = CodecKind::kF16; break;
+    case v1::CODEC_Q8_0: config->sink_codec = CodecKind::kQ8_0; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("config.sink_codec = ", proto.sink_codec(),
+                                                     " is not CODEC_F16 or CODEC_Q8_0"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::CreateSessionRequest& request,
@@ -123,6 +151,7 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
   }
   config.idle_ttl = ttl == absl::ZeroDuration() ? options_.session_ttl : ttl;
   config.pinned = proto.pinned();
+  TURBOKV_RETURN_IF_ERROR(ConfigStorage(proto, &config));
 
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, store_->Create(config, tenant, absl::Now()));
   v1::CreateSessionResponse response;

@@ -8,15 +8,37 @@
 
 namespace turbokv {
 
+size_t LayerExtrasBytes(int kv_heads, int head_dim, int sink_tokens, CodecKind sink_codec) {
+  const size_t sink = static_cast<size_t>(sink_tokens) * kv_heads * 2 * MakeCodecLayout(sink_codec, head_dim).code_size();
+  return sink + 3 * sizeof(float) * static_cast<size_t>(kv_heads) * head_dim;
+}
+
 LayerCache::LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<const Codec> value_codec,
-                       int kv_heads, int page_tokens, PagePool* pool)
+                       int kv_heads, int page_tokens, PagePool* pool, LayerStorage storage)
     : key_codec_(std::move(key_codec)),
       value_codec_(std::move(value_codec)),
       kv_heads_(kv_heads),
       page_tokens_(page_tokens),
       pool_(pool),
+      storage_(std::move(storage)),
       page_bytes_(static_cast<size_t>(kv_heads) * page_tokens *
-                  (key_codec_->code_size() + value_codec_->code_size())) {}
+                  (key_codec_->code_size() + value_codec_->code_size())) {
+  if (storage_.sink_tokens > 0) {
+    sinks_.assign(static_cast<size_t>(kv_heads) * storage_.sink_tokens * 2 * storage_.sink_codec->code_size(), '\0');
+  }
+}
+
+PagedKvCache LayerCache::SinkDescriptor(const std::string& page, int64_t tokens, const uint8_t** table) const {
+  PagedKvCache d;
+  d.key_layout = storage_.sink_codec->layout();
+  d.value_layout = d.key_layout;
+  d.kv_heads = kv_heads_;
+  d.page_tokens = storage_.sink_tokens;
+  d.tokens = tokens;
+  *table = reinterpret_cast<const uint8_t*>(page.data());
+  d.pages = table;
+  return d;
+}
 
 size_t LayerCache::BytesToAppend(int64_t start, int64_t n) const {
   const int64_t end = start + n;
@@ -47,8 +69,54 @@ absl::StatusOr<LayerCache::PendingAppend> LayerCache::Prepare(int64_t start, int
   return pending;
 }
 
-EncodeChunk LayerCache::Chunk(const PendingAppend& pending, const float* keys, const float* values,
-                              std::vector<const uint8_t*>* table) const {
+EncodeChunk LayerCache::Chunk(PendingAppend* pending_out, const float* keys, const float* values,
+                              const float* queries, int q_heads, std::vector<const uint8_t*>* table) const {
+  PendingAppend& pending = *pending_out;
+  const size_t row = static_cast<size_t>(kv_heads_) * head_dim();
+  const size_t skipped = static_cast<size_t>(tokens_ - pending.start);
+  const float* new_keys = keys + skipped * row;
+  const float* new_values = values + skipped * row;
+  const int64_t fresh = pending.end - tokens_;  // tokens the chunk adds
+  const int64_t sink_end = std::min<int64_t>(pending.end, storage_.sink_tokens);
+  const int64_t main_begin = std::max<int64_t>(tokens_, storage_.sink_tokens);
+  if (tokens_ < sink_end) {
+    // The chunk's sink tokens, into a copy of the sink page.
+    pending.sinks = sinks_;
+    EncodeChunk sinks;
+    sinks.key_codec = storage_.sink_codec.get();
+    sinks.value_codec = storage_.sink_codec.get();
+    const uint8_t* sink_table = nullptr;
+    sinks.cache = SinkDescriptor(pending.sinks, sink_end, &sink_table);
+    sinks.first = tokens_;
+    sinks.keys = new_keys;
+    sinks.values = new_values;
+    EncodeChunkCpu(sinks, nullptr);
+  }
+  pending.transform = transform_;
+  if (!transform_fixed_ && main_begin < pending.end) {
+    const size_t offset = static_cast<size_t>(main_begin - tokens_);
+    KeyTransform fitted = FitKeyTransform(
+        storage_.transform, pending.end - main_begin, kv_heads_, head_dim(), new_keys + offset * row,
+        new_values + offset * row, q_heads,
+        queries != nullptr ? queries + (skipped + offset) * static_cast<size_t>(q_heads) * head_dim() : nullptr);
+    pending.transform = fitted.empty() ? nullptr : std::make_shared<const KeyTransform>(std::move(fitted));
+    pending.fixes_transform = true;
+  }
+  if (tokens_ < sink_end || pending.transform != nullptr) {
+    // The pages get zeros at sink positions, the rest transformed.
+    pending.keys.assign(new_keys, new_keys + fresh * row);
+    pending.values.assign(new_values, new_values + fresh * row);
+    const size_t sinks_here = static_cast<size_t>(std::max<int64_t>(sink_end - tokens_, 0));
+    std::fill(pending.keys.begin(), pending.keys.begin() + sinks_here * row, 0.0f);
+    std::fill(pending.values.begin(), pending.values.begin() + sinks_here * row, 0.0f);
+    if (pending.transform != nullptr && main_begin < pending.end) {
+      const size_t offset = static_cast<size_t>(main_begin - tokens_);
+      pending.transform->Apply(pending.end - main_begin, pending.keys.data() + offset * row,
+                               pending.values.data() + offset * row);
+    }
+    new_keys = pending.keys.data();
+    new_values = pending.values.data();
+  }
   *table = page_pointers_;
   EncodeChunk chunk;
   size_t next = 0;
@@ -63,9 +131,8 @@ EncodeChunk LayerCache::Chunk(const PendingAppend& pending, const float* keys, c
   chunk.cache.pages = table->data();
   chunk.cache.tokens = pending.end;
   chunk.first = tokens_;
-  const size_t skipped = static_cast<size_t>(tokens_ - pending.start) * kv_heads_ * head_dim();
-  chunk.keys = keys + skipped;
-  chunk.values = values + skipped;
+  chunk.keys = new_keys;
+  chunk.values = new_values;
   return chunk;
 }
 
@@ -80,27 +147,77 @@ int64_t LayerCache::Apply(PendingAppend pending) {
     pages_.push_back(pending.pages[next]);
     page_pointers_.push_back(pages_.back()->data);
   }
+  if (!pending.sinks.empty()) {
+    sinks_ = std::move(pending.sinks);
+    ++extras_version_;
+  }
+  if (pending.fixes_transform) {
+    transform_ = std::move(pending.transform);
+    transform_fixed_ = true;
+    ++extras_version_;
+  }
   tokens_ = pending.end;
   return tokens_;
 }
 
-absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys, const float* values) {
+absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys, const float* values,
+                                           const float* queries, int q_heads) {
   absl::StatusOr<PendingAppend> pending = Prepare(start, n);
   if (!pending.ok()) return pending.status();
   if (HasNew(*pending)) {
     std::vector<const uint8_t*> table;
-    const EncodeChunk chunk = Chunk(*pending, keys, values, &table);
+    const EncodeChunk chunk = Chunk(&*pending, keys, values, queries, q_heads, &table);
     if (absl::Status encoded = pool_->backend().Encode({chunk}); !encoded.ok()) return encoded;
   }
   return Apply(*std::move(pending));
 }
 
 absl::Status LayerCache::Read(int64_t start, int64_t n, float* keys, float* values) const {
-  return pool_->backend().Decode(*key_codec_, *value_codec_, Descriptor(), start, n, keys, values);
+  if (absl::Status decoded = pool_->backend().Decode(*key_codec_, *value_codec_, Descriptor(), start, n, keys, values);
+      !decoded.ok()) {
+    return decoded;
+  }
+  const size_t row = static_cast<size_t>(kv_heads_) * head_dim();
+  const int64_t sinks = sinks_held();
+  const int64_t main_begin = std::max(start, sinks);
+  if (transform_ != nullptr && main_begin < start + n) {
+    transform_->Invert(start + n - main_begin, keys + (main_begin - start) * row, values + (main_begin - start) * row);
+  }
+  if (start < sinks) {
+    const uint8_t* table = nullptr;
+    DecodeCpu(*storage_.sink_codec, *storage_.sink_codec, SinkDescriptor(sinks_, sinks, &table), start,
+              std::min(start + n, sinks) - start, keys, values);
+  }
+  return absl::OkStatus();
 }
 
-absl::Status LayerCache::LoadPages(int64_t tokens, const std::function<absl::Status(uint8_t*, size_t)>& fill) {
+LayerExtras LayerCache::Extras() const {
+  LayerExtras extras;
+  extras.transform_fixed = transform_fixed_;
+  if (transform_ != nullptr) extras.transform = *transform_;
+  extras.sink_tokens = sinks_held();
+  if (extras.sink_tokens > 0) extras.sinks = sinks_;
+  return extras;
+}
+
+absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
+                                   const std::function<absl::Status(uint8_t*, size_t)>& fill) {
   if (tokens < 0 || !pages_.empty()) return absl::InvalidArgumentError("LoadPages needs an empty layer and tokens >= 0");
+  if (extras.sink_tokens != std::min<int64_t>(tokens, storage_.sink_tokens) ||
+      (extras.sink_tokens > 0 && extras.sinks.size() != sinks_.size())) {
+    return absl::DataLossError(absl::StrCat("the layer's sink tokens (", extras.sink_tokens, " in ",
+                                            extras.sinks.size(), " bytes) do not match its ", tokens,
+                                            " tokens and ", storage_.sink_tokens, " sink slots"));
+  }
+  if (absl::Status checked = extras.transform.Check(kv_heads_, head_dim()); !checked.ok()) {
+    return absl::DataLossError(absl::StrCat("the layer's ", checked.message()));
+  }
+  if (!extras.transform.empty() && !extras.transform_fixed) {
+    return absl::DataLossError("the layer's key transform is not marked fixed");
+  }
+  if (tokens > storage_.sink_tokens && !extras.transform_fixed && storage_.transform.any()) {
+    return absl::DataLossError("the layer's key transform is missing: its pages cannot be read back");
+  }
   const size_t count = static_cast<size_t>(tokens / page_tokens_ + (tokens % page_tokens_ != 0));
   std::vector<std::shared_ptr<Page>> loaded;
   loaded.reserve(count);
@@ -115,6 +232,10 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const std::function<absl::Sta
   pages_ = std::move(loaded);
   for (const std::shared_ptr<Page>& page : pages_) page_pointers_.push_back(page->data);
   tokens_ = tokens;
+  if (extras.sink_tokens > 0) sinks_ = extras.sinks;
+  transform_fixed_ = extras.transform_fixed;
+  if (!extras.transform.empty()) transform_ = std::make_shared<const KeyTransform>(extras.transform);
+  ++extras_version_;
   return absl::OkStatus();
 }
 
@@ -123,14 +244,32 @@ void LayerCache::Truncate(int64_t n) {
   const size_t keep = static_cast<size_t>((tokens_ + page_tokens_ - 1) / page_tokens_);
   pages_.resize(keep);
   page_pointers_.resize(keep);
+  // Sink slots past the tokens read as zeros again, as in a fresh layer;
+  // with no token past the sinks left, the next chunk fits a new transform.
+  const size_t slot = storage_.sink_tokens > 0 ? storage_.sink_codec->code_size() : 0;
+  for (int h = 0; h < kv_heads_ && tokens_ < storage_.sink_tokens; ++h) {
+    for (size_t side = 0; side < 2; ++side) {
+      const size_t region = (static_cast<size_t>(h) * 2 + side) * storage_.sink_tokens * slot;
+      std::fill(sinks_.begin() + region + tokens_ * slot, sinks_.begin() + region + storage_.sink_tokens * slot, '\0');
+    }
+  }
+  if (tokens_ <= storage_.sink_tokens && transform_fixed_) {
+    transform_fixed_ = false;
+    transform_ = nullptr;
+  }
+  ++extras_version_;
 }
 
 LayerCache LayerCache::Fork(int64_t prefix) const {
-  LayerCache fork(key_codec_, value_codec_, kv_heads_, page_tokens_, pool_);
+  LayerCache fork(key_codec_, value_codec_, kv_heads_, page_tokens_, pool_, storage_);
   fork.tokens_ = std::min(std::max<int64_t>(prefix, 0), tokens_);
   const size_t keep = static_cast<size_t>((fork.tokens_ + page_tokens_ - 1) / page_tokens_);
   fork.pages_.assign(pages_.begin(), pages_.begin() + keep);
   fork.page_pointers_.assign(page_pointers_.begin(), page_pointers_.begin() + keep);
+  fork.sinks_ = sinks_;
+  fork.transform_fixed_ = transform_fixed_;
+  fork.transform_ = transform_;
+  fork.Truncate(fork.tokens_);  // sink slots and transform as a layer of that length holds them
   return fork;
 }
 
@@ -143,8 +282,19 @@ PagedKvCache LayerCache::Descriptor() const {
   d.kv_heads = kv_heads_;
   d.page_tokens = page_tokens_;
   d.tokens = tokens_;
+  d.first_token = sinks_held();
   d.pages = page_pointers_.data();
   return d;
+}
+
+AttentionProblem LayerCache::Attention(const AttentionQueries& queries, const AttentionOutput& output) const {
+  AttentionProblem problem;
+  problem.cache = Descriptor();
+  problem.queries = queries;
+  problem.output = output;
+  problem.transform = transform_.get();
+  if (sinks_held() > 0) problem.sinks = SinkDescriptor(sinks_, sinks_held(), &sink_pointer_);
+  return problem;
 }
 
 }  // namespace turbokv

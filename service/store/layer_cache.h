@@ -2,9 +2,16 @@
 // out as the attention kernels read them (PagedKvCache, docs/FORMAT.md). The
 // page list, fork sharing and truncation are the same for every backend; the
 // bytes are written and read through the pool's backend.
+//
+// What the pages do not hold lives here too, in host memory (LayerExtras):
+// the layer's key transform, fitted from the first chunk stored past its
+// sink tokens and fixed from then on (the pages hold the transformed
+// vectors), and its sink tokens, kept in their own codec in one small page
+// (the main pages hold zeros at their positions).
 // Not thread-safe: the session that owns it serializes access.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -15,16 +22,25 @@
 #include "absl/strings/string_view.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
+#include "kernels/key_transform.h"
 #include "kernels/paged_cache.h"
 #include "service/store/page_pool.h"
+#include "service/store/record_io.h"
 
 namespace turbokv {
+
+// How a layer stores what its pages do not.
+struct LayerStorage {
+  KeyTransformOptions transform;  // what its transform fits (nothing: none)
+  int sink_tokens = 0;            // at most page_tokens
+  std::shared_ptr<const Codec> sink_codec;  // of the sinks' keys and values, when sink_tokens > 0
+};
 
 class LayerCache {
  public:
   // key_codec and value_codec share head_dim; page_tokens > 0, kv_heads > 0.
   LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<const Codec> value_codec,
-             int kv_heads, int page_tokens, PagePool* pool);
+             int kv_heads, int page_tokens, PagePool* pool, LayerStorage storage = {});
 
   int64_t tokens() const { return tokens_; }
   // Bytes of the pages this layer holds (pages shared with forks count here too).
@@ -40,6 +56,13 @@ class LayerCache {
     int64_t end = 0;
     bool copy_last = false;  // the shared, partly filled last page is replaced by a copy
     std::vector<std::shared_ptr<Page>> pages;
+    // Set by Chunk: the transform this chunk fixes (fixes_transform), the
+    // sink page with this chunk's sink tokens (when it has some), and what
+    // the pages get when it is not the input as given.
+    bool fixes_transform = false;
+    std::shared_ptr<const KeyTransform> transform;
+    std::string sinks;
+    std::vector<float> keys, values;
   };
 
   // Bytes a chunk of tokens [start, start + n) would take from the pool
@@ -55,22 +78,29 @@ class LayerCache {
   bool HasNew(const PendingAppend& pending) const { return pending.end > tokens_; }
   // The backend's job for a prepared chunk with new tokens (HasNew): keys
   // and values [n][kv_heads][head_dim] of positions [pending.start,
-  // pending.end) on the host; only the positions past tokens() are encoded,
-  // into the chunk's own pages. *table holds the page addresses the job
-  // points to: keep it, and the layer unchanged, until the job is done.
-  EncodeChunk Chunk(const PendingAppend& pending, const float* keys, const float* values,
-                    std::vector<const uint8_t*>* table) const;
-  // Installs a chunk whose job the backend has done: its pages and length.
-  // Idempotent by position (a chunk of repeated positions changes nothing).
-  // Returns the new token count.
+  // pending.end) on the host (and, when not null, their queries
+  // [n][q_heads][head_dim], which a fitting transform may use); only the
+  // positions past tokens() are encoded, into the chunk's own pages. Its
+  // sink tokens go into a copy of the sink page and a transform is fitted
+  // when this chunk is the first past the sinks (both held in *pending
+  // until Apply). *table holds the page addresses the job points to: keep
+  // it, *pending and the layer unchanged, until the job is done.
+  EncodeChunk Chunk(PendingAppend* pending, const float* keys, const float* values, const float* queries,
+                    int q_heads, std::vector<const uint8_t*>* table) const;
+  // Installs a chunk whose job the backend has done: its pages and length,
+  // its sink tokens and the transform it fixed. Idempotent by position (a
+  // chunk of repeated positions changes nothing). Returns the new token
+  // count.
   int64_t Apply(PendingAppend pending);
 
   // Prepare, encode on the pool's backend, Apply: the chunk is applied
   // whole or not at all.
-  absl::StatusOr<int64_t> Append(int64_t start, int64_t n, const float* keys, const float* values);
+  absl::StatusOr<int64_t> Append(int64_t start, int64_t n, const float* keys, const float* values,
+                                 const float* queries = nullptr, int q_heads = 0);
 
   // Decodes tokens [start, start + n) (within tokens()) into host keys and
-  // values [n][kv_heads][head_dim], on the pool's backend.
+  // values [n][kv_heads][head_dim], on the pool's backend: the vectors as
+  // they were given (transform undone, sink tokens from their page).
   absl::Status Read(int64_t start, int64_t n, float* keys, float* values) const;
 
   // The pages holding tokens() tokens, in order (what a snapshot stores:
@@ -78,9 +108,20 @@ class LayerCache {
   const std::vector<std::shared_ptr<Page>>& pages() const { return pages_; }
   // Fills an empty layer with `tokens` tokens: takes their pages from the
   // pool and has fill(data, page_bytes()) write each in order (what
-  // pages() held), on the host (Backend::WritePage). RESOURCE_EXHAUSTED when they do not fit; fill's error
-  // stops it. On error the layer stays empty.
-  absl::Status LoadPages(int64_t tokens, const std::function<absl::Status(uint8_t*, size_t)>& fill);
+  // pages() held), on the host (Backend::WritePage), and takes `extras`
+  // (what Extras() gave). RESOURCE_EXHAUSTED when they do not fit; fill's
+  // error stops it; DATA_LOSS when the extras do not fit the layer. On
+  // error the layer stays empty.
+  absl::Status LoadPages(int64_t tokens, const LayerExtras& extras,
+                         const std::function<absl::Status(uint8_t*, size_t)>& fill);
+
+  // The transform and sink tokens, as LoadPages takes them back.
+  LayerExtras Extras() const;
+  // Whether tokens past the sinks are stored through a fitted transform.
+  bool transformed() const { return transform_ != nullptr; }
+  // Bumped whenever Extras() changes: a tier's manifest must hold the
+  // current one before a page that depends on it.
+  uint64_t extras_version() const { return extras_version_; }
 
   // Keeps the first n tokens (n <= tokens()) and releases the pages past them.
   void Truncate(int64_t n);
@@ -90,19 +131,40 @@ class LayerCache {
   // by whichever side appends to it first.
   LayerCache Fork(int64_t prefix) const;
 
-  // The descriptor the kernels read; valid until the next change.
+  // The pages as the kernels read them (sink positions zeros, first_token
+  // past them); valid until the next change.
   PagedKvCache Descriptor() const;
+  // A problem of attention over the whole layer (pages, transform and
+  // sinks); valid until the next change.
+  AttentionProblem Attention(const AttentionQueries& queries, const AttentionOutput& output) const;
 
  private:
+  // A sink page as the kernels read it, holding `tokens` tokens; *table
+  // becomes its page table.
+  PagedKvCache SinkDescriptor(const std::string& page, int64_t tokens, const uint8_t** table) const;
+  int64_t sinks_held() const { return std::min<int64_t>(tokens_, storage_.sink_tokens); }
+
   std::shared_ptr<const Codec> key_codec_;
   std::shared_ptr<const Codec> value_codec_;
   int kv_heads_;
   int page_tokens_;
   PagePool* pool_;
+  LayerStorage storage_;
   size_t page_bytes_;
   std::vector<std::shared_ptr<Page>> pages_;
   std::vector<const uint8_t*> page_pointers_;
   int64_t tokens_ = 0;
+  bool transform_fixed_ = false;
+  std::shared_ptr<const KeyTransform> transform_;  // shared with forks; null: as given
+  std::string sinks_;  // the sink page: storage_.sink_tokens slots
+  // The sink page's table (one entry: sinks_'s bytes), set by each
+  // descriptor that points to it.
+  mutable const uint8_t* sink_pointer_ = nullptr;
+  uint64_t extras_version_ = 0;
 };
+
+// Bytes of a layer's sink page and transform at most (what a session's
+// metadata charge counts for each layer).
+size_t LayerExtrasBytes(int kv_heads, int head_dim, int sink_tokens, CodecKind sink_codec);
 
 }  // namespace turbokv

@@ -1,6 +1,9 @@
 #include "service/store/record_io.h"
 
+#include <algorithm>
 #include <array>
+#include <cstring>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -93,10 +96,65 @@ void PutSessionHeader(std::string* out, const SessionHeader& header) {
     Put<uint8_t>(out, static_cast<uint8_t>(range.key));
     Put<uint8_t>(out, static_cast<uint8_t>(range.value));
   }
+  Put<uint8_t>(out, static_cast<uint8_t>(c.key_transform));
+  Put<uint8_t>(out, c.center_values ? 1 : 0);
+  Put<int32_t>(out, c.sink_tokens);
+  Put<uint8_t>(out, static_cast<uint8_t>(c.sink_codec));
 }
 
-absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what,
-                                               bool layer_codecs) {
+namespace {
+
+enum ExtrasFlags : uint8_t { kFixed = 1, kKeyMean = 2, kKeyScale = 4, kValueMean = 8 };
+
+}  // namespace
+
+void PutLayerExtras(std::string* out, const LayerExtras& extras) {
+  const KeyTransform& t = extras.transform;
+  const uint8_t flags = (extras.transform_fixed ? kFixed : 0) | (t.key_mean.empty() ? 0 : kKeyMean) |
+                        (t.key_scale.empty() ? 0 : kKeyScale) | (t.value_mean.empty() ? 0 : kValueMean);
+  Put<uint8_t>(out, flags);
+  if (!t.empty()) {
+    Put<int32_t>(out, t.kv_heads);
+    Put<int32_t>(out, t.head_dim);
+    for (const std::vector<float>* v : {&t.key_mean, &t.key_scale, &t.value_mean}) {
+      out->append(reinterpret_cast<const char*>(v->data()), v->size() * sizeof(float));
+    }
+  }
+  Put<int64_t>(out, extras.sink_tokens);
+  Put<uint32_t>(out, static_cast<uint32_t>(extras.sinks.size()));
+  out->append(extras.sinks);
+}
+
+absl::Status GetLayerExtras(Reader& in, absl::string_view what, LayerExtras* extras) {
+  const auto malformed = [&] { return absl::DataLossError(absl::StrCat(what, ": a layer's transform or sinks are malformed")); };
+  const uint8_t flags = in.Get<uint8_t>();
+  if ((flags & ~(kFixed | kKeyMean | kKeyScale | kValueMean)) != 0) return malformed();
+  extras->transform_fixed = (flags & kFixed) != 0;
+  KeyTransform& t = extras->transform;
+  if ((flags & (kKeyMean | kKeyScale | kValueMean)) != 0) {
+    t.kv_heads = in.Get<int32_t>();
+    t.head_dim = in.Get<int32_t>();
+    if (in.short_read() || t.kv_heads < 1 || t.kv_heads > kMaxHeads || t.head_dim < 1 || t.head_dim > 4096) {
+      return malformed();
+    }
+    const size_t size = static_cast<size_t>(t.kv_heads) * t.head_dim;
+    for (const auto& [flag, v] : {std::make_pair(kKeyMean, &t.key_mean), std::make_pair(kKeyScale, &t.key_scale),
+                                  std::make_pair(kValueMean, &t.value_mean)}) {
+      if ((flags & flag) == 0) continue;
+      const absl::string_view bytes = in.Take(size * sizeof(float));
+      if (in.short_read()) return malformed();
+      v->resize(size);
+      std::memcpy(v->data(), bytes.data(), bytes.size());
+    }
+  }
+  extras->sink_tokens = in.Get<int64_t>();
+  const uint32_t sink_bytes = in.Get<uint32_t>();
+  if (in.short_read() || extras->sink_tokens < 0 || sink_bytes > in.left()) return malformed();
+  extras->sinks = std::string(in.Take(sink_bytes));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what, int format) {
   SessionHeader s;
   s.id = in.GetString();
   s.tenant = in.GetString();
@@ -112,7 +170,7 @@ absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl
   c.idle_ttl = absl::Nanoseconds(in.Get<int64_t>());
   s.created = absl::FromUnixNanos(in.Get<int64_t>());
   s.page_tokens = in.Get<int32_t>();
-  if (layer_codecs) {
+  if (format >= kHeaderLayerCodecs) {
     c.preset = in.GetString();
     const uint32_t ranges = in.Get<uint32_t>();
     if (ranges > static_cast<uint32_t>(kMaxLayers)) return absl::DataLossError(absl::StrCat(what, " header is malformed"));
@@ -123,6 +181,25 @@ absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl
       range.key = static_cast<CodecKind>(in.Get<uint8_t>());
       range.value = static_cast<CodecKind>(in.Get<uint8_t>());
       c.layer_codecs.push_back(range);
+    }
+  }
+  // Sessions written before these fields stored every layer as given.
+  c.key_transform = KeyTransformMode::kNone;
+  c.center_values = false;
+  c.sink_tokens = 0;
+  c.sink_codec = CodecKind::kF16;
+  if (format >= kHeaderStorage) {
+    c.key_transform = static_cast<KeyTransformMode>(in.Get<uint8_t>());
+    c.center_values = in.Get<uint8_t>() != 0;
+    c.sink_tokens = in.Get<int32_t>();
+    c.sink_codec = static_cast<CodecKind>(in.Get<uint8_t>());
+    if (c.key_transform != KeyTransformMode::kNone && c.key_transform != KeyTransformMode::kCenter &&
+        c.key_transform != KeyTransformMode::kCenterScale) {
+      return absl::DataLossError(absl::StrCat(what, " header names an unknown key transform"));
+    }
+    if (c.sink_tokens < 0 || c.sink_tokens > std::min(kMaxSinkTokens, page_tokens) ||
+        (c.sink_codec != CodecKind::kF16 && c.sink_codec != CodecKind::kQ8_0)) {
+      return absl::DataLossError(absl::StrCat(what, " header's sink tokens are malformed"));
     }
   }
   if (in.short_read() || c.layers < 1 || c.layers > kMaxLayers || c.kv_heads < 1 || c.kv_heads > kMaxHeads ||

@@ -53,6 +53,26 @@ class Reader {
   bool short_ = false;
 };
 
+// A layer's key transform and sink tokens (LayerCache::Extras), as
+// snapshots and the tiers' manifests keep them beside its pages.
+struct LayerExtras {
+  bool transform_fixed = false;  // tokens past the sinks are stored (with `transform`, maybe empty)
+  KeyTransform transform;
+  int64_t sink_tokens = 0;       // held
+  std::string sinks;             // the sink page's bytes (empty without sinks)
+};
+void PutLayerExtras(std::string* out, const LayerExtras& extras);
+// Reads one; DATA_LOSS naming `what` when it is cut short or malformed
+// (whether it fits its layer is LayerCache::LoadPages's to say).
+absl::Status GetLayerExtras(Reader& in, absl::string_view what, LayerExtras* extras);
+
+// What a session header holds, by format (the snapshot's and tiers'
+// versions map to one): 1 the shape, codecs and limits; 2 also per-layer
+// codecs and the preset; 3 also the key transform, value centering and sink
+// tokens (read from the older ones as none).
+constexpr int kHeaderLayerCodecs = 2;
+constexpr int kHeaderStorage = 3;
+
 // A session's id, tenant, configuration, creation time and page size, as
 // the snapshot header and the tiers' manifest records hold them.
 struct SessionHeader {
@@ -63,12 +83,10 @@ struct SessionHeader {
   int32_t page_tokens = 0;
 };
 void PutSessionHeader(std::string* out, const SessionHeader& header);
-// Reads one and checks it against the limits CreateSession enforces (so
-// that nothing is sized from a bad record) and against this daemon's
-// page_tokens; DATA_LOSS naming `what` ("the snapshot") otherwise.
-// layer_codecs: the header holds the per-layer codecs and the preset (as
-// PutSessionHeader writes it); false for the formats before them.
-absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what,
-                                               bool layer_codecs);
+// Reads one of `format` (PutSessionHeader writes kHeaderStorage) and checks
+// it against the limits CreateSession enforces (so that nothing is sized
+// from a bad record) and against this daemon's page_tokens; DATA_LOSS
+// naming `what` ("the snapshot") otherwise.
+absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what, int format);
 
 }  // namespace turbokv

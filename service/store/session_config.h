@@ -7,12 +7,19 @@
 
 #include "absl/time/time.h"
 #include "kernels/codec.h"
+#include "kernels/key_transform.h"
 
 namespace turbokv {
 
 // Limits of a session's shape (CreateSession and snapshots enforce them).
 constexpr int kMaxLayers = 1024;
 constexpr int kMaxHeads = 1024;  // kv heads, and query heads
+// Sink tokens a layer may keep apart, and how many it does by default.
+constexpr int kMaxSinkTokens = 64;
+constexpr int kDefaultSinkTokens = 4;
+
+// How a layer's keys are stored before their codec (KeyTransform).
+enum class KeyTransformMode : uint8_t { kNone = 1, kCenter = 2, kCenterScale = 3 };
 
 // The codecs of layers [first, last], in place of the session's key_codec
 // and value_codec there.
@@ -39,6 +46,18 @@ struct SessionConfig {
   int64_t max_tokens = 0;  // per layer
   absl::Duration idle_ttl = absl::ZeroDuration();
   bool pinned = false;  // never demoted to the spill tier
+  KeyTransformMode key_transform = KeyTransformMode::kCenterScale;
+  bool center_values = false;
+  int sink_tokens = 0;  // kept apart in sink_codec, per layer
+  CodecKind sink_codec = CodecKind::kF16;
+
+  // What a layer's transform fits: keys only where they are not f16, values
+  // only where they are not f16.
+  KeyTransformOptions TransformOptions(int layer) const {
+    const bool keys = key_transform != KeyTransformMode::kNone && KeyCodec(layer) != CodecKind::kF16;
+    return KeyTransformOptions{keys, keys && key_transform == KeyTransformMode::kCenterScale,
+                               center_values && ValueCodec(layer) != CodecKind::kF16};
+  }
 
   CodecKind KeyCodec(int layer) const { return Codecs(layer).key; }
   CodecKind ValueCodec(int layer) const { return Codecs(layer).value; }

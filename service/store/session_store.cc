@@ -87,6 +87,16 @@ int64_t SessionCache::tokens() const {
   return tokens;
 }
 
+int SessionCache::transformed_layers() const {
+  int count = 0;
+  if (resident()) {
+    for (const LayerCache& layer : layers_) count += layer.transformed() ? 1 : 0;
+  } else {
+    for (const TierLayer& layer : demoted_->layers) count += layer.extras.transform.empty() ? 0 : 1;
+  }
+  return count;
+}
+
 size_t SessionCache::fp16_bytes() const {
   // Keys and values, two bytes a value.
   return static_cast<size_t>(tokens()) * config_.kv_heads * config_.head_dim * 2 * 2;
@@ -103,8 +113,11 @@ size_t SessionMetadataBytes(const SessionConfig& config) {
   // for the keys and values of every layer, and one more for each pair the
   // ranges of layer_codecs add), then per layer its LayerCache and
   // allocator overhead.
+  // Each layer's sink page and transform count at their largest.
   return sizeof(SessionCache) + kCodecMetadataBytes * (1 + config.layer_codecs.size()) +
-         static_cast<size_t>(config.layers) * kLayerMetadataBytes;
+         static_cast<size_t>(config.layers) *
+             (kLayerMetadataBytes + LayerExtrasBytes(config.kv_heads, config.head_dim, config.sink_tokens,
+                                                     config.sink_codec));
 }
 
 SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier)
@@ -148,12 +161,24 @@ absl::Status SessionStore::Materialize(SessionCache& session) {
     if (!values.ok()) return values.status();
     layer_codecs.emplace_back(*std::move(keys), *std::move(values));
   }
+  std::shared_ptr<const Codec> sink_codec;
+  if (config.sink_tokens > 0) {
+    if (config.sink_tokens > options_.page_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("sink_tokens = ", config.sink_tokens, " is more than a page's ",
+                                                     options_.page_tokens, " tokens"));
+    }
+    absl::StatusOr<std::shared_ptr<const Codec>> made = codec(config.sink_codec, RotationStream::kKeys);
+    if (!made.ok()) return made.status();
+    sink_codec = *std::move(made);
+  }
   absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config));
   if (!charge.ok()) return charge.status();
   session.charge_ = *std::move(charge);
   session.layers_.reserve(config.layers);
-  for (const auto& [keys, values] : layer_codecs) {
-    session.layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_);
+  for (int l = 0; l < config.layers; ++l) {
+    const auto& [keys, values] = layer_codecs[static_cast<size_t>(l)];
+    session.layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_,
+                                 LayerStorage{config.TransformOptions(l), config.sink_tokens, sink_codec});
   }
   return absl::OkStatus();
 }
@@ -622,6 +647,22 @@ absl::StatusOr<std::shared_ptr<TierRecord>> SessionStore::PutPage(const PageKey&
 absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
   if (tier_ == nullptr || !session.resident() || session.gone()) return absl::OkStatus();
   const int64_t pt = options_.page_tokens;
+  // A layer's sealed pages are encoded through its transform and next to
+  // its sink tokens: a manifest holding them goes first, so that a restart
+  // that finds the pages finds what they need.
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const LayerCache& layer = session.layers()[l];
+    const bool stale = l >= session.manifest_extras_.size() || session.manifest_extras_[l] != layer.extras_version();
+    bool unwritten = false;
+    if (stale && layer.tokens() >= pt) {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      unwritten = layer.pages()[static_cast<size_t>(layer.tokens() / pt) - 1]->record == nullptr;
+    }
+    if (unwritten) {
+      WriteTierManifest(session);
+      break;
+    }
+  }
   for (size_t l = 0; l < session.layers().size(); ++l) {
     const LayerCache& layer = session.layers()[l];
     const std::vector<std::shared_ptr<Page>>& pages = layer.pages();
@@ -658,6 +699,7 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
       for (size_t i = 0; i < full && pages[i]->record != nullptr; ++i) out.pages.push_back(pages[i]->record);
     }
     out.tokens = static_cast<int64_t>(out.pages.size()) * pt;
+    out.extras = layer.Extras();
     if (tails && out.pages.size() == full && layer.tokens() % pt != 0) {
       absl::StatusOr<std::shared_ptr<TierRecord>> tail = PutPage(
           Key(session, static_cast<int>(l), static_cast<int>(full), static_cast<int>(layer.tokens() % pt)),
@@ -673,7 +715,14 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
 
 void SessionStore::WriteTierManifest(SessionCache& session) {
   absl::StatusOr<TierSession> image = TierImage(session, false);
-  if (image.ok()) session.manifest_ = tier_->PutManifest(*image);
+  if (!image.ok()) return;
+  session.manifest_ = tier_->PutManifest(*image);
+  NoteManifestExtras(session);
+}
+
+void SessionStore::NoteManifestExtras(SessionCache& session) {
+  session.manifest_extras_.clear();
+  for (const LayerCache& layer : session.layers()) session.manifest_extras_.push_back(layer.extras_version());
 }
 
 namespace {
@@ -730,6 +779,7 @@ absl::Status SessionStore::Demote(SessionCache& session) {
   }
   image->manifest = manifest;
   session.manifest_ = std::move(manifest);
+  session.manifest_extras_.clear();
   session.layers_.clear();
   session.charge_.reset();
   session.demoted_ = std::make_unique<TierSession>(*std::move(image));
@@ -762,7 +812,7 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
       size_t next = 0;
       const TierLayer& layer = image.layers[static_cast<size_t>(l)];
       loaded[static_cast<size_t>(l)] =
-          session.layers_[static_cast<size_t>(l)].LoadPages(layer.tokens, [&](uint8_t* data, size_t n) {
+          session.layers_[static_cast<size_t>(l)].LoadPages(layer.tokens, layer.extras, [&](uint8_t* data, size_t n) {
             return tier_->Read(*layer.pages[next++], data, n);
           });
     };
@@ -796,6 +846,7 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
     }
   }
   session.demoted_.reset();
+  NoteManifestExtras(session);  // what was loaded is what its manifest held
   promotions_.fetch_add(1);
   return absl::OkStatus();
 }
@@ -897,7 +948,10 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
     if (image.ok()) {
       std::shared_ptr<TierRecord> manifest = tier_->PutManifest(*image);
       status = WaitForImage(*tier_, *image, *manifest);
-      if (status.ok()) session->manifest_ = std::move(manifest);
+      if (status.ok()) {
+        session->manifest_ = std::move(manifest);
+        NoteManifestExtras(*session);
+      }
     } else {
       status = image.status();
     }

@@ -140,6 +140,8 @@ class SessionCache {
   size_t fp16_bytes() const;
   int64_t tokens() const;  // summed over layers, wherever they are
   int64_t layer_tokens(int layer) const;
+  // Layers whose keys are stored through a fitted transform, wherever they are.
+  int transformed_layers() const;
   // Under mutex(): the quantization error of the keys and of the values
   // stored in each layer, as their encoder measured it (EncodeStats): every
   // vector appended while the session was in this daemon (a fork starts with
@@ -167,6 +169,9 @@ class SessionCache {
   std::shared_ptr<const void> charge_;  // SessionMetadataBytes held in the budget
   std::unique_ptr<TierSession> demoted_;  // its state on the tier while demoted
   std::shared_ptr<TierRecord> manifest_;  // its latest manifest on the tier
+  // Per layer: the LayerCache::extras_version() of its latest manifest (a
+  // sealed page that depends on a later one waits for a new manifest).
+  std::vector<uint64_t> manifest_extras_;
 };
 
 class SessionStore {
@@ -311,6 +316,9 @@ class SessionStore {
   absl::StatusOr<TierSession> TierImage(const SessionCache& session, bool tails);
   // Writes a manifest of the session's sealed pages (under its mutex).
   void WriteTierManifest(SessionCache& session);
+  // Records that the session's latest manifest holds its layers' current
+  // transforms and sinks.
+  static void NoteManifestExtras(SessionCache& session);
   // Queues a record of the page on the tier (Tier::PutPage), its bytes read
   // through the backend.
   absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const Page& page, bool force);

@@ -23,9 +23,11 @@ namespace turbokv {
 namespace {
 
 constexpr char kMagic[8] = {'T', 'K', 'V', 'S', 'N', 'A', 'P', '\n'};
-// 2: the session header holds per-layer codecs and the preset; files of
-// version 1 are still read.
-constexpr uint32_t kVersion = 2;
+// 2: the session header holds per-layer codecs and the preset; 3: it holds
+// the key transform, value centering and sink tokens, and each layer's
+// transform and sink page follow the token counts. Files of versions 1 and
+// 2 are still read.
+constexpr uint32_t kVersion = 3;
 constexpr char kManifestMagic[] = "turbokv snapshot manifest 1";
 
 absl::Status Errno(absl::string_view what, const std::string& path) {
@@ -124,7 +126,8 @@ class FileReader {
   uint32_t crc_ = 0;
 };
 
-constexpr uint32_t kMaxHeaderBytes = 1 << 20;
+// (The file's size bounds it too: nothing is sized from the field alone.)
+constexpr uint32_t kMaxHeaderBytes = 1u << 30;
 
 // The header's fields, checked against the limits CreateSession enforces:
 // nothing is sized from a bad header.
@@ -132,10 +135,16 @@ absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tok
   Reader header(bytes);
   SnapshotHeader s;
   absl::StatusOr<SessionHeader> session =
-      GetSessionHeader(header, page_tokens, "the snapshot", /*layer_codecs=*/version >= 2);
+      GetSessionHeader(header, page_tokens, "the snapshot", std::min<int>(static_cast<int>(version), kHeaderStorage));
   if (!session.ok()) return session.status();
   static_cast<SessionHeader&>(s) = *std::move(session);
   for (int l = 0; l < s.config.layers; ++l) s.tokens.push_back(header.Get<int64_t>());
+  s.extras.resize(static_cast<size_t>(s.config.layers));
+  for (int l = 0; l < s.config.layers && version >= 3; ++l) {
+    if (absl::Status read = GetLayerExtras(header, "the snapshot", &s.extras[static_cast<size_t>(l)]); !read.ok()) {
+      return read;
+    }
+  }
   if (header.short_read() || header.left() != 0) return absl::DataLossError("the snapshot header is malformed");
   for (int64_t tokens : s.tokens) {
     if (tokens < 0 || tokens > s.config.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
@@ -150,6 +159,7 @@ absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCach
   std::string header;
   PutSessionHeader(&header, SessionHeader{session.id(), session.tenant(), session.config(), session.created(), page_tokens});
   for (const LayerCache& layer : layers) Put<int64_t>(&header, layer.tokens());
+  for (const LayerCache& layer : layers) PutLayerExtras(&header, layer.Extras());
   std::string start(kMagic, sizeof(kMagic));
   Put<uint32_t>(&start, kVersion);
   Put<uint32_t>(&start, static_cast<uint32_t>(header.size()));
@@ -212,7 +222,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> ReadSnapshot(const std::string& pa
   if (left != 0) return absl::DataLossError("the snapshot's pages do not match its header");
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, make(header));
   for (size_t l = 0; l < header.tokens.size(); ++l) {
-    TURBOKV_RETURN_IF_ERROR(session->layers()[l].LoadPages(header.tokens[l], [&](uint8_t* data, size_t bytes) {
+    TURBOKV_RETURN_IF_ERROR(session->layers()[l].LoadPages(header.tokens[l], header.extras[l], [&](uint8_t* data, size_t bytes) {
       return in.Read(data, bytes) ? absl::OkStatus() : absl::DataLossError("the snapshot is truncated");
     }));
   }

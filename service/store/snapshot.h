@@ -30,7 +30,8 @@ constexpr char kStaleSuffix[] = ".stale";
 
 // A snapshot's header, as read.
 struct SnapshotHeader : SessionHeader {
-  std::vector<int64_t> tokens;  // per layer
+  std::vector<int64_t> tokens;      // per layer
+  std::vector<LayerExtras> extras;  // per layer (empty ones before version 3)
 };
 
 // Writes the snapshot of `session` with `layers` (its layers, or a frozen

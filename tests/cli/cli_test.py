@@ -96,6 +96,9 @@ class CliTest(unittest.TestCase):
         self.usage_error(["frobnicate"], "unknown command 'frobnicate'")
         # A value only the daemon can judge: INVALID_ARGUMENT is a usage error too.
         self.usage_error(["create", "--head-dim=96"], "INVALID_ARGUMENT", "head_dim")
+        self.usage_error(["create", "--key-transform=whiten"], "--key-transform=whiten", "center_scale")
+        self.usage_error(["create", "--sink-tokens=65"], "--sink-tokens=65")
+        self.usage_error(["create", "--sink-codec=turbo3"], "INVALID_ARGUMENT", "sink_codec")
         # None of them stored anything.
         self.assertEqual(self.json("get", session)["layer_tokens"], [0, 0])
         self.assertEqual(self.sessions() & {session}, {session})
@@ -137,13 +140,19 @@ class CliTest(unittest.TestCase):
         self.assertIs(config["pinned"], False)
         self.assertEqual(config["max_tokens"], 4096)
         self.assertIsInstance(config["rotation_seed"], int)
-        self.assertEqual(config["key_codec"], "CODEC_TURBO3")
-        self.assertEqual(config["preset"], "k3v4")  # neither codecs nor a preset: the daemon's default
+        self.assertEqual(config["key_codec"], "CODEC_TURBO4")
+        self.assertEqual(config["preset"], "k4v4")  # neither codecs nor a preset: the daemon's default
         session = created["session_id"]
-        preset = self.json("create", "--layers=32", "--kv-heads=1", "--q-heads=1", "--preset=k4v4")["config"]
-        self.assertEqual((preset["preset"], preset["key_codec"]), ("k4v4", "CODEC_TURBO4"))
+        preset = self.json("create", "--layers=32", "--kv-heads=1", "--q-heads=1", "--preset=k3v4")["config"]
+        self.assertEqual((preset["preset"], preset["key_codec"]), ("k3v4", "CODEC_TURBO3"))
+        # Storage: the daemon's defaults, or what the flags ask.
+        self.assertEqual((config["key_transform"], config["sink_tokens"], config["sink_codec"]),
+                         ("KEY_TRANSFORM_CENTER_SCALE", 4, "CODEC_F16"))
+        stored = self.json("create", "--layers=2", "--key-transform=none", "--sink-tokens=0", "--center-values")["config"]
+        self.assertEqual((stored["key_transform"], stored["sink_tokens"], stored["center_values"]),
+                         ("KEY_TRANSFORM_NONE", 0, True))
         self.assertEqual([(r["first_layer"], r["last_layer"], r["key_codec"]) for r in preset["layer_codecs"]],
-                         [(0, 1, "CODEC_Q8_0"), (30, 31, "CODEC_Q8_0")])
+                         [(0, 1, "CODEC_TURBO4"), (30, 31, "CODEC_TURBO4")])
 
         info = self.json("get", session)
         self.assertEqual(info["layer_tokens"], [0, 0])

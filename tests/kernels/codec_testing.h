@@ -48,6 +48,25 @@ inline std::vector<float> OutlierKeys(size_t n, int dim, uint64_t seed) {
   return x;
 }
 
+// Vectors shaped like a Qwen model's keys: a component shared by every token
+// (norm about `shared`) on top of channels of very different spread, a few
+// of them outliers.
+inline std::vector<float> SharedComponentVectors(int64_t n, int kv_heads, int d, float shared, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  const size_t row = static_cast<size_t>(kv_heads) * d;
+  std::vector<float> bias(row), spread(row);
+  for (size_t c = 0; c < row; ++c) {
+    bias[c] = shared * normal(rng) / std::sqrt(static_cast<float>(d));
+    spread[c] = c % 29 == 3 ? 12.0f : 0.3f + std::fabs(normal(rng));
+  }
+  std::vector<float> x(static_cast<size_t>(n) * row);
+  for (int64_t t = 0; t < n; ++t) {
+    for (size_t c = 0; c < row; ++c) x[t * row + c] = bias[c] + spread[c] * normal(rng);
+  }
+  return x;
+}
+
 // E ||x - y||^2 / ||x||^2 over vectors, as sum of errors over sum of norms.
 inline double RelativeMse(const std::vector<float>& x, const std::vector<float>& y) {
   double err = 0, norm = 0;

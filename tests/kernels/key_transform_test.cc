@@ -7,7 +7,6 @@
 #include <cmath>
 #include <memory>
 #include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -25,27 +24,9 @@ using ::turbokv::testing::DecodedThroughCodec;
 using ::turbokv::testing::ReferenceAttention;
 using ::turbokv::testing::ReferenceResult;
 using ::turbokv::testing::RelativeL2;
+using ::turbokv::testing::SharedComponentVectors;
 
 constexpr int kPage = 64;
-
-// Vectors shaped like a Qwen model's keys: a component shared by every token
-// (norm about `shared`) on top of channels of very different spread, a few
-// of them outliers.
-std::vector<float> SharedComponentVectors(int64_t n, int kv_heads, int d, float shared, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  const size_t row = static_cast<size_t>(kv_heads) * d;
-  std::vector<float> bias(row), spread(row);
-  for (size_t c = 0; c < row; ++c) {
-    bias[c] = shared * normal(rng) / std::sqrt(static_cast<float>(d));
-    spread[c] = c % 29 == 3 ? 12.0f : 0.3f + std::fabs(normal(rng));
-  }
-  std::vector<float> x(static_cast<size_t>(n) * row);
-  for (int64_t t = 0; t < n; ++t) {
-    for (size_t c = 0; c < row; ++c) x[t * row + c] = bias[c] + spread[c] * normal(rng);
-  }
-  return x;
-}
 
 struct Result {
   std::vector<float> out, lse, top_logits;

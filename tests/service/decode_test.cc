@@ -282,7 +282,7 @@ TEST_P(DecodeTest, NonFiniteValuesFailTheirItemAlone) {
 TEST_P(DecodeTest, AnItemPastTheBudgetFailsAloneWithResourceExhausted) {
   // Pages of 16 tokens x 4 kv heads x (50 + 50) bytes (turbo3, d 128): the
   // budget holds exactly two, and the sessions' metadata.
-  Init(2 * 16 * kKv * 100 + 2 * Meta(kLayers));
+  Init(2 * 16 * kKv * 100 + 2 * Meta(kLayers, kKv, kDim));
   const std::string full = Create(16, 1);     // its last page is full: the next token needs a new one
   const std::string partial = Create(10, 2);  // room left in its last page
   auto result = handler_->Decode(MakeDecode({full, partial}, 1, {{16}, {10}}, true, 3));

@@ -211,8 +211,10 @@ TEST_P(HandlerTest, BadAppendsAreRejectedNamingTheFieldAndChangeNothing) {
 
 TEST_P(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
   // One page: 16 tokens x 2 heads x (50 + 50 bytes) = 3200 bytes (turbo3, d 128).
-  Init(3200 * 5 + 2 * Meta(kLayers));  // room for two sessions' metadata
+  const size_t meta = Meta(kLayers, kKv, kDim);
+  Init(3200 * 5 + 2 * meta);  // room for two sessions' metadata
   const std::string id = Create();
+  const std::string other = Create();
   ASSERT_TRUE(Append(id, 0, 0, 32, 1).ok());  // 2 pages
   ASSERT_TRUE(Append(id, 1, 0, 32, 2).ok());  // 2 pages: 4 used, 1 left
   const int64_t n = 16;
@@ -222,23 +224,22 @@ TEST_P(HandlerTest, BudgetRejectNamesTheNumbersAndAllLayersIsAllOrNothing) {
   EXPECT_EQ(over.status().code(), absl::StatusCode::kFailedPrecondition);  // layer 2 has a gap
   auto over2 = Append(id, 0, 32, 48, 5);  // 3 more pages
   EXPECT_EQ(over2.status().code(), absl::StatusCode::kResourceExhausted);
-  const size_t used = 12800 + Meta(kLayers);
+  const size_t used = 12800 + 2 * meta;
   EXPECT_THAT(std::string(over2.status().message()),
-              HasSubstr(absl::StrCat(used, " bytes used, 9600 needed, budget ", 16000 + 2 * Meta(kLayers), " bytes")));
+              HasSubstr(absl::StrCat(used, " bytes used, 9600 needed, budget ", 16000 + 2 * meta, " bytes")));
   EXPECT_EQ(Info(id).layer_tokens(0), 32);
   EXPECT_EQ(store_->pool().used_bytes(), used);
 
   // All layers at once that fits for two layers but not the third: nothing stored.
-  const std::string other = Create();
   const auto k2 = GaussianVectors(kLayers * 16 * kKv, kDim, 7), v2 = GaussianVectors(kLayers * 16 * kKv, kDim, 8);
   auto partial = handler_->Append(MakeAppend(other, -1, 0, k2, v2, {kLayers, 16, kKv, kDim}));
   EXPECT_EQ(partial.status().code(), absl::StatusCode::kResourceExhausted);
   for (int l = 0; l < kLayers; ++l) EXPECT_EQ(Info(other).layer_tokens(l), 0);
-  EXPECT_EQ(store_->pool().used_bytes(), used + Meta(kLayers));
+  EXPECT_EQ(store_->pool().used_bytes(), used);
 }
 
 TEST_P(HandlerTest, LruEvictsTheLeastRecentlyUsedIdleSession) {
-  Init(3200 * 6 + 3 * Meta(kLayers), EvictionPolicy::kLru);
+  Init(3200 * 6 + 3 * Meta(kLayers, kKv, kDim), EvictionPolicy::kLru);
   const std::string old_one = Create(), recent = Create(), writer = Create();
   ASSERT_TRUE(Append(old_one, 0, 0, 32, 1).ok());  // 2 pages
   ASSERT_TRUE(Append(recent, 0, 0, 32, 2).ok());   // 2 pages
@@ -252,7 +253,7 @@ TEST_P(HandlerTest, LruEvictsTheLeastRecentlyUsedIdleSession) {
   EXPECT_EQ(Info(recent).layer_tokens(0), 32);
   EXPECT_EQ(store_->evictions(), 1);
   // Too big even with everything else evicted: refused, the writer keeps its tokens.
-  auto huge = Append(writer, 1, 0, 200, 4);
+  auto huge = Append(writer, 1, 0, 2000, 4);
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(Info(writer).layer_tokens(0), 48);
 }
@@ -537,14 +538,14 @@ TEST_P(HandlerTest, ForkSharesPagesAndDivergesAfterAppends) {
   fork_request.set_prefix_tokens(150);
   auto fork = handler_->ForkSession(fork_request);
   ASSERT_TRUE(fork.ok()) << fork.status();
-  EXPECT_EQ(store_->pool().used_bytes(), before + Meta(kLayers));  // no page copied
+  EXPECT_EQ(store_->pool().used_bytes(), before + Meta(kLayers, kKv, kDim));  // no page copied
   EXPECT_EQ(fork->session().layer_tokens(2), 150);
 
   // Both append their own token 150 (the source's was already stored; the
   // fork writes a different one into a copy of the shared page).
   ASSERT_TRUE(Append(fork->session_id(), 0, 150, 10, 99).ok());
   const size_t page = 16 * kKv * 100;
-  EXPECT_LE(store_->pool().used_bytes(), before + Meta(kLayers) + page);  // one copied page
+  EXPECT_LE(store_->pool().used_bytes(), before + Meta(kLayers, kKv, kDim) + page);  // one copied page
   v1::ReadKvRequest read;
   read.set_session_id(fork->session_id());
   read.add_layers(0);
@@ -575,7 +576,7 @@ TEST_P(HandlerTest, TruncateAndDeleteReturnMemory) {
   auto truncated = handler_->TruncateSession(truncate);
   ASSERT_TRUE(truncated.ok());
   EXPECT_EQ(truncated->layer_tokens(0), 20);
-  EXPECT_EQ(store_->pool().used_bytes(), 2u * 3200 + Meta(kLayers));
+  EXPECT_EQ(store_->pool().used_bytes(), 2u * 3200 + Meta(kLayers, kKv, kDim));
   ASSERT_TRUE(Append(id, 0, 20, 5, 2).ok());  // rewrites after the rollback
   truncate.set_tokens(-1);
   EXPECT_EQ(handler_->TruncateSession(truncate).status().code(), absl::StatusCode::kInvalidArgument);
@@ -601,7 +602,7 @@ TEST_P(HandlerTest, StatsCountSharedPagesOnce) {
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->sessions(), 2);
   EXPECT_EQ(stats->tokens(), 2 * kLayers * 64);
-  const size_t used = kLayers * 4 * 3200 + 2 * Meta(kLayers);  // pages once, and each session's metadata
+  const size_t used = kLayers * 4 * 3200 + 2 * Meta(kLayers, kKv, kDim);  // pages once, and each session's metadata
   EXPECT_EQ(stats->bytes_used(), used);
   EXPECT_EQ(stats->fp16_bytes(), 2 * kLayers * 64 * kKv * kDim * 4);
   EXPECT_NEAR(stats->compression_ratio(), 2.0 * kLayers * 64 * kKv * kDim * 4 / used, 1e-9);
@@ -641,12 +642,13 @@ TEST_P(HandlerTest, ManySessionsFromManyThreads) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(Info(shared).layer_tokens(0), kRounds * 8);
   EXPECT_EQ(store_->session_count(), 1u);
-  EXPECT_EQ(store_->pool().used_bytes(), 4u * 3200 + Meta(kLayers));  // the shared session's 64 tokens
+  EXPECT_EQ(store_->pool().used_bytes(), 4u * 3200 + Meta(kLayers, kKv, kDim));  // the shared session's 64 tokens
 }
 
 TEST_P(HandlerTest, LruEvictsNothingWhenEvictingCannotMakeRoom) {
   // Eight idle sessions of 2 pages each, and a writer.
-  Init(3200 * 20 + 9 * Meta(kLayers), EvictionPolicy::kLru);
+  const size_t meta = Meta(kLayers, kKv, kDim);
+  Init(3200 * 20 + 9 * meta, EvictionPolicy::kLru);
   std::vector<std::string> idle;
   for (int s = 0; s < 8; ++s) {
     idle.push_back(Create());
@@ -654,15 +656,15 @@ TEST_P(HandlerTest, LruEvictsNothingWhenEvictingCannotMakeRoom) {
   }
   const std::string writer = Create();
   // More than the whole budget: refused at once, nobody evicted.
-  auto huge = Append(writer, 0, 0, 16 * 60, 100);
+  auto huge = Append(writer, 0, 0, static_cast<int64_t>(16 * (21 + 9 * meta / 3200)), 100);
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(huge.status().message()), HasSubstr("nothing was evicted"));
   for (const std::string& id : idle) EXPECT_EQ(Info(id).layer_tokens(0), 32) << id;
   EXPECT_EQ(store_->evictions(), 0);
 
   // Forks of a writer share its pages: evicting them frees only their
-  // metadata, not the 14 pages an append needs.
-  Init(3200 * 17 + 5 * Meta(kLayers), EvictionPolicy::kLru);
+  // metadata, not the pages an append needs.
+  Init(3200 * 17 + 5 * meta, EvictionPolicy::kLru);
   const std::string source = Create();
   for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(Append(source, l, 0, 16 * 5, 102 + l).ok());  // 15 pages, 2 left
   std::vector<std::string> forks;
@@ -674,7 +676,9 @@ TEST_P(HandlerTest, LruEvictsNothingWhenEvictingCannotMakeRoom) {
     ASSERT_TRUE(forked.ok()) << forked.status();
     forks.push_back(forked->session_id());
   }
-  auto more = Append(source, 0, 16 * 5, 16 * 16, 110);
+  // More pages than the 2 left and the forks' metadata hold, less than the budget.
+  const int64_t pages = static_cast<int64_t>((4 * meta + 2 * 3200) / 3200) + 2;
+  auto more = Append(source, 0, 16 * 5, 16 * pages, 110);
   EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(more.status().message()), HasSubstr("so none was evicted"));
   for (const std::string& id : forks) EXPECT_EQ(Info(id).layer_tokens(0), 16 * 5) << id;
@@ -717,7 +721,7 @@ TEST_P(HandlerTest, ValuesACodecWouldSaturateAreRefusedNamingWhere) {
 }
 
 TEST_P(HandlerTest, ReadKvRefusesRepeatedLayersAndSaysWhyASessionWent) {
-  Init(3200 * 4 + 2 * Meta(kLayers), EvictionPolicy::kLru);
+  Init(3200 * 4 + 2 * Meta(kLayers, kKv, kDim), EvictionPolicy::kLru);
   const std::string id = Create();
   ASSERT_TRUE(Append(id, 0, 0, 32, 1).ok());
   v1::ReadKvRequest read;

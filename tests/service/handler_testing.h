@@ -42,10 +42,14 @@ class HandlerFixture : public ::testing::Test {
     if (!probe.ok()) GTEST_SKIP() << Device() << " cannot serve here: " << probe.status().message();
     Init(size_t{1} << 30);
   }
-  // What a session of `layers` layers costs the budget besides its pages.
-  static size_t Meta(int layers) {
+  // What a session of this shape costs the budget besides its pages (with
+  // the default sink tokens).
+  static size_t Meta(int layers, int kv_heads, int head_dim) {
     SessionConfig config;
     config.layers = layers;
+    config.kv_heads = kv_heads;
+    config.head_dim = head_dim;
+    config.sink_tokens = kDefaultSinkTokens;
     return SessionMetadataBytes(config);
   }
 

@@ -26,6 +26,8 @@
 #include "service/store/record_io.h"
 #include "service/store/snapshot.h"
 #include "service/store/tiers/disk_tier.h"
+#include "kernels/half.h"
+#include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
 #include "tests/service/service_testing.h"
 
@@ -266,11 +268,17 @@ TEST_P(LayerCodecsTest, EachLayerOfAMixedSessionIsItsCodecsSingleSession) {
   for (int l = 0; l < kLayers; ++l) same(mixed, single[l], l, 50, "after the spill tier");
 }
 
-// A snapshot of format version 1 (before per-layer codecs: no preset or
-// ranges in its header) still loads, its session with the codecs it names;
-// a version this turbokvd does not know is DATA_LOSS naming the versions read.
-TEST_P(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
-  const std::string id = Create(MakeCreate(kLayers, kKv, kQ, kDim, v1::CODEC_Q8_0, v1::CODEC_TURBO4));
+// Snapshots of format versions 1 (before per-layer codecs: no preset or
+// ranges in its header) and 2 (before key transforms and sink tokens: no
+// storage fields, no per-layer extras) still load, their sessions with the
+// codecs they name, stored as given; a version this turbokvd does not know
+// is DATA_LOSS naming the versions read.
+TEST_P(LayerCodecsTest, SnapshotsOfVersionsOneAndTwoStillLoad) {
+  v1::CreateSessionRequest create = MakeCreate(kLayers, kKv, kQ, kDim, v1::CODEC_Q8_0, v1::CODEC_TURBO4);
+  // What those versions could hold: no transform, no sinks.
+  create.mutable_config()->set_key_transform(v1::KEY_TRANSFORM_NONE);
+  create.mutable_config()->set_sink_tokens(0);
+  const std::string id = Create(create);
   const int64_t n = 40;
   const auto k = GaussianVectors(kLayers * n * kKv, kDim, 1), v = GaussianVectors(kLayers * n * kKv, kDim, 2);
   ASSERT_TRUE(handler_->Append(MakeAppend(id, -1, 0, k, v, {kLayers, n, kKv, kDim})).ok());
@@ -285,8 +293,6 @@ TEST_P(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
     bytes << in.rdbuf();
     file = bytes.str();
   }
-  // Version 2's session header ends in u16 0 (no preset) and u32 0 (no
-  // ranges): version 1 is the same without those 6 bytes.
   std::string header;
   {
     // Not held past this block: the session must go before its store does.
@@ -295,6 +301,22 @@ TEST_P(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
     PutSessionHeader(&header, SessionHeader{id, "", (*session)->config(), (*session)->created(), kPage});
   }
   ASSERT_EQ(file.substr(16, header.size()), header);
+  // Version 3's session header ends in the storage fields (u8 transform, u8
+  // center_values, i32 sink_tokens, u8 sink_codec: 7 bytes) and each layer's
+  // extras follow the token counts (here u8 flags, i64 0 sinks, u32 0 bytes);
+  // version 2 is without them, and version 1 also without the u16 0 (no
+  // preset) and u32 0 (no ranges) before them.
+  const size_t extras = kLayers * (1 + 8 + 4);
+  auto older = [&](size_t header_cut, size_t at) {
+    std::string out = file;
+    uint32_t header_bytes = 0;
+    std::memcpy(&header_bytes, &out[12], 4);
+    out.erase(16 + header_bytes - extras, extras);
+    out.erase(16 + at, header_cut);
+    header_bytes -= static_cast<uint32_t>(header_cut + extras);
+    std::memcpy(&out[12], &header_bytes, 4);
+    return out;
+  };
   auto write = [&](uint32_t version, const std::string& bytes) {
     std::string out = bytes;
     std::memcpy(&out[8], &version, 4);
@@ -302,36 +324,31 @@ TEST_P(LayerCodecsTest, SnapshotsOfVersionOneStillLoad) {
     std::memcpy(&out[out.size() - 4], &crc, 4);
     std::ofstream(path, std::ios::binary | std::ios::trunc) << out;
   };
-  std::string v1_file = file;
-  v1_file.erase(16 + header.size() - 6, 6);
-  uint32_t header_bytes = 0;
-  std::memcpy(&header_bytes, &v1_file[12], 4);
-  header_bytes -= 6;
-  std::memcpy(&v1_file[12], &header_bytes, 4);
-  write(1, v1_file);
-  unlink((dir_ + "/snapshots/" + kManifestName).c_str());
+  for (uint32_t version : {1u, 2u}) {
+    write(version, version == 2 ? older(7, header.size() - 7) : older(13, header.size() - 13));
+    unlink((dir_ + "/snapshots/" + kManifestName).c_str());
+    Reopen(/*spill=*/false);
+    auto loaded = store_->LoadSnapshots(absl::Now());
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    ASSERT_EQ(loaded->sessions, 1) << (loaded->failed.empty() ? "" : loaded->failed[0].second.ToString());
+    const v1::SessionInfo info = Info(id);
+    EXPECT_EQ(info.config().key_codec(), v1::CODEC_Q8_0) << version;
+    EXPECT_EQ(info.config().value_codec(), v1::CODEC_TURBO4) << version;
+    EXPECT_EQ(info.config().preset(), "") << version;
+    EXPECT_EQ(info.config().layer_codecs_size(), 0) << version;
+    EXPECT_EQ(info.config().key_transform(), v1::KEY_TRANSFORM_NONE) << version;
+    EXPECT_EQ(info.config().sink_tokens(), 0) << version;
+    EXPECT_EQ(Attend(id, 1, q, n - 1).result().output().data(), before) << version;
+  }
+
+  write(4, file);
   Reopen(/*spill=*/false);
   auto loaded = store_->LoadSnapshots(absl::Now());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  ASSERT_EQ(loaded->sessions, 1) << (loaded->failed.empty() ? "" : loaded->failed[0].second.ToString());
-  const v1::SessionInfo info = Info(id);
-  EXPECT_EQ(info.config().key_codec(), v1::CODEC_Q8_0);
-  EXPECT_EQ(info.config().value_codec(), v1::CODEC_TURBO4);
-  EXPECT_EQ(info.config().preset(), "");
-  EXPECT_EQ(info.config().layer_codecs_size(), 0);
-  EXPECT_EQ(Attend(id, 1, q, n - 1).result().output().data(), before);
-
-  write(3, file);
-  Reopen(/*spill=*/false);
-  loaded = store_->LoadSnapshots(absl::Now());
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
   ASSERT_EQ(loaded->failed.size(), 1u);
-  EXPECT_THAT(std::string(loaded->failed[0].second.message()), HasSubstr("snapshot format version 3, this turbokvd reads 1 to 2"));
+  EXPECT_THAT(std::string(loaded->failed[0].second.message()), HasSubstr("snapshot format version 4, this turbokvd reads 1 to 3"));
 }
 
-// The quantization error each layer reports (SessionInfo, and the metrics'
-// histogram) is the error of what ReadKv gives back, for every codec and both
-// rotation block sizes (d = 64 and 128).
 TEST_P(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {
   const v1::Codec codecs[] = {v1::CODEC_F16,    v1::CODEC_Q8_0,   v1::CODEC_Q4_0,
                               v1::CODEC_TURBO2, v1::CODEC_TURBO3, v1::CODEC_TURBO4};
@@ -339,6 +356,9 @@ TEST_P(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {
   for (int d : {64, 128}) {
     v1::CreateSessionRequest request = MakeCreate(layers, kKv, kQ, d);
     for (int l = 0; l < layers; ++l) *request.mutable_config()->add_layer_codecs() = Range(l, l, codecs[l], codecs[l]);
+    // The encoders measure what the pages store: here the vectors as given.
+    request.mutable_config()->set_key_transform(v1::KEY_TRANSFORM_NONE);
+    request.mutable_config()->set_sink_tokens(0);
     const std::string id = Create(request);
     const int64_t n = 50;
     auto k = GaussianVectors(layers * n * kKv, d, 1), v = GaussianVectors(layers * n * kKv, d, 2);
@@ -398,7 +418,7 @@ TEST_P(LayerCodecsTest, PresetsExpandToTheirTables) {
   };
   const Expected expected[] = {
       {"k8v4", v1::CODEC_Q8_0, v1::CODEC_TURBO4, 0, v1::CODEC_UNSPECIFIED, v1::CODEC_UNSPECIFIED, (8.5 + 4.125) / 2},
-      {"k4v4", v1::CODEC_TURBO4, v1::CODEC_TURBO4, 2, v1::CODEC_Q8_0, v1::CODEC_Q8_0, (28 * 4.125 + 4 * 8.5) / 32},
+      {"k4v4", v1::CODEC_TURBO4, v1::CODEC_TURBO4, 0, v1::CODEC_UNSPECIFIED, v1::CODEC_UNSPECIFIED, 4.125},
       {"k4v3", v1::CODEC_TURBO4, v1::CODEC_TURBO3, 2, v1::CODEC_TURBO4, v1::CODEC_TURBO4,
        (28 * 3.625 + 4 * 4.125) / 32},
       {"k3v4", v1::CODEC_TURBO3, v1::CODEC_TURBO4, 2, v1::CODEC_TURBO4, v1::CODEC_TURBO4,
@@ -489,6 +509,12 @@ TEST_P(LayerCodecsTest, BadTablesAreRefusedNamingTheField) {
        }},
       {"config.layer_codecs[0].value_codec = 99",
        [](v1::SessionConfig& c) { *c.add_layer_codecs() = Range(0, 0, v1::CODEC_Q8_0, static_cast<v1::Codec>(99)); }},
+      {"config.key_transform = 9 is not a KeyTransform",
+       [](v1::SessionConfig& c) { c.set_key_transform(static_cast<v1::KeyTransform>(9)); }},
+      {"config.sink_tokens = 65 must be in [0, 64]", [](v1::SessionConfig& c) { c.set_sink_tokens(65); }},
+      {"config.sink_tokens = -1", [](v1::SessionConfig& c) { c.set_sink_tokens(-1); }},
+      {"config.sink_codec = 5 is not CODEC_F16 or CODEC_Q8_0",
+       [](v1::SessionConfig& c) { c.set_sink_codec(v1::CODEC_TURBO3); }},
   };
   for (const Case& c : cases) {
     v1::CreateSessionRequest request = MakeCreate(kLayers, kKv, kQ, kDim);
@@ -499,6 +525,231 @@ TEST_P(LayerCodecsTest, BadTablesAreRefusedNamingTheField) {
   }
   EXPECT_EQ(store_->session_count(), 0u);
 }
+
+// Keys made safe (docs/API.md): a layer's first tokens kept apart as sinks
+// and the rest stored through a key transform come back through ReadKv as
+// the vectors sent (the sinks to f16, the rest far closer than without the
+// transform), attention equals float attention over what ReadKv gives, and
+// both survive fork, truncate, a snapshot and the spill tier unchanged.
+class StorageTest : public LayerCodecsTest {
+ protected:
+  // Every layer's tokens [0, n): keys [layers][n][kv][d] and values.
+  std::pair<std::vector<float>, std::vector<float>> Read(const std::string& id, int layers) {
+    std::vector<float> keys, values;
+    for (int l = 0; l < layers; ++l) {
+      v1::ReadKvRequest read;
+      read.set_session_id(id);
+      read.add_layers(l);
+      auto cursor = handler_->StartReadKv(read);
+      EXPECT_TRUE(cursor.ok()) << cursor.status();
+      if (!cursor.ok()) break;
+      v1::ReadKvResponse response;
+      while (*handler_->NextReadKv(*cursor, &response)) {
+        const auto k = TensorFloats(response.keys()), v = TensorFloats(response.values());
+        keys.insert(keys.end(), k.begin(), k.end());
+        values.insert(values.end(), v.begin(), v.end());
+      }
+    }
+    return {keys, values};
+  }
+  v1::AttendResponse AttendWith(const std::string& id, int layer, const std::vector<float>& q,
+                                const std::vector<int64_t>& positions, const v1::AttentionOptions& options) {
+    v1::AttendRequest request;
+    request.set_session_id(id);
+    request.set_layer(layer);
+    *request.mutable_queries() = MakeTensor(q, {static_cast<int64_t>(positions.size()), kQ, kDim});
+    for (int64_t p : positions) request.add_positions(p);
+    *request.mutable_options() = options;
+    auto response = handler_->Attend(request);
+    EXPECT_TRUE(response.ok()) << response.status();
+    return response.ok() ? *response : v1::AttendResponse();
+  }
+  std::string CreateWith(v1::Codec codec, v1::KeyTransform transform, int sinks) {
+    v1::CreateSessionRequest request = MakeCreate(kLayers, kKv, kQ, kDim, codec, codec);
+    request.mutable_config()->set_key_transform(transform);
+    request.mutable_config()->set_sink_tokens(sinks);
+    return Create(request);
+  }
+};
+
+double RelativeError(const std::vector<float>& x, const std::vector<float>& reference, size_t from, size_t to) {
+  double err = 0, norm = 0;
+  for (size_t i = from; i < to; ++i) {
+    err += (double(x[i]) - reference[i]) * (double(x[i]) - reference[i]);
+    norm += double(reference[i]) * reference[i];
+  }
+  return std::sqrt(err / norm);
+}
+
+TEST_P(StorageTest, SinksAndTransformGiveBackTheVectorsAndExactAttention) {
+  constexpr int64_t n = 200, kSinks = 4;
+  const size_t row = static_cast<size_t>(kKv) * kDim;
+  const auto k = testing::SharedComponentVectors(kLayers * n, kKv, kDim, 300.0f, 1);
+  const auto v = testing::SharedComponentVectors(kLayers * n, kKv, kDim, 3.0f, 2);
+  const auto q_fit = testing::SharedComponentVectors(kLayers * n * (kQ / kKv), kKv, kDim, 6.0f, 3);
+  const std::string safe = CreateWith(v1::CODEC_TURBO3, v1::KEY_TRANSFORM_UNSPECIFIED, kSinks);
+  const std::string plain = CreateWith(v1::CODEC_TURBO3, v1::KEY_TRANSFORM_NONE, 0);
+  for (const std::string& id : {safe, plain}) {
+    v1::AppendRequest append = MakeAppend(id, -1, 0, k, v, {kLayers, n, kKv, kDim});
+    *append.mutable_queries() = MakeTensor(q_fit, {kLayers, n, kQ, kDim});
+    ASSERT_TRUE(handler_->Append(append).ok());
+  }
+  const v1::SessionInfo info = Info(safe);
+  EXPECT_EQ(info.config().key_transform(), v1::KEY_TRANSFORM_CENTER_SCALE);
+  EXPECT_EQ(info.config().sink_tokens(), kSinks);
+  EXPECT_EQ(info.transformed_layers(), kLayers);
+  EXPECT_EQ(Info(plain).transformed_layers(), 0);
+
+  const auto [safe_k, safe_v] = Read(safe, kLayers);
+  const auto [plain_k, plain_v] = Read(plain, kLayers);
+  ASSERT_EQ(safe_k.size(), k.size());
+  for (int l = 0; l < kLayers; ++l) {
+    const size_t layer = static_cast<size_t>(l) * n * row;
+    // The sinks as f16 holds them.
+    for (size_t i = layer; i < layer + kSinks * row; ++i) {
+      ASSERT_EQ(safe_k[i], HalfBitsToFloat(FloatToHalfBits(k[i]))) << "layer " << l << " value " << i - layer;
+      ASSERT_EQ(safe_v[i], HalfBitsToFloat(FloatToHalfBits(v[i]))) << "layer " << l << " value " << i - layer;
+    }
+    // The rest: the transform's error is a small part of the plain codec's.
+    const double with = RelativeError(safe_k, k, layer + kSinks * row, layer + n * row);
+    const double without = RelativeError(plain_k, k, layer + kSinks * row, layer + n * row);
+    EXPECT_LT(with, 0.3 * without) << "layer " << l;
+    EXPECT_LT(RelativeError(safe_v, v, layer + kSinks * row, layer + n * row), 0.25) << "layer " << l;
+  }
+
+  // Attention equals float attention over what ReadKv gives (the held data).
+  const auto q = testing::SharedComponentVectors(4 * (kQ / kKv), kKv, kDim, 6.0f, 4);
+  const std::vector<int64_t> positions = {n - 1, 2, kSinks, 120};
+  for (int variant = 0; variant < 2; ++variant) {
+    v1::AttentionOptions options;
+    AttentionParams params;
+    params.q_heads = kQ;
+    if (variant == 1) {
+      options.set_softcap(30.0f);
+      options.set_window(50);
+      params.softcap = 30.0f;
+      params.window = 50;
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      const size_t layer = static_cast<size_t>(l) * n * row;
+      const std::vector<float> held_k(safe_k.begin() + layer, safe_k.begin() + layer + n * row);
+      const std::vector<float> held_v(safe_v.begin() + layer, safe_v.begin() + layer + n * row);
+      const testing::ReferenceResult ref =
+          testing::ReferenceAttention(held_k, held_v, kKv, kDim, q, positions, params);
+      const v1::AttendResponse got = AttendWith(safe, l, q, positions, options);
+      EXPECT_LT(testing::RelativeL2(TensorFloats(got.result().output()), ref.out), 1e-3) << l << " " << variant;
+      const auto lse = TensorFloats(got.result().lse());
+      for (size_t i = 0; i < lse.size(); ++i) {
+        EXPECT_NEAR(lse[i], ref.lse[i], 2e-3 * std::max(1.0, std::fabs(ref.lse[i]))) << l << " " << variant;
+      }
+    }
+  }
+}
+
+TEST_P(StorageTest, SinksAndTransformSurviveForkTruncateSnapshotsAndTheSpillTier) {
+  constexpr int64_t n = 100;
+  const size_t row = static_cast<size_t>(kKv) * kDim;
+  const auto k = testing::SharedComponentVectors(kLayers * n, kKv, kDim, 300.0f, 5);
+  const auto v = testing::SharedComponentVectors(kLayers * n, kKv, kDim, 3.0f, 6);
+  const std::string id = CreateWith(v1::CODEC_TURBO4, v1::KEY_TRANSFORM_UNSPECIFIED, 4);
+  ASSERT_TRUE(handler_->Append(MakeAppend(id, -1, 0, k, v, {kLayers, n, kKv, kDim})).ok());
+  const auto before = Read(id, kLayers);
+  const auto q = GaussianVectors(kQ, kDim, 7);
+  std::vector<std::string> outputs;
+  for (int l = 0; l < kLayers; ++l) outputs.push_back(Attend(id, l, q, n - 1).result().output().data());
+
+  // A fork into the sinks holds their first tokens and fits its own
+  // transform from its next chunk; a truncate into them does the same.
+  v1::ForkSessionRequest fork;
+  fork.set_source_session_id(id);
+  fork.set_prefix_tokens(2);
+  auto forked = handler_->ForkSession(fork);
+  ASSERT_TRUE(forked.ok()) << forked.status();
+  EXPECT_EQ(Info(forked->session_id()).transformed_layers(), 0);
+  const auto k2 = testing::SharedComponentVectors(kLayers * 60, kKv, kDim, 300.0f, 8);
+  const auto v2 = testing::SharedComponentVectors(kLayers * 60, kKv, kDim, 3.0f, 9);
+  ASSERT_TRUE(handler_->Append(MakeAppend(forked->session_id(), -1, 2, k2, v2, {kLayers, 60, kKv, kDim})).ok());
+  EXPECT_EQ(Info(forked->session_id()).transformed_layers(), kLayers);
+  const auto fork_read = Read(forked->session_id(), kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    for (size_t i = 0; i < 2 * row; ++i) {
+      ASSERT_EQ(fork_read.first[l * 62 * row + i], before.first[l * n * row + i]) << "the fork's sinks, layer " << l;
+    }
+    double err = 0, norm = 0;
+    for (size_t i = 4 * row; i < 62 * row; ++i) {
+      const double x = k2[l * 60 * row + i - 2 * row], y = fork_read.first[l * 62 * row + i];
+      err += (x - y) * (x - y);
+      norm += x * x;
+    }
+    EXPECT_LT(std::sqrt(err / norm), 0.02) << "the fork's own tokens, layer " << l;
+  }
+  // The source is untouched by its fork.
+  EXPECT_EQ(Read(id, kLayers), before);
+
+  // Snapshot, then the spill tier: the same bytes come back and attend alike.
+  ASSERT_TRUE(store_->SaveSnapshots().ok());
+  Reopen(/*spill=*/true);
+  auto loaded = store_->LoadSnapshots(absl::Now());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->sessions, 2) << (loaded->failed.empty() ? "" : loaded->failed[0].second.ToString());
+  EXPECT_EQ(Read(id, kLayers), before);
+  for (int l = 0; l < kLayers; ++l) EXPECT_EQ(Attend(id, l, q, n - 1).result().output().data(), outputs[l]);
+  {
+    auto session = store_->Find(id, "", absl::Now());
+    ASSERT_TRUE(session.ok());
+    std::lock_guard<std::mutex> lock((*session)->mutex());
+    ASSERT_TRUE(store_->Demote(**session).ok());
+  }
+  EXPECT_EQ(Info(id).transformed_layers(), kLayers);  // said while on disk
+  ASSERT_TRUE(store_->FlushTier(absl::InfiniteFuture()).ok());
+  Reopen(/*spill=*/true);
+  EXPECT_EQ(Read(id, kLayers), before);
+  for (int l = 0; l < kLayers; ++l) EXPECT_EQ(Attend(id, l, q, n - 1).result().output().data(), outputs[l]);
+
+  // Truncated into the sinks: the transform goes, the next chunk fits anew.
+  v1::TruncateSessionRequest truncate;
+  truncate.set_session_id(id);
+  truncate.set_tokens(3);
+  ASSERT_TRUE(handler_->TruncateSession(truncate).ok());
+  EXPECT_EQ(Info(id).transformed_layers(), 0);
+  ASSERT_TRUE(handler_->Append(MakeAppend(id, -1, 3, k2, v2, {kLayers, 60, kKv, kDim})).ok());
+  EXPECT_EQ(Info(id).transformed_layers(), kLayers);
+  const auto again = Read(id, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    for (size_t i = 0; i < 3 * row; ++i) ASSERT_EQ(again.first[l * 63 * row + i], before.first[l * n * row + i]);
+  }
+}
+
+// A layer's first chunk past its sinks fits the transform only with 16 tokens
+// or more: decoding from the first token leaves layers as given.
+TEST_P(StorageTest, ShortFirstChunksLeaveTheLayerAsGiven) {
+  const std::string id = CreateWith(v1::CODEC_TURBO3, v1::KEY_TRANSFORM_CENTER, 1);
+  for (int64_t p = 0; p < 3; ++p) {
+    v1::DecodeRequest decode;
+    decode.set_layer(0);
+    decode.add_session_ids(id);
+    decode.add_positions(p);
+    *decode.mutable_queries() = MakeTensor(GaussianVectors(kQ, kDim, 40 + p), {1, kQ, kDim});
+    *decode.mutable_keys() = MakeTensor(GaussianVectors(kKv, kDim, 50 + p), {1, kKv, kDim});
+    *decode.mutable_values() = MakeTensor(GaussianVectors(kKv, kDim, 60 + p), {1, kKv, kDim});
+    auto decoded = handler_->Decode(decode);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    ASSERT_EQ(decoded->failed(), 0) << decoded->status(0).message();
+  }
+  EXPECT_EQ(Info(id).transformed_layers(), 0);
+  // A prefill of 40 tokens fits one (layer 1), from its keys alone.
+  const auto k = testing::SharedComponentVectors(40, kKv, kDim, 300.0f, 70), v = GaussianVectors(40 * kKv, kDim, 71);
+  ASSERT_TRUE(handler_->Append(MakeAppend(id, 1, 0, k, v, {40, kKv, kDim})).ok());
+  EXPECT_EQ(Info(id).transformed_layers(), 1);
+  // Queries of the wrong shape are refused naming them.
+  v1::AppendRequest bad = MakeAppend(id, 2, 0, k, v, {40, kKv, kDim});
+  *bad.mutable_queries() = MakeTensor(GaussianVectors(40 * kKv, kDim, 72), {40, kKv, kDim});
+  auto refused = handler_->Append(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("queries"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, StorageTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
 INSTANTIATE_TEST_SUITE_P(Devices, LayerCodecsTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 

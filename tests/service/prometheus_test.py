@@ -35,13 +35,14 @@ class PrometheusTest(unittest.TestCase):
                                        f"--metrics-listen=127.0.0.1:{metrics_port}"], stderr=log)
             prometheus = None
             try:
-                # One session with 256 tokens in each of its 2 layers.
+                # One session with 1,024 tokens in each of its 2 layers (enough that its
+                # metadata, sink tokens and key transforms among it, weighs little).
                 cli = os.environ["TURBOKV_CLI"]
                 session = subprocess.run([cli, f"--target={target}", "create", "--layers=2", "--kv-heads=2",
                                           "--q-heads=4", "--head-dim=128", "--key-codec=turbo3",
                                           "--value-codec=turbo3"], capture_output=True, text=True,
                                          timeout=60, check=True).stdout.strip()
-                subprocess.run([cli, f"--target={target}", "append-random", session, "--tokens=256"],
+                subprocess.run([cli, f"--target={target}", "append-random", session, "--tokens=1024"],
                                capture_output=True, text=True, timeout=60, check=True)
 
                 exposition = get(f"http://127.0.0.1:{metrics_port}/metrics")
@@ -71,8 +72,8 @@ class PrometheusTest(unittest.TestCase):
                 while time.time() < deadline and query("turbokv_tokens_stored") is None:
                     time.sleep(0.5)
                 self.assertEqual(query("turbokv_sessions"), 1)
-                self.assertEqual(query("turbokv_tokens_stored"), 512)
-                self.assertEqual(query("turbokv_appended_tokens_total"), 512)
+                self.assertEqual(query("turbokv_tokens_stored"), 2048)
+                self.assertEqual(query("turbokv_appended_tokens_total"), 2048)
                 self.assertEqual(query('turbokv_memory_budget_bytes{device="cpu"}'), 4 * 2**30)
                 self.assertGreater(query("turbokv_compression_ratio"), 4.5)
                 self.assertEqual(query('sum(turbokv_rpc_duration_seconds_count{method="CreateSession"})'), 1)

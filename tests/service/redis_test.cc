@@ -184,16 +184,28 @@ class Reference {
   Reference() : daemon_({"--listen=" + Socket("reference"), "--device=cpu", "--threads=1"}) {
     client_ = Connected("reference", daemon_);
   }
-  Observed Of(const Sequence& sequence, int64_t tokens) { return Of({{&sequence, tokens}}); }
+  // The first chunk of `fitted` tokens (it fits each layer's key
+  // transform, as the observed session's first chunk did), then the rest.
+  Observed Of(const Sequence& sequence, int64_t fitted, int64_t tokens) {
+    return Of({{&sequence, tokens}}, fitted);
+  }
   // Tokens from each sequence in turn: the first `until` of one, then the
-  // next up to its `until`, ...
-  Observed Of(const std::vector<std::pair<const Sequence*, int64_t>>& parts) {
+  // next up to its `until`, ...; the first sequence's first `fitted` tokens
+  // go first as one chunk (cut back to its `until` when that is shorter:
+  // a session truncated after its first chunk).
+  Observed Of(const std::vector<std::pair<const Sequence*, int64_t>>& parts, int64_t fitted) {
     auto session = client_->CreateSession(Shape());
     EXPECT_TRUE(session.ok()) << session.status();
-    int64_t at = 0;
+    EXPECT_TRUE(parts[0].first->Append(*session, 0, fitted).ok());
+    int64_t at = std::min(fitted, parts[0].second);
+    if (at < fitted) {
+      EXPECT_TRUE(session->Truncate(at).ok());
+    }
     for (const auto& [sequence, until] : parts) {
-      EXPECT_TRUE(sequence->Append(*session, at, until - at).ok());
-      at = until;
+      if (until > at) {
+        EXPECT_TRUE(sequence->Append(*session, at, until - at).ok());
+      }
+      at = std::max(at, until);
     }
     return Observe(*session);
   }
@@ -262,7 +274,7 @@ TEST(RedisTierTest, SigtermHandsOverAndKillNineLosesOnlyTheUnsealedTail) {
     EXPECT_THAT(b.Log(), HasSubstr(absl::StrCat("Redis tier ", redis.Url())));
     EXPECT_THAT(b.Log(), HasSubstr(": answering"));
     ASSERT_EQ(Appended(sequence.Append(*session, 200, 150)), 350);  // sealed up to 320
-    EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 350));
+    EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 200, 350));
     WaitForWriteThrough(b);
     const std::string metrics = Scrape(b.MetricsAddress());
     EXPECT_EQ(Sample(metrics, "turbokv_takeovers_total{result=\"ok\"}"), 1);
@@ -286,7 +298,7 @@ TEST(RedisTierTest, SigtermHandsOverAndKillNineLosesOnlyTheUnsealedTail) {
   EXPECT_EQ(session->Info()->layer_tokens(0), 320);
   EXPECT_EQ(session->Info()->layer_tokens(1), 320);
   ASSERT_EQ(Appended(sequence.Append(*session, 320, 100)), 420);
-  EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 420));
+  EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 200, 420));
   // A deleted session goes from Redis, every key of it but its epoch.
   ASSERT_TRUE(session->Delete().ok());
   absl::SleepFor(absl::Milliseconds(500));
@@ -324,13 +336,13 @@ TEST(RedisTierTest, ForksAndTruncatedSessionsCarryOverAndAForkOutlivesItsSource)
   auto client = Connected("b", b);
   auto source = client->OpenSession(source_id);
   ASSERT_TRUE(source.ok()) << source.status();
-  EXPECT_TRUE(Observe(*source) == reference.Of({{&first, 100}, {&second, 230}}));
+  EXPECT_TRUE(Observe(*source) == reference.Of({{&first, 100}, {&second, 230}}, 200));
   ASSERT_TRUE(source->Delete().ok());
   absl::SleepFor(absl::Milliseconds(300));
   // The fork stands alone in Redis: its source's pages were copied into its own.
   auto fork = client->OpenSession(fork_id);
   ASSERT_TRUE(fork.ok()) << fork.status();
-  EXPECT_TRUE(Observe(*fork) == reference.Of({{&first, 150}, {&second, 260}}));
+  EXPECT_TRUE(Observe(*fork) == reference.Of({{&first, 150}, {&second, 260}}, 200));
 }
 
 TEST(RedisTierTest, TwoDaemonsRacingForASessionOneWinsTheOtherIsRefused) {
@@ -407,7 +419,7 @@ TEST(RedisTierTest, AStaleOwnerIsRefusedAndDropsItsCopy) {
             absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(a.Log(), HasSubstr("was claimed by another turbokvd"));
   // B's session is as B left it.
-  EXPECT_TRUE(Observe(*on_b) == reference.Of(sequence, 200));
+  EXPECT_TRUE(Observe(*on_b) == reference.Of(sequence, 128, 200));
 }
 
 TEST(RedisTierTest, ATenantCannotTakeOverAnotherTenantsSession) {
@@ -542,7 +554,7 @@ TEST(RedisTierTest, RedisPausedOrStoppedNeverHoldsACallAndTheTierCatchesUp) {
   ASSERT_TRUE(taken.ok()) << taken.status() << "\n" << a.Log();
   ASSERT_TRUE(taken->Info().ok());
   EXPECT_EQ(taken->Info()->layer_tokens(1), tokens);
-  EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, tokens));
+  EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, 16, tokens));
 }
 
 TEST(RedisUrlTest, FormsAndMistakes) {

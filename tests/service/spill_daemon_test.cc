@@ -210,13 +210,17 @@ TEST(SpillDaemonTest, AfterKillNineTheRestartHasTheSealedPagesOfEverySession) {
     EXPECT_LE(most, acked[s].load() + kChunk);
     recovered += std::min(tokens[0], acked[s].load());
     sent += acked[s].load();
-    // What came back is what was sent: the daemon encodes the same tokens
-    // again into a fresh session with the same seed, and both read alike.
+    // What came back is what was sent: the daemon encodes the same tokens,
+    // in the same chunks (the first fits each layer's key transform), into a
+    // fresh session with the same seed, and both read alike.
     if (most == 0) continue;
     auto fresh = client->CreateSession(Shape(2000 + s));
     ASSERT_TRUE(fresh.ok());
-    const auto k = pool.Chunk(pool.k, s, 0, most), v = pool.Chunk(pool.v, s, 0, most);
-    ASSERT_TRUE(fresh->AppendAllLayers(0, TensorData::F32(k), TensorData::F32(v)).ok());
+    for (int64_t start = 0; start < most; start += kChunk) {
+      const int64_t n = std::min(kChunk, most - start);
+      const auto k = pool.Chunk(pool.k, s, start, n), v = pool.Chunk(pool.v, s, start, n);
+      ASSERT_TRUE(fresh->AppendAllLayers(start, TensorData::F32(k), TensorData::F32(v)).ok());
+    }
     EXPECT_EQ(Digest(*session, tokens), Digest(*fresh, tokens)) << "session " << s;
     ASSERT_TRUE(fresh->Delete().ok());
   }

@@ -119,12 +119,12 @@ class ClientTest(DaemonTestCase):
         s.delete()
 
     def test_presets_and_layer_codecs(self):
-        s = self.client.create_session(32, 1, 1, D, preset="k4v4")
+        s = self.client.create_session(32, 1, 1, D, preset="k4v3")
         info = s.info()
-        self.assertEqual(info.config.preset, "k4v4")
-        self.assertEqual([(r.first_layer, r.last_layer, r.key_codec) for r in info.layers],
-                         [(0, 1, pb.CODEC_Q8_0), (2, 29, pb.CODEC_TURBO4), (30, 31, pb.CODEC_Q8_0)])
-        self.assertAlmostEqual(info.bits_per_value, (28 * 4.125 + 4 * 8.5) / 32)
+        self.assertEqual(info.config.preset, "k4v3")
+        self.assertEqual([(r.first_layer, r.last_layer, r.value_codec) for r in info.layers],
+                         [(0, 1, pb.CODEC_TURBO4), (2, 29, pb.CODEC_TURBO3), (30, 31, pb.CODEC_TURBO4)])
+        self.assertAlmostEqual(info.bits_per_value, (28 * 3.625 + 4 * 4.125) / 32)
         # Neither codecs nor a preset: the daemon's default preset.
         self.assertIn(self.client.create_session(LAYERS, KV, Q, D).info().config.preset, turbokv.PRESETS)
         mixed = self.client.create_session(LAYERS, KV, Q, D, key_codec="turbo3", value_codec="turbo3",
@@ -135,6 +135,32 @@ class ClientTest(DaemonTestCase):
             self.client.create_session(LAYERS, KV, Q, D, preset="k9v9")
         with self.assertRaisesRegex(ValueError, r"layer_codecs\[0\] last_layer must be in \[0, 2\), got 2"):
             self.client.create_session(LAYERS, KV, Q, D, layer_codecs=[(0, 2, "f16", "f16")])
+
+    def test_key_transform_and_sink_tokens(self):
+        rng = np.random.default_rng(5)
+        t = 64
+        # Keys with a large component every token shares (as a Qwen model's).
+        keys = (rng.normal(size=(KV, D)) * 30 + rng.normal(size=(t, KV, D))).astype(np.float32)
+        values = rng.normal(size=(t, KV, D)).astype(np.float32)
+        queries = rng.normal(size=(t, Q, D)).astype(np.float32)
+        safe = self.client.create_session(LAYERS, KV, Q, D, key_codec="turbo3", value_codec="turbo3",
+                                          key_transform="center_scale", sink_tokens=2, sink_codec="q8_0")
+        self.assertEqual(safe.info().config.sink_tokens, 2)
+        self.assertEqual(safe.info().config.sink_codec, pb.CODEC_Q8_0)
+        safe.append(0, 0, keys, values, queries=queries)
+        self.assertEqual(safe.info().transformed_layers, 1)
+        plain = self.client.create_session(LAYERS, KV, Q, D, key_codec="turbo3", value_codec="turbo3",
+                                           key_transform="none", sink_tokens=0)
+        plain.append(0, 0, keys, values)
+        self.assertEqual(plain.info().transformed_layers, 0)
+        # What comes back is the keys sent, far closer with the transform.
+        self.assertLess(rel(safe.read_kv(0)[0], keys), 0.3 * rel(plain.read_kv(0)[0], keys))
+        with self.assertRaisesRegex(ValueError, "key_transform: unknown 'whiten'"):
+            self.client.create_session(LAYERS, KV, Q, D, key_transform="whiten")
+        with self.assertRaisesRegex(ValueError, "sink_codec: use one of f16, q8_0"):
+            self.client.create_session(LAYERS, KV, Q, D, sink_codec="turbo3")
+        with self.assertRaisesRegex(ValueError, "queries must have the keys' 64 tokens"):
+            safe.append(1, 0, keys, values, queries=queries[:10])
 
     def test_stats_and_list(self):
         s = self.session()

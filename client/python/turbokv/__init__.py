@@ -29,7 +29,7 @@ of use, and create_session(..., pinned=True) keeps one in memory.
 
 __version__ = "0.1.0"
 
-from turbokv._common import PRESETS, AttentionResult, DecodeResult, RetryPolicy, merge_attention  # noqa: E402
+from turbokv._common import KEY_TRANSFORMS, PRESETS, AttentionResult, DecodeResult, RetryPolicy, merge_attention  # noqa: E402
 from turbokv.client import Client, DecodeStream, Session  # noqa: E402
 from turbokv.errors import (  # noqa: E402
     BudgetExceeded, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError,
@@ -41,5 +41,5 @@ __all__ = [
     "__version__", "Client", "Session", "DecodeStream", "AttentionResult", "DecodeResult", "RetryPolicy",
     "merge_attention", "TurbokvError", "SessionNotFound", "BudgetExceeded", "InvalidArgument", "FailedPrecondition",
     "Unavailable", "DeadlineExceeded", "PermissionDenied", "Unauthenticated", "ServiceError",
-    "RESIDENCY_MEMORY", "RESIDENCY_DISK", "RESIDENCY_MEMORY_AND_DISK", "PRESETS",
+    "RESIDENCY_MEMORY", "RESIDENCY_DISK", "RESIDENCY_MEMORY_AND_DISK", "PRESETS", "KEY_TRANSFORMS",
 ]

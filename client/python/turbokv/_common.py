@@ -36,6 +36,13 @@ CODECS = {
 }
 PRESETS = ("k8v4", "k4v4", "k4v3", "k3v4", "k3v3", "k2v2")
 """The named codec choices of CreateSession (docs/API.md "Choosing a codec")."""
+KEY_TRANSFORMS = {
+    "none": pb.KEY_TRANSFORM_NONE,
+    "center": pb.KEY_TRANSFORM_CENTER,
+    "center_scale": pb.KEY_TRANSFORM_CENTER_SCALE,
+}
+"""How a session stores its keys before their codec (docs/API.md "Keys made safe")."""
+SINK_CODECS = ("f16", "q8_0")
 DEFAULT_TIMEOUT = 60.0
 
 
@@ -239,7 +246,8 @@ class SessionBase:
     def _layer(self, layer: Any) -> int:
         return _tensors.index(layer, "layer", 0, self.layers)
 
-    def _append_request(self, layer: Optional[int], start: int, keys: Any, values: Any) -> pb.AppendRequest:
+    def _append_request(self, layer: Optional[int], start: int, keys: Any, values: Any,
+                        queries: Any = None) -> pb.AppendRequest:
         dims = [("tokens", None), ("kv_heads", self.kv_heads), ("head_dim", self.head_dim)]
         if layer is None:
             dims.insert(0, ("layers", self.layers))
@@ -249,6 +257,13 @@ class SessionBase:
         if tuple(request.keys.shape) != tuple(request.values.shape):
             raise ValueError(f"keys and values must have one shape, got {tuple(request.keys.shape)} and "
                              f"{tuple(request.values.shape)}")
+        if queries is not None:
+            query_dims = [d if d[0] != "kv_heads" else ("q_heads", self.q_heads) for d in dims]
+            request.queries.CopyFrom(_tensors.encode(queries, "queries", query_dims)[0])
+            tokens = len(request.keys.shape) - 3
+            if request.queries.shape[tokens] != request.keys.shape[tokens]:
+                raise ValueError(f"queries must have the keys' {request.keys.shape[tokens]} tokens, got "
+                                 f"{request.queries.shape[tokens]}")
         if layer is None:
             request.all_layers = True
         else:
@@ -256,8 +271,9 @@ class SessionBase:
         return request
 
     def _chunk_request(self, chunk: Any) -> pb.AppendRequest:
-        if not isinstance(chunk, tuple) or len(chunk) != 4:
-            raise TypeError(f"each chunk must be a tuple (layer, start, keys, values), got {type(chunk).__name__}")
+        if not isinstance(chunk, tuple) or len(chunk) not in (4, 5):
+            raise TypeError("each chunk must be a tuple (layer, start, keys, values) or (layer, start, keys, values, "
+                            f"queries), got {type(chunk).__name__}")
         return self._append_request(*chunk)
 
     def _attend_request(self, layer: int, queries: Any, positions: Optional[Any], softmax_scale: float,
@@ -337,7 +353,9 @@ class SessionBase:
 def create_request(layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: Optional[str],
                    value_codec: Optional[str], rotation_seed: Optional[int], max_tokens: int,
                    idle_ttl: Optional[float], pinned: bool, preset: Optional[str] = None,
-                   layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None
+                   layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
+                   key_transform: Optional[str] = None, center_values: bool = False,
+                   sink_tokens: Optional[int] = None, sink_codec: Optional[str] = None
                    ) -> pb.CreateSessionRequest:
     shape = pb.ModelShape(layers=_tensors.index(layers, "layers", 1), kv_heads=_tensors.index(kv_heads, "kv_heads", 1),
                           q_heads=_tensors.index(q_heads, "q_heads", 1), head_dim=_tensors.index(head_dim, "head_dim", 1))
@@ -366,6 +384,17 @@ def create_request(layers: int, kv_heads: int, q_heads: int, head_dim: int, key_
                                 last_layer=_tensors.index(last, f"layer_codecs[{i}] last_layer", first, layers),
                                 key_codec=codec_of(key, f"layer_codecs[{i}] key_codec"),
                                 value_codec=codec_of(value, f"layer_codecs[{i}] value_codec"))
+    if key_transform is not None:
+        if key_transform not in KEY_TRANSFORMS:
+            raise ValueError(f"key_transform: unknown {key_transform!r}: use one of {', '.join(KEY_TRANSFORMS)}")
+        config.key_transform = KEY_TRANSFORMS[key_transform]
+    config.center_values = bool(center_values)
+    if sink_tokens is not None:
+        config.sink_tokens = _tensors.index(sink_tokens, "sink_tokens", 0, 65)
+    if sink_codec is not None:
+        if sink_codec not in SINK_CODECS:
+            raise ValueError(f"sink_codec: use one of {', '.join(SINK_CODECS)}, not {sink_codec!r}")
+        config.sink_codec = CODECS[sink_codec]
     if rotation_seed is not None:
         config.rotation_seed = _tensors.index(rotation_seed, "rotation_seed", 0, 1 << 64)
     if idle_ttl is not None:

@@ -55,10 +55,10 @@ class Session(_common.SessionBase):
 
     _client: "Client"
 
-    async def append(self, layer: Optional[int], start: int, keys: Any, values: Any, *,
+    async def append(self, layer: Optional[int], start: int, keys: Any, values: Any, *, queries: Any = None,
                      timeout: Optional[float] = None) -> int:
         """As turbokv.Session.append."""
-        return await self._append([self._append_request(layer, start, keys, values)], timeout)
+        return await self._append([self._append_request(layer, start, keys, values, queries)], timeout)
 
     async def append_stream(self, chunks: Union[Iterable[Chunk], AsyncIterable[Chunk]], *,
                             timeout: Optional[float] = None) -> int:
@@ -258,10 +258,13 @@ class Client:
                              idle_ttl: Optional[float] = None, pinned: bool = False, *,
                              preset: Optional[str] = None,
                              layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
+                             key_transform: Optional[str] = None, center_values: bool = False,
+                             sink_tokens: Optional[int] = None, sink_codec: Optional[str] = None,
                              timeout: Optional[float] = None) -> Session:
         """As turbokv.Client.create_session."""
         request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
-                                         max_tokens, idle_ttl, pinned, preset, layer_codecs)
+                                         max_tokens, idle_ttl, pinned, preset, layer_codecs,
+                                         key_transform, center_values, sink_tokens, sink_codec)
         response = await self._invoke(
             lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
             timeout, idempotent=False)

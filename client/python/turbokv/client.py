@@ -34,16 +34,18 @@ class Session(_common.SessionBase):
 
     _client: "Client"
 
-    def append(self, layer: Optional[int], start: int, keys: Any, values: Any, *,
+    def append(self, layer: Optional[int], start: int, keys: Any, values: Any, *, queries: Any = None,
                timeout: Optional[float] = None) -> int:
         """Stores tokens [start, start + n) of `layer` (None: every layer);
         returns the layer's new length. Positions already stored are
-        acknowledged, not stored again."""
-        request = self._append_request(layer, start, keys, values)
+        acknowledged, not stored again. queries (the chunk's, [n, q_heads,
+        head_dim] or [layers, n, q_heads, head_dim]): send them with a layer's
+        first chunk, whose keys fit the layer's key transform."""
+        request = self._append_request(layer, start, keys, values, queries)
         return self._append(iter([request]), timeout)
 
     def append_stream(self, chunks: Iterable[Chunk], *, timeout: Optional[float] = None) -> int:
-        """Sends (layer, start, keys, values) chunks on one Append stream
+        """Sends (layer, start, keys, values[, queries]) chunks on one Append stream
         without waiting for each acknowledgement; returns the length after the
         last one. The first failing chunk raises (a chunk refused here raises
         its ValueError or TypeError, as does an exception of the chunks'
@@ -286,6 +288,8 @@ class Client:
                        idle_ttl: Optional[float] = None, pinned: bool = False, *,
                        preset: Optional[str] = None,
                        layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
+                       key_transform: Optional[str] = None, center_values: bool = False,
+                       sink_tokens: Optional[int] = None, sink_codec: Optional[str] = None,
                        timeout: Optional[float] = None) -> Session:
         """A new session of the model shape. Codecs: f16, q8_0, q4_0, turbo2,
         turbo3, turbo4, or a preset (turbokv.PRESETS: k8v4, k4v4, k4v3, k3v4,
@@ -294,9 +298,15 @@ class Client:
         in place of the session's codecs (None: the session's). rotation_seed:
         the turbo codecs' (random when None); max_tokens per layer (0: the
         daemon's); idle_ttl in seconds (None: the daemon's --session-ttl);
-        pinned: never demoted to --spill-dir."""
+        pinned: never demoted to --spill-dir. key_transform: how keys are
+        stored before their codec (turbokv.KEY_TRANSFORMS: "none", "center",
+        "center_scale"; None: the daemon's default, center_scale);
+        center_values: values centered too; sink_tokens: the first tokens of
+        every layer kept apart in sink_codec ("f16" or "q8_0"; None: the
+        daemon's default, 4 in f16)."""
         request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
-                                         max_tokens, idle_ttl, pinned, preset, layer_codecs)
+                                         max_tokens, idle_ttl, pinned, preset, layer_codecs,
+                                         key_transform, center_values, sink_tokens, sink_codec)
         response = self._invoke(
             lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
             timeout, idempotent=False)

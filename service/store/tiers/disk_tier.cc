@@ -27,12 +27,14 @@ namespace {
 
 constexpr char kMagic[4] = {'T', 'K', 'V', 'R'};
 // 2: a manifest's session header holds per-layer codecs and the preset;
-// records of version 1 are still read.
-constexpr uint16_t kVersion = 2;
+// 3: it holds the key transform, value centering and sink tokens, and each
+// layer's entry its transform and sink page. Records of versions 1 and 2
+// are still read.
+constexpr uint16_t kVersion = 3;
 constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kFrameBytes = 24;  // magic, version, type, 0, lsn, header bytes, payload bytes
 constexpr size_t kCrcBytes = 4;
-constexpr uint32_t kMaxHeaderBytes = 1 << 24;
+constexpr uint32_t kMaxHeaderBytes = 1 << 28;  // a manifest's, with each layer's transform and sinks
 constexpr char kSegmentPrefix[] = "seg-";
 constexpr char kSegmentSuffix[] = ".tkvl";
 
@@ -286,7 +288,7 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
     if (damaged.count(id) != 0) continue;
     Reader in(manifest.header);
     absl::StatusOr<SessionHeader> header =
-        GetSessionHeader(in, pt, "its manifest on disk", /*layer_codecs=*/manifest.version >= 2);
+        GetSessionHeader(in, pt, "its manifest on disk", std::min<int>(manifest.version, kHeaderStorage));
     if (!header.ok()) {
       damaged[id] = std::string(header.status().message());
       continue;
@@ -318,6 +320,10 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
           continue;
         }
         layer.pages.push_back(found->second);
+      }
+      if (manifest.version >= 3 && !GetLayerExtras(in, "its manifest on disk", &layer.extras).ok()) {
+        malformed = true;
+        break;
       }
       session.layers.push_back(std::move(layer));
     }
@@ -419,6 +425,7 @@ std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
     Put<int64_t>(&header, layer.tokens);
     Put<uint32_t>(&header, static_cast<uint32_t>(layer.pages.size()));
     for (const auto& page : layer.pages) Put<uint64_t>(&header, page->lsn());
+    PutLayerExtras(&header, layer.extras);
   }
   const size_t bytes = kFrameBytes + header.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);

@@ -20,7 +20,11 @@ namespace {
 
 constexpr char kPageMagic[4] = {'T', 'K', 'V', 'P'};
 constexpr char kManifestMagic[4] = {'T', 'K', 'V', 'M'};
-constexpr uint16_t kVersion = 1;
+// 2: a manifest's session header holds the key transform, value centering
+// and sink tokens, and each layer's entry its transform and sink page;
+// manifests of version 1 are still read (pages are unchanged).
+constexpr uint16_t kVersion = 2;
+constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kEpochOffset = 8;         // in a page and in a manifest: after magic, version, 0
 constexpr size_t kPageHeaderBytes = 48;    // magic .. payload CRC
 constexpr int64_t kTombstoneEpochMs = 86400000;
@@ -319,6 +323,7 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
       Put<uint32_t>(&value, static_cast<uint32_t>(page->bytes()));
       listed.push_back(std::move(page));
     }
+    PutLayerExtras(&value, layer.extras);
   }
   for (auto it = state->copies.begin(); it != state->copies.end();) {
     it = it->second.expired() ? state->copies.erase(it) : std::next(it);
@@ -752,12 +757,15 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   }
   Reader in(manifest);
   in.Take(sizeof(kManifestMagic));
-  if (const uint16_t version = in.Get<uint16_t>(); version != kVersion) {
-    return damaged(absl::StrCat("is of format version ", version, "; this turbokvd reads ", kVersion));
+  const uint16_t version = in.Get<uint16_t>();
+  if (version < kOldestVersion || version > kVersion) {
+    return damaged(absl::StrCat("is of format version ", version, "; this turbokvd reads ", kOldestVersion, " to ",
+                                kVersion));
   }
   in.Get<uint16_t>();
   in.Get<int64_t>();
-  absl::StatusOr<SessionHeader> header = GetSessionHeader(in, options_.page_tokens, "the Redis manifest", true);
+  absl::StatusOr<SessionHeader> header = GetSessionHeader(in, options_.page_tokens, "the Redis manifest",
+                                                          version >= 2 ? kHeaderStorage : kHeaderLayerCodecs);
   if (!header.ok()) return release(header.status());
   if (header->id != id || header->tenant != tenant) return damaged("names another session");
   // Sealed pages written since the manifest, by layer and index.
@@ -783,6 +791,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   const int64_t pt = options_.page_tokens;
   std::vector<std::vector<std::pair<std::string, uint32_t>>> pages(layers);
   std::vector<int64_t> lengths(layers);
+  std::vector<LayerExtras> extras(layers);
   std::vector<std::string> superseded;
   for (uint32_t l = 0; l < layers; ++l) {
     const int64_t tokens = in.Get<int64_t>();
@@ -800,6 +809,9 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       } else {
         tail = {std::move(key), bytes};
       }
+    }
+    if (version >= 2 && !GetLayerExtras(in, "the Redis manifest", &extras[l]).ok()) {
+      return damaged(absl::StrCat("holds a malformed transform or sinks of layer ", l));
     }
     // Then the pages sealed after the manifest, in order; the first of them
     // holds the tail.
@@ -832,6 +844,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   for (uint32_t l = 0; l < layers; ++l) {
     TierLayer layer;
     layer.tokens = lengths[l];
+    layer.extras = std::move(extras[l]);
     for (auto& [key, bytes] : pages[l]) {
       layer.pages.push_back(record(std::move(key), bytes, true));
       claimed->listed.push_back(std::static_pointer_cast<Record>(layer.pages.back()));

@@ -57,6 +57,7 @@ struct PageKey {
 struct TierLayer {
   int64_t tokens = 0;
   std::vector<std::shared_ptr<TierRecord>> pages;
+  LayerExtras extras;  // its transform and sink tokens
 };
 struct TierSession {
   SessionHeader header;
