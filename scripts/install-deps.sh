@@ -2,6 +2,7 @@
 # Installs the Debian packages turbokv needs, only those that are missing.
 # Non-interactive; runs `apt-get update` first only when something must be installed.
 #   scripts/install-deps.sh          what building and testing on this machine needs (make deps)
+#   scripts/install-deps.sh --real-model  the text of bench/real_model.py (make real-model-deps)
 #   scripts/install-deps.sh --arm64  what make test-arm64 needs: the cross compiler, qemu-user
 #                                    and the arm64 builds of the kernels' libraries (Multi-Arch:
 #                                    same, beside the amd64 ones; apt keeps both at one version)
@@ -16,7 +17,10 @@ packages=(
   prometheus-cpp-dev prometheus clang-14 libclang-rt-14-dev libhiredis-dev redis-server
   python3-grpcio python3-protobuf python3-numpy python3-yaml python3-pip python3-venv python3-torch python3-jsonschema
 )
-if [ "${1:-}" = "--arm64" ]; then
+if [ "${1:-}" = "--real-model" ]; then
+  name="real-model deps"
+  packages=(debian-reference-en)  # bench/real_model.py's text
+elif [ "${1:-}" = "--arm64" ]; then
   name="arm64 deps"
   foreign="arm64"
   packages=(g++-aarch64-linux-gnu qemu-user-static libabsl-dev:arm64 libhwy-dev:arm64 libgtest-dev:arm64)
