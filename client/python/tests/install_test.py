@@ -1,42 +1,86 @@
-"""`pip install ./client/python` as a user runs it, with no package index:
-into a fresh venv made with --system-site-packages (Debian's grpcio,
-protobuf and numpy), then `import turbokv` there, from outside the source
-tree, and one real call against a real turbokvd ($TURBOKVD)."""
+"""`pip install ./client/python` as a user runs it: into a fresh, plain venv
+(no system site packages), its dependencies from the package index, at both
+ends that matter: the floors pyproject.toml declares and the versions of
+constraints.txt. Then `import turbokv` there, from outside the source tree,
+and a real call against a real turbokvd ($TURBOKVD); torch is not needed."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import unittest
 
 from daemon import Daemon
 
 SOURCE = os.environ.get("TURBOKV_PACKAGE_SOURCE", os.path.join(os.path.dirname(__file__), ".."))
+CONSTRAINTS = os.environ.get("TURBOKV_CONSTRAINTS", os.path.join(SOURCE, "..", "..", "constraints.txt"))
 CHECK = """
 import importlib.metadata, sys, numpy as np, turbokv
 assert turbokv.__file__.startswith(sys.prefix), turbokv.__file__
 assert importlib.metadata.version("turbokv") == turbokv.__version__ == sys.argv[2], turbokv.__version__
+assert "torch" not in sys.modules
 with turbokv.Client(sys.argv[1]) as client:
     client.wait_until_ready(20)
     s = client.create_session(1, 1, 1, 64, key_codec="f16", value_codec="f16")
     k = np.arange(64, dtype=np.float32).reshape(1, 1, 64) / 64
     assert s.append(0, 0, k, k) == 1
     assert (s.read_kv(0)[0] == k).all()
+    q = np.ones((1, 1, 64), np.float32)
+    assert abs(float(s.attend(0, q).output[0, 0, 5]) - 5 / 64) < 1e-3
     print("installed turbokv", turbokv.__version__, "works:", client.stats().sessions, "session")
 """
 
 
+def dependencies():
+    with open(os.path.join(SOURCE, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["dependencies"]
+
+
+def floors():
+    """Each dependency at the lowest version pyproject.toml allows."""
+    pins = {}
+    for requirement in dependencies():
+        name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement).groups()
+        pins[name.lower()] = version
+    return pins
+
+
+def pinned():
+    """The dependencies at constraints.txt's versions."""
+    wanted = set(floors())
+    pins = {}
+    with open(CONSTRAINTS) as f:
+        for line in f:
+            match = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line.strip())
+            if match and match.group(1).lower() in wanted:
+                pins[match.group(1).lower()] = match.group(2)
+    return pins
+
+
 class PipInstallTest(unittest.TestCase):
-    def test_pip_install_into_a_venv_then_a_real_call(self):
+    def install_and_call(self, pins):
         with tempfile.TemporaryDirectory(prefix="turbokv-venv-") as folder:
             venv = os.path.join(folder, "venv")
-            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+            subprocess.run([sys.executable, "-m", "venv", venv], check=True)
             python = os.path.join(venv, "bin", "python")
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            env["PIP_NO_INDEX"] = "1"  # as offline as the machine: nothing may come from an index
-            pip = subprocess.run([python, "-m", "pip", "install", "--no-cache-dir", SOURCE], env=env,
-                                 capture_output=True, text=True, timeout=240)
+            constraints = os.path.join(folder, "constraints.txt")
+            with open(constraints, "w") as f:
+                f.writelines(f"{name}=={version}\n" for name, version in pins.items())
+            # From a copy: setuptools builds in the source folder (build/, egg-info).
+            source = os.path.join(folder, "source")
+            shutil.copytree(SOURCE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+            pip = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "-c", constraints,
+                                  source], env=env, capture_output=True, text=True, timeout=600)
             self.assertEqual(pip.returncode, 0, pip.stdout + pip.stderr)
+            listed = subprocess.run([python, "-m", "pip", "list", "--format=freeze"], env=env, capture_output=True,
+                                    text=True, check=True).stdout.lower()
+            for name, version in pins.items():
+                self.assertIn(f"{name}=={version}", listed)
+            self.assertNotIn("torch==", listed)
             daemon = Daemon()
             try:
                 run = subprocess.run([python, "-c", CHECK, daemon.target, os.environ.get("TURBOKV_VERSION", "0.1.0")],
@@ -48,9 +92,17 @@ class PipInstallTest(unittest.TestCase):
                 daemon.close()
             installed = subprocess.run([python, "-m", "pip", "show", "-f", "turbokv"], env=env, capture_output=True,
                                        text=True, check=True).stdout
-            for shipped in ("turbokv/py.typed", "turbokv/aio.py", "turbokv/v1/turbokv_pb2.py",
-                            "turbokv/v1/turbokv_pb2_grpc.py"):
+            for shipped in ("turbokv/py.typed", "turbokv/aio.py", "turbokv/transformers.py",
+                            "turbokv/v1/turbokv_pb2.py", "turbokv/v1/turbokv_pb2_grpc.py"):
                 self.assertIn(shipped, installed)
+
+    def test_at_the_declared_floors(self):
+        self.install_and_call(floors())
+
+    def test_at_the_pinned_versions(self):
+        pins = pinned()
+        self.assertEqual(set(pins), set(floors()), "constraints.txt pins every dependency")
+        self.install_and_call(pins)
 
 
 if __name__ == "__main__":

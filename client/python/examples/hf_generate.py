@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Generates with a Hugging Face transformers model whose KV cache lives in
+turbokvd (attn_implementation="turbokv", turbokv.transformers).
+
+  hf_generate.py --tiny --check
+      Tiny random models of two families (Llama-style with head_dim 64,
+      Qwen2-style with biases and head_dim 128; GQA, two layers) generate 32
+      tokens greedily with eager attention and through turbokvd (f16 codec);
+      exits 0 only if the tokens are identical, printing the largest logit
+      difference.
+  hf_generate.py --gguf FILE [--prompt TEXT] [--preset k4v4]
+      A real model from a GGUF file (transformers' GGUF loader; e.g. the
+      Qwen2.5 model of `make real-model-deps`, README "Choosing a codec"):
+      prints the generated text and tokens per second.
+
+turbokvd: --target (default $TURBOKV_TARGET), or the build's turbokvd
+started on a private socket when neither is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Tuple
+
+import torch
+import transformers
+
+import turbokv
+import turbokv.transformers as tt
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def tiny_models(seed: int = 0) -> Dict[str, transformers.PreTrainedModel]:
+    """Two families, random weights, eager attention, in eval mode."""
+    torch.manual_seed(seed)
+    configs = {
+        "llama-d64": transformers.LlamaConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=1024),
+        "qwen2-d128": transformers.Qwen2Config(
+            vocab_size=512, hidden_size=512, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024),
+    }
+    models = {}
+    for name, config in configs.items():
+        config._attn_implementation = "eager"
+        models[name] = randomized(transformers.AutoModelForCausalLM.from_config(config)).eval()
+    return models
+
+
+def randomized(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Random weights of a trained model's scale (logits spread enough that
+    greedy tokens are not near-ties): embeddings of unit variance, linear
+    layers variance-preserving, the projections back into the residual
+    stream scaled by 1/sqrt(2 x layers) as GPT-2 does."""
+    residual = (2 * model.config.get_text_config().num_hidden_layers) ** -0.5
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Embedding):
+                torch.nn.init.normal_(module.weight, std=1.0)
+            elif isinstance(module, torch.nn.Linear):
+                gain = residual if name.endswith(("o_proj", "down_proj")) else 1.0
+                torch.nn.init.normal_(module.weight, std=gain * module.in_features ** -0.5)
+                if module.bias is not None:
+                    torch.nn.init.normal_(module.bias, std=0.5)
+    return model
+
+
+def generate(model: transformers.PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+             cache: "tt.TurbokvCache | None" = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Greedy: the generated tokens [batch, new_tokens] and each step's logits [batch, new_tokens, vocab]."""
+    model.set_attn_implementation(tt.ATTN_IMPLEMENTATION if cache is not None else "eager")
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, past_key_values=cache, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
+
+
+class Daemon:
+    """The build's turbokvd on a private unix socket."""
+
+    def __init__(self) -> None:
+        binary = os.environ.get("TURBOKVD", os.path.join(REPO, "build", "service", "turbokvd"))
+        self.folder = tempfile.mkdtemp(prefix="turbokv-hf-")
+        self.target = f"unix://{self.folder}/turbokv.sock"
+        self.process = subprocess.Popen([binary, f"--listen={self.target}", "--device=cpu", "--metrics-listen="],
+                                        stderr=subprocess.DEVNULL)
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def check(client: turbokv.Client, new_tokens: int) -> bool:
+    ok = True
+    for name, model in tiny_models().items():
+        ids = torch.randint(1, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        eager_tokens, eager_logits = generate(model, ids, mask, new_tokens)
+        with tt.TurbokvCache(client, model.config, key_codec="f16", value_codec="f16") as cache:
+            tokens, logits = generate(model, ids, mask, new_tokens, cache)
+        same = torch.equal(tokens, eager_tokens)
+        diff = float((logits - eager_logits).abs().max())
+        print(f"{name}: {new_tokens} tokens {'identical' if same else 'DIFFERENT'}, "
+              f"largest logit difference {diff:.2e} (logits span {float(eager_logits.max() - eager_logits.min()):.1f})")
+        ok = ok and same
+    return ok
+
+
+def run_gguf(client: turbokv.Client, path: str, prompt: str, new_tokens: int, options: Dict[str, str]) -> None:
+    folder, name = os.path.split(os.path.abspath(path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                              attn_implementation=tt.ATTN_IMPLEMENTATION).eval()
+    batch = tokenizer([prompt], return_tensors="pt")
+    with tt.TurbokvCache(client, model.config, **options) as cache, torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
+        seconds = time.perf_counter() - start
+    generated = out[0, batch["input_ids"].shape[1]:]
+    print(tokenizer.decode(generated, skip_special_tokens=True))
+    print(f"{len(generated)} tokens in {seconds:.1f} s: {len(generated) / seconds:.2f} tokens/s "
+          f"(prompt of {batch['input_ids'].shape[1]} tokens, {options or 'the default preset'})")
+
+
+def main(argv: "List[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=os.environ.get("TURBOKV_TARGET"), help="turbokvd's address")
+    parser.add_argument("--tiny", action="store_true", help="tiny random models of two families")
+    parser.add_argument("--check", action="store_true", help="with --tiny: eager and turbokvd (f16) must agree")
+    parser.add_argument("--gguf", help="a GGUF model file")
+    parser.add_argument("--prompt", default="The Debian package manager is")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    parser.add_argument("--preset", help="the sessions' preset (default: the daemon's)")
+    args = parser.parse_args(argv)
+    if not args.tiny and not args.gguf:
+        parser.error("give --tiny or --gguf FILE")
+    daemon = None if args.target else Daemon()
+    try:
+        with turbokv.Client(args.target or daemon.target) as client:
+            client.wait_until_ready(30)
+            if args.tiny:
+                ok = check(client, args.tokens)
+                if args.check and not ok:
+                    return 1
+            if args.gguf:
+                run_gguf(client, args.gguf, args.prompt, args.tokens, {"preset": args.preset} if args.preset else {})
+    finally:
+        if daemon is not None:
+            daemon.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""turbokv.transformers against transformers itself (the venv's pinned
+version) and a real turbokvd ($TURBOKVD): tiny random models of several
+families generate the same greedy tokens with their KV cache in turbokvd
+(f16) as with eager attention, compressed codecs stay close, a padded
+batch equals its sequences run alone, sliding windows, GQA and softcapping
+are passed on, and mistakes fail clearly."""
+
+import os
+import subprocess
+import sys
+import unittest
+
+import torch
+import transformers
+
+import turbokv
+import turbokv.transformers as tt
+from daemon import Daemon
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+sys.path.insert(0, EXAMPLES)
+import hf_generate  # noqa: E402
+
+
+def prompt(vocab, length, seed):
+    return torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def cosine(a, b):
+    a, b = a.flatten().double(), b.flatten().double()
+    return float(a @ b / a.norm() / b.norm())
+
+
+class TransformersIntegrationTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon("--memory-budget=1GiB")
+        cls.client = turbokv.Client(cls.daemon.target)
+        cls.client.wait_until_ready(20)
+        cls.models = hf_generate.tiny_models()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        assert cls.daemon.stop() == 0
+        cls.daemon.close()
+
+    def run_both(self, model, ids, mask, new_tokens=32, **options):
+        eager = hf_generate.generate(model, ids, mask, new_tokens)
+        with tt.TurbokvCache(self.client, model.config, **options) as cache:
+            served = hf_generate.generate(model, ids, mask, new_tokens, cache)
+        return eager, served
+
+    def test_the_example_checks_both_families(self):
+        env = dict(os.environ, TURBOKV_TARGET=self.daemon.target)
+        run = subprocess.run([sys.executable, os.path.join(EXAMPLES, "hf_generate.py"), "--tiny", "--check"],
+                             env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertEqual(run.stdout.count("32 tokens identical"), 2, run.stdout)
+
+    def test_f16_gives_the_eager_tokens_and_logits(self):
+        for name, model in self.models.items():
+            ids = prompt(model.config.vocab_size, 20, 2)
+            (eager_tokens, eager_logits), (tokens, logits) = self.run_both(
+                model, ids, torch.ones_like(ids), key_codec="f16", value_codec="f16")
+            self.assertTrue(torch.equal(tokens, eager_tokens), name)
+            span = float(eager_logits.max() - eager_logits.min())
+            self.assertLess(float((logits - eager_logits).abs().max()), 1e-3 * span, name)
+
+    def test_turbo4_and_the_default_preset_stay_close(self):
+        for name, model in self.models.items():
+            ids = prompt(model.config.vocab_size, 64, 3)
+            model.set_attn_implementation("eager")
+            with torch.no_grad():
+                eager = model(ids).logits
+            model.set_attn_implementation(tt.ATTN_IMPLEMENTATION)
+            for options in ({"key_codec": "turbo4", "value_codec": "turbo4"}, {}):
+                with tt.TurbokvCache(self.client, model.config, **options) as cache, torch.no_grad():
+                    logits = model(ids, past_key_values=cache, use_cache=True).logits
+                self.assertGreater(cosine(logits, eager), 0.99, (name, options))
+            model.set_attn_implementation("eager")
+
+    def test_a_padded_batch_equals_its_sequences_alone(self):
+        model = self.models["qwen2-d128"]
+        lengths = (7, 19, 12)
+        prompts = [prompt(model.config.vocab_size, n, 10 + n)[0] for n in lengths]
+        longest = max(lengths)
+        ids = torch.zeros((3, longest), dtype=torch.long)
+        mask = torch.zeros((3, longest), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding, as decoder-only generation wants
+            ids[i, longest - len(p):] = p
+            mask[i, longest - len(p):] = 1
+        with tt.TurbokvCache(self.client, model.config, key_codec="f16", value_codec="f16") as cache:
+            batch_tokens, batch_logits = hf_generate.generate(model, ids, mask, 16, cache)
+            self.assertEqual(len(cache.sessions), 3)
+            # Padding never reached turbokvd: each session holds its own tokens.
+            for session, n in zip(cache.sessions, lengths):
+                self.assertEqual(list(session.info().layer_tokens), [n + 15] * 2)
+        for i, p in enumerate(prompts):
+            with tt.TurbokvCache(self.client, model.config, key_codec="f16", value_codec="f16") as cache:
+                tokens, logits = hf_generate.generate(model, p[None], torch.ones((1, len(p)), dtype=torch.long), 16, cache)
+            self.assertTrue(torch.equal(batch_tokens[i], tokens[0]), i)
+            self.assertLess(float((batch_logits[i] - logits[0]).abs().max()), 1e-3, i)
+
+    def test_sliding_window_layers_and_softcapping(self):
+        torch.manual_seed(4)
+        configs = {
+            # Qwen2 with one sliding-window layer of 8 tokens (and GQA 4/2).
+            "qwen2-sliding": transformers.Qwen2Config(
+                vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"]),
+            # Gemma 2: logit softcapping, its own softmax scale, sliding windows.
+            "gemma2-softcap": transformers.Gemma2Config(
+                vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=48, attn_logit_softcapping=5.0,
+                final_logit_softcapping=None, sliding_window=8),
+        }
+        for name, config in configs.items():
+            config._attn_implementation = "eager"
+            model = hf_generate.randomized(transformers.AutoModelForCausalLM.from_config(config)).eval()
+            ids = prompt(512, 24, 5)
+            (eager_tokens, eager_logits), (tokens, logits) = self.run_both(
+                model, ids, torch.ones_like(ids), 16, key_codec="f16", value_codec="f16")
+            self.assertTrue(torch.equal(tokens, eager_tokens), name)
+            span = float(eager_logits.max() - eager_logits.min())
+            self.assertLess(float((logits - eager_logits).abs().max()), 1e-3 * span, name)
+            # The window and the softcap matter here: with a window past the
+            # sequence and a softcap far above the logits, the logits move.
+            model.config.sliding_window = 1000
+            for layer in model.model.layers:
+                if layer.self_attn.sliding_window is not None:
+                    layer.self_attn.sliding_window = 1000
+                if getattr(layer.self_attn, "attn_logit_softcapping", None) is not None:
+                    layer.self_attn.attn_logit_softcapping = 1e6
+            _, unwindowed = hf_generate.generate(model, ids, torch.ones_like(ids), 16)
+            self.assertGreater(float((unwindowed - eager_logits).abs().max()), 0.01 * span, name)
+
+    def test_sessions_are_deleted_or_kept(self):
+        model = self.models["llama-d64"]
+        ids = prompt(model.config.vocab_size, 10, 6)
+        before = len(self.client.list_sessions())
+        with tt.TurbokvCache(self.client, model.config) as cache:
+            hf_generate.generate(model, ids, torch.ones_like(ids), 4, cache)
+            self.assertEqual(len(self.client.list_sessions()), before + 1)
+        self.assertEqual(len(self.client.list_sessions()), before)
+        with tt.TurbokvCache(self.client, model.config, keep=True) as cache:
+            hf_generate.generate(model, ids, torch.ones_like(ids), 4, cache)
+        kept = cache.sessions[0]
+        self.assertEqual(list(kept.info().layer_tokens), [13, 13])
+        fork = kept.fork(10)  # the prompt, for another continuation
+        self.assertEqual(list(fork.info().layer_tokens), [10, 10])
+        fork.delete()
+        kept.delete()
+
+    def test_mistakes_fail_clearly(self):
+        model = self.models["llama-d64"]
+        ids = prompt(model.config.vocab_size, 10, 7)
+        model.set_attn_implementation(tt.ATTN_IMPLEMENTATION)
+        with self.assertRaisesRegex(RuntimeError, "past_key_values=turbokv.transformers.TurbokvCache"):
+            with torch.no_grad():
+                model(ids)
+        # A cache made for another model: the layout check refuses it.
+        other = self.models["qwen2-d128"]
+        with tt.TurbokvCache(self.client, other.config) as cache, self.assertRaisesRegex(tt.LayoutMismatch, "expected"):
+            with torch.no_grad():
+                model(ids, past_key_values=cache, use_cache=True)
+        # The daemon's errors arrive as the package's exceptions.
+        with tt.TurbokvCache(self.client, model.config, max_tokens=8) as cache, \
+                self.assertRaises(turbokv.BudgetExceeded):
+            with torch.no_grad():
+                model(ids, past_key_values=cache, use_cache=True)
+        model.set_attn_implementation("eager")
+
+
+if __name__ == "__main__":
+    unittest.main()

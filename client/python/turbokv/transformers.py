@@ -1,0 +1,275 @@
+"""Hugging Face transformers models with their KV cache in turbokvd.
+
+Any decoder model that transformers runs through its attention interface
+stores its keys and values in turbokvd and computes attention there::
+
+    import turbokv
+    import turbokv.transformers  # registers attn_implementation="turbokv"
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="turbokv")
+    with turbokv.transformers.TurbokvCache(turbokv.Client(target), model.config, preset="k4v4") as cache:
+        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+Each sequence of the batch is one turbokvd session, created on the cache's
+first use and deleted when the cache closes (``keep=True`` keeps them: their
+ids are ``cache.sessions``, to Fork or reuse). Padding never reaches
+turbokvd: a sequence's session holds its real tokens only, at their own
+positions. A prefill stores a sequence's tokens with one Append (its queries
+go along: its first chunk fits the key transform) and attends with causal
+positions; a decoding step of the whole batch is one Decode message per
+layer. Keys arrive after RoPE, as the model computed them; GQA, the model's
+softmax scale, sliding-window layers and logit softcapping are passed on.
+
+transformers calls the cache's ``update`` with each layer's new keys and
+values and then the attention function with them; the cache only counts
+tokens (the model's masks need the lengths) and the attention function
+stores and attends. Their shapes are checked against the session's on every
+call: a transformers version that lays the cache out otherwise fails with
+LayoutMismatch, never silently. Daemon errors raise the package's
+TurbokvError subclasses.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+import torch
+import transformers
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from turbokv.client import Client, DecodeStream, Session
+
+ATTN_IMPLEMENTATION = "turbokv"
+"""The name models load the integration by: ``attn_implementation="turbokv"``."""
+
+SUPPORTED_TRANSFORMERS = ((5, 0), (6, 0))
+"""transformers versions [low, high) whose attention and cache interfaces this module follows."""
+
+
+class LayoutMismatch(RuntimeError):
+    """transformers handed over tensors laid out otherwise than this integration
+    stores them (another transformers version, or a model that changes its
+    cache layout): refused rather than stored wrongly."""
+
+
+def _version(text: str) -> tuple:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _check_transformers_version() -> None:
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= _version(transformers.__version__) < high:
+        raise LayoutMismatch(
+            f"turbokv.transformers follows transformers {low[0]}.{low[1]} to before {high[0]}.{high[1]}; "
+            f"{transformers.__version__} may lay its cache out otherwise")
+
+
+_CHUNK = 1024    # tokens per Append message of a prefill
+_QUERIES = 256   # queries per Attend message
+
+# The cache whose update() ran last in this thread: the attention function
+# that transformers calls right after it finds it here.
+_active: contextvars.ContextVar = contextvars.ContextVar("turbokv_transformers_cache", default=None)
+
+
+class TurbokvLayer(CacheLayerMixin):
+    """One layer's length as the model sees it (padding included); the tokens are in turbokvd."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+        self.dtype, self.device = key_states.dtype, key_states.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> "tuple[torch.Tensor, torch.Tensor]":
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> "tuple[int, int]":
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("turbokv.transformers does not support beam search: its sequences are sessions")
+
+
+class TurbokvCache(Cache):
+    """A transformers Cache whose layers live in turbokvd, one session per
+    sequence of the batch. Session options (preset, key_codec, value_codec,
+    layer_codecs, key_transform, sink_tokens, ...) are those of
+    Client.create_session. Use it for one generation (or one forward pass
+    and its continuation); close() deletes its sessions unless keep=True."""
+
+    def __init__(self, client: Client, config: Any, *, keep: bool = False, **session_options: Any) -> None:
+        _check_transformers_version()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.client = client
+        self.keep = keep
+        self.session_options = session_options
+        self.num_layers = int(text.num_hidden_layers)
+        self.q_heads = int(text.num_attention_heads)
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.q_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.q_heads)
+        self.sessions: List[Session] = []
+        # Per sequence, per layer: tokens stored in its session.
+        self._stored: Optional[np.ndarray] = None
+        self._stream: Optional[DecodeStream] = None
+        super().__init__(layers=[TurbokvLayer() for _ in range(self.num_layers)])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> "tuple[torch.Tensor, torch.Tensor]":
+        _active.set((self, layer_idx))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _sessions_for(self, batch: int) -> List[Session]:
+        if not self.sessions:
+            for _ in range(batch):
+                self.sessions.append(self.client.create_session(
+                    self.num_layers, self.kv_heads, self.q_heads, self.head_dim, **self.session_options))
+            self._stored = np.zeros((batch, self.num_layers), dtype=np.int64)
+        elif len(self.sessions) != batch:
+            raise LayoutMismatch(f"the batch has {batch} sequences, the cache {len(self.sessions)}: use one cache "
+                                 "per batch (beam search and batch changes are not supported)")
+        return self.sessions
+
+    def close(self) -> None:
+        """Deletes the sessions (unless keep) and closes the Decode stream."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        if not self.keep:
+            for session in self.sessions:
+                session.delete()
+            self.sessions = []
+
+    def __enter__(self) -> "TurbokvCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _decode_stream(self) -> DecodeStream:
+        if self._stream is None:
+            self._stream = self.client.decode_stream()
+        return self._stream
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               real: Optional[torch.Tensor], scaling: Optional[float], softcap: Optional[float],
+               window: Optional[int]) -> torch.Tensor:
+        """Stores the new tokens of each sequence and attends with their
+        queries: query [B, q_heads, n, d], key and value [B, kv_heads, n, d],
+        real [B, n] (which new tokens are not padding; None: all). Returns
+        [B, n, q_heads, d] (zeros at padding)."""
+        batch, q_heads, n, d = query.shape
+        if (q_heads, d) != (self.q_heads, self.head_dim) or tuple(key.shape) != (batch, self.kv_heads, n, d) or \
+                tuple(value.shape) != tuple(key.shape):
+            raise LayoutMismatch(
+                f"layer {layer}: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}; "
+                f"expected [batch, {self.q_heads}, tokens, {self.head_dim}] and [batch, {self.kv_heads}, tokens, "
+                f"{self.head_dim}]")
+        sessions = self._sessions_for(batch)
+        options = dict(softmax_scale=float(scaling or 0.0), softcap=float(softcap or 0.0), window=int(window or 0))
+        # [B, n, heads, d] on the host, in the model's dtype (sent as it is).
+        q = query.detach().transpose(1, 2).cpu()
+        k = key.detach().transpose(1, 2).cpu()
+        v = value.detach().transpose(1, 2).cpu()
+        mask = np.ones((batch, n), dtype=bool) if real is None else real.cpu().numpy().astype(bool)
+        out = torch.zeros((batch, n, q_heads, d), dtype=torch.float32)
+        stored = self._stored[:, layer]
+        if n == 1 and mask.all():
+            # A decoding step of every sequence: one Decode message.
+            result = self._decode_stream().step(layer, sessions, k[:, 0], v[:, 0], q[:, 0],
+                                                stored[:, None].copy(), **options)
+            result.raise_for_status()
+            out[:, 0] = result.output[:, 0].float()
+            stored += 1
+        else:
+            for i, session in enumerate(sessions):
+                rows = torch.from_numpy(np.flatnonzero(mask[i]))
+                if rows.numel() == 0:
+                    continue
+                start = int(stored[i])
+                ki, vi, qi = k[i, rows], v[i, rows], q[i, rows]
+                # Messages of at most _CHUNK tokens; a layer's first carries
+                # its queries (it fits the layer's key transform).
+                session.append_stream(
+                    (layer, start + c, ki[c:c + _CHUNK], vi[c:c + _CHUNK],
+                     qi[c:c + _CHUNK] if start + c == 0 else None)
+                    for c in range(0, rows.numel(), _CHUNK))
+                for c in range(0, rows.numel(), _QUERIES):
+                    positions = list(range(start + c, start + min(rows.numel(), c + _QUERIES)))
+                    result = session.attend(layer, qi[c:c + _QUERIES], positions, **options)
+                    out[i, rows[c:c + _QUERIES]] = result.output.float()
+                stored[i] += rows.numel()
+        return out.to(query.device, query.dtype)
+
+
+def turbokv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                      dropout: float = 0.0, sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                      **kwargs: Any) -> "tuple[torch.Tensor, None]":
+    """transformers' attention function for attn_implementation="turbokv":
+    the new tokens of the layer (from the TurbokvCache that update() just
+    gave them to) stored and attended in turbokvd."""
+    active = _active.get()
+    layer = getattr(module, "layer_idx", None)
+    if active is None or active[1] != layer:
+        raise RuntimeError("attn_implementation='turbokv' needs past_key_values=turbokv.transformers.TurbokvCache(...) "
+                           "(and use_cache=True): the keys and values are stored in turbokvd through it")
+    cache: TurbokvCache = active[0]
+    if dropout:
+        raise ValueError("turbokv attention is for inference: dropout must be 0 (call model.eval())")
+    n = query.shape[-2]
+    real = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise LayoutMismatch(f"expected the 2D padding mask of turbokv_mask, got shape {tuple(attention_mask.shape)}")
+        real = attention_mask[:, -n:]
+    return cache.attend(layer, query, key, value, real, scaling, softcap, sliding_window), None
+
+
+def turbokv_mask(batch_size: int, q_length: int, kv_length: int, attention_mask: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> Optional[torch.Tensor]:
+    """The mask function of attn_implementation="turbokv": the 2D padding mask
+    [batch, kv_length] as the model got it (None without padding); causality
+    and windows are turbokvd's, by position."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return attention_mask[:, -kv_length:].bool()
+
+
+def register() -> None:
+    """Registers attn_implementation="turbokv" (done when the module is imported)."""
+    _check_transformers_version()
+    ALL_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, turbokv_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, turbokv_mask)
+
+
+register()
+
+__all__: Sequence[str] = ("ATTN_IMPLEMENTATION", "LayoutMismatch", "TurbokvCache", "TurbokvLayer", "register",
+                          "turbokv_attention", "turbokv_mask")
