@@ -77,7 +77,8 @@ Attention FromResult(const v1::AttentionResult& result) {
 }
 
 absl::Status FillAppend(const std::string& id, const v1::SessionConfig& config, int layer, int64_t start,
-                        const TensorData& keys, const TensorData& values, v1::AppendRequest* request) {
+                        const TensorData& keys, const TensorData& values, const TensorData& queries,
+                        v1::AppendRequest* request) {
   request->set_session_id(id);
   request->set_start(start);
   std::vector<int64_t> prefix;
@@ -90,7 +91,10 @@ absl::Status FillAppend(const std::string& id, const v1::SessionConfig& config, 
   const std::vector<int64_t> row = {config.shape().kv_heads(), config.shape().head_dim()};
   absl::Status status = ToTensor(keys, prefix, row, "keys", request->mutable_keys());
   if (!status.ok()) return status;
-  return ToTensor(values, prefix, row, "values", request->mutable_values());
+  status = ToTensor(values, prefix, row, "values", request->mutable_values());
+  if (!status.ok() || queries.count == 0) return status;
+  return ToTensor(queries, prefix, {config.shape().q_heads(), config.shape().head_dim()}, "queries",
+                  request->mutable_queries());
 }
 
 }  // namespace
@@ -123,10 +127,11 @@ AppendStream::~AppendStream() {
   }
 }
 
-absl::Status AppendStream::Write(int layer, int64_t start, const TensorData& keys, const TensorData& values) {
+absl::Status AppendStream::Write(int layer, int64_t start, const TensorData& keys, const TensorData& values,
+                                 const TensorData& queries) {
   if (finished_) return absl::FailedPreconditionError("the append stream is finished");
   v1::AppendRequest request;
-  absl::Status status = FillAppend(session_id_, config_, layer, start, keys, values, &request);
+  absl::Status status = FillAppend(session_id_, config_, layer, start, keys, values, queries, &request);
   if (!status.ok()) return status;
   if (broken_ || !stream_->Write(request)) {
     broken_ = true;
@@ -262,20 +267,21 @@ std::unique_ptr<AppendStream> Session::OpenAppendStream() const {
   return std::unique_ptr<AppendStream>(new AppendStream(stub_.get(), id_, config_, *options_));
 }
 
-absl::StatusOr<int64_t> Session::Append(int layer, int64_t start, const TensorData& keys,
-                                        const TensorData& values) const {
+absl::StatusOr<int64_t> Session::Append(int layer, int64_t start, const TensorData& keys, const TensorData& values,
+                                        const TensorData& queries) const {
   if (layer < 0) return absl::InvalidArgumentError(absl::StrCat("layer = ", layer, " must be >= 0"));
   std::unique_ptr<AppendStream> stream = OpenAppendStream();
-  absl::Status status = stream->Write(layer, start, keys, values);
+  absl::Status status = stream->Write(layer, start, keys, values, queries);
   if (!status.ok() && !absl::IsFailedPrecondition(status)) return status;
   absl::StatusOr<v1::AppendResponse> response = stream->Finish();
   if (!response.ok()) return response.status();
   return response->tokens();
 }
 
-absl::StatusOr<int64_t> Session::AppendAllLayers(int64_t start, const TensorData& keys, const TensorData& values) const {
+absl::StatusOr<int64_t> Session::AppendAllLayers(int64_t start, const TensorData& keys, const TensorData& values,
+                                                 const TensorData& queries) const {
   std::unique_ptr<AppendStream> stream = OpenAppendStream();
-  absl::Status status = stream->Write(-1, start, keys, values);
+  absl::Status status = stream->Write(-1, start, keys, values, queries);
   if (!status.ok() && !absl::IsFailedPrecondition(status)) return status;
   absl::StatusOr<v1::AppendResponse> response = stream->Finish();
   if (!response.ok()) return response.status();

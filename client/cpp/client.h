@@ -107,9 +107,12 @@ class AppendStream {
   AppendStream(const AppendStream&) = delete;
   AppendStream& operator=(const AppendStream&) = delete;
 
-  // layer < 0: all layers. FAILED_PRECONDITION once the stream has failed
-  // (Finish then says why).
-  absl::Status Write(int layer, int64_t start, const TensorData& keys, const TensorData& values);
+  // layer < 0: all layers. queries (optional: none when empty), the
+  // chunk's, [(layers)][n][q_heads][head_dim]: send them with a layer's first
+  // chunk, which fits its key transform (docs/API.md "Keys made safe").
+  // FAILED_PRECONDITION once the stream has failed (Finish then says why).
+  absl::Status Write(int layer, int64_t start, const TensorData& keys, const TensorData& values,
+                     const TensorData& queries = {});
   absl::StatusOr<v1::AppendResponse> Finish();
   int64_t acknowledged() const { return acknowledged_.load(); }
 
@@ -202,10 +205,12 @@ class Session {
   const v1::SessionConfig& config() const { return config_; }
 
   // Stores tokens [start, start + n) of one layer; n from the keys' size.
-  // Returns the layer's new length.
-  absl::StatusOr<int64_t> Append(int layer, int64_t start, const TensorData& keys, const TensorData& values) const;
+  // Returns the layer's new length. queries: as AppendStream::Write.
+  absl::StatusOr<int64_t> Append(int layer, int64_t start, const TensorData& keys, const TensorData& values,
+                                 const TensorData& queries = {}) const;
   // The same tokens for every layer at once: [layers][n][kv_heads][head_dim].
-  absl::StatusOr<int64_t> AppendAllLayers(int64_t start, const TensorData& keys, const TensorData& values) const;
+  absl::StatusOr<int64_t> AppendAllLayers(int64_t start, const TensorData& keys, const TensorData& values,
+                                          const TensorData& queries = {}) const;
   std::unique_ptr<AppendStream> OpenAppendStream() const;
 
   // n queries; positions empty: each sees every stored token.

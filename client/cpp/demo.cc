@@ -53,15 +53,24 @@ void FromHalf(const uint16_t* bits, size_t n, float* values) {
   for (size_t i = 0; i < n; ++i) values[i] = HalfBitsToFloat(bits[i]);
 }
 
+// "preset k4v4 (CODEC_TURBO4 keys / CODEC_TURBO4 values, ...)": what the
+// session stores, as the daemon configured it.
+std::string CodecsText(const v1::SessionConfig& config) {
+  std::string text = absl::StrCat(config.preset().empty() ? "" : absl::StrCat("preset ", config.preset(), " ("),
+                                  v1::Codec_Name(config.key_codec()), " keys / ", v1::Codec_Name(config.value_codec()),
+                                  " values");
+  if (config.layer_codecs_size() > 0) absl::StrAppend(&text, ", ", config.layer_codecs_size(), " layer ranges apart");
+  absl::StrAppend(&text, ", ", v1::KeyTransform_Name(config.key_transform()), ", ", config.sink_tokens(),
+                  " sink tokens");
+  return config.preset().empty() ? text : absl::StrCat(text, ")");
+}
+
 }  // namespace
 
 absl::Status RunDemo(const Client& client, const DemoOptions& o) {
   if (absl::Status ready = client.WaitUntilServing(absl::Seconds(30)); !ready.ok()) return ready;
   absl::StatusOr<v1::StatsResponse> stats = client.Stats();
   if (!stats.ok()) return stats.status();
-  std::fprintf(stderr, "demo: turbokvd on %s; session of %d layers x %d kv heads x d %d (%d q heads), %s keys, %s values\n",
-               stats->device().c_str(), o.layers, o.kv_heads, o.head_dim, o.q_heads,
-               v1::Codec_Name(o.key_codec).c_str(), v1::Codec_Name(o.value_codec).c_str());
   SessionOptions session_options;
   session_options.layers = o.layers;
   session_options.kv_heads = o.kv_heads;
@@ -69,8 +78,12 @@ absl::Status RunDemo(const Client& client, const DemoOptions& o) {
   session_options.head_dim = o.head_dim;
   session_options.key_codec = o.key_codec;
   session_options.value_codec = o.value_codec;
+  session_options.preset = o.preset;
   absl::StatusOr<Session> session = client.CreateSession(session_options);
   if (!session.ok()) return session.status();
+  const std::string codecs = CodecsText(session->config());
+  std::fprintf(stderr, "demo: turbokvd on %s; session of %d layers x %d kv heads x d %d (%d q heads), %s\n",
+               stats->device().c_str(), o.layers, o.kv_heads, o.head_dim, o.q_heads, codecs.c_str());
 
   const WorkloadShape shape{o.layers, o.kv_heads, o.q_heads, o.head_dim, o.seed};
   const Workload workload(shape);
@@ -94,21 +107,26 @@ absl::Status RunDemo(const Client& client, const DemoOptions& o) {
       step_progress("decode step");
   struct Chunk {
     int64_t start;
-    std::vector<uint16_t> keys, values;
+    std::vector<uint16_t> keys, values, queries;
   };
   std::vector<Chunk> chunks;
-  std::vector<float> keys, values;
+  std::vector<float> keys, values, queries;
+  const size_t query_values = static_cast<size_t>(o.q_heads) * o.head_dim;
   for (int64_t start = 0; start < o.tokens; start += o.chunk) {
     const int64_t n = std::min(o.chunk, o.tokens - start);
     keys.resize(static_cast<size_t>(o.layers) * n * token_values);
     values.resize(keys.size());
+    // The first chunk carries its tokens' queries: it fits each layer's key
+    // transform (docs/API.md "Keys made safe").
+    queries.assign(start == 0 ? static_cast<size_t>(o.layers) * n * query_values : 0, 0.0f);
     for (int l = 0; l < o.layers; ++l) {
       for (int64_t t = 0; t < n; ++t) {
         const size_t at = (static_cast<size_t>(l) * n + t) * token_values;
         workload.Token(l, start + t, &keys[at], &values[at]);
+        if (start == 0) workload.Query(l, t, t + 1, &queries[(static_cast<size_t>(l) * n + t) * query_values]);
       }
     }
-    chunks.push_back(Chunk{start, ToHalf(keys), ToHalf(values)});
+    chunks.push_back(Chunk{start, ToHalf(keys), ToHalf(values), ToHalf(queries)});
     // The reference sees what the daemon gets: the fp16 values.
     for (size_t c = 0; c < checked.size(); ++c) {
       const size_t at = static_cast<size_t>(checked[c]) * n * token_values;
@@ -123,7 +141,8 @@ absl::Status RunDemo(const Client& client, const DemoOptions& o) {
   const absl::Time prefill_start = absl::Now();
   std::unique_ptr<AppendStream> stream = session->OpenAppendStream();
   for (const Chunk& chunk : chunks) {
-    absl::Status status = stream->Write(-1, chunk.start, TensorData::F16(chunk.keys), TensorData::F16(chunk.values));
+    absl::Status status = stream->Write(-1, chunk.start, TensorData::F16(chunk.keys), TensorData::F16(chunk.values),
+                                        TensorData::F16(chunk.queries));
     if (!status.ok()) break;  // Finish says why
     const int64_t done = chunk.start + static_cast<int64_t>(chunk.keys.size() / (o.layers * token_values));
     const double seconds = absl::ToDoubleSeconds(absl::Now() - prefill_start);
@@ -187,9 +206,8 @@ absl::Status RunDemo(const Client& client, const DemoOptions& o) {
   const double fp16_mb = info->fp16_bytes() / 1e6, stored_mb = info->bytes_used() / 1e6;
   const double input_mb = static_cast<double>(o.tokens) * o.layers * token_values * 2 * 2 / 1e6;
 
-  std::printf("\nturbokv demo: %d layers x %d kv heads x d %d, %d q heads, %s keys / %s values, synthetic model-shaped data\n",
-              o.layers, o.kv_heads, o.head_dim, o.q_heads, v1::Codec_Name(o.key_codec).c_str(),
-              v1::Codec_Name(o.value_codec).c_str());
+  std::printf("\nturbokv demo: %d layers x %d kv heads x d %d, %d q heads, %s, synthetic model-shaped data\n",
+              o.layers, o.kv_heads, o.head_dim, o.q_heads, codecs.c_str());
   std::printf("  %-34s %s\n", "tokens per layer", absl::StrCat(info->layer_tokens(0)).c_str());
   std::printf("  %-34s %.1f MB (fp16 would be %.1f MB)\n", "bytes stored", stored_mb, fp16_mb);
   std::printf("  %-34s %.2fx\n", "compression vs fp16", fp16_mb / stored_mb);

@@ -20,8 +20,10 @@ struct DemoOptions {
   int steps = 32;         // decode steps, each over every layer
   int checked_layers = 4; // layers whose attention is compared with the float reference
   int attend_calls = 64;  // Attend calls timed after the decode steps
-  v1::Codec key_codec = v1::CODEC_TURBO3;
-  v1::Codec value_codec = v1::CODEC_TURBO3;
+  // Unspecified codecs and no preset: the daemon's default preset.
+  v1::Codec key_codec = v1::CODEC_UNSPECIFIED;
+  v1::Codec value_codec = v1::CODEC_UNSPECIFIED;
+  std::string preset;
   uint64_t seed = 1;
 };
 

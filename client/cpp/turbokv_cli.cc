@@ -3,10 +3,15 @@
 // Every command declares its flags (name, kind, default, range); the command
 // line is checked against that table before anything is sent, so an unknown
 // flag or a bad value stops the command with exit status 2 naming it.
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <random>
@@ -642,6 +647,23 @@ absl::Status DecodeRandom(const turbokv::Client& client, const Args& args) {
   message.head_dim = options.head_dim;
   std::mt19937 rng(13);
   std::normal_distribution<float> normal;
+  // The prefill, in chunks of every layer, the same random tokens in each session.
+  const int64_t prefill = args.Int("prefill");
+  constexpr int64_t kPrefillChunk = 256;
+  std::vector<float> chunk;
+  for (int64_t start = 0; start < prefill; start += kPrefillChunk) {
+    const int64_t n = std::min(kPrefillChunk, prefill - start);
+    chunk.resize(static_cast<size_t>(layers) * n * options.kv_heads * options.head_dim);
+    for (float& x : chunk) x = normal(rng);
+    for (const turbokv::Session& session : sessions) {
+      absl::StatusOr<int64_t> appended =
+          session.AppendAllLayers(start, turbokv::TensorData::F32(chunk), turbokv::TensorData::F32(chunk));
+      if (!appended.ok()) {
+        for (const turbokv::Session& made : sessions) made.Delete().IgnoreError();
+        return appended.status();
+      }
+    }
+  }
   std::vector<float> keys(static_cast<size_t>(batch) * options.kv_heads * options.head_dim), values(keys.size()),
       queries(static_cast<size_t>(batch) * options.q_heads * options.head_dim);
   std::unique_ptr<turbokv::DecodeStream> stream = client.OpenDecodeStream();
@@ -649,7 +671,7 @@ absl::Status DecodeRandom(const turbokv::Client& client, const Args& args) {
   absl::Status status;
   const absl::Time begin = absl::Now();
   for (int64_t step = 0; step < steps && status.ok(); ++step) {
-    message.positions.assign(batch, step);
+    message.positions.assign(batch, prefill + step);
     for (int64_t l = 0; l < layers && status.ok(); ++l) {
       for (std::vector<float>* v : {&keys, &values, &queries}) {
         for (float& x : *v) x = normal(rng);
@@ -681,15 +703,16 @@ absl::Status DecodeRandom(const turbokv::Client& client, const Args& args) {
                   .Add("batch", Value::Int(batch))
                   .Add("layers", Value::Int(layers))
                   .Add("steps", Value::Int(steps))
+                  .Add("prefill", Value::Int(prefill))
                   .Add("seconds", Value::Double(seconds))
                   .Add("tokens_per_second", Value::Double(batch * steps / seconds))
                   .Add("p50_us", Value::Double(p50))
                   .Add("p99_us", Value::Double(p99)));
   } else {
-    std::printf("decode: %lld sessions x %lld layers x %lld steps through one Decode stream: %.0f tokens/s, "
-                "per layer-step p50 %.0f us, p99 %.0f us\n",
+    std::printf("decode: %lld sessions x %lld layers x %lld steps after %lld tokens, through one Decode stream: "
+                "%.0f tokens/s, per layer-step p50 %.0f us, p99 %.0f us\n",
                 static_cast<long long>(batch), static_cast<long long>(layers), static_cast<long long>(steps),
-                batch * steps / seconds, p50, p99);
+                static_cast<long long>(prefill), batch * steps / seconds, p50, p99);
   }
   return absl::OkStatus();
 }
@@ -704,6 +727,7 @@ absl::Status Demo(const turbokv::Client& client, const Args& args) {
   options.chunk = args.Int("chunk");
   options.steps = static_cast<int>(args.Int("steps"));
   options.key_codec = options.value_codec = args.Codec("codec");
+  options.preset = args.Text("preset");
   return turbokv::RunDemo(client, options);
 }
 
@@ -756,6 +780,8 @@ const std::vector<Command>& Commands() {
     std::vector<FlagSpec> decode = {IntFlag("batch", 8, 1, 1024, "sessions decoded together")};
     for (FlagSpec flag : ShapeFlags(4, 8, 32, 128)) decode.push_back(flag);
     for (FlagSpec flag : {IntFlag("steps", 16, 1, 1000000, "decode steps, each over every layer"),
+                          IntFlag("prefill", 0, 0, int64_t{1} << 24,
+                                  "tokens appended to every session (all layers) before decoding: long-context decode"),
                           OtherFlag("codec", Kind::kCodec, "turbo3", "codec of keys and values"), OutputFlag()}) {
       decode.push_back(flag);
     }
@@ -765,7 +791,10 @@ const std::vector<Command>& Commands() {
     for (FlagSpec flag : {IntFlag("tokens", demo_defaults.tokens, 1, 1 << 24, "prefill tokens"),
                           IntFlag("chunk", demo_defaults.chunk, 1, 1 << 16, "tokens per Append message (all layers)"),
                           IntFlag("steps", demo_defaults.steps, 1, 100000, "decode steps, each over every layer"),
-                          OtherFlag("codec", Kind::kCodec, "turbo3", "codec of keys and values")}) {
+                          OtherFlag("codec", Kind::kCodec, "", "codec of keys and values (not with --preset)"),
+                          OtherFlag("preset", Kind::kText, "",
+                                    "a named codec choice; with neither it nor --codec, the daemon's default "
+                                    "preset")}) {
       demo.push_back(flag);
     }
     return new std::vector<Command>{
@@ -799,10 +828,21 @@ const std::vector<Command>& Commands() {
   return *commands;
 }
 
+// The default target: $TURBOKV_TARGET (the Helm chart sets it in the
+// worker), else the daemon's default socket.
+std::string DefaultTarget() {
+  const char* env = std::getenv("TURBOKV_TARGET");
+  return env != nullptr && *env != '\0' ? env : "unix:///tmp/turbokv.sock";
+}
+
 std::vector<FlagSpec> GlobalFlags(const Command* command) {
-  return {OtherFlag("target", Kind::kText, "unix:///tmp/turbokv.sock", "unix:///path or host:port of turbokvd"),
+  return {OtherFlag("target", Kind::kText, DefaultTarget(),
+                    "unix:///path or host:port of turbokvd, $TURBOKV_TARGET when set"),
           DurationFlag("timeout", command != nullptr ? command->timeout : "5s", absl::Milliseconds(1), absl::Hours(1),
                        "deadline to reach the daemon, and of each unary call (streams have none)"),
+          OtherFlag("wait", Kind::kBool, "false",
+                    "wait up to --timeout for a unix socket that is not there yet (a daemon still starting); "
+                    "without it a missing socket fails at once"),
           OtherFlag("token", Kind::kText, "", "bearer token (turbokvd --auth-tokens-file)"),
           OtherFlag("tls-ca", Kind::kFile, "", "TLS to a TCP target, trusting the CA in this PEM file"),
           OtherFlag("tls-cert", Kind::kFile, "", "this client's certificate (PEM file), for mTLS"),
@@ -859,6 +899,9 @@ const Command* FindCommand(const std::string& name) {
 
 bool IsBoolFlag(const std::string& name) {
   if (name == "help") return true;
+  for (const FlagSpec& flag : GlobalFlags(nullptr)) {
+    if (flag.name == name && flag.kind == Kind::kBool) return true;
+  }
   for (const Command& command : Commands()) {
     for (const FlagSpec& flag : command.flags) {
       if (flag.name == name && flag.kind == Kind::kBool) return true;
@@ -906,6 +949,10 @@ std::variant<Invocation, int> ParseCommandLine(int argc, char** argv) {
   bool help = false;
   for (size_t i = 0; i < words.size(); ++i) {
     const std::string& word = words[i];
+    if (word == "--version") {
+      std::printf("turbokv %s\n", TURBOKV_VERSION);
+      return kExitOk;
+    }
     if (word == "--help" || word == "-h") {
       help = true;
     } else if (absl::StartsWith(word, "--")) {
@@ -1019,6 +1066,19 @@ int main(int argc, char** argv) {
   options.tls_client_cert = args.Text("tls-cert");
   options.tls_client_key = args.Text("tls-key");
   const std::string& target = args.Text("target");
+  // A unix socket that is not there: nothing listens (a wrong path, a daemon
+  // not started), said at once; --wait waits for one still starting.
+  if (!args.Bool("wait") && absl::StartsWith(target, "unix:")) {
+    std::string path = target.substr(5);
+    if (absl::StartsWith(path, "//")) path = path.substr(2);
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) {
+      std::fprintf(stderr, "turbokv %s: UNAVAILABLE: no socket at %s (%s): is turbokvd running and listening there? "
+                   "(--wait waits for one that is starting)\n",
+                   name.c_str(), path.c_str(), std::strerror(errno));
+      return ExitCode(absl::UnavailableError(""));
+    }
+  }
   const std::unique_ptr<turbokv::Client> client = turbokv::Client::Connect(target, options);
 
   // The daemon may still be starting (a sidecar next to its worker): wait

@@ -24,8 +24,8 @@ class CliTest(unittest.TestCase):
         cls.daemon = subprocess.Popen([TURBOKVD, f"--listen={cls.target}", "--device=cpu", "--threads=1",
                                        "--memory-budget=1GiB", "--metrics-listen=127.0.0.1:0",
                                        f"--snapshot-dir={cls.tmp.name}/snapshots"], stderr=cls.log)
-        # The CLI waits for the daemon to come up, within its --timeout.
-        ready = cls.run_cli(cls, "stats", "--timeout=30s")
+        # The CLI waits (--wait) for the daemon to come up, within its --timeout.
+        ready = cls.run_cli(cls, "stats", "--timeout=30s", "--wait")
         if ready.returncode != 0:
             cls.tearDownClass()
             raise RuntimeError(f"turbokvd did not come up: {ready.stderr}")
@@ -106,15 +106,21 @@ class CliTest(unittest.TestCase):
     def test_a_dead_target_fails_within_the_timeout(self):
         for target in (f"unix://{self.tmp.name}/nobody.sock", "127.0.0.1:1"):
             start = time.monotonic()
-            out = self.run_cli("stats", "--timeout=1s", target=target)
+            out = self.run_cli("stats", "--timeout=1s", "--wait", target=target)
             elapsed = time.monotonic() - start
             self.assertEqual(out.returncode, 3, out.stderr)
             self.assertRegex(out.stderr, "DEADLINE_EXCEEDED|UNAVAILABLE")
             self.assertIn(target, out.stderr)
             self.assertLess(elapsed, 10, out.stderr)  # it waited a fixed 30 s
-        # A daemon that comes up while the CLI waits is reached.
+        # Without --wait a unix socket that is not there fails at once, naming it.
+        start = time.monotonic()
+        out = self.run_cli("stats", target=f"unix://{self.tmp.name}/nobody.sock")
+        self.assertEqual(out.returncode, 3, out.stderr)
+        self.assertIn(f"UNAVAILABLE: no socket at {self.tmp.name}/nobody.sock", out.stderr)
+        self.assertLess(time.monotonic() - start, 1.0, out.stderr)
+        # With it, a daemon that comes up while the CLI waits is reached.
         late = f"unix://{self.tmp.name}/late.sock"
-        waiting = subprocess.Popen([CLI, f"--target={late}", "stats", "--timeout=30s", "--output=json"],
+        waiting = subprocess.Popen([CLI, f"--target={late}", "stats", "--timeout=30s", "--wait", "--output=json"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(0.5)
         daemon = subprocess.Popen([TURBOKVD, f"--listen={late}", "--device=cpu", "--threads=1",
@@ -184,6 +190,9 @@ class CliTest(unittest.TestCase):
         decoded = self.json("decode-random", "--batch=2", "--layers=2", "--steps=2", "--kv-heads=2", "--q-heads=4")
         self.assertEqual((decoded["batch"], decoded["layers"], decoded["steps"]), (2, 2, 2))
         self.assertGreater(decoded["p99_us"], 0)
+        long = self.json("decode-random", "--batch=2", "--layers=2", "--steps=2", "--kv-heads=2", "--q-heads=4",
+                         "--prefill=300")
+        self.assertEqual(long["prefill"], 300)
 
         snapshot = self.json("snapshot")
         self.assertGreaterEqual(snapshot["sessions"], 1)
@@ -192,6 +201,23 @@ class CliTest(unittest.TestCase):
 
         prefetched = self.json("prefetch", session)
         self.assertEqual(prefetched, {"results": [{"session_id": session, "code": "OK", "message": ""}]})
+
+    def test_version_and_the_target_from_the_environment(self):
+        out = subprocess.run([CLI, "--version"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertRegex(out.stdout, r"^turbokv \d+\.\d+\.\d+\n$")
+        env = dict(os.environ, TURBOKV_TARGET=self.target)
+        out = subprocess.run([CLI, "stats", "--output=json"], capture_output=True, text=True, timeout=60, env=env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("sessions", json.loads(out.stdout))
+        help_text = subprocess.run([CLI, "help", "stats"], capture_output=True, text=True, timeout=30, env=env).stdout
+        self.assertIn(f"(default {self.target})", help_text)
+
+    def test_the_demo_takes_a_preset_and_defaults_to_the_daemons(self):
+        small = ["demo", "--layers=2", "--kv-heads=1", "--q-heads=2", "--head-dim=64", "--tokens=64", "--chunk=32",
+                 "--steps=2"]
+        self.assertIn("preset k4v4 (CODEC_TURBO4 keys", self.ok(*small))  # the daemon's default
+        self.assertIn("preset k3v4 (CODEC_TURBO3 keys", self.ok(*small, "--preset=k3v4"))
 
     def test_help_per_command(self):
         top = self.run_cli("--help")

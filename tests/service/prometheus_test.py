@@ -38,7 +38,7 @@ class PrometheusTest(unittest.TestCase):
                 # One session with 1,024 tokens in each of its 2 layers (enough that its
                 # metadata, sink tokens and key transforms among it, weighs little).
                 cli = os.environ["TURBOKV_CLI"]
-                session = subprocess.run([cli, f"--target={target}", "create", "--layers=2", "--kv-heads=2",
+                session = subprocess.run([cli, f"--target={target}", "--wait", "create", "--layers=2", "--kv-heads=2",
                                           "--q-heads=4", "--head-dim=128", "--key-codec=turbo3",
                                           "--value-codec=turbo3"], capture_output=True, text=True,
                                          timeout=60, check=True).stdout.strip()
