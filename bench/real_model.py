@@ -637,14 +637,19 @@ def measure(args, model: Model, tokenizer, client, source: ModelSource, progress
     tests = needles(tokenizer, haystack, args.needle_lengths, args.needle_depths)
     for name in configs:
         found = 0
+        short = args.needle_configs is not None and name not in args.needle_configs
         for t in tests:
+            if short and t.length > min(args.needle_lengths):
+                continue
             answer = tokenizer.decode(greedy(model, t.prompt, attention[name], steps=8, prefill_block=args.prefill_chunk))
             found += t.number in answer
             progress(f"needle {name}: {t.length} tokens, depth {t.depth:.0%}: {answer!r} "
                      f"({'found' if t.number in answer else 'missed ' + t.number})")
         row = report["configs"].setdefault(name, {})
         row.update(overall[name].summary(overall["f16"] if name != "f16" else None))
-        row["needle"] = found / len(tests) if tests else None
+        tried = [t for t in tests if not short or t.length == min(args.needle_lengths)]
+        row["needle"] = found / len(tried) if tried else None
+        row["needle_lengths"] = sorted({t.length for t in tried})
         row["bits_per_value"] = bits_per_value(client, model.config, config_options(name))
         row["contexts"] = {context: rows[name] for context, rows in report["contexts"].items()}
     del report["contexts"]
@@ -660,27 +665,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--configs", default=",".join(CODECS + PRESETS),
                         help="codecs (turbo3), key/value pairs (q8_0/turbo4) and presets, comma-separated")
     parser.add_argument("--contexts", default="2048,8192", help="window lengths in tokens")
-    parser.add_argument("--tokens", type=int, default=16384, help="evaluated tokens per context")
+    parser.add_argument("--tokens", type=int, default=8192, help="evaluated tokens per context")
     parser.add_argument("--prefill-chunk", type=int, default=512,
                         help="tokens per prefill chunk (the first fits each layer's key transform)")
     parser.add_argument("--needle-lengths", default="4096,8192,16384")
     parser.add_argument("--needle-depths", default="0.1,0.5,0.9")
+    parser.add_argument("--needle-configs",
+                        help="configurations that take every needle length (default: all); the others the shortest")
     parser.add_argument("--quick", action="store_true",
-                        help="2K context, 4K tokens, needles at 4K, fewer configurations: minutes, not hours")
+                        help="one 2K window, a needle at 2K, f16, k4v4 and raw 3-bit keys: minutes, not hours")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/turbokv"),
                         help="where split GGUF files are assembled")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.quick:
-        args.contexts, args.tokens = "2048", 4096
-        args.needle_lengths, args.needle_depths = "4096", "0.5"
+        args.contexts, args.tokens = "2048", 2048
+        args.needle_lengths, args.needle_depths = "2048", "0.5"
         if args.configs == parser.get_default("configs"):
-            args.configs = "f16,q8_0,turbo4,turbo3,k3v4"
+            args.configs = "f16,k4v4,turbo3:none+sinks=0"
     args.configs = [c for c in args.configs.split(",") if c]
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
     args.windows = {c: max(1, args.tokens // c) for c in args.contexts}
     args.needle_lengths = [int(n) for n in args.needle_lengths.split(",") if n]
     args.needle_depths = [float(d) for d in args.needle_depths.split(",") if d]
+    if args.needle_configs is not None:
+        args.needle_configs = set(args.needle_configs.split(","))
 
     def progress(line: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
@@ -723,7 +732,8 @@ def print_table(report: dict) -> None:
                 cells.append(f"{r['ppl']:.3f}, {r['ppl_delta_pct']:+.2f}%, {r['kl']:.4f}, {r['top1']:.1%}")
             else:
                 cells.append(f"{r['ppl']:.3f} (reference)")
-        cells.append("-" if row["needle"] is None else f"{row['needle']:.0%}")
+        lengths = "/".join(f"{n // 1024}K" for n in row["needle_lengths"])
+        cells.append("-" if row["needle"] is None else f"{row['needle']:.0%} ({lengths})")
         print("| " + " | ".join(cells) + " |")
 
 
