@@ -70,6 +70,16 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
         await fork.delete()
         await s.delete()
 
+    async def test_a_session_is_deleted_on_leaving_its_async_with_block_unless_kept(self):
+        async with await self.client.create_session(LAYERS, KV, Q, D) as s:
+            self.assertEqual(s.session_id, s.id)
+        with self.assertRaises(turbokv.SessionNotFound):
+            await self.client.get_session(s.id)
+        async with await self.client.create_session(LAYERS, KV, Q, D) as kept:
+            kept.keep = True
+        self.assertEqual((await self.client.get_session(kept.id)).session_id, kept.id)
+        await kept.delete()
+
     async def test_errors_and_bad_chunks_reach_the_caller_as_themselves(self):
         with self.assertRaises(turbokv.SessionNotFound):
             await self.client.session("no-such-session")

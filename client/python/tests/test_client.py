@@ -62,6 +62,38 @@ class ClientTest(DaemonTestCase):
         self.assertEqual(result.top_k_tokens.shape, (2, Q, 3))
         s.delete()
 
+    def test_a_session_is_deleted_on_leaving_its_with_block_unless_kept(self):
+        with self.session() as s:
+            self.assertEqual(s.session_id, s.id)
+            s.append(0, 0, np.zeros((4, KV, D), np.float32), np.zeros((4, KV, D), np.float32))
+        with self.assertRaises(turbokv.SessionNotFound):
+            self.client.get_session(s.id)
+        with self.assertRaises(RuntimeError):
+            with self.session() as failed:
+                raise RuntimeError("the worker failed")
+        with self.assertRaises(turbokv.SessionNotFound):
+            self.client.get_session(failed.id)
+        with self.session() as kept:
+            kept.keep = True
+        self.assertEqual(self.client.session(kept.id).id, kept.id)
+        with self.client.session(kept.id) as handle:
+            handle.delete()  # already gone on leaving: no error
+        with self.assertRaises(turbokv.SessionNotFound):
+            self.client.get_session(kept.id)
+
+    def test_the_target_defaults_to_turbokv_target(self):
+        previous = os.environ.get("TURBOKV_TARGET")
+        os.environ["TURBOKV_TARGET"] = self.daemon.target
+        try:
+            with turbokv.Client() as client:
+                client.wait_until_ready(10)
+                self.assertGreaterEqual(client.stats().sessions, 0)
+        finally:
+            if previous is None:
+                del os.environ["TURBOKV_TARGET"]
+            else:
+                os.environ["TURBOKV_TARGET"] = previous
+
     def test_float16_input_step_fork_truncate(self):
         s = self.session("f16")
         keys = self.rng.standard_normal((LAYERS, 64, KV, D)).astype(np.float16)

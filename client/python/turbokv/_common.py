@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import os
 import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -234,10 +235,17 @@ class SessionBase:
         self._client = client
         self.id = session_id
         self.config = config
+        # Leaving a `with` block deletes the session unless this is True.
+        self.keep = False
         self.layers = config.shape.layers
         self.kv_heads = config.shape.kv_heads
         self.q_heads = config.shape.q_heads
         self.head_dim = config.shape.head_dim
+
+    @property
+    def session_id(self) -> str:
+        """The session's id, as `id`."""
+        return self.id
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.id!r}, layers={self.layers}, kv_heads={self.kv_heads}, "
@@ -516,14 +524,21 @@ class Requests:
             raise self.error
 
 
+DEFAULT_TARGET = "unix:///tmp/turbokv.sock"
+
+
 class Connection:
     """What turbokv.Client and turbokv.aio.Client set up alike: the channel
-    (from `channels`, grpc or grpc.aio), the stub, the call metadata, the
-    default deadline and the retry policy."""
+    (from `channels`, grpc or grpc.aio; target None: $TURBOKV_TARGET when
+    set, else DEFAULT_TARGET), the stub, the call metadata, the default
+    deadline and the retry policy."""
 
-    def __init__(self, channels: Any, target: str, max_message_bytes: int, timeout: Optional[float],
+    def __init__(self, channels: Any, target: Optional[str], max_message_bytes: int, timeout: Optional[float],
                  token: Optional[str], root_certificates: Optional[bytes], private_key: Optional[bytes],
                  certificate_chain: Optional[bytes], retry: RetryPolicy):
+        if target is None:
+            target = os.environ.get("TURBOKV_TARGET") or DEFAULT_TARGET
+        self.target = target
         options = channel_options(max_message_bytes)
         self.timeout = timeout_value(timeout)
         if not isinstance(retry, RetryPolicy):

@@ -24,7 +24,7 @@ import numpy as np
 
 from turbokv import _common, _tensors
 from turbokv._common import DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy
-from turbokv.errors import TurbokvError, Unavailable, error_for
+from turbokv.errors import SessionNotFound, TurbokvError, Unavailable, error_for
 from turbokv.v1 import turbokv_pb2 as pb
 
 __all__ = ["Client", "Session", "DecodeStream"]
@@ -134,6 +134,17 @@ class Session(_common.SessionBase):
     async def delete(self, *, timeout: Optional[float] = None) -> None:
         await self._client.delete_session(self.id, timeout=timeout)
 
+    async def __aenter__(self) -> "Session":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        """As turbokv.Session.__exit__."""
+        if not self.keep:
+            try:
+                await self.delete()
+            except SessionNotFound:
+                pass
+
 
 class DecodeStream(_common.DecodeBase):
     """turbokv.DecodeStream on asyncio: step(), attend(), send(), receive()
@@ -214,7 +225,7 @@ class Client:
     """turbokv.Client on grpc.aio: the same arguments (timeout, retry, token,
     TLS); every call is a coroutine. Use `async with` or await close()."""
 
-    def __init__(self, target: str = "unix:///tmp/turbokv.sock", max_message_bytes: int = 64 << 20,
+    def __init__(self, target: Optional[str] = None, max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
                  root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
                  certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy()):

@@ -15,7 +15,7 @@ import numpy as np
 
 from turbokv import _common, _tensors
 from turbokv._common import DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy
-from turbokv.errors import TurbokvError, Unavailable, error_for
+from turbokv.errors import SessionNotFound, TurbokvError, Unavailable, error_for
 from turbokv.v1 import turbokv_pb2 as pb
 
 T = TypeVar("T")
@@ -133,6 +133,17 @@ class Session(_common.SessionBase):
         """Frees the session (pages a fork shares stay with the fork)."""
         self._client.delete_session(self.id, timeout=timeout)
 
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Deletes the session unless `keep` is set (one already gone is no error)."""
+        if not self.keep:
+            try:
+                self.delete()
+            except SessionNotFound:
+                pass
+
 
 class DecodeStream(_common.DecodeBase):
     """One Decode stream (Client.decode_stream()): each call is one layer's
@@ -232,7 +243,8 @@ class DecodeStream(_common.DecodeBase):
 
 
 class Client:
-    """A channel to turbokvd: target is unix:///path or host:port.
+    """A channel to turbokvd: target is unix:///path or host:port (None:
+    $TURBOKV_TARGET when set, else unix:///tmp/turbokv.sock).
 
     timeout: the default deadline of each call in seconds (a stream's covers
     the whole stream; None: no deadline); each call's timeout= overrides it.
@@ -243,7 +255,7 @@ class Client:
     client's, for mTLS. Failures raise TurbokvError subclasses by gRPC code
     (turbokv.errors)."""
 
-    def __init__(self, target: str = "unix:///tmp/turbokv.sock", max_message_bytes: int = 64 << 20,
+    def __init__(self, target: Optional[str] = None, max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
                  root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
                  certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy()):
