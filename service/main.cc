@@ -312,9 +312,16 @@ int main(int argc, char** argv) {
        options.session_ttl == absl::ZeroDuration() ? "none" : absl::FormatDuration(options.session_ttl),
        turbokv::FormatByteSize(options.max_message_bytes));
   Logf(LogLevel::kInfo, "listening on %s", absl::StrJoin((*server)->endpoints(), ", "));
-  Logf(LogLevel::kInfo, "metrics on %s", (*server)->metrics_endpoint().empty() ? "(off)" : (*server)->metrics_endpoint());
-  Logf(LogLevel::kInfo, "health checks only on %s",
-       (*server)->health_endpoint().empty() ? "(off)" : (*server)->health_endpoint());
+  if ((*server)->metrics_endpoint().empty()) {
+    Logf(LogLevel::kInfo, "no metrics (--metrics-listen is empty)");
+  } else {
+    Logf(LogLevel::kInfo, "metrics on %s", (*server)->metrics_endpoint());
+  }
+  if ((*server)->health_endpoint().empty()) {
+    Logf(LogLevel::kInfo, "no health-only listener (--health-listen): probes use the listeners above");
+  } else {
+    Logf(LogLevel::kInfo, "health-only listener (grpc.health.v1, nothing else) on %s", (*server)->health_endpoint());
+  }
   Logf(LogLevel::kInfo, "authentication %s, TCP %s",
        options.auth_tokens_file.empty() ? "off" : "bearer tokens from " + options.auth_tokens_file,
        options.tls_cert.empty() ? "plaintext" : options.tls_client_ca.empty() ? "TLS" : "mTLS");

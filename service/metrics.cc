@@ -223,15 +223,17 @@ Metrics::Metrics(std::string device, const std::string& tier) : device_(std::mov
   bytes_used_ = device_gauge("turbokv_memory_used_bytes", "Bytes of compressed pages held, shared pages once, by device");
   budget_bytes_ = device_gauge("turbokv_memory_budget_bytes", "--memory-budget, by device");
   fp16_bytes_ = device_gauge("turbokv_memory_fp16_equivalent_bytes",
-                             "What the stored tokens would take as an fp16 cache, by device");
+                             "What the tokens of the sessions in memory would take as an fp16 cache, by device");
   compression_ratio_ = &BuildGauge()
                             .Name("turbokv_compression_ratio")
-                            .Help("fp16-equivalent bytes over bytes used")
+                            .Help("Over the sessions in memory: their fp16-equivalent bytes over the bytes they use")
                             .Register(r)
                             .Add({});
   auto& evictions = BuildCounter()
                         .Name("turbokv_evictions_total")
-                        .Help("Sessions removed by the daemon, by reason: lru (memory budget) or ttl (idle)")
+                        .Help("Sessions removed by the daemon, by reason: lru (the memory budget was full), ttl (idle past "
+                              "their ttl) or disk_full (dropped from the spill tier, oldest first, "
+                              "once it passed its high watermark)")
                         .Register(r);
   lru_evictions_ = &evictions.Add({{"reason", "lru"}});
   ttl_expiries_ = &evictions.Add({{"reason", "ttl"}});
@@ -367,6 +369,10 @@ void Metrics::SetQueued(int64_t work) { queued_->Set(static_cast<double>(work));
 
 void Metrics::ObservePromotion(double seconds) { promotion_duration_->Observe(seconds); }
 
+void Metrics::CountTakeover(TakeoverResult result) {
+  if (takeovers_[result] != nullptr) takeovers_[result]->Increment();
+}
+
 void Metrics::ObserveQuantization(CodecKind codec, KvKind kind, const EncodeStats& stats) {
   const int c = static_cast<int>(codec);
   if (c < 1 || c > 6) return;
@@ -412,8 +418,8 @@ void Metrics::SetStore(const StoreSnapshot& s) {
   tokens_->Set(static_cast<double>(s.tokens));
   bytes_used_->Set(static_cast<double>(s.bytes_used));
   budget_bytes_->Set(static_cast<double>(s.budget_bytes));
-  fp16_bytes_->Set(static_cast<double>(s.fp16_bytes));
-  compression_ratio_->Set(s.bytes_used > 0 ? static_cast<double>(s.fp16_bytes) / s.bytes_used : 0.0);
+  fp16_bytes_->Set(static_cast<double>(s.resident_fp16_bytes));
+  compression_ratio_->Set(s.compression_ratio());
   Advance(lru_evictions_, s.lru_evictions, &lru_seen_);
   Advance(ttl_expiries_, s.ttl_expiries, &ttl_seen_);
   Advance(disk_drops_, s.disk_drops, &disk_drops_seen_);
@@ -429,7 +435,6 @@ void Metrics::SetStore(const StoreSnapshot& s) {
   Advance(spill_crc_failures_, s.tier.crc_failures, &crc_failures_seen_);
   if (tier_up_ != nullptr) {
     tier_up_->Set(s.tier_health.ok() ? 1 : 0);
-    for (int i = 0; i < kTakeoverResults; ++i) Advance(takeovers_[i], s.takeovers[i], &takeovers_seen_[i]);
   }
 }
 

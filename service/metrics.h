@@ -69,6 +69,8 @@ class Metrics {
   void SetQueued(int64_t work);
   // A demoted session brought back into memory by a call.
   void ObservePromotion(double seconds);
+  // How a claim from the shared tier ended (StoreOptions::on_takeover).
+  void CountTakeover(TakeoverResult result);
   // The quantization error of vectors just stored with `codec` as keys or
   // values, as their encoder measured it.
   void ObserveQuantization(CodecKind codec, KvKind kind, const EncodeStats& stats);
@@ -114,7 +116,6 @@ class Metrics {
   prometheus::Gauge* tier_sessions_[2] = {};  // memory, the tier
   prometheus::Gauge* tier_up_ = nullptr;      // a shared tier only
   prometheus::Counter* takeovers_[kTakeoverResults] = {};
-  int64_t takeovers_seen_[kTakeoverResults] = {};
   prometheus::Gauge* spill_bytes_;
   prometheus::Gauge* spill_file_bytes_;
   prometheus::Gauge* spill_budget_bytes_;

@@ -28,9 +28,9 @@
 #include "kernels/cpu/thread_pool.h"
 #include "openssl/pem.h"
 #include "openssl/x509.h"
-#include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 #include "service/metrics.h"
+#include "service/metrics_page.h"
 #include "service/auth.h"
 #include "service/byte_size.h"
 #include "service/device.h"
@@ -251,6 +251,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   store.max_tenant_sessions = options.max_tenant_sessions;
   store.high_watermark = options.high_watermark;
   store.low_watermark = options.low_watermark;
+  store.on_takeover = [metrics = server->metrics_.get()](TakeoverResult result) { metrics->CountTakeover(result); };
   std::unique_ptr<Tier> tier;
   if (!options.redis_url.empty() && !options.spill_dir.empty()) {
     return absl::InvalidArgumentError(
@@ -318,23 +319,15 @@ absl::Status Server::Start() {
   }
   metrics_->SetStore(store_->Snapshot());
   if (!options_.metrics_listen.empty()) {
-    try {
-      // More threads than scrapers, and a short read timeout: a few
-      // connections that never send a request cannot hold /metrics.
-      exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-          "listening_ports", options_.metrics_listen, "num_threads", std::to_string(kMetricsThreads),
-          "request_timeout_ms", std::to_string(kMetricsRequestTimeoutMs)});
-    } catch (const std::exception&) {
-      // civetweb says only "null context when constructing CivetServer".
-      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", options_.metrics_listen,
-                                                 " (--metrics-listen): the port is in use or the address is not "
-                                                 "this host's"));
-    }
-    exposer_->RegisterCollectable(metrics_->registry());
-    exposer_->RegisterCollectable(metrics_->process());
-    const std::vector<int> ports = exposer_->GetListeningPorts();
+    // More threads than scrapers, and a short read timeout: a few
+    // connections that never send a request cannot hold /metrics.
+    absl::StatusOr<std::unique_ptr<MetricsPage>> page =
+        MetricsPage::Start(options_.metrics_listen, {metrics_->registry(), metrics_->process()}, kMetricsThreads,
+                           kMetricsRequestTimeoutMs);
+    if (!page.ok()) return page.status();
+    metrics_page_ = *std::move(page);
     const std::string host = options_.metrics_listen.substr(0, options_.metrics_listen.rfind(':'));
-    metrics_endpoint_ = absl::StrCat("http://", host, ":", ports.empty() ? 0 : ports[0], "/metrics");
+    metrics_endpoint_ = absl::StrCat("http://", host, ":", metrics_page_->port(), "/metrics");
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -544,7 +537,7 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
     }
   }
   // Last: stopping the metrics endpoint takes about 2 s (its threads poll).
-  exposer_.reset();
+  metrics_page_.reset();
   return status;
 }
 

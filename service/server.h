@@ -17,9 +17,6 @@ namespace grpc {
 class Server;
 class ServerCredentials;
 }
-namespace prometheus {
-class Exposer;
-}
 
 namespace turbokv {
 
@@ -28,6 +25,7 @@ class Backend;
 class Executor;
 class Handler;
 class KvCacheService;
+class MetricsPage;
 class Metrics;
 class ThreadPool;
 
@@ -155,7 +153,7 @@ class Server {
   std::unique_ptr<Authenticator> authenticator_;
   std::shared_ptr<grpc::ServerCredentials> tcp_credentials_;
   std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsPage> metrics_page_;
   std::string metrics_endpoint_;
   std::unique_ptr<ThreadPool> kernel_pool_;
   std::unique_ptr<Backend> backend_;

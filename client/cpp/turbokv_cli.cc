@@ -465,7 +465,7 @@ absl::Status List(const turbokv::Client& client, const Args& args) {
     PrintJson(FromMessage(response));
     return absl::OkStatus();
   }
-  std::printf("%-26s %6s %12s %14s %14s %-17s %10s\n", "SESSION_ID", "LAYERS", "TOKENS", "BYTES_USED", "FP16_BYTES",
+  std::printf("%-26s %6s %12s %14s %14s %-17s %10s\n", "SESSION_ID", "LAYERS", "TOKENS/LAYER", "BYTES_USED", "FP16_BYTES",
               "RESIDENCY", "IDLE");
   for (const auto& s : *sessions) {
     const auto [fewest, most] = std::minmax_element(s.layer_tokens().begin(), s.layer_tokens().end());
@@ -494,6 +494,7 @@ absl::Status Delete(const turbokv::Client& client, const Args& args) {
 absl::Status Stats(const turbokv::Client& client, const Args& args) {
   absl::StatusOr<turbokv::v1::StatsResponse> stats = client.Stats();
   if (!stats.ok()) return stats.status();
+  if (!args.Json()) std::printf("# tokens: summed over sessions and layers (turbokv list: tokens per layer)\n");
   PrintMessage(args, *stats);
   return absl::OkStatus();
 }
@@ -804,7 +805,7 @@ const std::vector<Command>& Commands() {
          List},
         {"get", "ID", 1, 1, "one session: shape, codecs, tokens per layer, bytes, residency", {OutputFlag()}, "5s", Get},
         {"delete", "ID", 1, 1, "delete a session (prints nothing)", {}, "5s", Delete},
-        {"stats", "", 0, 0, "the daemon's totals", {OutputFlag()}, "5s", Stats},
+        {"stats", "", 0, 0, "the daemon's totals (tokens: over sessions and layers)", {OutputFlag()}, "5s", Stats},
         {"snapshot", "", 0, 0, "write every session to turbokvd's --snapshot-dir now", {OutputFlag()}, "60s",
          Snapshot},
         {"prefetch", "ID...", 1, 1 << 20, "bring sessions back from turbokvd's --spill-dir; a code per session",

@@ -251,8 +251,7 @@ absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&, const 
   response.set_bytes_used(snapshot.bytes_used);
   response.set_budget_bytes(snapshot.budget_bytes);
   response.set_fp16_bytes(snapshot.fp16_bytes);
-  response.set_compression_ratio(snapshot.bytes_used > 0 ? static_cast<double>(snapshot.fp16_bytes) / snapshot.bytes_used
-                                                         : 0.0);
+  response.set_compression_ratio(snapshot.compression_ratio());
   response.set_device(options_.device);
   response.set_evictions(snapshot.lru_evictions + snapshot.ttl_expiries + snapshot.disk_drops);
   response.set_resident_sessions(snapshot.resident_sessions);

@@ -237,11 +237,11 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
   absl::StatusOr<TierSession> image = tier_->Claim(id, tenant);
   if (!image.ok()) {
     if (absl::IsNotFound(image.status())) {
-      takeovers_[kTakeoverNotFound].fetch_add(1);
+      CountTakeover(kTakeoverNotFound);
       std::lock_guard<std::mutex> lock(mutex_);
       return NotFound(id, tenant);
     }
-    takeovers_[absl::IsFailedPrecondition(image.status()) ? kTakeoverHeld : kTakeoverFailed].fetch_add(1);
+    CountTakeover(absl::IsFailedPrecondition(image.status()) ? kTakeoverHeld : kTakeoverFailed);
     return image.status();
   }
   SessionConfig config = image->header.config;
@@ -252,7 +252,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
   session->demoted_ = std::make_unique<TierSession>(*std::move(image));
   std::lock_guard<std::mutex> lock(mutex_);
   if (absl::Status inserted = Insert(session); !inserted.ok()) return inserted;
-  takeovers_[kTakeoverOk].fetch_add(1);
+  CountTakeover(kTakeoverOk);
   Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens in layer 0, %d layers)", id.c_str(),
        tier_->name(), static_cast<long long>(session->layer_tokens(0)), config.layers);
   return session;
@@ -323,14 +323,15 @@ StoreSnapshot SessionStore::Snapshot() const {
     ++tenant.sessions;
     tenant.bytes += static_cast<int64_t>(session->bytes_used());
     snapshot.tokens += session->tokens();
-    snapshot.fp16_bytes += static_cast<int64_t>(session->fp16_bytes());
+    const auto fp16_bytes = static_cast<int64_t>(session->fp16_bytes());
+    snapshot.fp16_bytes += fp16_bytes;
+    if (session->resident()) snapshot.resident_fp16_bytes += fp16_bytes;
     ++(session->resident() ? snapshot.resident_sessions : snapshot.demoted_sessions);
   }
   if (tier_ != nullptr) snapshot.tier = tier_->Stats();
   snapshot.demotions = demotions_.load();
   snapshot.promotions = promotions_.load();
   snapshot.disk_drops = disk_drops_.load();
-  for (int i = 0; i < kTakeoverResults; ++i) snapshot.takeovers[i] = takeovers_[i].load();
   if (tier_ != nullptr) snapshot.tier_health = tier_->Health();
   snapshot.bytes_used = static_cast<int64_t>(pool_.used_bytes());
   snapshot.budget_bytes = static_cast<int64_t>(pool_.budget_bytes());

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,6 +45,7 @@ struct StoreSnapshot {
   int64_t bytes_used = 0;  // pages held, shared pages once
   int64_t budget_bytes = 0;
   int64_t fp16_bytes = 0;  // the same tokens in fp16
+  int64_t resident_fp16_bytes = 0;  // those of the sessions in memory: bytes_used's fp16 size
   int64_t lru_evictions = 0;  // since start
   int64_t ttl_expiries = 0;   // since start
   int64_t resident_sessions = 0;  // in memory (all of them without a spill tier)
@@ -54,14 +56,17 @@ struct StoreSnapshot {
   int64_t disk_drops = 0;         // sessions dropped because the spill budget was full
   TierStats tier;
   absl::Status tier_health;       // a shared tier: why it does not answer
-  // A shared tier: calls on sessions this daemon did not hold, by how their
-  // claim ended (TakeoverResult).
-  int64_t takeovers[kTakeoverResults] = {};
   struct TenantUse {
     int64_t sessions = 0;
     int64_t bytes = 0;  // pages in memory; a page forks share counted for each
   };
   std::map<std::string, TenantUse> tenants;  // by tenant ("" without authentication)
+
+  // The sessions in memory: their fp16 size over the bytes they use (0 with
+  // none). Demoted sessions' tokens would inflate it.
+  double compression_ratio() const {
+    return bytes_used > 0 ? static_cast<double>(resident_fp16_bytes) / static_cast<double>(bytes_used) : 0.0;
+  }
 };
 
 enum class EvictionPolicy {
@@ -89,6 +94,9 @@ struct StoreOptions {
   // its high watermark, down to its low one.
   double high_watermark = 0.90;
   double low_watermark = 0.80;
+  // A shared tier: called as each call naming a session this daemon did not
+  // hold ends its claim, before the call is answered (metrics count them).
+  std::function<void(TakeoverResult)> on_takeover;
 };
 
 // What a session's metadata (its object, layer tables and codecs) costs in
@@ -303,6 +311,9 @@ class SessionStore {
   // Claims a session this daemon does not hold from the shared tier (Find).
   absl::StatusOr<std::shared_ptr<SessionCache>> TakeOver(const std::string& id, const std::string& tenant,
                                                          absl::Time now);
+  void CountTakeover(TakeoverResult result) const {
+    if (options_.on_takeover) options_.on_takeover(result);
+  }
   // Under mutex_: removes the session from the map and its tenant's count.
   void Erase(const std::string& id);
   // Under the session's mutex: empties it, returns its bytes to the pool
@@ -340,7 +351,6 @@ class SessionStore {
   std::unordered_map<std::string, std::string> damaged_;
   std::mutex save_mutex_;  // one SaveSnapshots at a time; never under mutex_
   std::mutex claim_mutex_;  // one TakeOver at a time; taken before mutex_
-  std::atomic<int64_t> takeovers_[kTakeoverResults] = {};
   std::atomic<int64_t> lru_evictions_{0};
   std::atomic<int64_t> ttl_expiries_{0};
   std::atomic<int64_t> demotions_{0};

@@ -186,6 +186,11 @@ class CliTest(unittest.TestCase):
         for field in ("evictions", "demoted_sessions", "demotions", "promotions", "spill_bytes", "spill_budget_bytes"):
             self.assertEqual(stats[field], 0, field)
         self.assertGreaterEqual(stats["tokens"], 100)
+        # The tables say which tokens they count: per layer (list), token-layers (stats).
+        row = next(line.split() for line in self.ok("list").splitlines() if line.startswith(session))
+        header = self.ok("list").splitlines()[0].split()
+        self.assertEqual(row[header.index("TOKENS/LAYER")], "0..100")  # one layer of the two filled
+        self.assertIn("# tokens: summed over sessions and layers", self.ok("stats").splitlines()[0])
 
         decoded = self.json("decode-random", "--batch=2", "--layers=2", "--steps=2", "--kv-heads=2", "--q-heads=4")
         self.assertEqual((decoded["batch"], decoded["layers"], decoded["steps"]), (2, 2, 2))

@@ -78,6 +78,10 @@ class PrometheusTest(unittest.TestCase):
                 self.assertGreater(query("turbokv_compression_ratio"), 4.5)
                 self.assertEqual(query('sum(turbokv_rpc_duration_seconds_count{method="CreateSession"})'), 1)
                 self.assertEqual(query('up{job="turbokvd"}'), 1)
+                # Every series is the daemon's or the process collector's (no exposer_* of the HTTP library).
+                names = set(re.findall(r"^([a-z_:]+)[{ ]", exposition, re.M))
+                self.assertEqual({n for n in names if not n.startswith(("turbokv_", "process_"))}, set())
+                self.assertEqual(query('count({__name__=~"exposer_.*"})'), None)
                 # No series carries the session id.
                 self.assertNotIn(session, exposition)
                 self.assertTrue(re.search(r"^turbokv_evictions_total\{reason=\"lru\"\} 0", exposition, re.M))

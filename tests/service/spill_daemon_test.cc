@@ -126,6 +126,15 @@ TEST(SpillDaemonTest, EightTimesTheBudgetAcross64SessionsComesBackBitExact) {
   EXPECT_GT(stats->demoted_sessions(), kSessions / 2);
   EXPECT_EQ(stats->evictions(), 0);
   EXPECT_LE(stats->bytes_used(), kBudgetMiB << 20);
+  // The compression ratio is that of the sessions in memory: at most what
+  // the codecs give (16 bits over their bits per value), however many
+  // sessions are on disk only.
+  auto info = client->GetSession(sessions[0].id());
+  ASSERT_TRUE(info.ok());
+  const double codec_ratio = 16.0 / info->bits_per_value();
+  EXPECT_LE(stats->compression_ratio(), codec_ratio);
+  EXPECT_GT(stats->compression_ratio(), 0.8 * codec_ratio);
+  EXPECT_LE(Sample(Scrape(daemon.MetricsAddress()), "turbokv_compression_ratio"), codec_ratio);
   // Every session, from wherever it is, reads back and attends exactly as
   // it did when it was all in memory.
   for (int s = 0; s < kSessions; ++s) {

@@ -210,9 +210,10 @@ TEST(TurbokvdTest, AHealthOnlyListenerAnswersProbesAndNothingElse) {
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
   const std::string log = daemon.Log();
-  const size_t at = log.find("health checks only on 127.0.0.1:");
+  const std::string mark = "health-only listener (grpc.health.v1, nothing else) on ";
+  const size_t at = log.find(mark + "127.0.0.1:");
   ASSERT_NE(at, std::string::npos) << log;
-  const std::string endpoint = log.substr(at + 22, log.find('\n', at) - at - 22);
+  const std::string endpoint = log.substr(at + mark.size(), log.find('\n', at) - at - mark.size());
   auto probe = Client::Connect(endpoint);
   ASSERT_TRUE(probe->WaitUntilServing(absl::Seconds(10)).ok());
   EXPECT_EQ(probe->Stats().status().code(), absl::StatusCode::kUnimplemented);
@@ -372,7 +373,7 @@ TEST(TurbokvdTest, ASecondDaemonOnTheSameAddressesRefusesToStart) {
   ASSERT_NE(at, std::string::npos) << log;
   const std::string tcp = log.substr(at + mark.size(), log.find('\n', at) - at - mark.size());
   const std::string metrics = first.MetricsAddress();
-  const std::string health_mark = "health checks only on ";
+  const std::string health_mark = "health-only listener (grpc.health.v1, nothing else) on ";
   const size_t health_at = log.find(health_mark);
   const std::string health = log.substr(health_at + health_mark.size(),
                                         log.find('\n', health_at) - health_at - health_mark.size());
