@@ -50,6 +50,9 @@ CHART = os.path.join(DEPLOY, "helm", "turbokv")
 RUNBOOK = "https://github.com/turbokv/turbokv/blob/main/docs/OPERATIONS.md"
 # Metrics the dashboard reads from elsewhere: Prometheus' own, kube-state-metrics'.
 EXTERNAL_METRICS = {"up", "kube_pod_container_resource_limits"}
+# What a cluster with the Prometheus Operator serves, for .Capabilities.APIVersions.
+MONITORING_APIS = ("monitoring.coreos.com/v1", "monitoring.coreos.com/v1/PodMonitor",
+                   "monitoring.coreos.com/v1/PrometheusRule")
 
 
 def load(path):
@@ -57,8 +60,37 @@ def load(path):
         return yaml.safe_load(f)
 
 
-def default_values():
+def chart_values_file():
+    """values.yaml as it is, the worker's image left empty."""
     return load(os.path.join(CHART, "values.yaml"))
+
+
+def default_values():
+    """values.yaml with the one value it leaves to the user, the worker's image."""
+    values = chart_values_file()
+    values["worker"]["image"].update({"repository": "registry.example.com/inference-worker", "tag": "1.0.0"})
+    return values
+
+
+def value_leaves(properties, prefix=""):
+    """The dotted names of the chart's values under the schema's properties: an
+    object the schema closes (additionalProperties false) is walked into, any
+    other value (a Kubernetes object given whole, a map of labels) is one."""
+    leaves = []
+    for key, sub in properties.items():
+        if sub.get("additionalProperties") is False:
+            leaves += value_leaves(sub["properties"], f"{prefix}{key}.")
+        else:
+            leaves.append(prefix + key)
+    return leaves
+
+
+def quantity(text):
+    """A Kubernetes quantity (cpu or memory) as a number."""
+    number, unit = re.fullmatch(r"([0-9.]+)(m|Ki|Mi|Gi|Ti|k|M|G|T)?", str(text)).groups()
+    scale = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}[unit]
+    return float(number) * scale
 
 
 def every_option_values():
@@ -92,6 +124,7 @@ def every_option_values():
     turbokvd["image"]["tag"] = "0.1.1"
     turbokvd["snapshot"]["persistence"].update({"enabled": True, "storageClassName": "fast-ssd"})
     values["podMonitor"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
+    values["test"]["image"].update({"repository": "mirror.example.com/grpc-health-probe", "pullPolicy": "Always"})
     values["prometheusRule"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
     values["prometheusRule"]["runbookUrl"] = "https://wiki.example.com/turbokv/OPERATIONS.md"
     values["grafanaDashboard"].update({"namespace": "monitoring", "annotations": {"grafana_folder": "ML"}})
@@ -114,16 +147,18 @@ def redis_values():
     return values
 
 
-def rendered_objects(values=None, release="demo"):
-    """The chart's manifests, in order, and the NOTES.txt text."""
-    files = Chart(CHART).render(default_values() if values is None else values, release=release)
+def rendered_objects(values=None, release="demo", api_versions=()):
+    """The chart's manifests, in order, and the NOTES.txt text, on a cluster
+    serving Kubernetes' own APIs and api_versions."""
+    files = Chart(CHART).render(default_values() if values is None else values, release=release,
+                                api_versions=api_versions)
     objects = [doc for name, text in files.items() if name != "NOTES.txt" for doc in yaml.safe_load_all(text) if doc]
     return objects, files["NOTES.txt"]
 
 
-def rendered_chart(values=None, release="demo"):
+def rendered_chart(values=None, release="demo", api_versions=()):
     """{kind: object} of the chart's manifests (one of each kind), and the NOTES.txt text."""
-    objects, notes = rendered_objects(values, release)
+    objects, notes = rendered_objects(values, release, api_versions)
     by_kind = {}
     for obj in objects:
         if obj["kind"] in by_kind:
@@ -261,8 +296,8 @@ def free_ports(count):
 class LocalTurbokvd:
     """A turbokvd started by local_turbokvd, and its CLI and /metrics."""
 
-    def __init__(self, test, target, metrics, log_path):
-        self.test, self.target, self.metrics, self.log_path = test, target, metrics, log_path
+    def __init__(self, test, target, health, metrics, log_path):
+        self.test, self.target, self.health, self.metrics, self.log_path = test, target, health, metrics, log_path
 
     def cli(self, *command, ok=True):
         run = subprocess.run([os.environ["TURBOKV_CLI"], f"--target={self.target}", *command],
@@ -298,7 +333,7 @@ def local_turbokvd(test, args, directory, **overrides):
     daemon = subprocess.Popen([os.environ["TURBOKVD"], *flags], stderr=log)
     try:
         wait_listening(test, daemon, log_path)
-        yield LocalTurbokvd(test, local["--listen"], local["--metrics-listen"], log_path)
+        yield LocalTurbokvd(test, local["--listen"], local["--health-listen"], local["--metrics-listen"], log_path)
     finally:
         daemon.send_signal(signal.SIGTERM)
         log.close()
@@ -490,6 +525,22 @@ class DeployTest(unittest.TestCase):
             with self.assertRaisesRegex(TemplateError, "execution error: a and b"):
                 render('x{{ if .Values.a }}{{ fail "a and b" }}{{ end }}', {"a": True})
             self.assertEqual(render('x{{ if .Values.a }}{{ fail "a and b" }}{{ end }}', {"a": False}), "x")
+            # required: nil and "" stop the rendering with its message; 0 and false pass.
+            for value in ({}, {"a": ""}):
+                with self.assertRaisesRegex(TemplateError, "execution error: a is required"):
+                    render('{{ required "a is required" .Values.a }}', value)
+            self.assertEqual(render('{{ required "m" .Values.a }} {{ required "m" .Values.b }}', {"a": 0, "b": False}),
+                             "0 false")
+            # .Capabilities.APIVersions.Has: Kubernetes' own APIs, and what the render is given.
+            with open(os.path.join(tmp, "templates", "t.yaml"), "w") as f:
+                f.write('{{ .Capabilities.APIVersions.Has "apps/v1" }} {{ .Capabilities.APIVersions.Has "x.io/v1/K" }}')
+            self.assertEqual(Chart(tmp).render({})["t.yaml"], "true false")
+            self.assertEqual(Chart(tmp).render({}, api_versions=["x.io/v1/K"])["t.yaml"], "true true")
+            # Templates in a subdirectory render under their relative name.
+            os.mkdir(os.path.join(tmp, "templates", "tests"))
+            with open(os.path.join(tmp, "templates", "tests", "u.yaml"), "w") as f:
+                f.write("{{ .Release.Name }}")
+            self.assertEqual(Chart(tmp).render({}, release="r")["tests/u.yaml"], "r")
 
     def test_every_yaml_parses(self):
         paths = [p for p in glob.glob(os.path.join(DEPLOY, "**", "*.yaml"), recursive=True)
@@ -505,7 +556,11 @@ class DeployTest(unittest.TestCase):
     def test_example_and_chart_are_native_sidecar_deployments(self):
         example = load(os.path.join(DEPLOY, "k8s", "sidecar.yaml"))
         example_args = check_sidecar(self, example)
-        objects, _ = rendered_chart()
+        # The example is sized for a GPU node; the chart with its sizes renders its flags.
+        values = default_values()
+        values["turbokvd"]["memoryBudget"] = "24GiB"
+        values["turbokvd"]["spill"]["budget"] = "72GiB"
+        objects, _ = rendered_chart(values, api_versions=MONITORING_APIS)
         self.assertEqual(check_sidecar(self, objects["Deployment"]), example_args)
         monitor = objects["PodMonitor"]
         pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
@@ -535,8 +590,8 @@ class DeployTest(unittest.TestCase):
             sidecar = spec["initContainers"][0]
             self.assertIn("--device=cpu", sidecar["args"])
             self.assertFalse([r for side in sidecar["resources"].values() for r in side if "gpu" in r])
-            # The worker's own GPU stays its choice.
-            self.assertEqual(spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"], 1)
+        # The worker's own GPU stays its choice: the example's asks for one.
+        self.assertEqual(example["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"], 1)
         self.assertIn("requests no GPU", notes)
         values = default_values()
         values["turbokvd"]["device"] = "cuda:0"
@@ -566,7 +621,7 @@ class DeployTest(unittest.TestCase):
             values["turbokvd"]["memoryBudget"] = budget
             with self.assertRaises(jsonschema.ValidationError, msg=budget):
                 jsonschema.validate(values, schema)
-        self.assertIn("--memory-budget=24GiB", check_sidecar(self, rendered_chart()[0]["Deployment"]))
+        self.assertIn("--memory-budget=1GiB", check_sidecar(self, rendered_chart()[0]["Deployment"]))
         # The flags without --memory-budget start turbokvd with the CPU's 4 GiB.
         values = default_values()
         values["turbokvd"]["memoryBudget"] = ""
@@ -589,6 +644,8 @@ class DeployTest(unittest.TestCase):
                 sidecar_mounts = {m["mountPath"] for m in spec["initContainers"][0]["volumeMounts"]}
                 self.assertEqual(len(sidecar_mounts), 3)
                 self.assertIn("/tmp", {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]})
+        # The helm test pod, one container.
+        check_restricted(self, {"metadata": {}, "spec": rendered_chart()[0]["Pod"]["spec"]}, containers=1)
         # With the Redis tier: the worker's pod, and Redis' own, whose one
         # writable path is its data volume.
         for name, values in (("redis.deploy", redis_deploy_values()), ("redis.deploy, every option", redis_values())):
@@ -646,13 +703,14 @@ class DeployTest(unittest.TestCase):
                 log.close()
 
     def test_chart_follows_helm_create_conventions(self):
-        objects, notes = rendered_chart()
-        self.assertEqual(set(objects), {"Deployment", "PodMonitor", "PrometheusRule", "ConfigMap"})
+        objects, notes = rendered_chart(api_versions=MONITORING_APIS)
+        self.assertEqual(set(objects), {"Deployment", "Service", "Pod", "PodMonitor", "PrometheusRule", "ConfigMap"})
         with open(os.path.join(CHART, "Chart.yaml")) as f:
             chart = yaml.safe_load(f)
         for kind, obj in objects.items():
             labels = obj["metadata"]["labels"]
-            self.assertEqual(labels["app.kubernetes.io/name"], "turbokv", kind)
+            # The helm test pod has a name of its own, out of the worker's selectors.
+            self.assertEqual(labels["app.kubernetes.io/name"], "turbokv-test" if kind == "Pod" else "turbokv", kind)
             self.assertEqual(labels["app.kubernetes.io/instance"], "demo", kind)
             self.assertEqual(labels["app.kubernetes.io/version"], chart["appVersion"], kind)
             self.assertEqual(labels["app.kubernetes.io/managed-by"], "Helm", kind)
@@ -673,6 +731,9 @@ class DeployTest(unittest.TestCase):
         with open(os.path.join(CHART, "values.schema.json")) as f:
             schema = json.load(f)
         jsonschema.Draft7Validator.check_schema(schema)
+        # The file as it is (the worker's image empty: the chart, not the
+        # schema, refuses that, naming the value).
+        jsonschema.validate(chart_values_file(), schema)
         jsonschema.validate(default_values(), schema)
         jsonschema.validate(every_option_values(), schema)
         jsonschema.validate(redis_values(), schema)
@@ -728,8 +789,9 @@ class DeployTest(unittest.TestCase):
 
     def test_chart_with_every_option(self):
         values = every_option_values()
-        objects, notes = rendered_chart(values)
-        self.assertEqual(set(objects), {"StatefulSet", "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "ConfigMap"})
+        objects, notes = rendered_chart(values, api_versions=MONITORING_APIS)
+        self.assertEqual(set(objects), {"StatefulSet", "Service", "Pod", "PodDisruptionBudget", "PodMonitor",
+                                        "PrometheusRule", "ConfigMap"})
         statefulset = objects["StatefulSet"]
         check_sidecar(self, statefulset)
         pod = statefulset["spec"]["template"]
@@ -755,7 +817,10 @@ class DeployTest(unittest.TestCase):
         self.assertIn({"name": "MALLOC_ARENA_MAX", "value": "4"}, sidecar["env"])
         self.assertEqual(sidecar["resources"]["limits"]["nvidia.com/gpu"], 1)
         claim = statefulset["spec"]["volumeClaimTemplates"][0]["spec"]
-        self.assertEqual((claim["storageClassName"], claim["resources"]["requests"]["storage"]), ("fast-ssd", "32Gi"))
+        self.assertEqual((claim["storageClassName"], claim["resources"]["requests"]["storage"]), ("fast-ssd", "4Gi"))
+        # The StatefulSet's governing Service exists: the chart's headless one.
+        self.assertEqual(statefulset["spec"]["serviceName"], objects["Service"]["metadata"]["name"])
+        self.assertEqual(objects["Service"]["spec"]["clusterIP"], "None")
         self.assertIn("survive a node drain", notes)
         pdb = objects["PodDisruptionBudget"]
         self.assertEqual(pdb["spec"]["maxUnavailable"], 1)
@@ -769,6 +834,10 @@ class DeployTest(unittest.TestCase):
         dashboard = objects["ConfigMap"]["metadata"]
         self.assertEqual((dashboard["namespace"], dashboard["annotations"]), ("monitoring", {"grafana_folder": "ML"}))
         values["podDisruptionBudget"]["minAvailable"] = 2
+        test_pod = objects["Pod"]["spec"]
+        self.assertEqual(test_pod["imagePullSecrets"], values["imagePullSecrets"])
+        self.assertEqual((test_pod["containers"][0]["image"], test_pod["containers"][0]["imagePullPolicy"]),
+                         (f"mirror.example.com/grpc-health-probe:{values['test']['image']['tag']}", "Always"))
         self.assertEqual(rendered_chart(values)[0]["PodDisruptionBudget"]["spec"], {
             "minAvailable": 2, "selector": pdb["spec"]["selector"]})
 
@@ -779,19 +848,152 @@ class DeployTest(unittest.TestCase):
         for key in ("spill", "snapshot"):
             values["turbokvd"][key]["enabled"] = False
         values["worker"]["tmpDir"]["enabled"] = False
-        objects, notes = rendered_chart(values)
-        self.assertEqual(set(objects), {"Deployment"})
+        objects, notes = rendered_chart(values, api_versions=MONITORING_APIS)
+        self.assertEqual(set(objects), {"Deployment", "Service", "Pod"})
         spec = objects["Deployment"]["spec"]["template"]["spec"]
         self.assertEqual([v["name"] for v in spec["volumes"]], ["turbokv-socket"])
         self.assertFalse([a for a in spec["initContainers"][0]["args"] if a.startswith(("--spill", "--snapshot"))])
         self.assertIn("Snapshots are off", notes)
 
+    def test_chart_installs_without_the_prometheus_operator(self):
+        # Before: the defaults rendered a PodMonitor and a PrometheusRule,
+        # and an install on a cluster without the operator's CRDs failed
+        # ("no matches for kind PodMonitor"). They follow the cluster's APIs.
+        objects, notes = rendered_chart()
+        self.assertEqual(set(objects), {"Deployment", "Service", "Pod", "ConfigMap"})
+        self.assertIn("No PodMonitor: the cluster serves no monitoring.coreos.com/v1 PodMonitor", notes)
+        self.assertIn("No PrometheusRule", notes)
+        objects, notes = rendered_chart(api_versions=MONITORING_APIS)
+        self.assertEqual({"PodMonitor", "PrometheusRule"} & set(objects), {"PodMonitor", "PrometheusRule"})
+        self.assertIn("scraped through PodMonitor demo-turbokv", notes)
+        self.assertNotIn("No PodMonitor", notes)
+        # Each is rendered by its own resource (a cluster may serve PodMonitor
+        # without PrometheusRule); the group alone is not enough.
+        for served, kinds in ((["monitoring.coreos.com/v1/PodMonitor"], {"PodMonitor"}),
+                              (["monitoring.coreos.com/v1/PrometheusRule"], {"PrometheusRule"}),
+                              (["monitoring.coreos.com/v1"], set())):
+            with self.subTest(served=served):
+                objects, _ = rendered_chart(api_versions=served)
+                self.assertEqual({"PodMonitor", "PrometheusRule"} & set(objects), kinds)
+        # Switched off, neither is rendered even where the APIs are served.
+        values = default_values()
+        values["podMonitor"]["enabled"] = values["prometheusRule"]["enabled"] = False
+        objects, notes = rendered_chart(values, api_versions=MONITORING_APIS)
+        self.assertFalse({"PodMonitor", "PrometheusRule"} & set(objects))
+        self.assertNotIn("No PodMonitor", notes)
+
+    def test_chart_requires_the_worker_image(self):
+        # Before: registry.example.com/inference-worker:latest, an image that
+        # does not exist, was installed as is. The schema takes the empty
+        # defaults; the render fails naming the value.
+        values = chart_values_file()
+        self.assertEqual(values["worker"]["image"], {"repository": "", "tag": "", "pullPolicy": "IfNotPresent"})
+        with self.assertRaisesRegex(TemplateError, r"worker\.image\.repository is required"):
+            rendered_objects(values)
+        values["worker"]["image"]["repository"] = "registry.example.com/inference-worker"
+        with self.assertRaisesRegex(TemplateError, r"worker\.image\.tag is required"):
+            rendered_objects(values)
+        values["worker"]["image"]["tag"] = "2.1"
+        worker = workload(rendered_chart(values)[0])["spec"]["template"]["spec"]["containers"][0]
+        self.assertEqual(worker["image"], "registry.example.com/inference-worker:2.1")
+
+    def test_chart_defaults_fit_a_small_node_and_request_a_gpu_only_when_asked(self):
+        # Before: each pod requested 12 CPUs, 60 GiB and a GPU. Now the pod
+        # fits a node of 2 CPUs and 8 GiB, with no GPU.
+        pod = workload(rendered_chart()[0])["spec"]["template"]["spec"]
+        containers = pod["initContainers"] + pod["containers"]
+        requests = [c["resources"].get("requests", {}) for c in containers]
+        self.assertLessEqual(sum(quantity(r.get("cpu", 0)) for r in requests), 2)
+        self.assertLessEqual(sum(quantity(r.get("memory", 0)) for r in requests), 8 << 30)
+        for container in containers:
+            for side in ("requests", "limits"):
+                self.assertFalse([r for r in container["resources"].get(side, {}) if "gpu" in r], container["name"])
+        # turbokvd's memory limit holds its budget and the process.
+        sidecar = pod["initContainers"][0]
+        budget = next(a for a in sidecar["args"] if a.startswith("--memory-budget=")).split("=")[1]
+        self.assertEqual(budget, "1GiB")
+        self.assertGreaterEqual(quantity(sidecar["resources"]["limits"]["memory"]), quantity("1Gi") + quantity("2Gi"))
+        # A GPU for the sidecar with device cuda:N, for the worker when its resources name one.
+        values = default_values()
+        values["turbokvd"]["device"] = "cuda:0"
+        values["worker"]["resources"]["limits"]["nvidia.com/gpu"] = 1
+        pod = workload(rendered_chart(values)[0])["spec"]["template"]["spec"]
+        self.assertEqual(pod["initContainers"][0]["resources"]["requests"]["nvidia.com/gpu"], 1)
+        self.assertEqual(pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"], 1)
+
+    def test_helm_test_hook_asks_turbokvd_health(self):
+        objects, _ = rendered_chart(api_versions=MONITORING_APIS)
+        hook, service, deployment = objects["Pod"], objects["Service"], objects["Deployment"]
+        self.assertEqual(hook["metadata"]["annotations"]["helm.sh/hook"], "test")
+        self.assertEqual(hook["spec"]["restartPolicy"], "Never")
+        container = hook["spec"]["containers"][0]
+        self.assertTrue(container["image"].startswith("ghcr.io/grpc-ecosystem/grpc-health-probe:v"))
+        flags = dict(a.split("=", 1) for a in container["args"])
+        # grpc_health_probe -addr=<the headless Service>:<its health port> ...
+        host, port = flags["-addr"].rsplit(":", 1)
+        self.assertEqual(host, service["metadata"]["name"])
+        service_port = next(p for p in service["spec"]["ports"] if p["port"] == int(port))
+        # ... which lands on turbokvd's --health-listen port, in the worker's pods.
+        template = deployment["spec"]["template"]
+        sidecar = template["spec"]["initContainers"][0]
+        self.assertEqual(service_port["targetPort"], "health")
+        args = dict(a.split("=", 1) for a in check_sidecar(self, deployment))
+        self.assertEqual({p["name"]: p["containerPort"] for p in sidecar["ports"]}["health"],
+                         int(args["--health-listen"].rsplit(":", 1)[1]))
+        self.assertLessEqual(service["spec"]["selector"].items(), template["metadata"]["labels"].items())
+        # The hook pod is none of the worker's pods: no selector takes it in.
+        labels = hook["metadata"]["labels"]
+        values = default_values()
+        values["replicas"] = 3
+        pdb = rendered_chart(values)[0]["PodDisruptionBudget"]
+        for selector in (deployment["spec"]["selector"]["matchLabels"], service["spec"]["selector"],
+                         pdb["spec"]["selector"]["matchLabels"]):
+            self.assertFalse(selector.items() <= labels.items(), selector)
+        # That port of a turbokvd started with the chart's flags answers
+        # grpc.health.v1 SERVING: the CLI's health check passes there (its
+        # Stats call then is UNIMPLEMENTED, the listener serving health
+        # alone), where a port with nothing behind it gets no answer.
+        with tempfile.TemporaryDirectory(prefix="turbokv-deploy-") as tmp:
+            with local_turbokvd(self, sidecar["args"], tmp) as daemon:
+                for target, said in ((daemon.health, "UNIMPLEMENTED"), (f"127.0.0.1:{free_ports(1)[0]}", "no answer from")):
+                    run = subprocess.run([os.environ["TURBOKV_CLI"], f"--target={target}", "--timeout=2s", "stats"],
+                                         capture_output=True, text=True, timeout=60)
+                    self.assertNotEqual(run.returncode, 0)
+                    self.assertIn(said, run.stderr)
+                    self.assertNotIn("no answer from" if said == "UNIMPLEMENTED" else "UNIMPLEMENTED", run.stderr)
+
+    def test_chart_readme_documents_every_value(self):
+        # The chart's README has a table of every value (the leaves of
+        # values.schema.json's closed objects) with its default as in
+        # values.yaml, and no value that does not exist.
+        with open(os.path.join(CHART, "values.schema.json")) as f:
+            schema = json.load(f)
+        with open(os.path.join(CHART, "README.md")) as f:
+            readme = f.read()
+        rows = re.findall(r"^\| `([^`]+)` \| `([^`]*)` \| (.+) \|$", readme, re.M)
+        names = [name for name, _, _ in rows]
+        self.assertEqual(len(names), len(set(names)), "a value is listed twice")
+        leaves = value_leaves(schema["properties"])
+        self.assertEqual(set(names), set(leaves))
+        values = chart_values_file()
+        for name, default, meaning in rows:
+            with self.subTest(name):
+                node = values
+                for key in name.split("."):
+                    node = node[key]
+                self.assertEqual(yaml.safe_load(default), node)
+                self.assertGreater(len(meaning.strip()), 10)
+        # The images: turbokvd's is built from deploy/docker/Dockerfile, and
+        # its GPU path has not run on a GPU.
+        self.assertIn("deploy/docker/Dockerfile", readme)
+        self.assertIn("never run on a GPU", readme)
+
     def test_chart_with_redis_deploy(self):
-        objects, notes = rendered_objects(redis_deploy_values())
+        objects, notes = rendered_objects(redis_deploy_values(), api_versions=MONITORING_APIS)
         redis = redis_objects(objects)
         self.assertEqual(set(redis), {"StatefulSet", "Service", "NetworkPolicy"})
         self.assertEqual(sorted(o["kind"] for o in objects if o not in redis.values()),
-                         ["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule"])
+                         ["ConfigMap", "Deployment", "Pod", "PodMonitor", "PrometheusRule", "Service"])
         deployment = worker_workload(objects)
         flags = dict(a.split("=", 1) for a in check_sidecar(self, deployment))
         statefulset, service = redis["StatefulSet"], redis["Service"]
@@ -878,7 +1080,7 @@ class DeployTest(unittest.TestCase):
         values["turbokvd"]["snapshot"]["enabled"] = False
         values["redis"]["url"] = "redis://redis.cache.svc:6379/2"
         objects, notes = rendered_chart(values)
-        self.assertEqual(set(objects), {"Deployment", "PodMonitor", "PrometheusRule", "ConfigMap"})
+        self.assertEqual(set(objects), {"Deployment", "Service", "Pod", "ConfigMap"})
         args = check_sidecar(self, objects["Deployment"])
         self.assertIn("--redis-url=redis://redis.cache.svc:6379/2", args)
         self.assertIn("Redis at redis://redis.cache.svc:6379/2", notes)
@@ -960,7 +1162,7 @@ class DeployTest(unittest.TestCase):
         rules = [r for g in load(os.path.join(directory, "alerts.yaml"))["groups"] for r in g["rules"]]
         names = {r["alert"] for r in rules}
         for name in ("TurbokvDown", "TurbokvAbsent", "TurbokvRestarted", "TurbokvServerErrors", "TurbokvClientErrors",
-                     "TurbokvRemoteTierDown"):
+                     "TurbokvRemoteTierDown", "TurbokvDecodeLatencyHigh", "TurbokvSnapshotRestoreIncomplete"):
             self.assertIn(name, names)
         cases = [c for t in load(os.path.join(directory, "alerts_test.yaml"))["tests"] for c in t["alert_rule_test"]]
         self.assertEqual({c["alertname"] for c in cases if c["exp_alerts"]}, names, "an alert never fires in the tests")
@@ -976,6 +1178,9 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(by_name["TurbokvRemoteTierDown"]["expr"], 'turbokv_tier_up{job="turbokvd",tier="redis"} == 0')
         self.assertEqual((by_name["TurbokvRemoteTierDown"]["for"], by_name["TurbokvRemoteTierDown"]["labels"]),
                          ("2m", {"severity": "warning"}))
+        self.assertIn('method="Decode"', by_name["TurbokvDecodeLatencyHigh"]["expr"])
+        self.assertIn('turbokv_snapshot_restored_sessions{job="turbokvd",state=~"unverified|failed"}',
+                      by_name["TurbokvSnapshotRestoreIncomplete"]["expr"])
         # Each runbook_url is a section of docs/OPERATIONS.md.
         with open(os.path.join(ROOT, "docs", "OPERATIONS.md")) as f:
             headings = re.findall(r"^#+ (.+)$", f.read(), re.M)
@@ -1002,8 +1207,12 @@ class DeployTest(unittest.TestCase):
         for metric in ("up{", 'side', "process_start_time_seconds", "process_resident_memory_bytes",
                        "kube_pod_container_resource_limits", "turbokv_inflight_calls", "turbokv_executor_queued",
                        'turbokv_tier_up{job="turbokvd",namespace=~"$namespace",pod=~"$pod",instance=~"$instance",tier="redis"}',
-                       "sum by (result) (rate(turbokv_takeovers_total{"):
+                       "sum by (result) (rate(turbokv_takeovers_total{",
+                       # The tier row: sessions per tier, bytes, demotions, promotions.
+                       "sum by (tier) (turbokv_tier_sessions{", "turbokv_spill_bytes{", "turbokv_spill_budget_bytes{",
+                       "rate(turbokv_demotions_total{", "rate(turbokv_promotions_total{"):
             self.assertIn(metric, joined)
+        self.assertIn("Tiers", " ".join(p["title"] for p in dashboard["panels"] if p["type"] == "row"))
         ids = [p["id"] for p in dashboard["panels"]]
         self.assertEqual(len(ids), len(set(ids)))
 

@@ -10,7 +10,12 @@ numbers of a million and more print as 1e+06; a field of a missing map is an
 error while a missing key is empty; `{{-` and `-}}` trim whitespace; `and`
 and `or` return an operand and stop early; `range` over a map goes in key
 order; `define`d templates are shared by all files; `indent` pads every
-line, empty ones too; `fail` stops the rendering with its message. Printing
+line, empty ones too; `fail` stops the rendering with its message, and
+`required` does so when its value is nil or an empty string;
+`.Capabilities.APIVersions.Has` finds only the API versions (and
+"group/version/Kind" resources) the render is given beside Kubernetes' own,
+as `helm template --api-versions` does. Templates in subdirectories of
+templates/ (tests/) are rendered too. Printing
 a map or list (Go writes map[...]) is refused, since a chart means toYaml
 there. Any other function or action (template, block, tpl, lookup, ...)
 raises TemplateError naming it."""
@@ -141,6 +146,19 @@ def _fail(message):
     raise TemplateError(f"execution error: {message}")
 
 
+def _required(message, value=None):
+    """Helm's required: the value, unless it is nil or an empty string (0 and false pass)."""
+    if value is None or value == "":
+        _fail(message)
+    return value
+
+
+# The built-in API versions a chart may render (what `helm template` assumes
+# of a cluster without custom resources), for .Capabilities.APIVersions.Has.
+KUBERNETES_API_VERSIONS = frozenset({"v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1",
+                                     "rbac.authorization.k8s.io/v1", "autoscaling/v2"})
+
+
 FUNCTIONS = {
     "default": lambda fallback, value=None: value if truth(value) else fallback,
     "toYaml": to_yaml,
@@ -152,6 +170,7 @@ FUNCTIONS = {
     "contains": lambda part, text: part in text,
     "hasPrefix": lambda prefix, text: text.startswith(prefix),
     "fail": _fail,
+    "required": _required,
     "printf": _printf,
     "quote": _quote,
     "int": _to_int,
@@ -352,12 +371,19 @@ class Chart:
         with open(os.path.join(directory, "Chart.yaml")) as f:
             self.chart = yaml.safe_load(f)
         self.templates, self.files = {}, {}
-        for path in sorted(glob.glob(os.path.join(directory, "templates", "*"))):
-            with open(path) as f:
-                self.files[os.path.basename(path)] = _parse(f.read(), os.path.basename(path), self.templates)
+        templates = os.path.join(directory, "templates")
+        for path in sorted(glob.glob(os.path.join(templates, "**", "*"), recursive=True)):
+            if os.path.isfile(path):
+                name = os.path.relpath(path, templates)
+                with open(path) as f:
+                    self.files[name] = _parse(f.read(), name, self.templates)
 
-    def render(self, values, release="demo", namespace="default"):
-        """{file name: rendered text} for every template but the _*.tpl partials."""
+    def render(self, values, release="demo", namespace="default", api_versions=()):
+        """{file name (relative to templates/): rendered text} for every
+        template but the _*.tpl partials. api_versions: what the cluster
+        serves beyond Kubernetes' built-in APIs, e.g. a custom resource's
+        "monitoring.coreos.com/v1/PodMonitor"."""
+        served = KUBERNETES_API_VERSIONS | set(api_versions)
         context = {
             "Values": helm_values(values),
             "Release": {"Name": release, "Namespace": namespace, "Service": "Helm",
@@ -365,9 +391,10 @@ class Chart:
             "Chart": {"Name": self.chart["name"], "Version": self.chart["version"],
                       "AppVersion": self.chart.get("appVersion")},
             "Files": {"Get": self._file},
+            "Capabilities": {"APIVersions": {"Has": lambda version: version in served}},
         }
         return {name: self._run(nodes, context, [{"$": context}])
-                for name, nodes in self.files.items() if not name.startswith("_")}
+                for name, nodes in self.files.items() if not os.path.basename(name).startswith("_")}
 
     def _file(self, path):
         with open(os.path.join(self.directory, path)) as f:

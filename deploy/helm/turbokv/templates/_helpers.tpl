@@ -47,6 +47,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.turbokvd.image.repository (default .Chart.AppVersion .Values.turbokvd.image.tag) }}
 {{- end }}
 
+{{/*
+The worker's image: there is no default, the chart fails naming the value
+that is missing.
+*/}}
+{{- define "turbokv.workerImage" -}}
+{{- $image := .Values.worker.image }}
+{{- $repository := required "worker.image.repository is required: the image of your inference worker, the container turbokvd runs beside (e.g. --set worker.image.repository=registry.example.com/inference-worker)" $image.repository }}
+{{- $tag := required "worker.image.tag is required: the tag of worker.image.repository to run (e.g. --set worker.image.tag=1.4.2)" $image.tag }}
+{{- printf "%s:%s" $repository $tag }}
+{{- end }}
+
+{{/*
+Whether the PodMonitor and the PrometheusRule are rendered: enabled, and
+the cluster serves the Prometheus Operator's resource (with helm template,
+--api-versions monitoring.coreos.com/v1/PodMonitor and .../PrometheusRule).
+*/}}
+{{- define "turbokv.podMonitor" -}}
+{{- if and .Values.podMonitor.enabled (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/PodMonitor") }}true{{ end }}
+{{- end }}
+
+{{- define "turbokv.prometheusRule" -}}
+{{- if and .Values.prometheusRule.enabled (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/PrometheusRule") }}true{{ end }}
+{{- end }}
+
 {{/* Whether the sidecar computes on a GPU (--device=cuda:N), and so requests one. */}}
 {{- define "turbokv.sidecarGpu" -}}
 {{- if hasPrefix "cuda" .Values.turbokvd.device }}true{{ end }}
@@ -79,6 +103,21 @@ PodMonitor's) never take it in.
 app.kubernetes.io/name: {{ include "turbokv.name" . | trunc 57 | trimSuffix "-" }}-redis
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: redis
+{{- end }}
+
+{{/*
+The labels of the helm test pod: a name of its own, so that no selector of
+the worker's (its ReplicaSet's, a PodDisruptionBudget's) takes it in.
+*/}}
+{{- define "turbokv.test.labels" -}}
+helm.sh/chart: {{ include "turbokv.chart" . }}
+app.kubernetes.io/name: {{ include "turbokv.name" . | trunc 58 | trimSuffix "-" }}-test
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: test
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/* The labels of redis.deploy's objects. */}}
