@@ -100,15 +100,16 @@ class InFlight {
   absl::Status Admit(const std::string& tenant, int64_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     Use& use = use_[tenant];
-    const std::string who = tenant.empty() ? std::string("the daemon's callers") : absl::StrCat("tenant '", tenant, "'");
+    const std::string who = tenant.empty() ? std::string("the daemon's callers already have")
+                                           : absl::StrCat("tenant '", tenant, "' already has");
     if (use.calls + 1 > limits_.tenant_calls) {
       return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
-          who, " already have ", use.calls, " calls in flight, the most allowed (--tenant-max-calls); "
+          who, " ", use.calls, " calls in flight, the most allowed (--tenant-max-calls); "
           "retry when some have finished")));
     }
     if (use.calls > 0 && use.bytes + bytes > limits_.tenant_bytes) {
       return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
-          who, " already have ", use.bytes, " request bytes in ", use.calls, " calls in flight; ", bytes,
+          who, " ", use.bytes, " request bytes in ", use.calls, " calls in flight; ", bytes,
           " more would pass ", limits_.tenant_bytes, " (--tenant-max-inflight-bytes)")));
     }
     ++use.calls;

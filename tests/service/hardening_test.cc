@@ -355,6 +355,7 @@ TEST(HardeningTest, CallsCancelledWhileQueuedAreDroppedAndTenantsAreBounded) {
       if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
         ++refused;
         EXPECT_THAT(status.error_message(), HasSubstr("--tenant-max-calls"));
+        EXPECT_THAT(status.error_message(), HasSubstr("the daemon's callers already have 6 calls in flight"));
       }
     });
   }
