@@ -212,6 +212,13 @@ Metrics::Metrics(std::string device, const std::string& tier) : device_(std::mov
                  .Help("Work waiting for a worker (or for its session to be free)")
                  .Register(r)
                  .Add({});
+  in_flight_bytes_ = &BuildGauge()
+                          .Name("turbokv_inflight_bytes")
+                          .Help("Bytes of requests and replies in flight (a reply counted from its request's "
+                                "admission until its client takes it), over tenants; "
+                                "--tenant-max-inflight-bytes bounds each tenant's")
+                          .Register(r)
+                          .Add({});
   tokens_ = &BuildGauge()
                  .Name("turbokv_tokens_stored")
                  .Help("Tokens stored, summed over sessions and layers")
@@ -366,6 +373,8 @@ void Metrics::SetRestored(const SnapshotReport& report) {
 }
 
 void Metrics::SetQueued(int64_t work) { queued_->Set(static_cast<double>(work)); }
+
+void Metrics::SetInFlightBytes(int64_t bytes) { in_flight_bytes_->Set(static_cast<double>(bytes)); }
 
 void Metrics::ObservePromotion(double seconds) { promotion_duration_->Observe(seconds); }
 

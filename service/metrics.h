@@ -67,6 +67,8 @@ class Metrics {
   void SetRestored(const SnapshotReport& report);
   // Work waiting in the executor's queue.
   void SetQueued(int64_t work);
+  // Requests and replies in flight (KvCacheService::in_flight_bytes).
+  void SetInFlightBytes(int64_t bytes);
   // A demoted session brought back into memory by a call.
   void ObservePromotion(double seconds);
   // How a claim from the shared tier ended (StoreOptions::on_takeover).
@@ -104,6 +106,7 @@ class Metrics {
   prometheus::Counter* decode_item_failures_[kStatusCodes] = {};
   prometheus::Gauge* restored_[3] = {};  // verified, unverified, failed
   prometheus::Gauge* queued_;
+  prometheus::Gauge* in_flight_bytes_;
   prometheus::Gauge* sessions_;
   prometheus::Gauge* tokens_;
   prometheus::Gauge* bytes_used_;

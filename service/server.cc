@@ -435,11 +435,15 @@ void Server::SetTierHealth() {
 }
 
 void Server::ExpireLoop() {
-  // Host pages under CpuBackend::kMapThreshold come from the heap, which keeps what
-  // is freed: once the pool has shrunk by kTrimBytes, the free heap goes
-  // back to the kernel, so the process's memory follows the pool's.
+  // Host pages under CpuBackend::kMapThreshold, and the requests and replies
+  // of calls in flight, come from the heap, which keeps what is freed: once
+  // the pool and the bytes in flight have shrunk by kTrimBytes, the free heap
+  // goes back to the kernel, so the process's memory follows them (a
+  // client that sent large calls and never read their replies leaves nothing
+  // behind).
   constexpr size_t kTrimBytes = size_t{8} << 20;
-  size_t used_at_trim = store_->pool().used_bytes();
+  const auto held = [this] { return store_->pool().used_bytes() + static_cast<size_t>(service_->in_flight_bytes()); };
+  size_t used_at_trim = held();
   std::string last_demotion_error;
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_expiry_.wait_for(lock, absl::ToChronoNanoseconds(options_.expiry_interval),
@@ -459,7 +463,7 @@ void Server::ExpireLoop() {
       Logf(LogLevel::kError, "demotion failed, sessions stay in memory: %s", error.c_str());
     }
     last_demotion_error = error;
-    const size_t used = store_->pool().used_bytes();
+    const size_t used = held();
     if (used + kTrimBytes < used_at_trim) {
       malloc_trim(0);
       used_at_trim = used;
@@ -468,6 +472,7 @@ void Server::ExpireLoop() {
     }
     metrics_->SetStore(store_->Snapshot());
     metrics_->SetQueued(static_cast<int64_t>(executor_->queued()));
+    metrics_->SetInFlightBytes(service_->in_flight_bytes());
     lock.lock();
   }
 }

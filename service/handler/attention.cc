@@ -3,6 +3,7 @@
 // a single session's call is a batch of one.
 #include "service/handler/handler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 
@@ -22,7 +23,27 @@ namespace {
 // Queries per item of a Decode message (draft tokens verified at once).
 constexpr int64_t kMaxQueriesPerItem = 256;
 
+// The bytes of the attention result of the queries in a tensor of `shape`
+// (its last dimension head_dim, the others query rows), unchecked: a bad
+// shape counts what it says, within reason.
+double QueryResultBytes(const google::protobuf::RepeatedField<int64_t>& shape, int32_t top_k) {
+  if (shape.empty()) return 0;
+  double rows = 1;
+  for (int i = 0; i + 1 < shape.size(); ++i) rows *= static_cast<double>(std::max<int64_t>(shape[i], 0));
+  return std::min(ResultBytes(rows, std::max<int64_t>(shape[shape.size() - 1], 0), std::max(top_k, 0)), 1e15);
+}
+
 }  // namespace
+
+int64_t Handler::ReplyBytes(const v1::AttendRequest& request) {
+  return static_cast<int64_t>(QueryResultBytes(request.queries().shape(), request.options().top_k()));
+}
+
+int64_t Handler::ReplyBytes(const v1::DecodeRequest& request) {
+  // And each item's length and status (its message at most a line).
+  const double items = static_cast<double>(request.session_ids_size()) * 160;
+  return static_cast<int64_t>(QueryResultBytes(request.queries().shape(), request.options().top_k()) + items);
+}
 
 absl::Status Handler::RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
                                int64_t queries) {

@@ -121,8 +121,12 @@ absl::Status CheckScoresFinite(const AttentionParams& params, absl::Span<const f
       ": the attention would not be finite"));
 }
 
+double ResultBytes(double rows, int64_t head_dim, int64_t top_k) {
+  return rows * (4.0 * static_cast<double>(head_dim) + 4 + 12.0 * static_cast<double>(top_k));
+}
+
 absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const AttentionParams& params, size_t max_bytes) {
-  const double bytes = static_cast<double>(n) * q_heads * (4.0 * head_dim + 4 + 12.0 * params.top_k);
+  const double bytes = ResultBytes(static_cast<double>(n) * q_heads, head_dim, params.top_k);
   if (bytes > static_cast<double>(max_bytes)) {
     return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
         "the result of ", n, " queries x ", q_heads, " heads (top_k ", params.top_k, ") would take ",

@@ -62,4 +62,8 @@ absl::Status CheckScoresFinite(const AttentionParams& params, absl::Span<const f
 
 absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const AttentionParams& params, size_t max_bytes);
 
+// The bytes of the attention result of `rows` query rows (a query and one
+// head each) of head_dim values with top_k: output, lse and top-k.
+double ResultBytes(double rows, int64_t head_dim, int64_t top_k);
+
 }  // namespace turbokv

@@ -62,6 +62,13 @@ class Handler {
  public:
   Handler(SessionStore* store, const HandlerOptions& options);
 
+  // The most a stream message's reply can take, from its request's shapes
+  // alone (before the request is checked or run): the in-flight bound counts
+  // it when the message is admitted, not once the reply is made.
+  static int64_t ReplyBytes(const v1::AppendRequest& request);
+  static int64_t ReplyBytes(const v1::AttendRequest& request);
+  static int64_t ReplyBytes(const v1::DecodeRequest& request);
+
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const v1::CreateSessionRequest& request,
       const std::string& tenant = "");
   absl::StatusOr<v1::SessionInfo> GetSession(const v1::GetSessionRequest& request,

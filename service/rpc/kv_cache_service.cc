@@ -109,7 +109,7 @@ class InFlight {
     }
     if (use.calls > 0 && use.bytes + bytes > limits_.tenant_bytes) {
       return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
-          who, " ", use.bytes, " request bytes in ", use.calls, " calls in flight; ", bytes,
+          who, " ", use.bytes, " bytes of requests and replies in ", use.calls, " calls in flight; ", bytes,
           " more would pass ", limits_.tenant_bytes, " (--tenant-max-inflight-bytes)")));
     }
     ++use.calls;
@@ -117,10 +117,36 @@ class InFlight {
     return absl::OkStatus();
   }
 
-  // Counts `bytes` more for a call already admitted (its reply).
+  // Counts the reply a call admitted will make, before it is made, or
+  // RESOURCE_EXHAUSTED when it would pass the bound (unless the call is the
+  // tenant's only one).
+  absl::Status Reserve(const std::string& tenant, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Use& use = use_[tenant];
+    if (use.calls > 1 && use.bytes + bytes > limits_.tenant_bytes) {
+      const std::string who = tenant.empty() ? std::string("the daemon's callers have")
+                                             : absl::StrCat("tenant '", tenant, "' has");
+      return CallerLimit(absl::ResourceExhaustedError(absl::StrCat(
+          who, " ", use.bytes, " bytes of requests and replies in ", use.calls, " calls in flight; this call's reply"
+          " of ", bytes, " bytes would pass ", limits_.tenant_bytes, " (--tenant-max-inflight-bytes)")));
+    }
+    use.bytes += bytes;
+    return absl::OkStatus();
+  }
+
+  // Counts `bytes` more (or fewer) for a call already admitted: its reply
+  // as made, against what was reserved.
   void Hold(const std::string& tenant, int64_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     use_[tenant].bytes += bytes;
+  }
+
+  // Request and reply bytes in flight, over tenants.
+  int64_t bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t total = 0;
+    for (const auto& [tenant, use] : use_) total += use.bytes;
+    return total;
   }
 
   void Release(const std::string& tenant, int64_t bytes) {
@@ -136,7 +162,7 @@ class InFlight {
     int64_t bytes = 0;
   };
   const ServiceLimits limits_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::unordered_map<std::string, Use> use_;
 };
 
@@ -368,6 +394,18 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
   void ParseAndQueue() {
     if (context_->IsCancelled()) return Fail(CancelledBeforeRun());
     if (!Parse(&in_, &request_)) return Fail(Malformed(Request::descriptor()->full_name(), messages_));
+    const int64_t reply = Handler::ReplyBytes(request_);
+    absl::Status reserved;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (held_bytes_ < 0) return;  // the stream finished meanwhile
+      reserved = parts_->in_flight.Reserve(tenant_, reply);
+      if (reserved.ok()) {
+        held_bytes_ += reply;
+        reserved_bytes_ = reply;
+      }
+    }
+    if (!reserved.ok()) return Fail(reserved);
     if (!parts_->executor->Submit({tenant_, Keys(request_), [this] { Run(); }})) Fail(Draining());
   }
 
@@ -382,12 +420,15 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
       FinishOnce(ToGrpcStatus(status));
       return;
     }
-    // The reply counts against its tenant until the client has taken it.
+    // The reply counts against its tenant until the client has taken it:
+    // as made, in place of what was reserved.
     const int64_t reply = static_cast<int64_t>(out_.Length());
-    parts_->in_flight.Hold(tenant_, reply);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      held_bytes_ += reply;
+      if (held_bytes_ >= 0) {
+        parts_->in_flight.Hold(tenant_, reply - reserved_bytes_);
+        held_bytes_ += reply - reserved_bytes_;
+      }
     }
     StartWrite(&out_);
   }
@@ -443,6 +484,7 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
   absl::Time start_;      // of the message in flight
   std::mutex mutex_;
   int64_t held_bytes_ = -1;  // of the admitted message in flight; -1: none
+  int64_t reserved_bytes_ = 0;  // of those, for its reply before it was made
   bool reading_ = false;     // a read is outstanding and no message is in flight
   bool draining_ = false;
   bool finished_ = false;
@@ -553,6 +595,8 @@ KvCacheService::KvCacheService(Handler* handler, Executor* executor, Metrics* me
 KvCacheService::~KvCacheService() = default;
 
 int KvCacheService::active_calls() const { return parts_->active.load(); }
+
+int64_t KvCacheService::in_flight_bytes() const { return parts_->in_flight.bytes(); }
 
 template <typename Request, typename Response>
 void KvCacheService::RegisterUnary(const char* name,

@@ -50,6 +50,9 @@ class KvCacheService final : public v1::KvCacheService::Service {
   void StartDraining();
   // Calls started and not yet finished.
   int active_calls() const;
+  // Bytes of requests and replies (reserved or made, not yet taken by their
+  // client) in flight, over tenants.
+  int64_t in_flight_bytes() const;
 
   // What the calls share: the handler, the executor, the open streams and
   // the calls and bytes in flight per tenant (rpc/kv_cache_service.cc).

@@ -414,6 +414,72 @@ TEST(HardeningTest, MemoryGoesBackToTheKernelAfterSmallPagesAreFreed) {
   EXPECT_EQ(daemon.Stop(SIGTERM), 0);
 }
 
+// Streams that send a large Attend and never read its reply: each reply is
+// counted from its request's shapes when the message is admitted, so the
+// bytes in flight stay within --tenant-max-inflight-bytes and one call, the
+// streams past it are refused naming the bound, and once the clients go
+// nothing stays counted and the memory goes back.
+TEST(HardeningTest, RepliesNobodyReadsCountFromAdmissionAndTheirMemoryGoesBack) {
+  constexpr int64_t kBound = int64_t{64} << 20;
+  constexpr int kStreams = 24, kQueries = 2048;  // 4 MiB of queries, a reply of 4.2 MB
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--threads=2", "--metrics-listen=127.0.0.1:0",
+                 absl::StrCat("--tenant-max-inflight-bytes=", kBound)});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  const Session session = SmallSession(*client, 5);
+  v1::AttendRequest request;
+  request.set_session_id(session.id());
+  const auto q = GaussianVectors(kQueries * 4, kDim, 6);
+  v1::Tensor* tensor = request.mutable_queries();
+  tensor->set_dtype(v1::DTYPE_F32);
+  for (int64_t d : {int64_t{kQueries}, int64_t{4}, int64_t{kDim}}) tensor->add_shape(d);
+  tensor->set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float)));
+  const int64_t one_call = static_cast<int64_t>(request.ByteSizeLong()) + kQueries * 4 * (4 * kDim + 4) + 4096;
+  const int64_t baseline = daemon.MemoryBytes();
+
+  // A client window of 64 KB: a reply stays with the daemon until read.
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(-1);
+  arguments.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  arguments.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto stub = v1::KvCacheService::NewStub(
+      grpc::CreateCustomChannel(Socket(), grpc::InsecureChannelCredentials(), arguments));
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    streams.push_back(stub->Attend(contexts.back().get()));
+    ASSERT_TRUE(streams.back()->Write(request));
+  }
+  absl::SleepFor(absl::Seconds(3));  // every message answered or refused, and the gauges refreshed
+  const std::string metrics = Scrape(daemon.MetricsAddress());
+  const double in_flight = Sample(metrics, "turbokv_inflight_bytes");
+  EXPECT_LE(in_flight, static_cast<double>(kBound + one_call));
+  EXPECT_GE(in_flight, static_cast<double>(kBound / 2));  // replies are held: the bound was what stopped them
+  EXPECT_GE(Sample(metrics, "turbokv_rpc_errors_total{code=\"RESOURCE_EXHAUSTED\",method=\"Attend\",side=\"client\"}"),
+            kStreams - static_cast<int>(kBound / (one_call / 2)));
+  EXPECT_THAT(daemon.Log(), Not(HasSubstr("ERROR")));
+  const int64_t loaded = daemon.MemoryBytes();
+
+  for (int i = 0; i < kStreams; ++i) {
+    contexts[i]->TryCancel();
+    streams[i]->Finish();
+  }
+  streams.clear();
+  contexts.clear();
+  stub.reset();
+  int64_t now = loaded;
+  double left = in_flight;
+  for (absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until; absl::SleepFor(absl::Milliseconds(200))) {
+    now = daemon.MemoryBytes();
+    left = Sample(Scrape(daemon.MetricsAddress()), "turbokv_inflight_bytes");
+    if (left == 0 && now - baseline < (int64_t{64} << 20)) break;
+  }
+  EXPECT_EQ(left, 0);
+  EXPECT_LT(now - baseline, int64_t{64} << 20) << "baseline " << baseline << ", loaded " << loaded << ", now " << now;
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
 TEST(HardeningTest, ConnectionsThatNeverSendARequestDoNotHoldMetrics) {
   Daemon daemon({"--listen=" + Socket(), "--device=cpu"});
   auto client = Client::Connect(Socket());
