@@ -46,6 +46,7 @@ struct HandlerOptions {
 // A ReadKv call in progress: which layers and range, and how far it got.
 struct ReadKvCursor {
   std::shared_ptr<SessionCache> session;
+  std::unique_ptr<SessionInCall> in_call;  // for the whole stream: not demoted between its messages
   std::vector<int> layers;
   std::vector<int64_t> ends;  // per layer
   int64_t start = 0;

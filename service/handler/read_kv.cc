@@ -20,6 +20,7 @@ absl::StatusOr<ReadKvCursor> Handler::StartReadKv(const v1::ReadKvRequest& reque
   const SessionConfig& config = found->config();
   ReadKvCursor cursor;
   cursor.session = found;
+  cursor.in_call = std::make_unique<SessionInCall>(found);
   for (int i = 0; i < request.layers_size(); ++i) {
     TURBOKV_RETURN_IF_ERROR(CheckLayer(config, request.layers(i), absl::StrCat("layers[", i, "]")));
     if (std::find(cursor.layers.begin(), cursor.layers.end(), request.layers(i)) != cursor.layers.end()) {
@@ -82,8 +83,6 @@ absl::StatusOr<bool> Handler::NextReadKv(ReadKvCursor& cursor, v1::ReadKvRespons
     const absl::Status gone = GoneStatus(session.id(), session.tenant());
     return absl::Status(gone.code(), absl::StrCat(gone.message(), " (while being read)"));
   }
-  const SessionCache* held[] = {&session};
-  TURBOKV_RETURN_IF_ERROR(Promote(session, held));  // demoted between two messages
   const LayerCache& layer = session.layers()[l];
   const int64_t n = std::min(cursor.tokens_per_message, cursor.ends[cursor.layer_index] - cursor.position);
   if (cursor.position + n > layer.tokens()) {

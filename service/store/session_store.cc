@@ -591,7 +591,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     if (freeable >= needed) break;
     // A session with a call in flight is not idle: skip it.
     std::unique_lock<std::mutex> candidate_lock(candidate->mutex(), std::try_to_lock);
-    if (!candidate_lock.owns_lock() || candidate->gone() || !candidate->resident()) continue;
+    if (!candidate_lock.owns_lock() || candidate->gone() || !candidate->resident() || candidate->in_call()) continue;
     if (tier_ != nullptr && candidate->config().pinned) continue;
     freeable += SessionMetadataBytes(candidate->config());
     for (const LayerCache& layer : candidate->layers()) {
@@ -907,7 +907,10 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
     for (const std::shared_ptr<SessionCache>& session : sessions) {
       if (static_cast<double>(pool_.used_bytes()) <= options_.low_watermark * budget) break;
       std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
-      if (!lock.owns_lock() || session->gone() || !session->resident() || session->config().pinned) continue;
+      if (!lock.owns_lock() || session->gone() || !session->resident() || session->config().pinned ||
+          session->in_call()) {
+        continue;
+      }
       if (absl::Status status = Demote(*session); !status.ok()) {
         report.error = status;
         break;
@@ -1005,7 +1008,7 @@ int SessionStore::ExpireIdle(absl::Time now) {
   int count = 0;
   for (const std::shared_ptr<SessionCache>& session : expired) {
     std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
-    if (!session_lock.owns_lock()) continue;  // in use: not idle
+    if (!session_lock.owns_lock() || session->in_call()) continue;  // in use: not idle
     Drop(session.get());
     RememberGone(*session, absl::StrCat("expired after ", absl::FormatDuration(session->config().idle_ttl), " idle"),
                  &ttl_expiries_);

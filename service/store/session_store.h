@@ -139,6 +139,10 @@ class SessionCache {
   // Under mutex(): false while the session is on the spill tier only
   // (demoted): its layers are then empty and calls promote it first.
   bool resident() const { return demoted_ == nullptr; }
+  // Whether a call that spans several messages (a ReadKv stream) is open on
+  // it, its lock released between them (SessionInCall): it is in a call
+  // then, and neither demoted, evicted nor expired.
+  bool in_call() const { return calls_between_messages_.load() > 0; }
   // Under mutex(): whether it is on the spill tier (its manifest, and its
   // sealed pages as they are written through).
   bool on_tier() const { return manifest_ != nullptr; }
@@ -170,6 +174,8 @@ class SessionCache {
   const SessionConfig config_;
   const absl::Time created_;
   std::atomic<int64_t> last_used_ns_;
+  std::atomic<int> calls_between_messages_{0};
+  friend class SessionInCall;
   std::mutex mutex_;
   bool gone_ = false;
   std::vector<LayerCache> layers_;
@@ -180,6 +186,21 @@ class SessionCache {
   // Per layer: the LayerCache::extras_version() of its latest manifest (a
   // sealed page that depends on a later one waits for a new manifest).
   std::vector<uint64_t> manifest_extras_;
+};
+
+// Marks a session in a call for the life of a call that releases its lock
+// between messages (SessionCache::in_call()).
+class SessionInCall {
+ public:
+  explicit SessionInCall(std::shared_ptr<SessionCache> session) : session_(std::move(session)) {
+    session_->calls_between_messages_.fetch_add(1);
+  }
+  ~SessionInCall() { session_->calls_between_messages_.fetch_sub(1); }
+  SessionInCall(const SessionInCall&) = delete;
+  SessionInCall& operator=(const SessionInCall&) = delete;
+
+ private:
+  const std::shared_ptr<SessionCache> session_;
 };
 
 class SessionStore {

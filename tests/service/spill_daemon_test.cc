@@ -19,9 +19,12 @@
 #include "absl/strings/str_cat.h"
 #include "client/cpp/client.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/half.h"
 #include "tests/kernels/codec_testing.h"
 #include "tests/service/daemon_testing.h"
+#include "turbokv/v1/turbokv.grpc.pb.h"
 
 namespace turbokv {
 namespace {
@@ -160,6 +163,80 @@ TEST(SpillDaemonTest, EightTimesTheBudgetAcross64SessionsComesBackBitExact) {
 // demotions; kill -9; the restart on the same spill dir has every session,
 // each a prefix of what was acknowledged (its sealed pages, and its tail as
 // of its last demotion), bit-exact.
+// A ReadKv stream read slowly, 16 tokens a message, while another client
+// prefetches the other sessions through a budget that holds two: the
+// stream's session is in a call for the whole stream, so the prefetches
+// demote the others and the stream gets every token, as appended.
+TEST(SpillDaemonTest, AReadKvStreamKeepsItsSessionInMemoryWhileOthersArePrefetched) {
+  const std::string dir = FreshDir("readkv");
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--threads=2", "--memory-budget=3MiB", "--eviction=lru",
+                 "--spill-dir=" + dir});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  constexpr int kSessions = 6, kTokens = 1500, kHead = 64;  // 770 KB a session: the budget holds three
+  SessionOptions options;
+  options.layers = 2;
+  options.kv_heads = 1;
+  options.q_heads = 1;
+  options.head_dim = kHead;
+  options.key_codec = v1::CODEC_F16;
+  options.value_codec = v1::CODEC_F16;
+  std::vector<std::string> ids;
+  std::vector<std::vector<float>> keys;
+  for (int s = 0; s < kSessions; ++s) {
+    auto session = client->CreateSession(options);
+    ASSERT_TRUE(session.ok()) << session.status();
+    keys.push_back(GaussianVectors(2 * kTokens, kHead, 50 + s));  // compared as the daemon got them: fp16-rounded
+    ASSERT_TRUE(session->AppendAllLayers(0, TensorData::F32(keys.back()), TensorData::F32(keys.back())).ok());
+    ids.push_back(session->id());
+  }
+  auto stub = v1::KvCacheService::NewStub(grpc::CreateChannel(Socket(), grpc::InsecureChannelCredentials()));
+  for (int round = 0; round < 3; ++round) {
+    const int read = round % kSessions;
+    std::vector<std::string> others;
+    for (int s = 0; s < kSessions; ++s) {
+      if (s != read) others.push_back(ids[s]);
+    }
+    std::atomic<bool> reading{true};
+    std::thread prefetching([&] {
+      for (size_t next = 0; reading.load(); ++next) {
+        auto results = client->Prefetch({others[next % others.size()]});
+        ASSERT_TRUE(results.ok()) << results.status();
+        EXPECT_TRUE((*results)[0].ok()) << (*results)[0];
+      }
+    });
+    v1::ReadKvRequest request;
+    request.set_session_id(ids[read]);
+    request.set_dtype(v1::DTYPE_F16);
+    request.set_max_tokens_per_message(16);
+    grpc::ClientContext context;
+    auto stream = stub->ReadKv(&context, request);
+    v1::ReadKvResponse response;
+    int64_t tokens = 0;
+    std::vector<int64_t> mismatches(2, 0);
+    while (stream->Read(&response)) {
+      const int64_t n = response.keys().shape(0);
+      const auto* half = reinterpret_cast<const uint16_t*>(response.keys().data().data());
+      for (int64_t i = 0; i < n * kHead; ++i) {
+        const float sent = keys[read][static_cast<size_t>((response.layer() * kTokens + response.start()) * kHead + i)];
+        if (HalfBitsToFloat(half[i]) != HalfBitsToFloat(FloatToHalfBits(sent))) ++mismatches[response.layer()];
+      }
+      tokens += n;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    const grpc::Status status = stream->Finish();
+    reading.store(false);
+    prefetching.join();
+    EXPECT_TRUE(status.ok()) << "round " << round << " after " << tokens << " tokens: " << status.error_message();
+    EXPECT_EQ(tokens, 2 * kTokens) << "round " << round;
+    EXPECT_EQ(mismatches, std::vector<int64_t>(2, 0)) << "round " << round;
+  }
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GT(stats->demotions(), 3);  // the prefetches did move sessions
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0) << daemon.Log();
+}
+
 TEST(SpillDaemonTest, AfterKillNineTheRestartHasTheSealedPagesOfEverySession) {
   const std::string dir = FreshDir("kill");
   const std::vector<std::string> flags = {"--listen=" + Socket(), "--device=cpu", "--threads=2",
