@@ -473,10 +473,14 @@ TEST(HardeningTest, RepliesNobodyReadsCountFromAdmissionAndTheirMemoryGoesBack) 
   for (absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until; absl::SleepFor(absl::Milliseconds(200))) {
     now = daemon.MemoryBytes();
     left = Sample(Scrape(daemon.MetricsAddress()), "turbokv_inflight_bytes");
-    if (left == 0 && now - baseline < (int64_t{64} << 20)) break;
+    if (left == 0 && (::turbokv::testing::kAddressSanitizer || now - baseline < (int64_t{64} << 20))) break;
   }
   EXPECT_EQ(left, 0);
-  EXPECT_LT(now - baseline, int64_t{64} << 20) << "baseline " << baseline << ", loaded " << loaded << ", now " << now;
+  // AddressSanitizer's allocator keeps freed memory (its quarantine): there
+  // resident memory does not fall.
+  if (!::turbokv::testing::kAddressSanitizer) {
+    EXPECT_LT(now - baseline, int64_t{64} << 20) << "baseline " << baseline << ", loaded " << loaded << ", now " << now;
+  }
   EXPECT_EQ(daemon.Stop(SIGTERM), 0);
 }
 
