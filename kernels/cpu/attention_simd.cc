@@ -292,7 +292,8 @@ namespace HWY_NAMESPACE {
 // Integer path for turbo keys and values (rotation blocks of 64 or 128), on
 // AVX-512 VNNI/VBMI. Key centroids become int16 (x 8192) and the rotated query
 // int16 per block (x 8191 / max|q|); scores are vpdpwssd dot products, each
-// int32 lane summing 8 products of at most 22037 x 8191 (< 2^31). Value
+// int32 lane summing 8 products of at most 22037 x 8191 (< 2^31), the lanes
+// then summed as floats (a key and query that agree overflow int32). Value
 // centroids become int16 (x 1024) and the softmax weights int16 per tile
 // (x 8191 / the tile's largest weight); a lane sums 64 products of at most
 // 2755 x 8191 (< 2^31). Logits and outputs agree with the float path to about
@@ -401,26 +402,31 @@ HWY_INLINE void BlockCentroids16(const uint8_t* block, __m512i table, __m512i* c
 }
 
 // Sums of the 16 lanes of v[0..15], in order: result lane t = sum of v[t].
-HWY_INLINE __m512i ReduceLanes16(const __m512i* v) {
-  __m512i w[8], x[4], y[2];
+// Summed as floats: each lane is below 2^31, a sum of them need not be.
+HWY_INLINE __m512 ReduceLanes16(const __m512i* v) {
+  __m512 f[16], w[8], x[4], y[2];
+  for (int k = 0; k < 16; ++k) f[k] = _mm512_cvtepi32_ps(v[k]);
   for (int k = 0; k < 8; ++k) {
-    w[k] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * k], v[2 * k + 1], 0x44),
-                            _mm512_shuffle_i64x2(v[2 * k], v[2 * k + 1], 0xee));
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(f[2 * k], f[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(f[2 * k], f[2 * k + 1], 0xee));
   }
   for (int k = 0; k < 4; ++k) {
-    x[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0x88),
-                            _mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0xdd));
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xdd));
   }
-  for (int k = 0; k < 2; ++k) {
-    y[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * k], x[2 * k + 1]),
-                            _mm512_unpackhi_epi64(x[2 * k], x[2 * k + 1]));
-  }
-  const __m512i t1 = _mm512_unpacklo_epi32(y[0], y[1]);
-  const __m512i t2 = _mm512_unpackhi_epi32(y[0], y[1]);
-  const __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi64(t1, t2), _mm512_unpackhi_epi64(t1, t2));
+  const auto pairs_lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  const auto pairs_hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int k = 0; k < 2; ++k) y[k] = _mm512_add_ps(pairs_lo(x[2 * k], x[2 * k + 1]), pairs_hi(x[2 * k], x[2 * k + 1]));
+  const __m512 t1 = _mm512_unpacklo_ps(y[0], y[1]);
+  const __m512 t2 = _mm512_unpackhi_ps(y[0], y[1]);
+  const __m512 z = _mm512_add_ps(pairs_lo(t1, t2), pairs_hi(t1, t2));
   // Lane 4 L + p of z holds token L, 8 + L, 4 + L, 12 + L for p = 0, 1, 2, 3.
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 13, 9, 5, 1, 14, 10, 6, 2, 12, 8, 4, 0);
-  return _mm512_permutexvar_epi32(order, z);
+  return _mm512_permutexvar_ps(order, z);
 }
 
 struct IntPath {
@@ -495,7 +501,7 @@ void ScoreTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* 
         const __m512 unit = _mm512_set1_ps(ip.q_scale[(r0 + r) * blocks + b]);
         float* lr = logits + (r0 + r) * kScanTile;
         for (int j = 0; j < kScanTile; j += 16) {
-          const __m512 dot = _mm512_cvtepi32_ps(ReduceLanes16(&acc[r][j]));
+          const __m512 dot = ReduceLanes16(&acc[r][j]);
           const __m512 contribution = _mm512_mul_ps(_mm512_mul_ps(dot, unit), _mm512_load_ps(scales + j));
           _mm512_storeu_ps(lr + j, _mm512_add_ps(_mm512_loadu_ps(lr + j), contribution));
         }

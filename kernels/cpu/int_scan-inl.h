@@ -7,9 +7,12 @@
 //
 // Integer ranges (every sum stays below 2^31 on every target):
 // - keys: turbo centroids scale to at most 8191 and the query to at most 8191
-//   per key block, and an int32 lane sums at most 32 products of a block of
-//   128 (128-bit vectors); q8_0 (|x| <= 127) and q4_0 (|x| <= 8) keys take a
-//   query of up to 32767, at most 8 products per lane.
+//   per key block; q8_0 (|x| <= 127) and q4_0 (|x| <= 8) keys take a query of
+//   up to 32767. The query's scale also keeps the block's sum of |q| at most
+//   (2^31 - 1) / (largest key integer), so that the whole block's dot
+//   product fits, not only each lane's (the lanes of a one-block head are
+//   summed as integers). It binds only on flat queries: a rotated query of
+//   128 values keeps about 12.8 of its 13 bits.
 // - values: turbo centroids scale to at most 4095; the weights of a tile
 //   (softmax weight times the block's scale) to at most
 //   (2^31 - 1) / (kScanTile * largest value), so that a lane summing one
@@ -458,12 +461,19 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
       const float* src = task.q + static_cast<size_t>(r) * dim;
       for (int b = 0; b < blocks; ++b) {
         float largest = 0.0f;
-        for (int i = b * bv; i < (b + 1) * bv; ++i) largest = std::max(largest, std::fabs(src[i]));
-        const float to_int = largest > 0.0f ? q_max / largest : 0.0f;
+        double l1 = 0.0;
+        for (int i = b * bv; i < (b + 1) * bv; ++i) {
+          largest = std::max(largest, std::fabs(src[i]));
+          l1 += std::fabs(src[i]);
+        }
+        // Also sum |q| <= (2^31 - 1) / max_int, so that no sum of the block's
+        // products, over any lanes, can overflow.
+        const float to_int =
+            largest > 0.0f ? std::min(q_max / largest, static_cast<float>(2147483647.0 / key->max_int / l1)) : 0.0f;
         for (int p = b * bv; p < (b + 1) * bv; ++p) {
           q[static_cast<size_t>(r) * dim + p] = static_cast<int16_t>(std::lrint(src[key->order[p]] * to_int));
         }
-        q_unit[static_cast<size_t>(r) * blocks + b] = largest > 0.0f ? largest / q_max * key->unit : 0.0f;
+        q_unit[static_cast<size_t>(r) * blocks + b] = largest > 0.0f ? key->unit / to_int : 0.0f;
       }
     }
     keys = w.keys.Get(static_cast<size_t>(kScanTile) * dim);

@@ -261,6 +261,15 @@ TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   capped.first_token = 7;
   capped.offsets = GaussianVectors(1, 2 * capped.params.q_heads, 98);
   problems.push_back(std::move(capped));
+  // Queries that agree with a stored key: the integer dot products of key
+  // and query add up coherently (they overflowed int32 on AVX3_DL).
+  Problem agree = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo4, 128, 2, 4, 300, 2);
+  for (size_t row = 0; row < agree.q.size() / 128; ++row) {
+    const size_t kv_head = row % agree.params.q_heads / 4;
+    const float* key = agree.keys.data() + (100 * 2 + kv_head) * 128;
+    for (size_t c = 0; c < 128; ++c) agree.q[row * 128 + c] = 0.3f * key[c];
+  }
+  problems.push_back(std::move(agree));
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   int tested = 0;
   for (int64_t bits = targets; bits != 0; bits &= bits - 1) {
