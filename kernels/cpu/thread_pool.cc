@@ -2,10 +2,26 @@
 
 #include <algorithm>
 
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace turbokv {
 
-ThreadPool::ThreadPool(int threads) {
-  for (int i = 1; i < std::max(threads, 1); ++i) workers_.emplace_back([this] { WorkerLoop(); });
+ThreadPool::ThreadPool(int threads, int64_t background_from) : background_from_(background_from) {
+  const bool background = background_from > 0;
+  for (int i = background ? 0 : 1; i < std::max(threads, 1); ++i) {
+    workers_.emplace_back([this, background] {
+#ifdef __linux__
+      // Nice is per thread on Linux. Where raising it fails the pool still
+      // works, at the process's priority.
+      if (background) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+#endif
+      WorkerLoop();
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -31,12 +47,16 @@ bool ThreadPool::RunOne(Job& job) {
 std::shared_ptr<ThreadPool::Job> ThreadPool::NextJob() {
   // The call with the fewest indices left: a small call (a Decode step)
   // finishes at the speed of the whole pool while a large one goes on; the
-  // large one keeps its own caller, so it is never starved.
+  // large one keeps its own caller, so it is never starved. A background
+  // pool's workers run only the large calls: a small call's index on a
+  // worker would run at the workers' priority and could keep its caller
+  // waiting behind the rest of the process.
   std::shared_ptr<Job> best;
   int64_t best_left = 0;
   for (const std::shared_ptr<Job>& job : jobs_) {
     const int64_t left = job->n - job->next.load();
-    if (left > 0 && (best == nullptr || left < best_left)) {
+    if (left <= 0) continue;
+    if (best == nullptr || left < best_left) {
       best = job;
       best_left = left;
     }
@@ -65,7 +85,9 @@ void ThreadPool::WorkerLoop() {
 
 void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
-  if (workers_.empty() || n == 1) {
+  const bool background = background_from_ > 0;
+  const bool large = background && n >= background_from_;
+  if (!large && (workers_.empty() || n == 1 || background)) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
@@ -78,7 +100,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     active_.store(jobs_.size(), std::memory_order_relaxed);
   }
   wake_.notify_all();
-  while (RunOne(*job)) {
+  while (!large && RunOne(*job)) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
   done_.wait(lock, [&] { return job->finished.load() == n; });

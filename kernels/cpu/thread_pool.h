@@ -3,6 +3,15 @@
 // threads run at once: each caller works on its own range, and the workers
 // take one index at a time from the call with the fewest left, so a small
 // call is not queued behind a large one (which keeps its own caller).
+//
+// A daemon's pool is made with `background_from` > 0: its workers run at a
+// lower CPU priority than the rest of the process (nice +10 on Linux, which
+// needs no privilege), and a call of at least `background_from` indices runs
+// on them alone while its caller waits. A smaller call runs on its caller
+// alone, at the caller's priority: when the cores are busy
+// with large calls, small ones (a Step, a short Decode) and the threads that
+// take requests and send replies get a core first, and at most `threads`
+// threads run large calls.
 #pragma once
 
 #include <atomic>
@@ -18,13 +27,14 @@ namespace turbokv {
 
 class ThreadPool {
  public:
-  // `threads` is the total parallelism, the calling thread included (>= 1).
-  explicit ThreadPool(int threads);
+  // `threads` is the total parallelism, the calling thread included (>= 1);
+  // with background_from > 0, `threads` workers beside the callers.
+  explicit ThreadPool(int threads, int64_t background_from = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return static_cast<int>(workers_.size()) + 1; }
+  int size() const { return static_cast<int>(workers_.size()) + (background_from_ > 0 ? 0 : 1); }
 
   // Runs fn(i) for every i in [0, n) and returns when all have finished.
   // fn must not throw, and must not call ParallelFor on the same pool.
@@ -47,6 +57,7 @@ class ThreadPool {
   // Under mutex_: the job with the fewest indices left (and some left).
   std::shared_ptr<Job> NextJob();
 
+  const int64_t background_from_;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;

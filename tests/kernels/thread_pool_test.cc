@@ -3,10 +3,18 @@
 #include "kernels/cpu/thread_pool.h"
 
 #include <atomic>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace turbokv {
 namespace {
@@ -51,6 +59,38 @@ TEST(ThreadPoolTest, ManyConcurrentCallersEachSeeEveryIndexOnce) {
   }
   for (auto& t : callers) t.join();
   EXPECT_EQ(wrong.load(), 0);
+}
+
+// A background pool: a call of background_from indices or more runs on the
+// workers alone (the caller only waits), at nice +10 on Linux; a smaller
+// call runs on its caller alone.
+TEST(ThreadPoolTest, ABackgroundPoolRunsLargeCallsOnItsWorkersAndSmallOnesOnTheCaller) {
+  ThreadPool pool(2, /*background_from=*/8);
+  EXPECT_EQ(pool.size(), 2);
+  const std::thread::id caller = std::this_thread::get_id();
+  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{500}}) {
+    std::mutex mutex;
+    std::set<std::thread::id> threads;
+    std::vector<std::atomic<int>> seen(static_cast<size_t>(n));
+    std::atomic<int> low_priority{0};
+    pool.ParallelFor(n, [&](int64_t i) {
+      ++seen[static_cast<size_t>(i)];
+#ifdef __linux__
+      if (getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))) >= 10) ++low_priority;
+#endif
+      std::lock_guard<std::mutex> lock(mutex);
+      threads.insert(std::this_thread::get_id());
+    });
+    for (const auto& s : seen) EXPECT_EQ(s.load(), 1) << n;
+    if (n < 8) {
+      EXPECT_EQ(threads, std::set<std::thread::id>{caller}) << n;
+    } else {
+      EXPECT_EQ(threads.count(caller), 0u) << n;
+#ifdef __linux__
+      EXPECT_EQ(low_priority.load(), n) << n;
+#endif
+    }
+  }
 }
 
 }  // namespace
