@@ -28,12 +28,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 import turbokv
+from hostile_load import start_daemon
 
 KV_HEADS, Q_HEADS, HEAD_DIM, PREFILL = 8, 32, 128, 1024
 ITEMS, QUERIES = 32, 4  # per Decode message
@@ -152,14 +152,8 @@ def main():
     if args.turbokvd is None:
         parser.error("--turbokvd is required")
 
-    work = tempfile.TemporaryDirectory(prefix="turbokv-fairness-")
-    tokens = os.path.join(work.name, "tokens")
-    with open(tokens, "w") as f:
-        f.write("a-token decoder\nb-token stepper\n")
-    target = f"unix://{work.name}/turbokv.sock"
-    log = open(os.path.join(work.name, "turbokvd.log"), "w+")
-    daemon = subprocess.Popen([args.turbokvd, f"--listen={target}", "--device=cpu", "--threads=2",
-                               f"--auth-tokens-file={tokens}", "--metrics-listen="], stderr=log)
+    work, target, _, daemon = start_daemon(args.turbokvd, "fairness", {"a-token": "decoder", "b-token": "stepper"},
+                                           ["--metrics-listen="])
     try:
         turbokv.Client(target, token="a-token").wait_until_ready(20)
         a_source, b_source = template(target, "a-token"), template(target, "b-token")
@@ -177,6 +171,7 @@ def main():
     finally:
         daemon.send_signal(signal.SIGTERM)
         code = daemon.wait(timeout=120)
+        work.cleanup()
     result = {"b_alone": b_alone, "a_alone_messages_per_s": a_alone, "rounds": rounds, "daemon_exit": code}
     if args.json:
         print(json.dumps(result, indent=2))

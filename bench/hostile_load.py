@@ -199,6 +199,22 @@ def scrape(address):
     return data.decode()
 
 
+def start_daemon(turbokvd, name, tokens, flags):
+    """turbokvd on a unix socket in a new temporary directory (--device=cpu
+    --threads=2), with `tokens` ({token: tenant}) as its --auth-tokens-file
+    and `flags` besides; (the directory, the target, its log file, the
+    process)."""
+    work = tempfile.TemporaryDirectory(prefix=f"turbokv-{name}-")
+    path = os.path.join(work.name, "tokens")
+    with open(path, "w") as f:
+        f.writelines(f"{token} {tenant}\n" for token, tenant in tokens.items())
+    target = f"unix://{work.name}/turbokv.sock"
+    log = open(os.path.join(work.name, "turbokvd.log"), "w+")
+    daemon = subprocess.Popen([turbokvd, f"--listen={target}", "--device=cpu", "--threads=2",
+                               f"--auth-tokens-file={path}", *flags], stderr=log)
+    return work, target, log, daemon
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turbokvd", required=True)
@@ -210,16 +226,10 @@ def main():
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    work = tempfile.TemporaryDirectory(prefix="turbokv-hostile-")
-    tokens = os.path.join(work.name, "tokens")
-    with open(tokens, "w") as f:
-        f.write("good-token good\nevil-token evil\n")
-    target = f"unix://{work.name}/turbokv.sock"
-    log = open(os.path.join(work.name, "turbokvd.log"), "w+")
-    daemon = subprocess.Popen([args.turbokvd, f"--listen={target}", "--device=cpu", "--threads=2",
-                               f"--memory-budget={args.budget_mib}MiB", "--eviction=lru",
-                               f"--auth-tokens-file={tokens}", "--metrics-listen=127.0.0.1:0",
-                               "--max-tenant-sessions=200", "--tenant-max-inflight-bytes=256MiB"], stderr=log)
+    work, target, log, daemon = start_daemon(
+        args.turbokvd, "hostile", {"good-token": "good", "evil-token": "evil"},
+        [f"--memory-budget={args.budget_mib}MiB", "--eviction=lru", "--metrics-listen=127.0.0.1:0",
+         "--max-tenant-sessions=200", "--tenant-max-inflight-bytes=256MiB"])
     try:
         turbokv.Client(target, token="good-token").wait_until_ready(20)
         log.seek(0)
