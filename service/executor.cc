@@ -52,7 +52,7 @@ std::list<Executor::Work>::iterator Executor::Next() {
     earlier.insert(it->keys.begin(), it->keys.end());
     if (!free) continue;
     auto running = running_.find(it->tenant);
-    if (running != running_.end() && running->second >= tenant_share_) continue;
+    if (!it->continuation && running != running_.end() && running->second >= tenant_share_) continue;
     auto served = served_.find(it->tenant);
     const uint64_t when = served == served_.end() ? 0 : served->second;
     if (when < best_served) {

@@ -29,6 +29,10 @@ class Executor {
     std::string tenant;
     std::vector<std::string> keys;  // the sessions it touches; empty: none
     std::function<void()> run;
+    // The next step of a call that keeps a session in a call between steps
+    // (a ReadKv stream): not held to its tenant's share, since the calls
+    // waiting for that session's memory may hold the share.
+    bool continuation = false;
   };
 
   // tenant_share: most workers one tenant's work holds at once (0: all).

@@ -15,14 +15,6 @@ namespace turbokv {
 
 using google::protobuf::util::TimeUtil;
 
-namespace {
-
-// The longest single wait of a promotion that found no room (the waits
-// before it double up to it: about 1.3 s in all).
-constexpr absl::Duration kPromotionPatience = absl::Milliseconds(640);
-
-}  // namespace
-
 Handler::Handler(SessionStore* store, const HandlerOptions& options)
     : store_(store), options_(options) {}
 
@@ -35,15 +27,7 @@ absl::Status Handler::GoneStatus(const std::string& id, const std::string& tenan
 absl::Status Handler::Promote(SessionCache& session, absl::Span<const SessionCache* const> held) {
   if (session.resident()) return absl::OkStatus();
   const absl::Time start = absl::Now();
-  // No room now may be room taken first by another call, or held by
-  // sessions in calls that end soon: wait for them, doubling, about a second
-  // in all, before failing.
-  absl::Status status;
-  for (absl::Duration wait = absl::Milliseconds(5);; wait *= 2) {
-    status = store_->Promote(session, held, options_.kernel_pool);
-    if (!absl::IsResourceExhausted(status) || wait > kPromotionPatience) break;
-    absl::SleepFor(wait);
-  }
+  const absl::Status status = store_->Promote(session, held, options_.kernel_pool);
   if (status.ok() && options_.metrics != nullptr) {
     options_.metrics->ObservePromotion(absl::ToDoubleSeconds(absl::Now() - start));
   }

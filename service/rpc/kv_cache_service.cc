@@ -518,7 +518,9 @@ class ReadKvCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Done(absl::CancelledError("the client went away"));
       return;
     }
-    if (!parts_->executor->Submit({tenant_, {request_.session_id()}, [this] { Next(); }})) Done(Draining());
+    if (!parts_->executor->Submit({tenant_, {request_.session_id()}, [this] { Next(); }, /*continuation=*/true})) {
+      Done(Draining());
+    }
   }
 
   void OnDone() override {

@@ -554,7 +554,8 @@ void SessionStore::RememberGone(const SessionCache& session, std::string reason,
   counter->fetch_add(1);
 }
 
-absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held) {
+absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held, bool* calls_hold_it) {
+  if (calls_hold_it != nullptr) *calls_hold_it = false;
   const size_t budget = pool_.budget_bytes();
   auto fits = [&] { return bytes <= budget && pool_.used_bytes() <= budget - bytes; };
   if (fits()) return absl::OkStatus();
@@ -584,6 +585,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   const size_t used = pool_.used_bytes();
   const size_t needed = used > budget - bytes ? used - (budget - bytes) : 0;
   size_t freeable = 0;
+  bool busy = false;  // a session was skipped for being in a call
   std::unordered_map<const Page*, long> victim_refs;
   std::vector<std::unique_lock<std::mutex>> victim_locks;
   std::vector<SessionCache*> victims;
@@ -591,8 +593,12 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     if (freeable >= needed) break;
     // A session with a call in flight is not idle: skip it.
     std::unique_lock<std::mutex> candidate_lock(candidate->mutex(), std::try_to_lock);
-    if (!candidate_lock.owns_lock() || candidate->gone() || !candidate->resident() || candidate->in_call()) continue;
     if (tier_ != nullptr && candidate->config().pinned) continue;
+    if (!candidate_lock.owns_lock() || candidate->in_call()) {
+      busy = true;
+      continue;
+    }
+    if (candidate->gone() || !candidate->resident()) continue;
     freeable += SessionMetadataBytes(candidate->config());
     for (const LayerCache& layer : candidate->layers()) {
       for (const std::shared_ptr<Page>& page : layer.pages()) {
@@ -603,8 +609,9 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     victims.push_back(candidate.get());
   }
   if (freeable < needed) {
+    if (calls_hold_it != nullptr) *calls_hold_it = busy;
     return refuse(absl::StrCat("; ", verb, "ing every idle session would free only ", freeable, " bytes, so none was ",
-                               verb, "ed"));
+                               verb, "ed", busy ? " (others are in calls)" : ""));
   }
   if (tier_ != nullptr) {
     // Demotion writes to the tier: not under the store's mutex.
@@ -626,6 +633,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   }
   victim_locks.clear();
   if (fits()) return absl::OkStatus();
+  if (calls_hold_it != nullptr) *calls_hold_it = true;
   return refuse(absl::StrCat(" (after ", verb, "ing; another call took the room first)"));
 }
 
@@ -797,7 +805,55 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
   for (size_t l = 0; l < image.layers.size(); ++l) {
     bytes += image.layers[l].pages.size() * LayerPageBytes(config, static_cast<int>(l), options_.page_tokens);
   }
-  if (absl::Status status = MakeRoom(bytes, held); !status.ok()) {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + options_.promotion_patience;
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(line_mutex_);
+    ticket = ++tickets_;
+    line_.push_back(ticket);
+  }
+  absl::Status status;
+  size_t ahead = 0;
+  for (absl::Duration wait = absl::Milliseconds(1);; wait = std::min(2 * wait, absl::Milliseconds(20))) {
+    bool turn;
+    {
+      std::unique_lock<std::mutex> lock(line_mutex_);
+      ahead = static_cast<size_t>(std::find(line_.begin(), line_.end(), ticket) - line_.begin());
+      turn = line_turn_.wait_until(lock, absl::ToChronoTime(deadline), [&] { return line_.front() == ticket; });
+    }
+    if (!turn) {
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(), " tier and waited ",
+                       absl::FormatDuration(options_.promotion_patience), " behind ", ahead,
+                       " other sessions coming back into memory (the memory budget holds too few of them at once)"));
+      break;
+    }
+    bool calls_hold_it = false;
+    status = PromoteNow(session, bytes, held, pool, &calls_hold_it);
+    if (status.ok() || !calls_hold_it) break;
+    // Room held by sessions in calls comes back when they end: wait for it.
+    if (absl::Now() + wait > deadline) {
+      status = absl::Status(status.code(), absl::StrCat(status.message(), "; waited ",
+                                                        absl::FormatDuration(absl::Now() - start),
+                                                        " for the calls holding memory to end"));
+      break;
+    }
+    absl::SleepFor(wait);
+  }
+  {
+    std::lock_guard<std::mutex> lock(line_mutex_);
+    line_.erase(std::find(line_.begin(), line_.end(), ticket));
+  }
+  line_turn_.notify_all();
+  return status;
+}
+
+absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
+                                      ThreadPool* pool, bool* calls_hold_it) {
+  if (session.resident()) return absl::OkStatus();
+  const TierSession& image = *session.demoted_;
+  if (absl::Status status = MakeRoom(bytes, held, calls_hold_it); !status.ok()) {
     return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(),
                                                     " tier and cannot come back into memory: ", status.message()));
   }

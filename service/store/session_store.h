@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <condition_variable>
 #include <deque>
 #include <map>
 #include <functional>
@@ -97,6 +98,9 @@ struct StoreOptions {
   // A shared tier: called as each call naming a session this daemon did not
   // hold ends its claim, before the call is answered (metrics count them).
   std::function<void(TakeoverResult)> on_takeover;
+  // A promotion whose room is held by sessions in calls waits this long for
+  // them (in line with the other promotions) before RESOURCE_EXHAUSTED.
+  absl::Duration promotion_patience = absl::Seconds(5);
 };
 
 // What a session's metadata (its object, layer tables and codecs) costs in
@@ -244,8 +248,10 @@ class SessionStore {
   // stay are not counted), and only then evicts them; otherwise, and with
   // kReject, it changes nothing and returns RESOURCE_EXHAUSTED naming used,
   // needed, budget and freeable bytes. A later allocation can still lose a
-  // race to another session; callers retry.
-  absl::Status MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held);
+  // race to another session; callers retry. With `calls_hold_it`, says
+  // whether a refusal would not have been one had the sessions in calls
+  // been idle (waiting for them can help).
+  absl::Status MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held, bool* calls_hold_it = nullptr);
 
   // Deletes sessions idle longer than their TTL; returns how many.
   int ExpireIdle(absl::Time now);
@@ -255,7 +261,9 @@ class SessionStore {
   // memory, making room as MakeRoom does (demoting others, never those in
   // `held`). DATA_LOSS when a record fails its CRC, RESOURCE_EXHAUSTED
   // naming both tiers when memory cannot take it. Reads layers on `pool`
-  // when given.
+  // when given. Promotions take turns, first come first served: one that
+  // finds the room held by sessions in calls waits for them, up to
+  // StoreOptions::promotion_patience, and later promotions wait behind it.
   absl::Status Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
                        ThreadPool* pool = nullptr);
   // Queues the session's sealed pages that are not on the tier yet (under
@@ -342,6 +350,10 @@ class SessionStore {
   void Drop(SessionCache* session);
   // Codecs and empty layers for the session, its metadata charged.
   absl::Status Materialize(SessionCache& session);
+  // Promote's one attempt, its turn come: makes room for `bytes` and loads
+  // the session; *calls_hold_it as MakeRoom's.
+  absl::Status PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
+                          ThreadPool* pool, bool* calls_hold_it);
   // The session's state on the tier: each layer's sealed pages that have
   // records, in order, and (with tails) its partly filled last page,
   // written now. Under the session's mutex.
@@ -377,6 +389,11 @@ class SessionStore {
   std::atomic<int64_t> demotions_{0};
   std::atomic<int64_t> promotions_{0};
   std::atomic<int64_t> disk_drops_{0};
+  // Promotions in line, first come first served: their tickets.
+  std::mutex line_mutex_;
+  std::condition_variable line_turn_;
+  std::deque<uint64_t> line_;
+  uint64_t tickets_ = 0;
 };
 
 // 128 random bits as 26 lowercase base32 characters.

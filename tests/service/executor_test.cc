@@ -118,5 +118,24 @@ TEST(ExecutorTest, ATenantHoldsAtMostItsShareOfTheWorkers) {
   EXPECT_EQ(started.load(), 4);
 }
 
+// A stream's next step (a continuation) runs although its tenant holds its
+// share: the tenant's calls holding the share may be waiting for it.
+TEST(ExecutorTest, AContinuationIsNotHeldToItsTenantsShare) {
+  Executor executor(4, 2);
+  Gate release, continued;
+  std::atomic<int> started{0};
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(executor.Submit({"tenant", {}, [&] {
+      ++started;
+      release.Wait();
+    }}));
+  }
+  ASSERT_TRUE(executor.Submit({"tenant", {"stream"}, [&] { continued.Open(); }, /*continuation=*/true}));
+  continued.Wait();  // would wait for `release` were it held to the share
+  EXPECT_LE(started.load(), 2);
+  release.Open();
+  executor.Shutdown();
+}
+
 }  // namespace
 }  // namespace turbokv

@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -371,6 +373,47 @@ TEST_P(SpillTest, APinnedSessionIsNeverDemoted) {
   EXPECT_GT(s.store->Snapshot().demotions, 4);
   std::lock_guard<std::mutex> lock((*pinned)->mutex());
   EXPECT_TRUE((*pinned)->resident());
+}
+
+// A promotion whose room is held by a session in a call waits for the call
+// to end, then demotes it and comes back (before: RESOURCE_EXHAUSTED at once).
+TEST_P(SpillTest, APromotionWaitsForTheCallHoldingItsRoom) {
+  size_t one = 0;  // what one session of 200 tokens holds
+  {
+    Store probe = OpenStore(FreshDir("probe"));
+    auto session = probe.store->Create(Config(), "tenant", absl::Now());
+    ASSERT_TRUE(session.ok());
+    Append(*probe.store, **session, 200, 1);
+    one = probe.store->pool().used_bytes();
+  }
+  Store s = OpenStore(FreshDir("wait"), one + one / 2);  // holds one, not two
+  auto waiting = s.store->Create(Config(), "tenant", absl::Now());
+  ASSERT_TRUE(waiting.ok());
+  Append(*s.store, **waiting, 200, 1);
+  {
+    std::lock_guard<std::mutex> lock((*waiting)->mutex());
+    ASSERT_TRUE(s.store->Demote(**waiting).ok());
+  }
+  auto busy = s.store->Create(Config(), "tenant", absl::Now());
+  ASSERT_TRUE(busy.ok());
+  Append(*s.store, **busy, 200, 2);
+  std::unique_lock<std::mutex> call((*busy)->mutex());  // a call on it
+  std::thread ends([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    call.unlock();
+  });
+  const absl::Time start = absl::Now();
+  {
+    std::lock_guard<std::mutex> lock((*waiting)->mutex());
+    const SessionCache* held[] = {waiting->get()};
+    const absl::Status promoted = s.store->Promote(**waiting, held);
+    EXPECT_TRUE(promoted.ok()) << promoted;
+    EXPECT_TRUE((*waiting)->resident());
+  }
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  ends.join();
+  std::lock_guard<std::mutex> lock((*busy)->mutex());
+  EXPECT_FALSE((*busy)->resident());
 }
 
 TEST_P(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
