@@ -48,15 +48,15 @@ std::shared_ptr<ThreadPool::Job> ThreadPool::NextJob() {
   // The call with the fewest indices left: a small call (a Decode step)
   // finishes at the speed of the whole pool while a large one goes on; the
   // large one keeps its own caller, so it is never starved. A background
-  // pool's workers run only the large calls: a small call's index on a
-  // worker would run at the workers' priority and could keep its caller
-  // waiting behind the rest of the process.
+  // pool has only large calls here (its small ones run on their callers
+  // alone: on a worker, a small call's index would run at the workers'
+  // priority and could keep its caller waiting behind the rest of the
+  // process).
   std::shared_ptr<Job> best;
   int64_t best_left = 0;
   for (const std::shared_ptr<Job>& job : jobs_) {
     const int64_t left = job->n - job->next.load();
-    if (left <= 0) continue;
-    if (best == nullptr || left < best_left) {
+    if (left > 0 && (best == nullptr || left < best_left)) {
       best = job;
       best_left = left;
     }

@@ -851,7 +851,6 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
 
 absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
                                       ThreadPool* pool, bool* calls_hold_it) {
-  if (session.resident()) return absl::OkStatus();
   const TierSession& image = *session.demoted_;
   if (absl::Status status = MakeRoom(bytes, held, calls_hold_it); !status.ok()) {
     return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(),

@@ -249,8 +249,8 @@ class SessionStore {
   // kReject, it changes nothing and returns RESOURCE_EXHAUSTED naming used,
   // needed, budget and freeable bytes. A later allocation can still lose a
   // race to another session; callers retry. With `calls_hold_it`, says
-  // whether a refusal would not have been one had the sessions in calls
-  // been idle (waiting for them can help).
+  // whether a refusal passed over sessions in calls (their locks held, or a
+  // stream open on them), so that waiting for them may help.
   absl::Status MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held, bool* calls_hold_it = nullptr);
 
   // Deletes sessions idle longer than their TTL; returns how many.
