@@ -24,6 +24,7 @@
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
 #include "service/store/session_config.h"
+#include "service/store/session_id.h"
 #include "service/store/tiers/tier.h"
 
 namespace turbokv {
@@ -395,13 +396,5 @@ class SessionStore {
   std::deque<uint64_t> line_;
   uint64_t tickets_ = 0;
 };
-
-// 128 random bits as 26 lowercase base32 characters.
-std::string NewSessionId();
-
-// A session id as error messages show it: one longer than any real id is
-// cut, so that a client's 10 KB id does not come back as a 10 KB message
-// (past gRPC's metadata limit).
-std::string ShowId(absl::string_view id);
 
 }  // namespace turbokv

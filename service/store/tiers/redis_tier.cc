@@ -13,7 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "service/byte_size.h"
 #include "service/log.h"
-#include "service/store/session_store.h"
+#include "service/store/session_id.h"
 
 namespace turbokv {
 namespace {
@@ -95,12 +95,6 @@ std::string MakeOwner() {
   // Six characters of a fresh session id: two daemons of one host and pid
   // (a restart in a new container) still differ.
   return absl::StrCat(host, ".", getpid(), ".", NewSessionId().substr(0, 6));
-}
-
-// An id NewSessionId could have made: only those can be on the tier.
-bool PlausibleId(const std::string& id) {
-  if (id.size() != 26) return false;
-  return std::all_of(id.begin(), id.end(), [](char c) { return (c >= 'a' && c <= 'z') || (c >= '2' && c <= '7'); });
 }
 
 std::string Field(int layer, int index) { return absl::StrCat(layer, ":", index); }
@@ -702,7 +696,7 @@ TierStats RedisTier::Stats() const {
 }
 
 absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::string& tenant) {
-  if (!PlausibleId(id)) return absl::NotFoundError("not a session id");
+  if (!PlausibleSessionId(id)) return absl::NotFoundError("not a session id");
   std::shared_ptr<SessionState> state = std::make_shared<SessionState>();
   state->id = id;
   state->tenant = tenant;

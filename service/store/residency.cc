@@ -1,0 +1,474 @@
+// The store's residency (docs/DESIGN §2, store/residency): sealed pages
+// written through to the tier below memory, demotion and promotion, claims
+// of sessions from a shared tier, the background rebalance, the drain's
+// flush and the scan at start. Members of SessionStore, kept apart from the
+// session map and the budget (session_store.cc).
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/thread_pool.h"
+#include "service/log.h"
+#include "service/store/session_id.h"
+#include "service/store/session_store.h"
+
+namespace turbokv {
+
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::string& id, const std::string& tenant,
+                                                                     absl::Time now) {
+  // One claim at a time: two calls naming the same session claim it once.
+  std::lock_guard<std::mutex> claiming(claim_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) {
+      if (it->second->tenant() != tenant) return NotFound(id, tenant);
+      it->second->Touch(now);
+      return it->second;
+    }
+    if (absl::Status room = HasRoomFor(tenant); !room.ok()) return room;
+  }
+  absl::StatusOr<TierSession> image = tier_->Claim(id, tenant);
+  if (!image.ok()) {
+    if (absl::IsNotFound(image.status())) {
+      CountTakeover(kTakeoverNotFound);
+      std::lock_guard<std::mutex> lock(mutex_);
+      return NotFound(id, tenant);
+    }
+    CountTakeover(absl::IsFailedPrecondition(image.status()) ? kTakeoverHeld : kTakeoverFailed);
+    return image.status();
+  }
+  SessionConfig config = image->header.config;
+  config.pinned = image->pinned;
+  auto session = std::make_shared<SessionCache>(id, tenant, config, image->header.created);
+  session->Touch(now);
+  session->manifest_ = image->manifest;
+  session->demoted_ = std::make_unique<TierSession>(*std::move(image));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (absl::Status inserted = Insert(session); !inserted.ok()) return inserted;
+  CountTakeover(kTakeoverOk);
+  Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens in layer 0, %d layers)", id.c_str(),
+       tier_->name(), static_cast<long long>(session->layer_tokens(0)), config.layers);
+  return session;
+}
+
+PageKey SessionStore::Key(const SessionCache& session, int layer, int index, int tokens) {
+  const SessionConfig& c = session.config();
+  return PageKey{session.id(), session.tenant(), layer, index, tokens, c.KeyCodec(layer), c.ValueCodec(layer),
+                 c.rotation_seed};
+}
+
+absl::StatusOr<std::shared_ptr<TierRecord>> SessionStore::PutPage(const PageKey& key, const Page& page, bool force) {
+  absl::StatusOr<std::shared_ptr<TierRecord>> record;
+  absl::Status read = backend().ReadPage(page.data, page.bytes, [&](absl::string_view bytes) {
+    record = tier_->PutPage(key, bytes, force);
+    return record.status();
+  });
+  if (!read.ok()) return read;
+  return record;
+}
+
+absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
+  if (tier_ == nullptr || !session.resident() || session.gone()) return absl::OkStatus();
+  const int64_t pt = options_.page_tokens;
+  // A layer's sealed pages are encoded through its transform and next to
+  // its sink tokens: a manifest holding them goes first, so that a restart
+  // that finds the pages finds what they need.
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const LayerCache& layer = session.layers()[l];
+    const bool stale = l >= session.manifest_extras_.size() || session.manifest_extras_[l] != layer.extras_version();
+    bool unwritten = false;
+    if (stale && layer.tokens() >= pt) {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      unwritten = layer.pages()[static_cast<size_t>(layer.tokens() / pt) - 1]->record == nullptr;
+    }
+    if (unwritten) {
+      WriteTierManifest(session);
+      break;
+    }
+  }
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const LayerCache& layer = session.layers()[l];
+    const std::vector<std::shared_ptr<Page>>& pages = layer.pages();
+    const size_t full = static_cast<size_t>(layer.tokens() / pt);
+    size_t first = full;
+    {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      while (first > 0 && pages[first - 1]->record == nullptr) --first;
+    }
+    for (size_t i = first; i < full; ++i) {
+      absl::StatusOr<std::shared_ptr<TierRecord>> record =
+          PutPage(Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt)), *pages[i], force);
+      if (!record.ok()) return record.status();
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      if (pages[i]->record == nullptr) pages[i]->record = *std::move(record);  // else a fork's came first
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session, bool tails) {
+  TierSession image;
+  image.header = SessionHeader{session.id(), session.tenant(), session.config(), session.created(),
+                               options_.page_tokens};
+  image.pinned = session.config().pinned;
+  const int64_t pt = options_.page_tokens;
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const LayerCache& layer = session.layers()[l];
+    const std::vector<std::shared_ptr<Page>>& pages = layer.pages();
+    const size_t full = static_cast<size_t>(layer.tokens() / pt);
+    TierLayer out;
+    {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      for (size_t i = 0; i < full && pages[i]->record != nullptr; ++i) out.pages.push_back(pages[i]->record);
+    }
+    out.tokens = static_cast<int64_t>(out.pages.size()) * pt;
+    out.extras = layer.Extras();
+    if (tails && out.pages.size() == full && layer.tokens() % pt != 0) {
+      absl::StatusOr<std::shared_ptr<TierRecord>> tail = PutPage(
+          Key(session, static_cast<int>(l), static_cast<int>(full), static_cast<int>(layer.tokens() % pt)),
+          *pages[full], true);
+      if (!tail.ok()) return tail.status();
+      out.pages.push_back(*std::move(tail));
+      out.tokens = layer.tokens();
+    }
+    image.layers.push_back(std::move(out));
+  }
+  return image;
+}
+
+void SessionStore::WriteTierManifest(SessionCache& session) {
+  absl::StatusOr<TierSession> image = TierImage(session, false);
+  if (!image.ok()) return;
+  session.manifest_ = tier_->PutManifest(*image);
+  NoteManifestExtras(session);
+}
+
+void SessionStore::NoteManifestExtras(SessionCache& session) {
+  session.manifest_extras_.clear();
+  for (const LayerCache& layer : session.layers()) session.manifest_extras_.push_back(layer.extras_version());
+}
+
+namespace {
+
+// Waits for every record of `image` and its manifest; the first error.
+absl::Status WaitForImage(Tier& tier, const TierSession& image, const TierRecord& manifest) {
+  for (const TierLayer& layer : image.layers) {
+    for (const auto& page : layer.pages) {
+      if (absl::Status status = tier.Wait(*page); !status.ok()) return status;
+    }
+  }
+  return tier.Wait(manifest);
+}
+
+}  // namespace
+
+absl::Status SessionStore::Demote(SessionCache& session) {
+  if (tier_ == nullptr) return absl::FailedPreconditionError("turbokvd runs without --spill-dir");
+  if (!session.resident() || session.gone()) return absl::OkStatus();
+  absl::Status status = WriteThrough(session, true);
+  absl::StatusOr<TierSession> image = status.ok() ? TierImage(session, true) : status;
+  if (image.ok()) {
+    for (size_t l = 0; l < image->layers.size(); ++l) {
+      if (image->layers[l].tokens != session.layers()[l].tokens()) {
+        image = absl::UnavailableError("a sealed page of the session is not on the spill tier");
+        break;
+      }
+    }
+  }
+  std::shared_ptr<TierRecord> manifest;
+  if (image.ok()) {
+    manifest = tier_->PutManifest(*image);
+    status = WaitForImage(*tier_, *image, *manifest);
+  } else {
+    status = image.status();
+  }
+  if (!status.ok()) {
+    // Pages whose record failed get a new one at the next try.
+    std::vector<std::pair<Page*, std::shared_ptr<TierRecord>>> records;
+    {
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      for (const LayerCache& layer : session.layers()) {
+        for (const std::shared_ptr<Page>& page : layer.pages()) {
+          if (page->record != nullptr) records.emplace_back(page.get(), page->record);
+        }
+      }
+    }
+    for (auto& [page, record] : records) {
+      if (tier_->Wait(*record).ok()) continue;
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      if (page->record == record) page->record.reset();
+    }
+    return status;
+  }
+  image->manifest = manifest;
+  session.manifest_ = std::move(manifest);
+  session.manifest_extras_.clear();
+  session.layers_.clear();
+  session.charge_.reset();
+  session.demoted_ = std::make_unique<TierSession>(*std::move(image));
+  demotions_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
+                                   ThreadPool* pool) {
+  if (session.resident()) return absl::OkStatus();
+  const TierSession& image = *session.demoted_;
+  const SessionConfig& config = session.config();
+  size_t bytes = SessionMetadataBytes(config);
+  for (size_t l = 0; l < image.layers.size(); ++l) {
+    bytes += image.layers[l].pages.size() * LayerPageBytes(config, static_cast<int>(l), options_.page_tokens);
+  }
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + options_.promotion_patience;
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(line_mutex_);
+    ticket = ++tickets_;
+    line_.push_back(ticket);
+  }
+  absl::Status status;
+  size_t ahead = 0;
+  for (absl::Duration wait = absl::Milliseconds(1);; wait = std::min(2 * wait, absl::Milliseconds(20))) {
+    bool turn;
+    {
+      std::unique_lock<std::mutex> lock(line_mutex_);
+      ahead = static_cast<size_t>(std::find(line_.begin(), line_.end(), ticket) - line_.begin());
+      turn = line_turn_.wait_until(lock, absl::ToChronoTime(deadline), [&] { return line_.front() == ticket; });
+    }
+    if (!turn) {
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(), " tier and waited ",
+                       absl::FormatDuration(options_.promotion_patience), " behind ", ahead,
+                       " other sessions coming back into memory (the memory budget holds too few of them at once)"));
+      break;
+    }
+    bool calls_hold_it = false;
+    status = PromoteNow(session, bytes, held, pool, &calls_hold_it);
+    if (status.ok() || !calls_hold_it) break;
+    // Room held by sessions in calls comes back when they end: wait for it.
+    if (absl::Now() + wait > deadline) {
+      status = absl::Status(status.code(), absl::StrCat(status.message(), "; waited ",
+                                                        absl::FormatDuration(absl::Now() - start),
+                                                        " for the calls holding memory to end"));
+      break;
+    }
+    absl::SleepFor(wait);
+  }
+  {
+    std::lock_guard<std::mutex> lock(line_mutex_);
+    line_.erase(std::find(line_.begin(), line_.end(), ticket));
+  }
+  line_turn_.notify_all();
+  return status;
+}
+
+absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
+                                      ThreadPool* pool, bool* calls_hold_it) {
+  const TierSession& image = *session.demoted_;
+  if (absl::Status status = MakeRoom(bytes, held, calls_hold_it); !status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(),
+                                                    " tier and cannot come back into memory: ", status.message()));
+  }
+  std::vector<std::shared_ptr<TierRecord>> records;
+  for (const TierLayer& layer : image.layers) records.insert(records.end(), layer.pages.begin(), layer.pages.end());
+  tier_->WillRead(records);
+  absl::Status status = Materialize(session);
+  if (status.ok()) {
+    // Layers load in parallel: one thread's reads wait on the disk while
+    // another's pages are checked and copied.
+    std::vector<absl::Status> loaded(image.layers.size());
+    auto load = [&](int64_t l) {
+      size_t next = 0;
+      const TierLayer& layer = image.layers[static_cast<size_t>(l)];
+      loaded[static_cast<size_t>(l)] =
+          session.layers_[static_cast<size_t>(l)].LoadPages(layer.tokens, layer.extras, [&](uint8_t* data, size_t n) {
+            return tier_->Read(*layer.pages[next++], data, n);
+          });
+    };
+    if (pool != nullptr) {
+      pool->ParallelFor(static_cast<int64_t>(image.layers.size()), load);
+    } else {
+      for (size_t l = 0; l < image.layers.size(); ++l) load(static_cast<int64_t>(l));
+    }
+    for (const absl::Status& one : loaded) {
+      if (!one.ok()) {
+        status = one;
+        break;
+      }
+    }
+  }
+  if (!status.ok()) {
+    session.layers_.clear();
+    session.charge_.reset();
+    return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " could not be read back from the ",
+                                                    tier_->name(), " tier: ", status.message()));
+  }
+  {
+    // Its sealed pages are on the tier already.
+    std::lock_guard<std::mutex> lock(records_mutex_);
+    const int64_t pt = options_.page_tokens;
+    for (size_t l = 0; l < image.layers.size(); ++l) {
+      const std::vector<std::shared_ptr<Page>>& pages = session.layers_[l].pages();
+      for (size_t i = 0; i < static_cast<size_t>(image.layers[l].tokens / pt); ++i) {
+        pages[i]->record = image.layers[l].pages[i];
+      }
+    }
+  }
+  session.demoted_.reset();
+  NoteManifestExtras(session);  // what was loaded is what its manifest held
+  promotions_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+void SessionStore::Truncate(SessionCache& session, int64_t n) {
+  for (LayerCache& layer : session.layers()) layer.Truncate(n);
+  if (tier_ == nullptr) return;
+  {
+    // A partly filled last page that only this session holds is written in
+    // place from now on: it is not its record any more.
+    std::lock_guard<std::mutex> lock(records_mutex_);
+    for (LayerCache& layer : session.layers()) {
+      if (layer.tokens() % options_.page_tokens != 0 && layer.pages().back().use_count() == 1) {
+        layer.pages().back()->record.reset();
+      }
+    }
+  }
+  WriteTierManifest(session);
+}
+
+size_t SessionStore::TierBytes(const SessionCache& session) {
+  if (!session.on_tier()) return 0;
+  size_t bytes = session.manifest_->bytes();
+  if (!session.resident()) {
+    for (const TierLayer& layer : session.demoted_->layers) {
+      for (const auto& page : layer.pages) bytes += page->bytes();
+    }
+    return bytes;
+  }
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  for (const LayerCache& layer : session.layers()) {
+    for (const std::shared_ptr<Page>& page : layer.pages()) {
+      if (page->record != nullptr) bytes += page->record->bytes();
+    }
+  }
+  return bytes;
+}
+
+SessionStore::RebalanceReport SessionStore::Rebalance() {
+  RebalanceReport report;
+  if (tier_ == nullptr) return report;
+  for (const auto& disowned : tier_->TakeDisowned()) {
+    // Another daemon claimed it: this copy goes, without a tombstone.
+    std::lock_guard<std::mutex> lock(mutex_);
+    Erase(disowned.first);
+  }
+  std::vector<std::shared_ptr<SessionCache>> sessions = List();
+  // Write-through that the request path left for later (its queue was full).
+  for (const std::shared_ptr<SessionCache>& session : sessions) {
+    std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
+    if (lock.owns_lock() && !WriteThrough(*session, false).ok()) break;
+  }
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
+  const double budget = static_cast<double>(pool_.budget_bytes());
+  if (static_cast<double>(pool_.used_bytes()) > options_.high_watermark * budget) {
+    for (const std::shared_ptr<SessionCache>& session : sessions) {
+      if (static_cast<double>(pool_.used_bytes()) <= options_.low_watermark * budget) break;
+      std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
+      if (!lock.owns_lock() || session->gone() || !session->resident() || session->config().pinned ||
+          session->in_call()) {
+        continue;
+      }
+      if (absl::Status status = Demote(*session); !status.ok()) {
+        report.error = status;
+        break;
+      }
+      ++report.demoted;
+    }
+  }
+  const TierStats stats = tier_->Stats();
+  const double tier_budget = static_cast<double>(stats.budget_bytes);
+  int64_t live = stats.live_bytes + stats.queued_bytes;
+  if (static_cast<double>(live) > options_.high_watermark * tier_budget) {
+    // The oldest sessions on disk only go, whole, until the tier is under
+    // its low watermark.
+    for (const std::shared_ptr<SessionCache>& session : sessions) {
+      if (static_cast<double>(live) <= options_.low_watermark * tier_budget) break;
+      std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
+      if (!session_lock.owns_lock() || session->gone() || session->resident()) continue;
+      live -= static_cast<int64_t>(TierBytes(*session));
+      std::lock_guard<std::mutex> lock(mutex_);
+      Drop(session.get());
+      RememberGone(*session, "dropped: the spill tier was over its high watermark (--spill-budget), oldest first",
+                   &disk_drops_);
+      report.dropped.push_back(session->id());
+    }
+  }
+  return report;
+}
+
+absl::Status SessionStore::FlushTier(absl::Time deadline) {
+  if (tier_ == nullptr) return absl::OkStatus();
+  absl::Status first_error;
+  int failed = 0;
+  for (const std::shared_ptr<SessionCache>& session : List()) {
+    std::lock_guard<std::mutex> lock(session->mutex());
+    if (session->gone() || !session->resident()) continue;
+    absl::Status status = absl::Now() > deadline ? absl::DeadlineExceededError("the drain's deadline passed")
+                                                 : WriteThrough(*session, true);
+    absl::StatusOr<TierSession> image = status.ok() ? TierImage(*session, true) : status;
+    if (image.ok()) {
+      std::shared_ptr<TierRecord> manifest = tier_->PutManifest(*image);
+      status = WaitForImage(*tier_, *image, *manifest);
+      if (status.ok()) {
+        session->manifest_ = std::move(manifest);
+        NoteManifestExtras(*session);
+      }
+    } else {
+      status = image.status();
+    }
+    if (!status.ok()) {
+      ++failed;
+      if (first_error.ok()) first_error = absl::Status(status.code(), absl::StrCat("session ", session->id(), ": ", status.message()));
+    }
+  }
+  if (absl::Status status = tier_->Sync(); !status.ok() && first_error.ok()) first_error = status;
+  if (!first_error.ok() && failed > 0) {
+    return absl::Status(first_error.code(), absl::StrCat(failed, " session(s) not flushed to the spill tier; ",
+                                                         first_error.message()));
+  }
+  return first_error;
+}
+
+absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
+  if (tier_ == nullptr) return TierScanReport();
+  absl::StatusOr<TierScanReport> report = tier_->Scan();
+  if (!report.ok()) return report.status();
+  std::vector<TierSession> sessions = std::move(report->sessions);
+  report->sessions.clear();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (TierSession& image : sessions) {
+    if (sessions_.count(image.header.id) != 0) continue;  // its snapshot holds it whole
+    SessionConfig config = image.header.config;
+    config.pinned = image.pinned;
+    auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
+    session->Touch(now);
+    session->manifest_ = image.manifest;
+    const std::string id = image.header.id;
+    session->demoted_ = std::make_unique<TierSession>(std::move(image));
+    if (absl::Status status = Insert(session); !status.ok()) {
+      report->damaged.emplace_back(id, status);
+      continue;
+    }
+    ++report->loaded;
+  }
+  for (const auto& [id, status] : report->damaged) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
+  return report;
+}
+
+}  // namespace turbokv
