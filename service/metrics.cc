@@ -258,6 +258,12 @@ Metrics::Metrics(std::string device, const std::string& tier) : device_(std::mov
                     .Help("1 while the shared tier answers, 0 while it does not (writes then wait in the queue)")
                     .Register(r)
                     .Add({{"tier", tier}});
+    tier_rewrites_ = &BuildCounter()
+                          .Name("turbokv_tier_rewrites_total")
+                          .Help("Sessions written to the shared tier again because it lost their records (Redis "
+                                "restarted without its append-only file, or from an older one)")
+                          .Register(r)
+                          .Add({{"tier", tier}});
     auto& takeovers = BuildCounter()
                           .Name("turbokv_takeovers_total")
                           .Help("Calls naming a session this daemon did not hold, by how its claim from the shared "
@@ -444,6 +450,7 @@ void Metrics::SetStore(const StoreSnapshot& s) {
   Advance(spill_crc_failures_, s.tier.crc_failures, &crc_failures_seen_);
   if (tier_up_ != nullptr) {
     tier_up_->Set(s.tier_health.ok() ? 1 : 0);
+    Advance(tier_rewrites_, s.tier.rewrites, &rewrites_seen_);
   }
 }
 

@@ -118,6 +118,7 @@ class Metrics {
   prometheus::Counter* disk_drops_;
   prometheus::Gauge* tier_sessions_[2] = {};  // memory, the tier
   prometheus::Gauge* tier_up_ = nullptr;      // a shared tier only
+  prometheus::Counter* tier_rewrites_ = nullptr;  // a shared tier only
   prometheus::Counter* takeovers_[kTakeoverResults] = {};
   prometheus::Gauge* spill_bytes_;
   prometheus::Gauge* spill_file_bytes_;
@@ -144,6 +145,7 @@ class Metrics {
   int64_t promotions_seen_ = 0;
   int64_t write_errors_seen_ = 0;
   int64_t crc_failures_seen_ = 0;
+  int64_t rewrites_seen_ = 0;
 };
 
 }  // namespace turbokv

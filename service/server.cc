@@ -276,7 +276,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     redis.page_tokens = options.page_tokens;
     redis.lease = options.redis_lease;
     redis.timeout = options.redis_timeout;
-    tier = RedisTier::Open(redis);
+    absl::StatusOr<std::unique_ptr<RedisTier>> opened = RedisTier::Open(redis);
+    if (!opened.ok()) return opened.status();
+    tier = *std::move(opened);
   }
   if (!options.spill_dir.empty()) {
     DiskTierOptions disk;

@@ -359,6 +359,33 @@ size_t SessionStore::TierBytes(const SessionCache& session) {
   return bytes;
 }
 
+void SessionStore::Rewrite(SessionCache& session) {
+  if (session.gone()) return;
+  if (!session.resident()) {
+    Logf(LogLevel::kWarning,
+         "session %s was on the %s tier only when it lost its records: what is missing is DATA_LOSS when it is read",
+         session.id().c_str(), tier_->name());
+    return;
+  }
+  // Every page gets a new record, after a manifest that lists none of the
+  // old ones; the old records go (their keys are deleted) after it.
+  std::vector<std::shared_ptr<TierRecord>> old;
+  {
+    std::lock_guard<std::mutex> lock(records_mutex_);
+    for (const LayerCache& layer : session.layers()) {
+      for (const std::shared_ptr<Page>& page : layer.pages()) {
+        if (page->record != nullptr) old.push_back(std::move(page->record));
+      }
+    }
+  }
+  session.manifest_extras_.clear();
+  WriteTierManifest(session);
+  if (absl::Status status = WriteThrough(session, true); !status.ok()) {
+    Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s (the next pass goes on)",
+         session.id().c_str(), tier_->name(), std::string(status.message()).c_str());
+  }
+}
+
 SessionStore::RebalanceReport SessionStore::Rebalance() {
   RebalanceReport report;
   if (tier_ == nullptr) return report;
@@ -366,6 +393,17 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
     // Another daemon claimed it: this copy goes, without a tombstone.
     std::lock_guard<std::mutex> lock(mutex_);
     Erase(disowned.first);
+  }
+  for (const std::string& id : tier_->TakeLost()) {
+    std::shared_ptr<SessionCache> session;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = sessions_.find(id);
+      if (it != sessions_.end()) session = it->second;
+    }
+    if (session == nullptr) continue;
+    std::lock_guard<std::mutex> lock(session->mutex());
+    Rewrite(*session);
   }
   std::vector<std::shared_ptr<SessionCache>> sessions = List();
   // Write-through that the request path left for later (its queue was full).

@@ -359,6 +359,9 @@ class SessionStore {
   // records, in order, and (with tails) its partly filled last page,
   // written now. Under the session's mutex.
   absl::StatusOr<TierSession> TierImage(const SessionCache& session, bool tails);
+  // Writes the session (under its mutex) to the tier again, every sealed
+  // page in a new record after a new manifest: the tier lost its records.
+  void Rewrite(SessionCache& session);
   // Writes a manifest of the session's sealed pages (under its mutex).
   void WriteTierManifest(SessionCache& session);
   // Records that the session's latest manifest holds its layers' current

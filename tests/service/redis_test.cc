@@ -32,6 +32,7 @@ namespace {
 
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::turbokv::testing::Daemon;
 using ::turbokv::testing::GaussianVectors;
 using ::turbokv::testing::Sample;
@@ -42,10 +43,14 @@ constexpr char kRedisServer[] = "/usr/bin/redis-server";
 
 std::string TempPath(const std::string& name) { return absl::StrCat("/tmp/turbokv-redis-test-", getpid(), "-", name); }
 
-// A redis-server of its own on a unix socket, no persistence.
+// A redis-server of its own on a unix socket, persisted by its append-only
+// file unless `persistent` is false (then a restart starts it empty), with
+// the eviction policy `policy`.
 class RedisServer {
  public:
-  RedisServer() : socket_(TempPath("redis.sock")), dir_(TempPath("redis-data")) {
+  explicit RedisServer(bool persistent = true, std::string policy = "noeviction")
+      : socket_(TempPath("redis.sock")), dir_(TempPath("redis-data")), persistent_(persistent),
+        policy_(std::move(policy)) {
     std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_).c_str());
     Start();
   }
@@ -59,8 +64,8 @@ class RedisServer {
       // Persisted as docs/OPERATIONS.md asks (appendonly), each write
       // synced, so that a kill -9 of Redis loses nothing.
       execl(kRedisServer, kRedisServer, "--port", "0", "--unixsocket", socket_.c_str(), "--unixsocketperm", "700",
-            "--dir", dir_.c_str(), "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-            "--maxmemory-policy", "noeviction", "--logfile", log.c_str(), static_cast<char*>(nullptr));
+            "--dir", dir_.c_str(), "--save", "", "--appendonly", persistent_ ? "yes" : "no", "--appendfsync",
+            "always", "--maxmemory-policy", policy_.c_str(), "--logfile", log.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     RedisConnection connection(Address(), absl::Seconds(1));
@@ -89,6 +94,8 @@ class RedisServer {
  private:
   std::string socket_;
   std::string dir_;
+  bool persistent_;
+  std::string policy_;
   pid_t pid_ = -1;
 };
 
@@ -555,6 +562,141 @@ TEST(RedisTierTest, RedisPausedOrStoppedNeverHoldsACallAndTheTierCatchesUp) {
   ASSERT_TRUE(taken->Info().ok());
   EXPECT_EQ(taken->Info()->layer_tokens(1), tokens);
   EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, 16, tokens));
+}
+
+TEST(RedisTierTest, RedisRestartedEmptyUnderLoadLosesNothingTheOwnerAcknowledged) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis(/*persistent=*/false);
+  Reference reference;
+  const Sequence sequence;
+  Daemon a(Flags("a", redis));
+  auto client = Connected("a", a);
+  EXPECT_THAT(a.Log(), HasSubstr("without its append-only file"));
+  auto session = client->CreateSession(Shape());
+  ASSERT_TRUE(session.ok());
+  const std::string id = session->id();
+  ASSERT_EQ(Appended(sequence.Append(*session, 0, 300)), 300);
+  WaitForWriteThrough(a);
+  // Appends go on while Redis restarts with nothing in it; every one
+  // acknowledged counts.
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> acknowledged{300};
+  std::thread load([&] {
+    while (!stop.load()) {
+      absl::StatusOr<int64_t> appended = sequence.Append(*session, acknowledged.load(), 16);
+      ASSERT_TRUE(appended.ok()) << appended.status();
+      acknowledged.store(*appended);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  redis.Kill();
+  absl::SleepFor(absl::Milliseconds(500));
+  redis.Start();
+  EXPECT_EQ(redis.Run({"DBSIZE"}).integer, 0);
+  absl::SleepFor(absl::Milliseconds(2000));
+  stop.store(true);
+  load.join();
+  const int64_t tokens = acknowledged.load();
+  // The owner noticed, restored its epoch and wrote the session again.
+  for (absl::Time until = absl::Now() + absl::Seconds(10);
+       Sample(Scrape(a.MetricsAddress()), "turbokv_tier_rewrites_total{tier=\"redis\"}") < 1 && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_GE(Sample(Scrape(a.MetricsAddress()), "turbokv_tier_rewrites_total{tier=\"redis\"}"), 1);
+  EXPECT_THAT(a.Log(), HasSubstr("writes the session again"));
+  EXPECT_THAT(a.Log(), Not(HasSubstr("was claimed by another turbokvd")));
+  ASSERT_TRUE(client->GetSession(id).ok());
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  // Every acknowledged token is in Redis: another daemon takes them all over.
+  Daemon b(Flags("b", redis));
+  auto client_b = Connected("b", b);
+  auto taken = client_b->OpenSession(id);
+  ASSERT_TRUE(taken.ok()) << taken.status() << "\n" << a.Log();
+  ASSERT_TRUE(taken->Info().ok());
+  EXPECT_EQ(taken->Info()->layer_tokens(0), tokens);
+  EXPECT_EQ(taken->Info()->layer_tokens(1), tokens);
+  EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, 300, tokens));
+}
+
+TEST(RedisTierTest, ARedisThatEvictsKeysIsRefusedAtStartAndWhileItDoes) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis(/*persistent=*/true, "allkeys-lru");
+  {
+    Daemon refused(Flags("refused", redis));
+    EXPECT_NE(refused.Wait(), 0);
+    EXPECT_THAT(refused.Log(), HasSubstr("maxmemory-policy allkeys-lru"));
+    EXPECT_THAT(refused.Log(), HasSubstr("noeviction"));
+  }
+  EXPECT_EQ(redis.Run({"CONFIG", "SET", "maxmemory-policy", "noeviction"}).str, "OK");
+  Reference reference;
+  const Sequence sequence;
+  Daemon a(Flags("a", redis));
+  auto client = Connected("a", a);
+  auto session = client->CreateSession(Shape());
+  ASSERT_TRUE(session.ok());
+  ASSERT_EQ(Appended(sequence.Append(*session, 0, 100)), 100);
+  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::SERVING);
+  // Turned to evicting while the daemon runs: the tier is down (writes
+  // wait), calls on sessions in memory go on; turned back, it catches up.
+  EXPECT_EQ(redis.Run({"CONFIG", "SET", "maxmemory-policy", "volatile-lru"}).str, "OK");
+  for (absl::Time until = absl::Now() + absl::Seconds(5);
+       RemoteTierHealth("a") != grpc::health::v1::HealthCheckResponse::NOT_SERVING && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_THAT(a.Log(), HasSubstr("maxmemory-policy volatile-lru"));
+  ASSERT_EQ(Appended(sequence.Append(*session, 100, 100)), 200);
+  EXPECT_EQ(redis.Run({"CONFIG", "SET", "maxmemory-policy", "noeviction"}).str, "OK");
+  for (absl::Time until = absl::Now() + absl::Seconds(5);
+       RemoteTierHealth("a") != grpc::health::v1::HealthCheckResponse::SERVING && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::SERVING);
+  const std::string id = session->id();
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  Daemon b(Flags("b", redis));
+  auto taken = Connected("b", b)->OpenSession(id);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, 100, 200));
+}
+
+TEST(RedisTierTest, ATakeoverThatFindsPagesMissingIsDataLossNeverFewerTokens) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  const Sequence sequence;
+  // A page its manifest lists, deleted by hand.
+  const std::string listed = HandedOver(redis, sequence, 300);
+  ASSERT_FALSE(listed.empty());
+  RedisValue pages = redis.Run({"KEYS", absl::StrCat("turbokv:{", listed, "}:*:p:*")});
+  ASSERT_FALSE(pages.elements.empty());
+  EXPECT_EQ(redis.Run({"DEL", pages.elements[0].str}).integer, 1);
+  // A sealed page written since the manifest, whose entry is deleted by
+  // hand from an owner that was then killed: the pages after it are there.
+  std::string gap;
+  {
+    Daemon a(Flags("a", redis));
+    auto client = Connected("a", a);
+    auto session = client->CreateSession(Shape());
+    ASSERT_TRUE(session.ok());
+    gap = session->id();
+    ASSERT_EQ(Appended(sequence.Append(*session, 0, 300)), 300);
+    WaitForWriteThrough(a);
+    RedisValue sealed = redis.Run({"KEYS", absl::StrCat("turbokv:{", gap, "}:*:h")});
+    ASSERT_EQ(sealed.elements.size(), 1u);
+    EXPECT_EQ(redis.Run({"HDEL", sealed.elements[0].str, "1:1"}).integer, 1);
+    ASSERT_EQ(kill(a.pid(), SIGKILL), 0);
+    a.Wait();
+  }
+  absl::SleepFor(absl::Milliseconds(1200));  // the lease lapses
+  Daemon b(Flags("b", redis));
+  auto client = Connected("b", b);
+  const absl::Status missing = client->GetSession(listed).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kDataLoss) << missing;
+  EXPECT_THAT(missing.message(), HasSubstr("1 of its 10 pages are missing"));
+  const absl::Status cut = client->GetSession(gap).status();
+  EXPECT_EQ(cut.code(), absl::StatusCode::kDataLoss) << cut;
+  EXPECT_THAT(cut.message(), HasSubstr("page 2 of layer 1 is there but page 1 before it is not"));
 }
 
 TEST(RedisUrlTest, FormsAndMistakes) {

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "service/byte_size.h"
 #include "service/log.h"
 #include "service/store/session_id.h"
@@ -30,11 +31,19 @@ constexpr size_t kPageHeaderBytes = 48;    // magic .. payload CRC
 constexpr int64_t kTombstoneEpochMs = 86400000;
 constexpr size_t kReadBatch = 32;  // pages per round trip of a promotion  // a deleted session's epoch stays a day: its pages' deletes still check it
 
-// Every write first checks that KEYS[1], the session's epoch, is ARGV[1]:
-// a daemon whose session was claimed by another gets "STALE <epoch now>".
-#define TURBOKV_FENCE                                  \
-  "local e = redis.call('GET', KEYS[1]) "              \
-  "if e ~= ARGV[1] then return redis.error_reply('STALE ' .. (e or 'none')) end "
+// Every write first checks that KEYS[1], the session's epoch, is ARGV[1].
+// A daemon whose session was claimed by another (a larger epoch, or one
+// that is not a number) gets "STALE <epoch now>"; one whose epoch is gone or
+// smaller gets "LOST <epoch now>": Redis lost data (a restart without its
+// append-only file, or from an older one), and nobody claimed the session
+// since, since a claim raises the epoch above this daemon's.
+#define TURBOKV_FENCE                                                                                  \
+  "local e = redis.call('GET', KEYS[1]) "                                                              \
+  "if e ~= ARGV[1] then "                                                                              \
+  "  local n = tonumber(e) "                                                                           \
+  "  if e and not (n and n < tonumber(ARGV[1])) then return redis.error_reply('STALE ' .. e) end "    \
+  "  return redis.error_reply('LOST ' .. (e or 'none')) "                                             \
+  "end "
 
 // KEYS: lease, epoch, manifest. ARGV: owner, lease ms, whether the manifest
 // must exist. {0}: no manifest; {-1, holder, ms left}: leased by another;
@@ -75,14 +84,19 @@ constexpr char kTombstone[] = TURBOKV_FENCE
     "redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) "
     "redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
     "return 1";
-// KEYS: lease, epoch. ARGV: lease value, ms, epoch. A lease that lapsed
-// while the epoch is still this daemon's is taken again.
+// KEYS: lease, epoch. ARGV: lease value, ms, epoch. 1: the lease is this
+// daemon's for ms more (taken again if it lapsed while the epoch stayed
+// this daemon's). 2: the epoch was gone or smaller (Redis lost data, and
+// nobody claimed the session since): restored, with the lease; the
+// session's records must be written again.
 constexpr char kRenew[] =
-    "local h = redis.call('GET', KEYS[1]) "
-    "if h == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end "
     "local e = redis.call('GET', KEYS[2]) "
-    "if not h and e == ARGV[3] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end "
-    "return redis.error_reply('STALE ' .. (e or 'none'))";
+    "if e == ARGV[3] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end "
+    "local n = tonumber(e) "
+    "if e and not (n and n < tonumber(ARGV[3])) then return redis.error_reply('STALE ' .. e) end "
+    "redis.call('SET', KEYS[2], ARGV[3]) "
+    "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) "
+    "return 2";
 // KEYS: lease. ARGV: lease value.
 constexpr char kRelease[] =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
@@ -95,6 +109,46 @@ std::string MakeOwner() {
   // Six characters of a fresh session id: two daemons of one host and pid
   // (a restart in a new container) still differ.
   return absl::StrCat(host, ".", getpid(), ".", NewSessionId().substr(0, 6));
+}
+
+// What the tier needs to know of Redis itself, from INFO server, memory and
+// persistence (three commands: Redis before 7 takes one section at a time).
+struct RedisFacts {
+  std::string run_id;  // another after a restart
+  std::string policy;  // maxmemory-policy
+  bool aof = true;     // appendonly
+};
+std::vector<std::vector<std::string>> FactsCommands() {
+  return {{"INFO", "server"}, {"INFO", "memory"}, {"INFO", "persistence"}};
+}
+std::string InfoField(const RedisValue& info, absl::string_view name) {
+  for (absl::string_view line : absl::StrSplit(info.str, absl::ByAnyChar("\r\n"), absl::SkipEmpty())) {
+    if (absl::ConsumePrefix(&line, name) && absl::ConsumePrefix(&line, ":")) return std::string(line);
+  }
+  return "";
+}
+RedisFacts ReadFacts(const std::vector<RedisValue>& replies) {
+  RedisFacts facts;
+  facts.run_id = InfoField(replies[0], "run_id");
+  facts.policy = InfoField(replies[1], "maxmemory_policy");
+  facts.aof = InfoField(replies[2], "aof_enabled") != "0";
+  return facts;
+}
+// Why a Redis that evicts keys under memory pressure is refused (empty
+// when it does not): a session's pages, manifest or epoch would vanish.
+std::string EvictionRefusal(const RedisAddress& address, const RedisFacts& facts) {
+  if (facts.policy.empty() || facts.policy == "noeviction") return "";
+  return absl::StrCat("Redis at ", address.url, " evicts keys under memory pressure (maxmemory-policy ", facts.policy,
+                      "): sessions' pages and epochs would vanish from it; turbokvd writes to it only with "
+                      "maxmemory-policy noeviction");
+}
+void WarnWithoutPersistence(const RedisAddress& address, const RedisFacts& facts) {
+  if (facts.aof) return;
+  Logf(LogLevel::kWarning,
+       "Redis at %s runs without its append-only file (appendonly no): a restart of Redis loses what it held since "
+       "its last snapshot; this daemon then writes the sessions it holds in memory again, but sessions held only in "
+       "Redis are lost",
+       address.url.c_str());
 }
 
 std::string Field(int layer, int index) { return absl::StrCat(layer, ":", index); }
@@ -113,6 +167,7 @@ struct RedisTier::SessionState {
   int64_t epoch = 0;  // 0: not claimed yet (the writer claims a new session before its first write)
   bool disowned = false;
   bool tombstoned = false;
+  bool lost = false;  // Redis lost its records: in lost_, until the store takes them
   // Copies into this session's keys of pages of other sessions (forks)
   // that its manifests listed, by the page's record.
   std::map<const TierRecord*, std::weak_ptr<Record>> copies;
@@ -184,14 +239,21 @@ struct RedisTier::Borrowed {
 RedisTier::RedisTier(const RedisTierOptions& options)
     : options_(options), owner_(MakeOwner()), writer_connection_(options.address, options.timeout) {}
 
-std::unique_ptr<RedisTier> RedisTier::Open(const RedisTierOptions& options) {
+absl::StatusOr<std::unique_ptr<RedisTier>> RedisTier::Open(const RedisTierOptions& options) {
   std::unique_ptr<RedisTier> tier(new RedisTier(options));
   {
     RedisConnection probe(options.address, options.timeout);
-    absl::StatusOr<RedisValue> pong = probe.Run({"PING"});
-    if (!pong.ok()) {
+    absl::StatusOr<std::vector<RedisValue>> info = probe.Run(FactsCommands());
+    if (!info.ok()) {
       tier->up_ = false;
-      tier->down_reason_ = std::string(pong.status().message());
+      tier->down_reason_ = std::string(info.status().message());
+    } else {
+      const RedisFacts facts = ReadFacts(*info);
+      if (std::string refusal = EvictionRefusal(options.address, facts); !refusal.empty()) {
+        return absl::FailedPreconditionError(refusal);
+      }
+      WarnWithoutPersistence(options.address, facts);
+      tier->run_id_ = facts.run_id;
     }
   }
   tier->writer_ = std::thread([t = tier.get()] { t->WriterLoop(); });
@@ -359,6 +421,15 @@ std::string RedisTier::Disown(SessionState& state, absl::string_view epoch_now) 
   return why;
 }
 
+void RedisTier::NoteLost(SessionState& state, absl::string_view why) {
+  if (state.lost || state.disowned || state.tombstoned) return;
+  Logf(LogLevel::kWarning, "session %s: %s; this daemon's epoch %lld is restored and it writes the session again",
+       state.id.c_str(), std::string(why).c_str(), static_cast<long long>(state.epoch));
+  state.lost = true;
+  lost_.push_back(state.id);
+  ++rewrites_;
+}
+
 absl::Status RedisTier::ScriptError(SessionState& state, const RedisValue& reply) {
   if (absl::StartsWith(reply.str, "STALE ")) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -373,6 +444,7 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state.disowned) return absl::FailedPreconditionError(disowned_why_[state.id]);
+    if (!refusal_.empty()) return absl::UnavailableError(refusal_);
     epoch = state.epoch;
     if (epoch == 0 && (job.kind == Job::kTombstone || job.kind == Job::kDelete)) return absl::OkStatus();  // nothing sent yet
     if (job.kind == Job::kManifest) {
@@ -418,8 +490,24 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
                  std::to_string(kTombstoneEpochMs)};
       break;
   }
-  absl::StatusOr<RedisValue> reply = writer_connection_.Run(std::move(command));
+  absl::StatusOr<RedisValue> reply = writer_connection_.Run(command);
   if (!reply.ok()) return reply.status();
+  if (reply->type == RedisValue::kError && absl::StartsWith(reply->str, "LOST ")) {
+    // Redis lost the session's epoch (and with it, most likely, its
+    // records): the epoch is restored with the lease, the store writes the
+    // session again, and this write goes as if nothing happened.
+    absl::StatusOr<RedisValue> restored = writer_connection_.Run(
+        {"EVAL", kRenew, "2", state.Key("l"), state.Key("e"), state.LeaseValue(owner_),
+         std::to_string(absl::ToInt64Milliseconds(options_.lease)), e});
+    if (!restored.ok()) return restored.status();
+    if (restored->type == RedisValue::kError) return ScriptError(state, *restored);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      NoteLost(state, absl::StrCat("Redis lost its epoch (", absl::string_view(reply->str).substr(5), ")"));
+    }
+    reply = writer_connection_.Run(command);
+    if (!reply.ok()) return reply.status();
+  }
   if (reply->type == RedisValue::kError) return ScriptError(state, *reply);
   if (job.kind == Job::kCopy && reply->integer == 0) {
     return absl::DataLossError(absl::StrCat("page ", job.source, " of a fork's source is not in Redis any more"));
@@ -429,7 +517,8 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
 
 void RedisTier::Renew() {
   std::vector<std::shared_ptr<SessionState>> held;
-  std::vector<std::vector<std::string>> commands;
+  std::vector<std::vector<std::string>> commands = FactsCommands();
+  const size_t facts_count = commands.size();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!released_) {
@@ -442,7 +531,6 @@ void RedisTier::Renew() {
                           std::to_string(absl::ToInt64Milliseconds(options_.lease)), std::to_string(state->epoch)});
     }
   }
-  if (commands.empty()) commands.push_back({"PING"});  // so that the health follows Redis all the same
   absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(commands);
   std::lock_guard<std::mutex> lock(mutex_);
   if (!replies.ok()) {
@@ -452,12 +540,35 @@ void RedisTier::Renew() {
     written_.notify_all();
     return;
   }
-  if (!up_) Logf(LogLevel::kInfo, "Redis tier reachable again");
-  up_ = true;
+  const RedisFacts facts = ReadFacts(*replies);
+  const std::string refusal = EvictionRefusal(options_.address, facts);
+  if (refusal != refusal_) {
+    if (!refusal.empty()) Logf(LogLevel::kError, "%s; writes wait in the queue until it does", refusal.c_str());
+    refusal_ = refusal;
+  }
+  if (!refusal_.empty()) {
+    up_ = false;
+    down_reason_ = refusal_;
+    written_.notify_all();
+  } else {
+    if (!up_) Logf(LogLevel::kInfo, "Redis tier reachable again");
+    up_ = true;
+  }
+  if (facts.run_id != run_id_) {
+    // Another Redis process: whatever it lost since its last append-only
+    // write or snapshot, the sessions held in memory are written again.
+    if (!run_id_.empty()) {
+      for (const std::shared_ptr<SessionState>& state : held) NoteLost(*state, "Redis restarted");
+    }
+    WarnWithoutPersistence(options_.address, facts);
+    run_id_ = facts.run_id;
+  }
   for (size_t i = 0; i < held.size(); ++i) {
-    const RedisValue& reply = (*replies)[i];
+    const RedisValue& reply = (*replies)[facts_count + i];
     if (reply.type == RedisValue::kError && absl::StartsWith(reply.str, "STALE ")) {
       Disown(*held[i], absl::string_view(reply.str).substr(6));
+    } else if (reply.type == RedisValue::kInteger && reply.integer == 2) {
+      NoteLost(*held[i], "Redis lost its epoch");
     }
   }
 }
@@ -692,6 +803,7 @@ TierStats RedisTier::Stats() const {
   stats.records_written = records_written_;
   stats.write_errors = write_errors_;
   stats.crc_failures = crc_failures_;
+  stats.rewrites = rewrites_;
   return stats;
 }
 
@@ -814,6 +926,12 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
          it = sealed.find({static_cast<int>(l), static_cast<int>(++next)})) {
       pages[l].push_back(it->second);
     }
+    if (auto after = sealed.lower_bound({static_cast<int>(l), static_cast<int>(next)});
+        after != sealed.end() && after->first.first == static_cast<int>(l)) {
+      return release(absl::DataLossError(absl::StrCat(
+          "session ", id, " in Redis: page ", after->first.second, " of layer ", l, " is there but page ", next,
+          " before it is not; Redis lost records (evicted, deleted, or restarted without its append-only file)")));
+    }
     lengths[l] = next * pt;
     if (next == full && !tail.first.empty()) {
       pages[l].push_back(std::move(tail));
@@ -823,6 +941,27 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
     }
   }
   if (in.short_read()) return damaged("is cut short");
+  // Every page the session is said to have is there: a claim that would
+  // come back with fewer tokens than were written is DATA_LOSS instead.
+  std::vector<std::vector<std::string>> exists;
+  for (const auto& layer : pages) {
+    for (const auto& page : layer) exists.push_back({"EXISTS", page.first});
+  }
+  if (!exists.empty()) {
+    absl::StatusOr<std::vector<RedisValue>> there = connection->Run(exists);
+    if (!there.ok()) return release(unavailable(MarkDown(there.status())));
+    size_t missing = 0;
+    std::string first;
+    for (size_t i = 0; i < exists.size(); ++i) {
+      if ((*there)[i].type == RedisValue::kInteger && (*there)[i].integer == 1) continue;
+      if (missing++ == 0) first = exists[i][1];
+    }
+    if (missing > 0) {
+      return release(absl::DataLossError(absl::StrCat(
+          "session ", id, " in Redis: ", missing, " of its ", exists.size(), " pages are missing (", first,
+          " first); Redis lost records (evicted, deleted, or restarted without its append-only file)")));
+    }
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   auto record = [&](std::string key, size_t bytes, bool page) {
     auto r = std::make_shared<Record>(this, next_lsn_++, bytes, state, std::move(key), page);
@@ -858,6 +997,14 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
 std::vector<std::pair<std::string, absl::Status>> RedisTier::TakeDisowned() {
   std::lock_guard<std::mutex> lock(mutex_);
   return std::move(disowned_);
+}
+
+std::vector<std::string> RedisTier::TakeLost() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [name, state] : sessions_) state->lost = false;
+  std::vector<std::string> lost;
+  lost.swap(lost_);
+  return lost;
 }
 
 absl::Status RedisTier::Owned(const std::string& id) const {

@@ -47,9 +47,11 @@ struct RedisTierOptions {
 
 class RedisTier final : public Tier {
  public:
-  // Never fails for a Redis that does not answer (the tier is then
-  // unhealthy until it does); starts the writer.
-  static std::unique_ptr<RedisTier> Open(const RedisTierOptions& options);
+  // Starts the writer. A Redis that does not answer is no error (the tier
+  // is unhealthy until it does); one that evicts keys under memory
+  // pressure (any maxmemory-policy but noeviction) is FAILED_PRECONDITION
+  // naming its policy. Without an append-only file, a warning.
+  static absl::StatusOr<std::unique_ptr<RedisTier>> Open(const RedisTierOptions& options);
   // Sends what is queued while Redis answers, and stops the writer. Every
   // handle must be gone first.
   ~RedisTier() override;
@@ -67,6 +69,7 @@ class RedisTier final : public Tier {
   TierStats Stats() const override;
   absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant) override;
   std::vector<std::pair<std::string, absl::Status>> TakeDisowned() override;
+  std::vector<std::string> TakeLost() override;
   absl::Status Owned(const std::string& id) const override;
   absl::Status ReleaseAll() override;
   absl::Status Health() const override;
@@ -95,6 +98,9 @@ class RedisTier final : public Tier {
   // Under mutex_: another daemon has the session now, at `epoch_now`
   // (logged once). Returns why, as calls on it are told.
   std::string Disown(SessionState& state, absl::string_view epoch_now);
+  // Under mutex_: Redis lost the session's records (`why`), and its epoch is
+  // this daemon's again: logged, and in lost_ for the store (TakeLost).
+  void NoteLost(SessionState& state, absl::string_view why);
   // A script's error reply: FAILED_PRECONDITION (disowning the session) for
   // a stale epoch, INTERNAL otherwise.
   absl::Status ScriptError(SessionState& state, const RedisValue& reply);
@@ -125,6 +131,10 @@ class RedisTier final : public Tier {
   bool up_ = true;         // the last command got its answer
   bool probe_ = false;     // a claim found Redis down: the writer tries it at once
   std::string down_reason_;
+  std::string refusal_;  // why Redis is refused (its eviction policy), while it is
+  std::string run_id_;   // Redis's process, as last seen
+  std::vector<std::string> lost_;  // ids whose records Redis lost, not yet taken
+  int64_t rewrites_ = 0;
   uint64_t next_lsn_ = 1;
   // By "tenant\0id".
   std::unordered_map<std::string, std::shared_ptr<SessionState>> sessions_;

@@ -87,6 +87,7 @@ struct TierStats {
   int64_t write_errors = 0;
   int64_t crc_failures = 0;  // records read back (at start or on promotion) that failed their CRC
   int64_t compactions = 0;   // segments whose live records were moved so that they could go
+  int64_t rewrites = 0;      // sessions written again because a shared tier lost their records
 };
 
 class Tier {
@@ -142,6 +143,10 @@ class Tier {
   // the FAILED_PRECONDITION that says so: this daemon drops them (without a
   // tombstone: they are the other daemon's now).
   virtual std::vector<std::pair<std::string, absl::Status>> TakeDisowned() { return {}; }
+  // The sessions whose records the tier lost since the last call (Redis
+  // restarted without its append-only file, or from an older one), their
+  // ownership restored: this daemon writes those it holds in memory again.
+  virtual std::vector<std::string> TakeLost() { return {}; }
   // FAILED_PRECONDITION when another daemon has claimed the session; OK otherwise.
   virtual absl::Status Owned(const std::string& id) const {
     (void)id;
