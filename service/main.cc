@@ -6,6 +6,7 @@
 #include <iterator>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,11 +15,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/ascii.h"
 #include "absl/time/time.h"
 #include "google/protobuf/stubs/logging.h"
 #include "service/byte_size.h"
 #include "service/log.h"
 #include "service/server.h"
+#include "service/text_file.h"
 
 namespace {
 
@@ -57,6 +60,9 @@ Flags (--name=value or --name value):
   --redis-lease=DURATION   how long a session stays this daemon's after its
                            last renewal (every third of it) (default 10s)
   --redis-timeout=DURATION to connect to Redis, and per reply (default 1s)
+  --redis-user=NAME        the Redis ACL user (default: Redis's "default")
+  --redis-password-file=PATH  the Redis password, the file's first line (else
+                           $TURBOKV_REDIS_PASSWORD; default none)
   --memory-watermarks=HIGH,LOW  with --spill-dir: past HIGH x the budget, idle
                            sessions are demoted until LOW x (default 0.9,0.8);
                            the same fractions of --spill-budget drop the
@@ -123,6 +129,7 @@ int Fail(const std::string& message) {
 int main(int argc, char** argv) {
   turbokv::ServerOptions options;
   std::vector<std::string> listen;
+  std::string redis_password_file;
   absl::Duration shutdown_deadline = absl::Seconds(10);
   absl::Duration snapshot_deadline = absl::Seconds(30);
   for (int i = 1; i < argc; ++i) {
@@ -181,6 +188,10 @@ int main(int argc, char** argv) {
       options.spill_budget = *bytes;
     } else if (name == "redis-url") {
       options.redis_url = value;
+    } else if (name == "redis-user") {
+      options.redis_user = value;
+    } else if (name == "redis-password-file") {
+      redis_password_file = value;
     } else if (name == "redis-budget") {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
       if (!bytes.ok()) return Fail(absl::StrCat("--redis-budget: ", bytes.status().message()));
@@ -243,6 +254,17 @@ int main(int argc, char** argv) {
     }
   }
   if (!listen.empty()) options.listen = listen;
+  if (!redis_password_file.empty()) {
+    std::optional<std::string> text = turbokv::ReadTextFile(redis_password_file);
+    if (!text.has_value()) return Fail(absl::StrCat("--redis-password-file ", redis_password_file, ": cannot read it"));
+    options.redis_password = std::string(absl::StripTrailingAsciiWhitespace(text->substr(0, text->find('\n'))));
+    if (options.redis_password.empty()) return Fail(absl::StrCat("--redis-password-file ", redis_password_file, " is empty"));
+  } else if (const char* password = std::getenv("TURBOKV_REDIS_PASSWORD"); password != nullptr) {
+    options.redis_password = password;
+  }
+  if (!options.redis_user.empty() && options.redis_password.empty()) {
+    return Fail("--redis-user needs a password: --redis-password-file or $TURBOKV_REDIS_PASSWORD");
+  }
 
   // Every catchable signal whose default would end the process is taken by
   // sigwait below, not by a handler: the termination signals drain, the

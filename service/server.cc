@@ -272,6 +272,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     if (!address.ok()) return address.status();
     RedisTierOptions redis;
     redis.address = *std::move(address);
+    redis.address.user = options.redis_user;
+    redis.address.password = options.redis_password;
     redis.budget_bytes = options.redis_budget;
     redis.page_tokens = options.page_tokens;
     redis.lease = options.redis_lease;
@@ -409,7 +411,10 @@ absl::Status Server::Start() {
   if (!options_.redis_url.empty()) {
     const auto* redis = static_cast<const RedisTier*>(store_->tier());
     const absl::Status health = redis->Health();
-    Logf(LogLevel::kInfo, "Redis tier %s (budget %s, lease %s, timeout %s) as owner %s: %s", options_.redis_url.c_str(),
+    Logf(LogLevel::kInfo, "Redis tier %s%s (budget %s, lease %s, timeout %s) as owner %s: %s", options_.redis_url.c_str(),
+         options_.redis_password.empty()
+             ? ""
+             : absl::StrCat(" as user '", options_.redis_user.empty() ? "default" : options_.redis_user, "'").c_str(),
          FormatByteSize(options_.redis_budget).c_str(), absl::FormatDuration(options_.redis_lease).c_str(),
          absl::FormatDuration(options_.redis_timeout).c_str(), redis->owner().c_str(),
          health.ok() ? "answering" : absl::StrCat("not answering yet (", health.message(), "); writes wait").c_str());

@@ -66,6 +66,9 @@ struct ServerOptions {
   // session over. At most redis_budget bytes; leases of redis_lease; each
   // command within redis_timeout.
   std::string redis_url;
+  // AUTH on every connection when the password is set (never logged).
+  std::string redis_user;
+  std::string redis_password;
   size_t redis_budget = size_t{64} << 30;
   absl::Duration redis_lease = absl::Seconds(10);
   absl::Duration redis_timeout = absl::Seconds(1);

@@ -45,12 +45,12 @@ std::string TempPath(const std::string& name) { return absl::StrCat("/tmp/turbok
 
 // A redis-server of its own on a unix socket, persisted by its append-only
 // file unless `persistent` is false (then a restart starts it empty), with
-// the eviction policy `policy`.
+// the eviction policy `policy`, and wanting `password` when one is given.
 class RedisServer {
  public:
-  explicit RedisServer(bool persistent = true, std::string policy = "noeviction")
+  explicit RedisServer(bool persistent = true, std::string policy = "noeviction", std::string password = "")
       : socket_(TempPath("redis.sock")), dir_(TempPath("redis-data")), persistent_(persistent),
-        policy_(std::move(policy)) {
+        policy_(std::move(policy)), password_(std::move(password)) {
     std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_).c_str());
     Start();
   }
@@ -63,9 +63,14 @@ class RedisServer {
       const std::string log = TempPath("redis.log");
       // Persisted as docs/OPERATIONS.md asks (appendonly), each write
       // synced, so that a kill -9 of Redis loses nothing.
-      execl(kRedisServer, kRedisServer, "--port", "0", "--unixsocket", socket_.c_str(), "--unixsocketperm", "700",
-            "--dir", dir_.c_str(), "--save", "", "--appendonly", persistent_ ? "yes" : "no", "--appendfsync",
-            "always", "--maxmemory-policy", policy_.c_str(), "--logfile", log.c_str(), static_cast<char*>(nullptr));
+      std::vector<std::string> args = {kRedisServer, "--port", "0", "--unixsocket", socket_, "--unixsocketperm", "700",
+                                       "--dir", dir_, "--save", "", "--appendonly", persistent_ ? "yes" : "no",
+                                       "--appendfsync", "always", "--maxmemory-policy", policy_, "--logfile", log};
+      if (!password_.empty()) args.insert(args.end(), {"--requirepass", password_});
+      std::vector<char*> argv;
+      for (std::string& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      execv(kRedisServer, argv.data());
       _exit(127);
     }
     RedisConnection connection(Address(), absl::Seconds(1));
@@ -81,7 +86,11 @@ class RedisServer {
     waitpid(pid_, nullptr, 0);
     pid_ = -1;
   }
-  RedisAddress Address() const { return *ParseRedisUrl(Url()); }
+  RedisAddress Address() const {
+    RedisAddress address = *ParseRedisUrl(Url());
+    address.password = password_;
+    return address;
+  }
   std::string Url() const { return "unix://" + socket_; }
   // One command, on a connection of its own.
   RedisValue Run(std::vector<std::string> command) const {
@@ -96,6 +105,7 @@ class RedisServer {
   std::string dir_;
   bool persistent_;
   std::string policy_;
+  std::string password_;
   pid_t pid_ = -1;
 };
 
@@ -697,6 +707,53 @@ TEST(RedisTierTest, ATakeoverThatFindsPagesMissingIsDataLossNeverFewerTokens) {
   const absl::Status cut = client->GetSession(gap).status();
   EXPECT_EQ(cut.code(), absl::StatusCode::kDataLoss) << cut;
   EXPECT_THAT(cut.message(), HasSubstr("page 2 of layer 1 is there but page 1 before it is not"));
+}
+
+// A file of the test's own with `text`, readable by its owner only.
+std::string SecretFile(const std::string& name, const std::string& text) {
+  const std::string path = TempPath(name);
+  FILE* f = std::fopen(path.c_str(), "w");
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+  chmod(path.c_str(), 0600);
+  return path;
+}
+
+TEST(RedisTierTest, APasswordComesFromAFileOrTheEnvironmentAndNeverShows) {
+  SKIP_WITHOUT_REDIS();
+  const std::string password = "s3cret-redis-pass", wrong = "not-the-password";
+  RedisServer redis(/*persistent=*/true, "noeviction", password);
+  {
+    Daemon none(Flags("none", redis));
+    EXPECT_NE(none.Wait(), 0);
+    EXPECT_THAT(none.Log(), HasSubstr("needs a password (--redis-password-file or $TURBOKV_REDIS_PASSWORD)"));
+    Daemon refused(Flags("refused", redis, {"--redis-password-file=" + SecretFile("wrong", wrong + "\n")}));
+    EXPECT_NE(refused.Wait(), 0);
+    EXPECT_THAT(refused.Log(), HasSubstr("refused the credentials of user 'default': WRONGPASS"));
+    EXPECT_THAT(refused.Log(), Not(HasSubstr(wrong)));
+  }
+  const Sequence sequence;
+  Daemon a(Flags("a", redis, {"--redis-password-file=" + SecretFile("right", password + "\n")}));
+  auto client = Connected("a", a);
+  auto session = client->CreateSession(Shape());
+  ASSERT_TRUE(session.ok());
+  ASSERT_EQ(Appended(sequence.Append(*session, 0, 100)), 100);
+  WaitForWriteThrough(a);
+  EXPECT_THAT(Scrape(a.MetricsAddress()), Not(HasSubstr(password)));
+  EXPECT_THAT(a.Log(), HasSubstr("as user 'default'"));
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  EXPECT_THAT(a.Log(), Not(HasSubstr(password)));
+  // From the environment, as an ACL user of its own: another daemon takes
+  // the session over.
+  EXPECT_EQ(redis.Run({"ACL", "SETUSER", "turbokv", "on", ">" + password + "-2", "~turbokv:*", "+@all"}).str, "OK");
+  setenv("TURBOKV_REDIS_PASSWORD", (password + "-2").c_str(), 1);
+  Daemon b(Flags("b", redis, {"--redis-user=turbokv"}));
+  unsetenv("TURBOKV_REDIS_PASSWORD");
+  auto taken = Connected("b", b)->OpenSession(session->id());
+  ASSERT_TRUE(taken.ok()) << taken.status() << b.Log();
+  EXPECT_EQ(taken->Info()->layer_tokens(1), 100);
+  EXPECT_THAT(b.Log(), HasSubstr("as user 'turbokv'"));
+  EXPECT_THAT(b.Log(), Not(HasSubstr(password)));
 }
 
 TEST(RedisUrlTest, FormsAndMistakes) {

@@ -65,7 +65,10 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
     return address;
   }
   if (!absl::ConsumePrefix(&rest, "redis://")) return bad("the scheme must be redis:// or unix://");
-  if (absl::StrContains(rest, '@')) return bad("credentials in the URL are not supported");
+  if (absl::StrContains(rest, '@')) {
+    return bad("credentials in the URL are not supported: give them with --redis-user and --redis-password-file "
+               "(or $TURBOKV_REDIS_PASSWORD), which stay out of process lists and logs");
+  }
   absl::string_view hostport = rest;
   if (size_t slash = rest.find('/'); slash != absl::string_view::npos) {
     hostport = rest.substr(0, slash);
@@ -113,6 +116,21 @@ absl::Status RedisConnection::Connect() {
   if (context_->err != 0) return Fail("cannot connect");
   if (redisSetTimeout(context_, tv) != REDIS_OK) return Fail("cannot set the timeout");
   if (address_.path.empty() && redisEnableKeepAlive(context_) != REDIS_OK) return Fail("cannot set TCP keepalive");
+  refused_credentials_ = false;
+  if (!address_.password.empty()) {
+    std::vector<std::string> auth = {"AUTH"};
+    if (!address_.user.empty()) auth.push_back(address_.user);
+    auth.push_back(address_.password);
+    absl::StatusOr<RedisValue> authed = Run(std::move(auth));
+    if (!authed.ok()) return authed.status();
+    if (authed->type == RedisValue::kError) {
+      // Redis's reply (WRONGPASS ..., or ERR AUTH ... called without any
+      // password configured) never holds the password.
+      refused_credentials_ = true;
+      return Fail(absl::StrCat("refused the credentials of user '", address_.user.empty() ? "default" : address_.user,
+                               "': ", authed->str));
+    }
+  }
   if (address_.db != 0) {
     absl::StatusOr<RedisValue> selected = Run({"SELECT", std::to_string(address_.db)});
     if (!selected.ok()) return selected.status();

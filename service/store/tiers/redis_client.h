@@ -23,6 +23,11 @@ struct RedisAddress {
   std::string path;  // the unix socket
   int db = 0;
   std::string url;   // as given, for messages
+  // Sent as AUTH [user] password on every connection when the password is
+  // set. Never part of the URL (main.cc reads them from --redis-user and
+  // --redis-password-file or $TURBOKV_REDIS_PASSWORD); never in a message.
+  std::string user;
+  std::string password;
 };
 // INVALID_ARGUMENT naming what is wrong with the URL.
 absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url);
@@ -52,6 +57,9 @@ class RedisConnection {
   absl::StatusOr<RedisValue> Run(std::vector<std::string> command);
 
   const RedisAddress& address() const { return address_; }
+  // Whether the last connection failed because Redis refused the
+  // credentials (a wrong password or user): trying again will not help.
+  bool refused_credentials() const { return refused_credentials_; }
 
  private:
   absl::Status Connect();
@@ -60,6 +68,7 @@ class RedisConnection {
   const RedisAddress address_;
   const absl::Duration timeout_;
   redisContext* context_ = nullptr;
+  bool refused_credentials_ = false;
 };
 
 }  // namespace turbokv

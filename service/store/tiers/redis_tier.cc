@@ -127,7 +127,20 @@ std::string InfoField(const RedisValue& info, absl::string_view name) {
   }
   return "";
 }
-RedisFacts ReadFacts(const std::vector<RedisValue>& replies) {
+// The facts, or why Redis would not tell them: PERMISSION_DENIED when it
+// wants a password, FAILED_PRECONDITION for another error reply.
+absl::StatusOr<RedisFacts> ReadFacts(const RedisAddress& address, const std::vector<RedisValue>& replies) {
+  for (size_t i = 0; i < 3; ++i) {
+    if (replies[i].type != RedisValue::kError) continue;
+    if (absl::StartsWith(replies[i].str, "NOAUTH")) {
+      return absl::PermissionDeniedError(absl::StrCat("Redis at ", address.url,
+                                                      " needs a password (--redis-password-file or "
+                                                      "$TURBOKV_REDIS_PASSWORD): ",
+                                                      replies[i].str));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("Redis at ", address.url, " answered INFO with an error: ", replies[i].str));
+  }
   RedisFacts facts;
   facts.run_id = InfoField(replies[0], "run_id");
   facts.policy = InfoField(replies[1], "maxmemory_policy");
@@ -244,16 +257,19 @@ absl::StatusOr<std::unique_ptr<RedisTier>> RedisTier::Open(const RedisTierOption
   {
     RedisConnection probe(options.address, options.timeout);
     absl::StatusOr<std::vector<RedisValue>> info = probe.Run(FactsCommands());
+    if (!info.ok() && probe.refused_credentials()) return absl::PermissionDeniedError(info.status().message());
     if (!info.ok()) {
       tier->up_ = false;
       tier->down_reason_ = std::string(info.status().message());
     } else {
-      const RedisFacts facts = ReadFacts(*info);
-      if (std::string refusal = EvictionRefusal(options.address, facts); !refusal.empty()) {
+      // Redis answers, but not as turbokvd needs: no start.
+      absl::StatusOr<RedisFacts> facts = ReadFacts(options.address, *info);
+      if (!facts.ok()) return facts.status();
+      if (std::string refusal = EvictionRefusal(options.address, *facts); !refusal.empty()) {
         return absl::FailedPreconditionError(refusal);
       }
-      WarnWithoutPersistence(options.address, facts);
-      tier->run_id_ = facts.run_id;
+      WarnWithoutPersistence(options.address, *facts);
+      tier->run_id_ = facts->run_id;
     }
   }
   tier->writer_ = std::thread([t = tier.get()] { t->WriterLoop(); });
@@ -540,10 +556,11 @@ void RedisTier::Renew() {
     written_.notify_all();
     return;
   }
-  const RedisFacts facts = ReadFacts(*replies);
-  const std::string refusal = EvictionRefusal(options_.address, facts);
+  const absl::StatusOr<RedisFacts> facts = ReadFacts(options_.address, *replies);
+  const std::string refusal =
+      facts.ok() ? EvictionRefusal(options_.address, *facts) : std::string(facts.status().message());
   if (refusal != refusal_) {
-    if (!refusal.empty()) Logf(LogLevel::kError, "%s; writes wait in the queue until it does", refusal.c_str());
+    if (!refusal.empty()) Logf(LogLevel::kError, "%s; writes wait in the queue", refusal.c_str());
     refusal_ = refusal;
   }
   if (!refusal_.empty()) {
@@ -554,14 +571,14 @@ void RedisTier::Renew() {
     if (!up_) Logf(LogLevel::kInfo, "Redis tier reachable again");
     up_ = true;
   }
-  if (facts.run_id != run_id_) {
+  if (facts.ok() && facts->run_id != run_id_) {
     // Another Redis process: whatever it lost since its last append-only
     // write or snapshot, the sessions held in memory are written again.
     if (!run_id_.empty()) {
       for (const std::shared_ptr<SessionState>& state : held) NoteLost(*state, "Redis restarted");
     }
-    WarnWithoutPersistence(options_.address, facts);
-    run_id_ = facts.run_id;
+    WarnWithoutPersistence(options_.address, *facts);
+    run_id_ = facts->run_id;
   }
   for (size_t i = 0; i < held.size(); ++i) {
     const RedisValue& reply = (*replies)[facts_count + i];
