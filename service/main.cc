@@ -51,11 +51,12 @@ Flags (--name=value or --name value):
                            none)
   --spill-budget=SIZE      most bytes of live records in --spill-dir (default 64GiB)
   --redis-url=URL          a tier shared with other daemons, instead of
-                           --spill-dir: redis://HOST[:PORT][/DB] or
-                           unix:///PATH[?db=N]. Sealed pages are written
-                           through; a call naming a session this daemon does
-                           not hold takes it over from Redis; SIGTERM hands
-                           every session over (default none)
+                           --spill-dir: redis://HOST[:PORT][/DB],
+                           rediss://... (TLS) or unix:///PATH[?db=N]. Sealed
+                           pages are written through; a call naming a
+                           session this daemon does not hold takes it over
+                           from Redis; SIGTERM hands every session over
+                           (default none)
   --redis-budget=SIZE      most bytes turbokvd keeps in Redis (default 64GiB)
   --redis-lease=DURATION   how long a session stays this daemon's after its
                            last renewal (every third of it) (default 10s)
@@ -63,6 +64,10 @@ Flags (--name=value or --name value):
   --redis-user=NAME        the Redis ACL user (default: Redis's "default")
   --redis-password-file=PATH  the Redis password, the file's first line (else
                            $TURBOKV_REDIS_PASSWORD; default none)
+  --redis-tls-ca=PATH      with rediss://: the CA (PEM) that signed Redis's
+                           certificate (default: the system's trust store)
+  --redis-tls-cert=PATH    with rediss://: a client certificate (PEM), with
+  --redis-tls-key=PATH     its key
   --memory-watermarks=HIGH,LOW  with --spill-dir: past HIGH x the budget, idle
                            sessions are demoted until LOW x (default 0.9,0.8);
                            the same fractions of --spill-budget drop the
@@ -190,6 +195,12 @@ int main(int argc, char** argv) {
       options.redis_url = value;
     } else if (name == "redis-user") {
       options.redis_user = value;
+    } else if (name == "redis-tls-ca") {
+      options.redis_tls_ca = value;
+    } else if (name == "redis-tls-cert") {
+      options.redis_tls_cert = value;
+    } else if (name == "redis-tls-key") {
+      options.redis_tls_key = value;
     } else if (name == "redis-password-file") {
       redis_password_file = value;
     } else if (name == "redis-budget") {

@@ -274,6 +274,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     redis.address = *std::move(address);
     redis.address.user = options.redis_user;
     redis.address.password = options.redis_password;
+    if (!redis.address.tls && !(options.redis_tls_ca + options.redis_tls_cert + options.redis_tls_key).empty()) {
+      return absl::InvalidArgumentError("--redis-tls-ca, --redis-tls-cert and --redis-tls-key need a rediss:// URL");
+    }
+    if (options.redis_tls_cert.empty() != options.redis_tls_key.empty()) {
+      return absl::InvalidArgumentError("--redis-tls-cert and --redis-tls-key go together");
+    }
+    redis.address.tls_ca = options.redis_tls_ca;
+    redis.address.tls_cert = options.redis_tls_cert;
+    redis.address.tls_key = options.redis_tls_key;
     redis.budget_bytes = options.redis_budget;
     redis.page_tokens = options.page_tokens;
     redis.lease = options.redis_lease;

@@ -69,6 +69,11 @@ struct ServerOptions {
   // AUTH on every connection when the password is set (never logged).
   std::string redis_user;
   std::string redis_password;
+  // With a rediss:// URL: the CA file (empty: the system's), and a client
+  // certificate and key (PEM files; both or neither).
+  std::string redis_tls_ca;
+  std::string redis_tls_cert;
+  std::string redis_tls_key;
   size_t redis_budget = size_t{64} << 30;
   absl::Duration redis_lease = absl::Seconds(10);
   absl::Duration redis_timeout = absl::Seconds(1);

@@ -4,6 +4,9 @@
 // session, a stale owner refused, tenants kept apart, and Redis paused and
 // stopped under load.
 #include <signal.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -43,14 +46,53 @@ constexpr char kRedisServer[] = "/usr/bin/redis-server";
 
 std::string TempPath(const std::string& name) { return absl::StrCat("/tmp/turbokv-redis-test-", getpid(), "-", name); }
 
+// TLS for a test: a CA, a server certificate it signed for 127.0.0.1, a
+// client certificate it signed, and another CA, made with the openssl
+// command (PEM files in a directory of the test's own).
+struct Certificates {
+  std::string dir = TempPath("tls");
+  std::string ca = dir + "/ca.crt", other_ca = dir + "/other-ca.crt";
+  std::string server_cert = dir + "/server.crt", server_key = dir + "/server.key";
+  std::string client_cert = dir + "/client.crt", client_key = dir + "/client.key";
+  Certificates() {
+    const std::string script = absl::StrCat(
+        "set -e; rm -rf ", dir, "; mkdir -p ", dir, "; cd ", dir, "\n",
+        "for ca in ca other-ca; do openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=$ca "
+        "-keyout $ca.key -out $ca.crt; done\n",
+        "echo subjectAltName=IP:127.0.0.1 > server.ext\n",
+        "for who in server client; do openssl req -newkey rsa:2048 -nodes -subj /CN=turbokv-$who "
+        "-keyout $who.key -out $who.csr; done\n",
+        "openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -extfile server.ext "
+        "-out server.crt\n",
+        "openssl x509 -req -in client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -out client.crt\n");
+    EXPECT_EQ(std::system(absl::StrCat("sh -c '", script, "' >/dev/null 2>&1").c_str()), 0);
+  }
+};
+
+// A free TCP port on 127.0.0.1 (for a server that takes no port 0).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t size = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
 // A redis-server of its own on a unix socket, persisted by its append-only
 // file unless `persistent` is false (then a restart starts it empty), with
-// the eviction policy `policy`, and wanting `password` when one is given.
+// the eviction policy `policy`, wanting `password` when one is given, and
+// with `tls`, serving TLS on 127.0.0.1 too (TlsUrl; client certificates
+// required).
 class RedisServer {
  public:
-  explicit RedisServer(bool persistent = true, std::string policy = "noeviction", std::string password = "")
+  explicit RedisServer(bool persistent = true, std::string policy = "noeviction", std::string password = "",
+                       const Certificates* tls = nullptr)
       : socket_(TempPath("redis.sock")), dir_(TempPath("redis-data")), persistent_(persistent),
-        policy_(std::move(policy)), password_(std::move(password)) {
+        policy_(std::move(policy)), password_(std::move(password)), tls_(tls), tls_port_(tls ? FreePort() : 0) {
     std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_).c_str());
     Start();
   }
@@ -67,6 +109,11 @@ class RedisServer {
                                        "--dir", dir_, "--save", "", "--appendonly", persistent_ ? "yes" : "no",
                                        "--appendfsync", "always", "--maxmemory-policy", policy_, "--logfile", log};
       if (!password_.empty()) args.insert(args.end(), {"--requirepass", password_});
+      if (tls_ != nullptr) {
+        args.insert(args.end(), {"--bind", "127.0.0.1", "--tls-port", std::to_string(tls_port_), "--tls-cert-file",
+                                 tls_->server_cert, "--tls-key-file", tls_->server_key, "--tls-ca-cert-file",
+                                 tls_->ca, "--tls-auth-clients", "yes"});
+      }
       std::vector<char*> argv;
       for (std::string& arg : args) argv.push_back(arg.data());
       argv.push_back(nullptr);
@@ -92,6 +139,7 @@ class RedisServer {
     return address;
   }
   std::string Url() const { return "unix://" + socket_; }
+  std::string TlsUrl() const { return absl::StrCat("rediss://127.0.0.1:", tls_port_); }
   // One command, on a connection of its own.
   RedisValue Run(std::vector<std::string> command) const {
     RedisConnection connection(Address(), absl::Seconds(2));
@@ -106,6 +154,8 @@ class RedisServer {
   bool persistent_;
   std::string policy_;
   std::string password_;
+  const Certificates* tls_;
+  int tls_port_;
   pid_t pid_ = -1;
 };
 
@@ -756,6 +806,56 @@ TEST(RedisTierTest, APasswordComesFromAFileOrTheEnvironmentAndNeverShows) {
   EXPECT_THAT(b.Log(), Not(HasSubstr(password)));
 }
 
+TEST(RedisTierTest, TlsChecksRedisCertificateAndPresentsTheDaemons) {
+  SKIP_WITHOUT_REDIS();
+  const Certificates certs;
+  RedisServer redis(/*persistent=*/true, "noeviction", "", &certs);
+  auto tls = [&](const std::string& name, std::vector<std::string> more) {
+    std::vector<std::string> flags = Flags(name, redis, std::move(more));
+    flags[3] = "--redis-url=" + redis.TlsUrl();
+    return flags;
+  };
+  const std::vector<std::string> client = {"--redis-tls-cert=" + certs.client_cert,
+                                           "--redis-tls-key=" + certs.client_key};
+  {
+    // Redis's certificate signed by another CA: refused at start.
+    std::vector<std::string> other = client;
+    other.push_back("--redis-tls-ca=" + certs.other_ca);
+    Daemon wrong(tls("wrong", other));
+    EXPECT_NE(wrong.Wait(), 0);
+    EXPECT_THAT(wrong.Log(), HasSubstr("the TLS handshake failed: the server's certificate: "));
+    // TLS files without rediss://, or a certificate without its key: refused.
+    Daemon plain(Flags("plain", redis, {"--redis-tls-ca=" + certs.ca}));
+    EXPECT_NE(plain.Wait(), 0);
+    EXPECT_THAT(plain.Log(), HasSubstr("need a rediss:// URL"));
+    Daemon half(tls("half", {"--redis-tls-ca=" + certs.ca, "--redis-tls-cert=" + certs.client_cert}));
+    EXPECT_NE(half.Wait(), 0);
+    EXPECT_THAT(half.Log(), HasSubstr("go together"));
+  }
+  // The right CA and a client certificate: a session written through TLS
+  // and taken over by another daemon through TLS.
+  std::vector<std::string> right = client;
+  right.push_back("--redis-tls-ca=" + certs.ca);
+  const Sequence sequence;
+  Daemon a(tls("a", right));
+  auto session = Connected("a", a)->CreateSession(Shape());
+  ASSERT_TRUE(session.ok());
+  ASSERT_EQ(Appended(sequence.Append(*session, 0, 150)), 150);
+  WaitForWriteThrough(a);
+  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  Daemon b(tls("b", right));
+  auto taken = Connected("b", b)->OpenSession(session->id());
+  ASSERT_TRUE(taken.ok()) << taken.status() << b.Log();
+  EXPECT_EQ(taken->Info()->layer_tokens(0), 150);
+  // Without a client certificate, Redis (--tls-auth-clients yes) does not
+  // answer it: the tier stays down.
+  Daemon c(tls("c", {"--redis-tls-ca=" + certs.ca}));
+  Connected("c", c);
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_EQ(RemoteTierHealth("c"), grpc::health::v1::HealthCheckResponse::NOT_SERVING) << c.Log();
+}
+
 TEST(RedisUrlTest, FormsAndMistakes) {
   absl::StatusOr<RedisAddress> tcp = ParseRedisUrl("redis://cache.example:6380/2");
   ASSERT_TRUE(tcp.ok()) << tcp.status();
@@ -763,6 +863,11 @@ TEST(RedisUrlTest, FormsAndMistakes) {
   EXPECT_EQ(tcp->port, 6380);
   EXPECT_EQ(tcp->db, 2);
   EXPECT_EQ(ParseRedisUrl("redis://localhost")->port, 6379);
+  EXPECT_FALSE(tcp->tls);
+  absl::StatusOr<RedisAddress> tls = ParseRedisUrl("rediss://cache.example:6380");
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  EXPECT_TRUE(tls->tls);
+  EXPECT_EQ(tls->host, "cache.example");
   absl::StatusOr<RedisAddress> unix_socket = ParseRedisUrl("unix:///run/redis.sock?db=3");
   ASSERT_TRUE(unix_socket.ok()) << unix_socket.status();
   EXPECT_EQ(unix_socket->path, "/run/redis.sock");

@@ -1,8 +1,21 @@
 #include "service/store/tiers/redis_client.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -48,7 +61,7 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
   address.url = std::string(url);
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat("--redis-url ", url, ": ", why,
-                                                   " (redis://HOST[:PORT][/DB] or unix:///PATH[?db=N])"));
+                                                   " (redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] or unix:///PATH[?db=N])"));
   };
   absl::string_view rest = url;
   if (absl::ConsumePrefix(&rest, "unix://")) {
@@ -64,7 +77,10 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
     address.path = std::string(path);
     return address;
   }
-  if (!absl::ConsumePrefix(&rest, "redis://")) return bad("the scheme must be redis:// or unix://");
+  address.tls = absl::ConsumePrefix(&rest, "rediss://");
+  if (!address.tls && !absl::ConsumePrefix(&rest, "redis://")) {
+    return bad("the scheme must be redis://, rediss:// or unix://");
+  }
   if (absl::StrContains(rest, '@')) {
     return bad("credentials in the URL are not supported: give them with --redis-user and --redis-password-file "
                "(or $TURBOKV_REDIS_PASSWORD), which stay out of process lists and logs");
@@ -90,33 +106,167 @@ RedisConnection::RedisConnection(RedisAddress address, absl::Duration timeout)
     : address_(std::move(address)), timeout_(timeout) {}
 
 RedisConnection::~RedisConnection() {
-  if (context_ != nullptr) redisFree(context_);
+  Close();
+  if (ssl_context_ != nullptr) SSL_CTX_free(ssl_context_);
 }
 
-absl::Status RedisConnection::Fail(absl::string_view what) {
+void RedisConnection::Close() {
+  if (ssl_ != nullptr) SSL_free(ssl_);
+  ssl_ = nullptr;
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+  if (reader_ != nullptr) redisReaderFree(reader_);
+  reader_ = nullptr;
+}
+
+absl::Status RedisConnection::Fail(absl::string_view what, absl::string_view reason) {
+  Close();
   std::string message = absl::StrCat("Redis at ", address_.url, ": ", what);
-  if (context_ != nullptr) {
-    // A reply that timed out reads EAGAIN's "Resource temporarily
-    // unavailable": the message has said so already.
-    if (context_->err != 0 && std::strcmp(context_->errstr, std::strerror(EAGAIN)) != 0) {
-      absl::StrAppend(&message, ": ", context_->errstr);
-    }
-    redisFree(context_);
-    context_ = nullptr;
-  }
+  if (!reason.empty()) absl::StrAppend(&message, ": ", reason);
   return absl::UnavailableError(message);
 }
 
-absl::Status RedisConnection::Connect() {
-  if (context_ != nullptr) return absl::OkStatus();
+namespace {
+
+// OpenSSL's first queued error, as text (empty with none); the queue is emptied.
+std::string TlsError() {
+  const unsigned long code = ERR_get_error();
+  ERR_clear_error();
+  if (code == 0) return "";
+  char text[256];
+  ERR_error_string_n(code, text, sizeof(text));
+  return text;
+}
+
+// errno as text, except a timeout's EAGAIN: the message says so already.
+std::string SystemError(int error) {
+  return error == 0 || error == EAGAIN || error == EWOULDBLOCK ? "" : std::strerror(error);
+}
+
+}  // namespace
+
+absl::Status RedisConnection::Dial() {
+  const int timeout_ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout_)));
+  // Each address in turn: a non-blocking connect, waited for within the timeout.
+  auto attempt = [&](int family, const sockaddr* to, socklen_t length) -> int {
+    const int fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return errno;
+    int error = 0;
+    if (connect(fd, to, length) != 0) {
+      error = errno;
+      if (error == EINPROGRESS) {
+        pollfd p = {fd, POLLOUT, 0};
+        const int ready = poll(&p, 1, timeout_ms);
+        socklen_t size = sizeof(error);
+        if (ready == 0) {
+          error = ETIMEDOUT;
+        } else if (ready < 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &size) != 0) {
+          error = errno;
+        }
+      }
+    }
+    if (error != 0) {
+      close(fd);
+      return error;
+    }
+    fd_ = fd;
+    return 0;
+  };
+  int error = 0;
+  if (!address_.path.empty()) {
+    sockaddr_un to = {};
+    to.sun_family = AF_UNIX;
+    if (address_.path.size() >= sizeof(to.sun_path)) return Fail("cannot connect", "the socket path is too long");
+    std::memcpy(to.sun_path, address_.path.data(), address_.path.size());
+    error = attempt(AF_UNIX, reinterpret_cast<const sockaddr*>(&to), sizeof(to));
+  } else {
+    addrinfo hints = {};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (const int code = getaddrinfo(address_.host.c_str(), std::to_string(address_.port).c_str(), &hints, &found);
+        code != 0) {
+      return Fail("cannot connect", gai_strerror(code));
+    }
+    error = ENOENT;
+    for (addrinfo* a = found; a != nullptr && fd_ < 0; a = a->ai_next) error = attempt(a->ai_family, a->ai_addr, a->ai_addrlen);
+    freeaddrinfo(found);
+  }
+  if (fd_ < 0) return Fail("cannot connect", error == ETIMEDOUT ? "timed out" : std::strerror(error));
+  // Blocking from now on, every read and write within the timeout.
+  fcntl(fd_, F_SETFL, fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
   const timeval tv = absl::ToTimeval(timeout_);
-  context_ = address_.path.empty() ? redisConnectWithTimeout(address_.host.c_str(), address_.port, tv)
-                                   : redisConnectUnixWithTimeout(address_.path.c_str(), tv);
-  if (context_ == nullptr) return absl::UnavailableError(absl::StrCat("Redis at ", address_.url, ": out of memory"));
-  if (context_->err != 0) return Fail("cannot connect");
-  if (redisSetTimeout(context_, tv) != REDIS_OK) return Fail("cannot set the timeout");
-  if (address_.path.empty() && redisEnableKeepAlive(context_) != REDIS_OK) return Fail("cannot set TCP keepalive");
-  refused_credentials_ = false;
+  setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  if (address_.path.empty()) {
+    const int on = 1;
+    setsockopt(fd_, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on));
+    setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedisConnection::Handshake() {
+  auto unusable = [&](absl::string_view what) {
+    misconfigured_ = true;
+    return Fail(what, TlsError());
+  };
+  if (ssl_context_ == nullptr) {
+    ssl_context_ = SSL_CTX_new(TLS_client_method());
+    if (ssl_context_ == nullptr) return Fail("cannot set up TLS", TlsError());
+    SSL_CTX_set_min_proto_version(ssl_context_, TLS1_2_VERSION);
+    SSL_CTX_set_verify(ssl_context_, SSL_VERIFY_PEER, nullptr);
+    const bool trusted = address_.tls_ca.empty()
+                             ? SSL_CTX_set_default_verify_paths(ssl_context_) == 1
+                             : SSL_CTX_load_verify_locations(ssl_context_, address_.tls_ca.c_str(), nullptr) == 1;
+    if (!trusted) {
+      SSL_CTX_free(ssl_context_);
+      ssl_context_ = nullptr;
+      return unusable(absl::StrCat("cannot use the CA file '", address_.tls_ca, "' (--redis-tls-ca)"));
+    }
+    if (!address_.tls_cert.empty() &&
+        (SSL_CTX_use_certificate_chain_file(ssl_context_, address_.tls_cert.c_str()) != 1 ||
+         SSL_CTX_use_PrivateKey_file(ssl_context_, address_.tls_key.c_str(), SSL_FILETYPE_PEM) != 1 ||
+         SSL_CTX_check_private_key(ssl_context_) != 1)) {
+      SSL_CTX_free(ssl_context_);
+      ssl_context_ = nullptr;
+      return unusable(absl::StrCat("cannot use the client certificate '", address_.tls_cert, "' and key '",
+                                   address_.tls_key, "' (--redis-tls-cert, --redis-tls-key)"));
+    }
+  }
+  ssl_ = SSL_new(ssl_context_);
+  if (ssl_ == nullptr || SSL_set_fd(ssl_, fd_) != 1) return Fail("cannot set up TLS", TlsError());
+  // The name (or address) in the URL is what the certificate must name.
+  in6_addr ip;
+  const bool literal = inet_pton(AF_INET, address_.host.c_str(), &ip) == 1 ||
+                       inet_pton(AF_INET6, address_.host.c_str(), &ip) == 1;
+  const bool named = literal ? X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl_), address_.host.c_str()) == 1
+                             : SSL_set_tlsext_host_name(ssl_, address_.host.c_str()) == 1 &&
+                                   SSL_set1_host(ssl_, address_.host.c_str()) == 1;
+  if (!named) return Fail("cannot set up TLS", TlsError());
+  if (SSL_connect(ssl_) != 1) {
+    const long verified = SSL_get_verify_result(ssl_);
+    if (verified != X509_V_OK) {
+      misconfigured_ = true;
+      ERR_clear_error();
+      return Fail("the TLS handshake failed",
+                  absl::StrCat("the server's certificate: ", X509_verify_cert_error_string(verified)));
+    }
+    const std::string reason = TlsError();
+    return Fail("the TLS handshake failed", reason.empty() ? SystemError(errno) : reason);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedisConnection::Connect() {
+  if (fd_ >= 0) return absl::OkStatus();
+  misconfigured_ = false;
+  if (absl::Status status = Dial(); !status.ok()) return status;
+  if (address_.tls) {
+    if (absl::Status status = Handshake(); !status.ok()) return status;
+  }
+  reader_ = redisReaderCreate();
+  if (reader_ == nullptr) return Fail("out of memory");
   if (!address_.password.empty()) {
     std::vector<std::string> auth = {"AUTH"};
     if (!address_.user.empty()) auth.push_back(address_.user);
@@ -126,21 +276,59 @@ absl::Status RedisConnection::Connect() {
     if (authed->type == RedisValue::kError) {
       // Redis's reply (WRONGPASS ..., or ERR AUTH ... called without any
       // password configured) never holds the password.
-      refused_credentials_ = true;
+      misconfigured_ = true;
       return Fail(absl::StrCat("refused the credentials of user '", address_.user.empty() ? "default" : address_.user,
-                               "': ", authed->str));
+                               "'"),
+                  authed->str);
     }
   }
   if (address_.db != 0) {
     absl::StatusOr<RedisValue> selected = Run({"SELECT", std::to_string(address_.db)});
     if (!selected.ok()) return selected.status();
-    if (selected->type == RedisValue::kError) return Fail(absl::StrCat("SELECT ", address_.db, ": ", selected->str));
+    if (selected->type == RedisValue::kError) return Fail(absl::StrCat("SELECT ", address_.db), selected->str);
   }
   return absl::OkStatus();
 }
 
+absl::Status RedisConnection::SendAll(const std::string& bytes, absl::string_view what) {
+  for (size_t sent = 0; sent < bytes.size();) {
+    const size_t left = bytes.size() - sent;
+    ssize_t n;
+    if (ssl_ != nullptr) {
+      n = SSL_write(ssl_, bytes.data() + sent, static_cast<int>(std::min<size_t>(left, 1 << 30)));
+    } else {
+      n = send(fd_, bytes.data() + sent, left, MSG_NOSIGNAL);
+    }
+    if (n <= 0) {
+      const int error = errno;
+      if (error == EINTR && ssl_ == nullptr) continue;
+      const std::string reason = ssl_ != nullptr ? TlsError() : "";
+      return Fail(absl::StrCat("cannot send ", what, " within ", absl::FormatDuration(timeout_)),
+                  reason.empty() ? SystemError(error) : reason);
+    }
+    sent += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> RedisConnection::Receive(char* buf, size_t size) {
+  for (;;) {
+    ssize_t n;
+    if (ssl_ != nullptr) {
+      n = SSL_read(ssl_, buf, static_cast<int>(size));
+    } else {
+      n = recv(fd_, buf, size, 0);
+    }
+    if (n > 0) return static_cast<size_t>(n);
+    const int error = n == 0 ? 0 : errno;
+    if (error == EINTR && ssl_ == nullptr) continue;
+    return absl::UnavailableError(n == 0 && ssl_ == nullptr ? "the connection was closed" : SystemError(error));
+  }
+}
+
 absl::StatusOr<std::vector<RedisValue>> RedisConnection::Run(const std::vector<std::vector<std::string>>& commands) {
   if (absl::Status status = Connect(); !status.ok()) return status;
+  std::string out;
   std::vector<const char*> argv;
   std::vector<size_t> lengths;
   for (const std::vector<std::string>& command : commands) {
@@ -150,17 +338,29 @@ absl::StatusOr<std::vector<RedisValue>> RedisConnection::Run(const std::vector<s
       argv.push_back(arg.data());
       lengths.push_back(arg.size());
     }
-    if (redisAppendCommandArgv(context_, static_cast<int>(argv.size()), argv.data(), lengths.data()) != REDIS_OK) {
-      return Fail("cannot send");
-    }
+    char* formatted = nullptr;
+    const int n = redisFormatCommandArgv(&formatted, static_cast<int>(argv.size()), argv.data(), lengths.data());
+    if (n < 0) return Fail("out of memory");
+    out.append(formatted, static_cast<size_t>(n));
+    redisFreeCommand(formatted);
   }
+  const std::string first = commands.empty() || commands[0].empty() ? "" : commands[0][0];
+  if (absl::Status status = SendAll(out, first); !status.ok()) return status;
   std::vector<RedisValue> replies;
   replies.reserve(commands.size());
+  std::vector<char> buf(size_t{64} << 10);
   for (size_t i = 0; i < commands.size(); ++i) {
     void* reply = nullptr;
-    if (redisGetReply(context_, &reply) != REDIS_OK || reply == nullptr) {
-      return Fail(absl::StrCat("no reply to ", commands[i].empty() ? "" : commands[i][0], " within ",
-                               absl::FormatDuration(timeout_)));
+    for (;;) {
+      if (redisReaderGetReply(reader_, &reply) != REDIS_OK) return Fail("a reply that is not Redis's protocol");
+      if (reply != nullptr) break;
+      absl::StatusOr<size_t> got = Receive(buf.data(), buf.size());
+      if (!got.ok()) {
+        return Fail(absl::StrCat("no reply to ", commands[i].empty() ? "" : commands[i][0], " within ",
+                                 absl::FormatDuration(timeout_)),
+                    got.status().message());
+      }
+      redisReaderFeed(reader_, buf.data(), *got);
     }
     replies.push_back(Convert(*static_cast<redisReply*>(reply)));
     freeReplyObject(reply);

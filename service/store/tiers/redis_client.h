@@ -1,6 +1,8 @@
-// One blocking connection to Redis (hiredis), with a time limit on
-// connecting and on every reply, for the Redis tier's threads. Not
-// thread-safe: each thread has its own. No gRPC types.
+// One blocking connection to Redis, over a unix socket, TCP or TLS (OpenSSL),
+// with a time limit on connecting and on every reply, for the Redis tier's
+// threads. Commands are written and replies parsed by hiredis's protocol
+// functions (Debian's hiredis 0.14 has no TLS of its own). Not thread-safe:
+// each thread has its own. No gRPC types.
 #pragma once
 
 #include <memory>
@@ -11,18 +13,28 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
-struct redisContext;
-struct redisReply;
+struct redisReader;
+struct ssl_st;
+struct ssl_ctx_st;
 
 namespace turbokv {
 
-// Where Redis is: redis://HOST[:PORT][/DB] or unix:///PATH[?db=N].
+// Where Redis is: redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] (TLS)
+// or unix:///PATH[?db=N].
 struct RedisAddress {
   std::string host;  // empty for a unix socket
   int port = 6379;
   std::string path;  // the unix socket
   int db = 0;
   std::string url;   // as given, for messages
+  // rediss://: TLS 1.2 or later, the server's certificate checked against
+  // tls_ca (a PEM file; empty: the system's trust store) and its name or IP
+  // address against `host`; with tls_cert and tls_key (PEM files), a client
+  // certificate. main.cc sets the files (--redis-tls-*).
+  bool tls = false;
+  std::string tls_ca;
+  std::string tls_cert;
+  std::string tls_key;
   // Sent as AUTH [user] password on every connection when the password is
   // set. Never part of the URL (main.cc reads them from --redis-user and
   // --redis-password-file or $TURBOKV_REDIS_PASSWORD); never in a message.
@@ -57,18 +69,33 @@ class RedisConnection {
   absl::StatusOr<RedisValue> Run(std::vector<std::string> command);
 
   const RedisAddress& address() const { return address_; }
-  // Whether the last connection failed because Redis refused the
-  // credentials (a wrong password or user): trying again will not help.
-  bool refused_credentials() const { return refused_credentials_; }
+  // Whether the last connection failed for a reason that trying again will
+  // not mend: Redis refused the credentials (a wrong password or user), its
+  // certificate failed verification, or a TLS file could not be used.
+  bool misconfigured() const { return misconfigured_; }
 
  private:
   absl::Status Connect();
-  absl::Status Fail(absl::string_view what);
+  // The socket, connected within the timeout (fd_).
+  absl::Status Dial();
+  // The TLS session over fd_ (ssl_).
+  absl::Status Handshake();
+  // Closes the connection and returns UNAVAILABLE naming the address,
+  // `what`, and the system's or OpenSSL's reason when there is one.
+  absl::Status Fail(absl::string_view what, absl::string_view reason = "");
+  void Close();
+  absl::Status SendAll(const std::string& bytes, absl::string_view what);
+  // Some bytes into buf (at least one), or why not (the peer closed, the
+  // timeout passed).
+  absl::StatusOr<size_t> Receive(char* buf, size_t size);
 
   const RedisAddress address_;
   const absl::Duration timeout_;
-  redisContext* context_ = nullptr;
-  bool refused_credentials_ = false;
+  int fd_ = -1;
+  ssl_ctx_st* ssl_context_ = nullptr;  // made at the first TLS connection
+  ssl_st* ssl_ = nullptr;
+  redisReader* reader_ = nullptr;
+  bool misconfigured_ = false;
 };
 
 }  // namespace turbokv

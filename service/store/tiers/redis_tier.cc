@@ -257,7 +257,7 @@ absl::StatusOr<std::unique_ptr<RedisTier>> RedisTier::Open(const RedisTierOption
   {
     RedisConnection probe(options.address, options.timeout);
     absl::StatusOr<std::vector<RedisValue>> info = probe.Run(FactsCommands());
-    if (!info.ok() && probe.refused_credentials()) return absl::PermissionDeniedError(info.status().message());
+    if (!info.ok() && probe.misconfigured()) return absl::FailedPreconditionError(info.status().message());
     if (!info.ok()) {
       tier->up_ = false;
       tier->down_reason_ = std::string(info.status().message());
