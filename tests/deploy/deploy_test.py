@@ -22,6 +22,7 @@
   Redis tier's included.
 Needs $TURBOKVD, $TURBOKV_CLI, promtool, redis-server and redis-cli."""
 
+import base64
 import contextlib
 import copy
 import glob
@@ -140,6 +141,7 @@ def redis_values():
     values["imagePullSecrets"] = [{"name": "regcred"}]
     redis = values["redis"]
     redis.update({"budget": "12GiB", "lease": "6s", "timeout": "500ms"})
+    redis["auth"].update({"existingSecret": "redis-credentials", "user": "turbokv"})
     deploy = redis["deploy"]
     deploy.update({"enabled": True, "maxmemory": "16gb"})
     deploy["image"].update({"repository": "mirror.example.com/redis", "tag": "7.0.15"})
@@ -313,11 +315,12 @@ class LocalTurbokvd:
 
 
 @contextlib.contextmanager
-def local_turbokvd(test, args, directory, **overrides):
+def local_turbokvd(test, args, directory, redis_password=None, **overrides):
     """turbokvd with a deployment's flags, the socket, ports, sizes and
     directories moved to what this machine has (overrides: more of them, by
-    flag without its dashes) and the env references filled in. Drained on
-    leaving; it must exit 0."""
+    flag without its dashes) and the env references filled in; with
+    redis_password, $TURBOKV_REDIS_PASSWORD as the pod's Secret gives it.
+    Drained on leaving; it must exit 0."""
     health, metrics = free_ports(2)
     local = {"--listen": f"unix://{directory}/turbokv.sock", "--health-listen": f"127.0.0.1:{health}",
              "--metrics-listen": f"127.0.0.1:{metrics}", "--memory-budget": "1GiB",
@@ -330,7 +333,10 @@ def local_turbokvd(test, args, directory, **overrides):
         flags.append(f"{flag}={local.get(flag, value)}")
     log_path = os.path.join(directory, "log")
     log = open(log_path, "w")
-    daemon = subprocess.Popen([os.environ["TURBOKVD"], *flags], stderr=log)
+    daemon_env = {**os.environ}
+    if redis_password is not None:
+        daemon_env["TURBOKV_REDIS_PASSWORD"] = redis_password
+    daemon = subprocess.Popen([os.environ["TURBOKVD"], *flags], stderr=log, env=daemon_env)
     try:
         wait_listening(test, daemon, log_path)
         yield LocalTurbokvd(test, local["--listen"], local["--health-listen"], local["--metrics-listen"], log_path)
@@ -341,19 +347,27 @@ def local_turbokvd(test, args, directory, **overrides):
             test.assertEqual(daemon.wait(timeout=60), 0, f.read())
 
 
+def redis_password(objects):
+    """The password in redis.deploy's Secret, as the kubelet gives it to the containers."""
+    return base64.b64decode(redis_objects(objects)["Secret"]["data"]["password"]).decode()
+
+
 class LocalRedis:
     """The chart's Redis container run here: its command and arguments, with
-    the port and the data directory moved; ready when its readiness probe
-    passes."""
+    the port and the data directory moved and $(REDIS_PASSWORD) filled in
+    with `password`; ready when its readiness probe passes (redis-cli with
+    the password in $REDISCLI_AUTH, as the container's env has it)."""
 
-    def __init__(self, test, container, directory):
+    def __init__(self, test, container, directory, password):
         self.test, self.container, self.directory = test, container, directory
+        self.env = {**os.environ, "REDISCLI_AUTH": password}
+        self.password = password
         self.port = free_ports(1)[0]
         self.process = None
         os.makedirs(directory, exist_ok=True)
 
     def start(self):
-        args = list(self.container["args"])
+        args = [a.replace("$(REDIS_PASSWORD)", self.password) for a in self.container["args"]]
         args[args.index("--port") + 1] = str(self.port)
         args[args.index("--dir") + 1] = self.directory
         self.log = open(os.path.join(self.directory, "redis.log"), "a")
@@ -362,14 +376,15 @@ class LocalRedis:
         probe = self.container["readinessProbe"]["exec"]["command"]
         for _ in range(100):
             self.test.assertIsNone(self.process.poll(), "redis-server exited")
-            if subprocess.run([probe[0], "-p", str(self.port), *probe[1:]], capture_output=True).returncode == 0:
+            if subprocess.run([probe[0], "-p", str(self.port), *probe[1:]], capture_output=True,
+                              env=self.env).returncode == 0:
                 return
             time.sleep(0.1)
         self.test.fail("redis-server did not pass its readiness probe within 10 s")
 
     def cli(self, *command):
         run = subprocess.run(["redis-cli", "-p", str(self.port), "-e", *command], capture_output=True, text=True,
-                             timeout=30)
+                             timeout=30, env=self.env)
         self.test.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         return run.stdout.strip()
 
@@ -513,8 +528,12 @@ class DeployTest(unittest.TestCase):
                                     {"a": ""}), "x 0 d ")
             with self.assertRaisesRegex(TemplateError, "nil pointer"):
                 render("{{ .Values.a.b }}", {})
-            with self.assertRaisesRegex(TemplateError, "unsupported function 'lookup'"):
-                render('{{ lookup "v1" "Pod" "" "" }}', {})
+            with self.assertRaisesRegex(TemplateError, "unsupported function 'tpl'"):
+                render('{{ tpl "x" . }}', {})
+            # lookup finds nothing, as helm template's; randAlphaNum is random.
+            self.assertEqual(render('{{ if lookup "v1" "Secret" "ns" "s" }}found{{ else }}none{{ end }}', {}), "none")
+            self.assertRegex(render("{{ randAlphaNum 12 | b64enc }}", {}), r"^[A-Za-z0-9+/]{16}$")
+            self.assertNotEqual(render("{{ randAlphaNum 32 }}", {}), render("{{ randAlphaNum 32 }}", {}))
             self.assertEqual(render('{{- range $k, $v := .Values.m }}{{ $k }}={{ $v }};{{ end }}', {"m": {"b": 1, "a": 2}}),
                              "a=2;b=1;")
             self.assertEqual(render('{{ define "t" }}[{{ . }}]{{ end }}{{ include "t" "x" | indent 2 }}', {}), "  [x]")
@@ -991,7 +1010,7 @@ class DeployTest(unittest.TestCase):
     def test_chart_with_redis_deploy(self):
         objects, notes = rendered_objects(redis_deploy_values(), api_versions=MONITORING_APIS)
         redis = redis_objects(objects)
-        self.assertEqual(set(redis), {"StatefulSet", "Service", "NetworkPolicy"})
+        self.assertEqual(set(redis), {"StatefulSet", "Service", "NetworkPolicy", "Secret"})
         self.assertEqual(sorted(o["kind"] for o in objects if o not in redis.values()),
                          ["ConfigMap", "Deployment", "Pod", "PodMonitor", "PrometheusRule", "Service"])
         deployment = worker_workload(objects)
@@ -1020,6 +1039,18 @@ class DeployTest(unittest.TestCase):
                          ("4gb", "noeviction", "yes"))
         self.assertEqual(options["--port"], "6379")
         self.assertEqual(container["readinessProbe"]["exec"]["command"], ["redis-cli", "-e", "ping"])
+        # A password of its own, random, from its Secret: Redis's, its
+        # probe's (redis-cli reads $REDISCLI_AUTH) and turbokvd's; protected
+        # mode on.
+        secret = redis["Secret"]
+        self.assertRegex(redis_password(objects), r"^[A-Za-z0-9]{32}$")
+        self.assertEqual((options["--requirepass"], options["--protected-mode"]), ("$(REDIS_PASSWORD)", "yes"))
+        reference = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "password"}}
+        self.assertEqual({e["name"]: e["valueFrom"] for e in container["env"]},
+                         {"REDIS_PASSWORD": reference, "REDISCLI_AUTH": reference})
+        turbokvd_env = {e["name"]: e.get("valueFrom") for e in deployment["spec"]["template"]["spec"]["initContainers"][0]["env"]}
+        self.assertEqual(turbokvd_env["TURBOKV_REDIS_PASSWORD"], reference)
+        self.assertNotIn("--redis-user", flags)
         # The append-only file on a bounded emptyDir.
         self.assertEqual(container["volumeMounts"], [{"name": "data", "mountPath": options["--dir"]}])
         self.assertEqual(pod["spec"]["volumes"], [{"name": "data", "emptyDir": {"sizeLimit": "16Gi"}}])
@@ -1042,7 +1073,8 @@ class DeployTest(unittest.TestCase):
         long = redis_objects(rendered_objects(redis_deploy_values(), release="r" * 53)[0])
         self.assertEqual(len(long["StatefulSet"]["metadata"]["name"]), 52)
         for kind, obj in long.items():
-            self.assertTrue(obj["metadata"]["name"].endswith("-redis"), kind)
+            self.assertTrue(obj["metadata"]["name"].endswith("-redis-auth" if kind == "Secret" else "-redis"), kind)
+            self.assertLessEqual(len(obj["metadata"]["name"]), 63, kind)
             for value in obj["metadata"]["labels"].values():
                 self.assertLessEqual(len(value), 63, kind)
 
@@ -1062,8 +1094,14 @@ class DeployTest(unittest.TestCase):
         self.assertEqual((claim["spec"]["storageClassName"], claim["spec"]["resources"]["requests"]["storage"],
                           claim["spec"]["accessModes"]), ("fast-ssd", "48Gi", ["ReadWriteOnce"]))
         args = worker_workload(objects)["spec"]["template"]["spec"]["initContainers"][0]["args"]
-        for flag in ("--redis-budget=12GiB", "--redis-lease=6s", "--redis-timeout=500ms"):
+        for flag in ("--redis-budget=12GiB", "--redis-lease=6s", "--redis-timeout=500ms", "--redis-user=turbokv"):
             self.assertIn(flag, args)
+        # The password from the Secret given: no Secret made; Redis and turbokvd read that one.
+        self.assertNotIn("Secret", redis_objects(objects))
+        reference = {"secretKeyRef": {"name": "redis-credentials", "key": "password"}}
+        self.assertEqual({e["name"]: e["valueFrom"] for e in container["env"]}["REDIS_PASSWORD"], reference)
+        turbokvd = worker_workload(objects)["spec"]["template"]["spec"]["initContainers"][0]
+        self.assertEqual({e["name"]: e.get("valueFrom") for e in turbokvd["env"]}["TURBOKV_REDIS_PASSWORD"], reference)
         # turbokvd.snapshot.persistence.enabled left on while snapshots are
         # off (as they must be with Redis): the worker stays a Deployment,
         # with no snapshot claim; Redis' StatefulSet is the only one.
@@ -1085,6 +1123,9 @@ class DeployTest(unittest.TestCase):
         self.assertIn("--redis-url=redis://redis.cache.svc:6379/2", args)
         self.assertIn("Redis at redis://redis.cache.svc:6379/2", notes)
         self.assertNotIn("redis.deploy", notes)
+        # No password given: none asked of turbokvd.
+        self.assertNotIn("TURBOKV_REDIS_PASSWORD", {e["name"] for e in objects["Deployment"]["spec"]["template"]["spec"]
+                                                    ["initContainers"][0]["env"]})
 
     def test_chart_refuses_the_disk_and_redis_tiers_together_and_two_redis(self):
         # turbokvd refuses --spill-dir and --snapshot-dir with --redis-url:
@@ -1134,20 +1175,21 @@ class DeployTest(unittest.TestCase):
         with tempfile.TemporaryDirectory(prefix="turbokv-redis-") as tmp:
             for name in ("a", "b"):
                 os.mkdir(os.path.join(tmp, name))
-            redis = LocalRedis(self, container, os.path.join(tmp, "data"))
+            password = redis_password(objects)
+            redis = LocalRedis(self, container, os.path.join(tmp, "data"), password)
             try:
                 redis.start()
                 for key, value in (("maxmemory", str(4 << 30)), ("maxmemory-policy", "noeviction"),
                                    ("appendonly", "yes"), ("save", "")):
                     self.assertEqual(redis.cli("config", "get", key).split("\n"), [key, value] if value else [key])
                 url = f"redis://127.0.0.1:{redis.port}"
-                with local_turbokvd(self, args, os.path.join(tmp, "a"), redis_url=url) as a:
+                with local_turbokvd(self, args, os.path.join(tmp, "a"), password, redis_url=url) as a:
                     session = a.cli("create", "--layers=1", "--kv-heads=1", "--q-heads=1")
                     a.cli("append-random", session, "--tokens=100")  # a sealed page of 64 tokens and a tail
                 self.assertGreater(int(redis.cli("dbsize")), 0)
                 redis.stop()
                 redis.start()
-                with local_turbokvd(self, args, os.path.join(tmp, "b"), redis_url=url) as b:
+                with local_turbokvd(self, args, os.path.join(tmp, "b"), password, redis_url=url) as b:
                     self.assertRegex(b.cli("get", session), r"\blayer_tokens +100\n")
                     b.cli("attend-random", session, "--calls=1")
                     self.assertGreaterEqual(sample(b.scrape(), "turbokv_takeovers_total", result="ok"), 1)
@@ -1234,10 +1276,11 @@ class DeployTest(unittest.TestCase):
                 daemon.cli("attend-random", session, "--calls=2")
                 daemon.cli("get", "missing", ok=False)
                 expositions.append(daemon.scrape())
-            redis = LocalRedis(self, redis_container, os.path.join(tmp, "data"))
+            password = redis_password(objects)
+            redis = LocalRedis(self, redis_container, os.path.join(tmp, "data"), password)
             try:
                 redis.start()
-                with local_turbokvd(self, redis_args, os.path.join(tmp, "redis"),
+                with local_turbokvd(self, redis_args, os.path.join(tmp, "redis"), password,
                                     redis_url=f"redis://127.0.0.1:{redis.port}") as daemon:
                     session = daemon.cli("create", "--layers=1", "--kv-heads=1", "--q-heads=1")
                     daemon.cli("append-random", session, "--tokens=64")

@@ -14,16 +14,20 @@ line, empty ones too; `fail` stops the rendering with its message, and
 `required` does so when its value is nil or an empty string;
 `.Capabilities.APIVersions.Has` finds only the API versions (and
 "group/version/Kind" resources) the render is given beside Kubernetes' own,
-as `helm template --api-versions` does. Templates in subdirectories of
-templates/ (tests/) are rendered too. Printing
+as `helm template --api-versions` does; `lookup` finds nothing, as in
+`helm template` (no cluster); `randAlphaNum` is random. Templates in
+subdirectories of templates/ (tests/) are rendered too. Printing
 a map or list (Go writes map[...]) is refused, since a chart means toYaml
-there. Any other function or action (template, block, tpl, lookup, ...)
+there. Any other function or action (template, block, tpl, ...)
 raises TemplateError naming it."""
 
+import base64
 import glob
 import json
 import os
 import re
+import secrets
+import string
 from decimal import Decimal
 
 import yaml
@@ -177,6 +181,9 @@ FUNCTIONS = {
     "not": lambda v: not truth(v),
     "eq": lambda a, *others: any(x == y for x, y in (_compare("eq", a, b) for b in others)),
     "gt": lambda a, b: (lambda x, y: x > y)(*_compare("gt", a, b)),
+    "lookup": lambda api_version, kind, namespace, name: {},
+    "randAlphaNum": lambda n: "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(int(n))),
+    "b64enc": lambda text: base64.b64encode(text.encode()).decode(),
 }
 
 _TOKEN = re.compile(r"""

@@ -127,6 +127,19 @@ helm.sh/chart: {{ include "turbokv.chart" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/*
+The Secret holding Redis' password under the key "password":
+redis.auth.existingSecret, or the one made for redis.deploy; empty when
+there is none.
+*/}}
+{{- define "turbokv.redisSecret" -}}
+{{- if .Values.redis.auth.existingSecret }}
+{{- .Values.redis.auth.existingSecret }}
+{{- else if .Values.redis.deploy.enabled }}
+{{- printf "%s-auth" (include "turbokv.redis.fullname" .) }}
+{{- end }}
+{{- end }}
+
 {{/* --redis-url: redis.url, or redis.deploy's Service; empty when the tier is off. */}}
 {{- define "turbokv.redisUrl" -}}
 {{- if .Values.redis.url }}
