@@ -61,6 +61,10 @@ Flags (--name=value or --name value):
   --redis-lease=DURATION   how long a session stays this daemon's after its
                            last renewal (every third of it) (default 10s)
   --redis-timeout=DURATION to connect to Redis, and per reply (default 1s)
+  --redis-orphan-ttl=DURATION  a session's keys in Redis expire this long
+                           after their owner last refreshed them (every
+                           quarter of it): a session nobody holds or claims
+                           goes (default 168h, at least 3 x --redis-lease)
   --redis-user=NAME        the Redis ACL user (default: Redis's "default")
   --redis-password-file=PATH  the Redis password, the file's first line (else
                            $TURBOKV_REDIS_PASSWORD; default none)
@@ -193,6 +197,8 @@ int main(int argc, char** argv) {
       options.spill_budget = *bytes;
     } else if (name == "redis-url") {
       options.redis_url = value;
+    } else if (name == "redis-orphan-ttl") {
+      if (!absl::ParseDuration(value, &options.redis_orphan_ttl)) return Fail(flag + ": expected a duration like 168h");
     } else if (name == "redis-user") {
       options.redis_user = value;
     } else if (name == "redis-tls-ca") {

@@ -287,6 +287,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     redis.page_tokens = options.page_tokens;
     redis.lease = options.redis_lease;
     redis.timeout = options.redis_timeout;
+    if (options.redis_orphan_ttl < 3 * options.redis_lease) {
+      return absl::InvalidArgumentError(absl::StrCat("--redis-orphan-ttl ", absl::FormatDuration(options.redis_orphan_ttl),
+                                                     " is shorter than 3 x --redis-lease (",
+                                                     absl::FormatDuration(3 * options.redis_lease), ")"));
+    }
+    redis.orphan_ttl = options.redis_orphan_ttl;
     absl::StatusOr<std::unique_ptr<RedisTier>> opened = RedisTier::Open(redis);
     if (!opened.ok()) return opened.status();
     tier = *std::move(opened);

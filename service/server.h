@@ -77,6 +77,7 @@ struct ServerOptions {
   size_t redis_budget = size_t{64} << 30;
   absl::Duration redis_lease = absl::Seconds(10);
   absl::Duration redis_timeout = absl::Seconds(1);
+  absl::Duration redis_orphan_ttl = absl::Hours(24 * 7);
   // Of the memory budget (and of spill_budget): past high, the background
   // pass demotes idle sessions (drops the oldest on disk) down to low.
   double high_watermark = 0.90;

@@ -759,6 +759,49 @@ TEST(RedisTierTest, ATakeoverThatFindsPagesMissingIsDataLossNeverFewerTokens) {
   EXPECT_THAT(cut.message(), HasSubstr("page 2 of layer 1 is there but page 1 before it is not"));
 }
 
+TEST(RedisTierTest, ASessionNobodyHoldsExpiresAndOneHeldNeverDoes) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  const Sequence sequence;
+  const std::vector<std::string> ttl = {"--redis-orphan-ttl=3s"};
+  auto keys_of = [&](const std::string& id) { return redis.Run({"KEYS", absl::StrCat("turbokv:{", id, "}:*")}).elements; };
+  std::string orphan;
+  {
+    // Its owner is killed: nobody holds the session any more.
+    Daemon a(Flags("a", redis, ttl));
+    auto session = Connected("a", a)->CreateSession(Shape());
+    ASSERT_TRUE(session.ok());
+    orphan = session->id();
+    ASSERT_EQ(Appended(sequence.Append(*session, 0, 100)), 100);
+    WaitForWriteThrough(a);
+    const std::vector<RedisValue> keys = keys_of(orphan);
+    ASSERT_GE(keys.size(), 5u);  // epoch, lease, manifest, sealed pages, 2 pages
+    for (const RedisValue& key : keys) {
+      const long long left = redis.Run({"PTTL", key.str}).integer;
+      EXPECT_GT(left, 0) << key.str;
+      EXPECT_LE(left, 3000) << key.str;
+    }
+    ASSERT_EQ(kill(a.pid(), SIGKILL), 0);
+    a.Wait();
+  }
+  // Another daemon holds its session past the TTL: its keys are refreshed.
+  Daemon b(Flags("b", redis, ttl));
+  auto client_b = Connected("b", b);
+  auto held = client_b->CreateSession(Shape());
+  ASSERT_TRUE(held.ok());
+  ASSERT_EQ(Appended(sequence.Append(*held, 0, 200)), 200);
+  WaitForWriteThrough(b);
+  absl::SleepFor(absl::Milliseconds(4500));
+  EXPECT_TRUE(keys_of(orphan).empty());
+  EXPECT_FALSE(keys_of(held->id()).empty());
+  EXPECT_EQ(client_b->GetSession(orphan).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(b.Stop(SIGTERM), 0) << b.Log();
+  Daemon c(Flags("c", redis, ttl));
+  auto taken = Connected("c", c)->OpenSession(held->id());
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->Info()->layer_tokens(1), 200);
+}
+
 // A file of the test's own with `text`, readable by its owner only.
 std::string SecretFile(const std::string& name, const std::string& text) {
   const std::string path = TempPath(name);
@@ -890,7 +933,9 @@ TEST(RedisTierTest, TheDaemonRefusesRedisWithAnotherTierOrABadUrl) {
       {{"--redis-url=redis://127.0.0.1:1", "--spill-dir=/tmp"}, "--redis-url and --spill-dir"},
       {{"--redis-url=redis://127.0.0.1:1", "--snapshot-dir=/tmp"}, "--redis-url and --snapshot-dir"},
       {{"--redis-url=redis//127.0.0.1"}, "the scheme must be"},
-      {{"--redis-url=redis://127.0.0.1:1", "--redis-lease=10ms"}, "--redis-lease"}};
+      {{"--redis-url=redis://127.0.0.1:1", "--redis-lease=10ms"}, "--redis-lease"},
+      {{"--redis-url=redis://127.0.0.1:1", "--redis-lease=1s", "--redis-orphan-ttl=2s"},
+       "--redis-orphan-ttl 2s is shorter than 3 x --redis-lease (3s)"}};
   for (const auto& [flags, why] : refused) {
     std::vector<std::string> all = {"--listen=" + Socket("refused"), "--device=cpu"};
     all.insert(all.end(), flags.begin(), flags.end());

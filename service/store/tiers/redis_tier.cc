@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "absl/status/status.h"
 #include "absl/strings/escaping.h"
@@ -45,10 +46,15 @@ constexpr size_t kReadBatch = 32;  // pages per round trip of a promotion  // a 
   "  return redis.error_reply('LOST ' .. (e or 'none')) "                                             \
   "end "
 
+// Every key of a session expires --redis-orphan-ttl after it was last
+// written or refreshed: the owner refreshes them all every quarter of it
+// (RedisTier::Refresh), a claim at once. Scripts take the TTL in ms as
+// their last ARGV.
+//
 // KEYS: lease, epoch, manifest. ARGV: owner, lease ms, whether the manifest
-// must exist. {0}: no manifest; {-1, holder, ms left}: leased by another;
-// {epoch[, manifest]}. A lease this owner holds already (a claim whose
-// answer timed out, sent again) is its own.
+// must exist, TTL. {0}: no manifest; {-1, holder, ms left}: leased by
+// another; {epoch[, manifest]}. A lease this owner holds already (a claim
+// whose answer timed out, sent again) is its own.
 constexpr char kAcquire[] =
     "local m = false "
     "if ARGV[3] == '1' then m = redis.call('GET', KEYS[3]) if not m then return {0} end end "
@@ -60,23 +66,27 @@ constexpr char kAcquire[] =
     "  return {mine} "
     "end "
     "local e = redis.call('INCR', KEYS[2]) "
-    "redis.call('PERSIST', KEYS[2]) "
+    "redis.call('PEXPIRE', KEYS[2], ARGV[4]) "
     "redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. e, 'PX', ARGV[2]) "
     "if m then return {e, m} end "
     "return {e}";
-// KEYS: epoch, page, sealed pages. ARGV: epoch, value, field ('' for a tail), entry.
+// KEYS: epoch, page, sealed pages. ARGV: epoch, value, field ('' for a
+// tail), entry, TTL.
 constexpr char kWritePage[] = TURBOKV_FENCE
-    "redis.call('SET', KEYS[2], ARGV[2]) "
-    "if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) end "
+    "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[5]) "
+    "if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) redis.call('PEXPIRE', KEYS[3], ARGV[5]) end "
     "return 1";
-// KEYS: epoch, manifest, sealed pages. ARGV: epoch, value. The manifest
-// lists every page up to now: the sealed pages written before it go.
+// KEYS: epoch, manifest, sealed pages. ARGV: epoch, value, TTL. The
+// manifest lists every page up to now: the sealed pages written before it go.
 constexpr char kWriteManifest[] = TURBOKV_FENCE
-    "redis.call('SET', KEYS[2], ARGV[2]) "
+    "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
     "redis.call('DEL', KEYS[3]) "
     "return 1";
-// KEYS: epoch, source, destination. ARGV: epoch.
-constexpr char kCopy[] = TURBOKV_FENCE "return redis.call('COPY', KEYS[2], KEYS[3], 'REPLACE')";
+// KEYS: epoch, source, destination. ARGV: epoch, TTL.
+constexpr char kCopy[] = TURBOKV_FENCE
+    "local copied = redis.call('COPY', KEYS[2], KEYS[3], 'REPLACE') "
+    "if copied == 1 then redis.call('PEXPIRE', KEYS[3], ARGV[2]) end "
+    "return copied";
 // KEYS: epoch, page. ARGV: epoch.
 constexpr char kDelete[] = TURBOKV_FENCE "redis.call('DEL', KEYS[2]) return 1";
 // KEYS: epoch, lease, manifest, sealed pages. ARGV: epoch, epoch's expiry ms.
@@ -84,17 +94,22 @@ constexpr char kTombstone[] = TURBOKV_FENCE
     "redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) "
     "redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
     "return 1";
-// KEYS: lease, epoch. ARGV: lease value, ms, epoch. 1: the lease is this
-// daemon's for ms more (taken again if it lapsed while the epoch stayed
-// this daemon's). 2: the epoch was gone or smaller (Redis lost data, and
-// nobody claimed the session since): restored, with the lease; the
-// session's records must be written again.
+// KEYS: lease, epoch. ARGV: lease value, ms, epoch, whether the epoch may
+// be restored, TTL. 1: the lease is this daemon's for ms more (taken again
+// if it lapsed while the epoch stayed this daemon's). 2: the epoch was gone
+// or smaller (Redis lost data, and nobody claimed the session since):
+// restored, with the lease; the session's records must be written again.
+// A daemon that has not renewed for longer than the TTL may not restore it
+// (its keys may have expired as an orphan's, or the session was deleted):
+// "STALE none".
 constexpr char kRenew[] =
     "local e = redis.call('GET', KEYS[2]) "
     "if e == ARGV[3] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end "
     "local n = tonumber(e) "
-    "if e and not (n and n < tonumber(ARGV[3])) then return redis.error_reply('STALE ' .. e) end "
-    "redis.call('SET', KEYS[2], ARGV[3]) "
+    "if (e and not (n and n < tonumber(ARGV[3]))) or ARGV[4] ~= '1' then "
+    "  return redis.error_reply('STALE ' .. (e or 'none')) "
+    "end "
+    "redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[5]) "
     "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) "
     "return 2";
 // KEYS: lease. ARGV: lease value.
@@ -181,6 +196,8 @@ struct RedisTier::SessionState {
   bool disowned = false;
   bool tombstoned = false;
   bool lost = false;  // Redis lost its records: in lost_, until the store takes them
+  absl::Time confirmed = absl::InfinitePast();  // when Redis last confirmed the epoch (a claim, a renewal)
+  std::set<std::string> pages;  // the keys of its page records (refreshed with the session's own)
   // Copies into this session's keys of pages of other sessions (forks)
   // that its manifests listed, by the page's record.
   std::map<const TierRecord*, std::weak_ptr<Record>> copies;
@@ -306,7 +323,9 @@ std::shared_ptr<RedisTier::SessionState> RedisTier::StateOf(const std::string& i
 
 std::shared_ptr<RedisTier::Record> RedisTier::NewPage(const std::shared_ptr<SessionState>& state, size_t bytes) {
   const uint64_t lsn = next_lsn_++;
-  return std::make_shared<Record>(this, lsn, bytes, state, state->Key(absl::StrCat("p:", owner_, ":", lsn)), true);
+  std::string key = state->Key(absl::StrCat("p:", owner_, ":", lsn));
+  state->pages.insert(key);
+  return std::make_shared<Record>(this, lsn, bytes, state, std::move(key), true);
 }
 
 absl::StatusOr<TierScanReport> RedisTier::Scan() {
@@ -418,6 +437,7 @@ void RedisTier::PutTombstone(const std::string& session, const std::string& tena
 
 void RedisTier::Release(Record* record) {
   if (record->counted) live_bytes_ -= static_cast<int64_t>(record->bytes());
+  if (record->page) record->state->pages.erase(record->key);
   // A page nobody holds any more goes from Redis, unless the daemon is
   // going away (its sessions stay for the next) or the session is another
   // daemon's now (the fence would refuse it anyway).
@@ -474,7 +494,7 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     // A new session: its first record claims it.
     absl::StatusOr<RedisValue> claimed = writer_connection_.Run(
         {"EVAL", kAcquire, "3", state.Key("l"), state.Key("e"), state.Key("m"), owner_,
-         std::to_string(absl::ToInt64Milliseconds(options_.lease)), "0"});
+         std::to_string(absl::ToInt64Milliseconds(options_.lease)), "0", OrphanTtlMs()});
     if (!claimed.ok()) return claimed.status();
     if (claimed->type != RedisValue::kArray || claimed->elements.empty() ||
         claimed->elements[0].type != RedisValue::kInteger || claimed->elements[0].integer <= 0) {
@@ -483,20 +503,23 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     epoch = claimed->elements[0].integer;
     std::lock_guard<std::mutex> lock(mutex_);
     state.epoch = epoch;
+    state.confirmed = absl::Now();
   }
   const std::string e = std::to_string(epoch);
+  const std::string ttl = OrphanTtlMs();
   std::vector<std::string> command;
   switch (job.kind) {
     case Job::kPage:
       PatchEpoch(&job.value, epoch);
-      command = {"EVAL", kWritePage, "3", state.Key("e"), job.key, state.Key("h"), e, job.value, job.field, job.entry};
+      command = {"EVAL", kWritePage, "3", state.Key("e"), job.key, state.Key("h"),
+                 e,      job.value,  job.field, job.entry, ttl};
       break;
     case Job::kManifest:
       PatchEpoch(&job.value, epoch);
-      command = {"EVAL", kWriteManifest, "3", state.Key("e"), job.key, state.Key("h"), e, job.value};
+      command = {"EVAL", kWriteManifest, "3", state.Key("e"), job.key, state.Key("h"), e, job.value, ttl};
       break;
     case Job::kCopy:
-      command = {"EVAL", kCopy, "3", state.Key("e"), job.source, job.key, e};
+      command = {"EVAL", kCopy, "3", state.Key("e"), job.source, job.key, e, ttl};
       break;
     case Job::kDelete:
       command = {"EVAL", kDelete, "2", state.Key("e"), job.key, e};
@@ -508,17 +531,26 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
   }
   absl::StatusOr<RedisValue> reply = writer_connection_.Run(command);
   if (!reply.ok()) return reply.status();
+  if (reply->type == RedisValue::kError && absl::StartsWith(reply->str, "LOST ") &&
+      (job.kind == Job::kDelete || job.kind == Job::kTombstone)) {
+    return absl::OkStatus();  // nothing left to delete
+  }
   if (reply->type == RedisValue::kError && absl::StartsWith(reply->str, "LOST ")) {
     // Redis lost the session's epoch (and with it, most likely, its
     // records): the epoch is restored with the lease, the store writes the
     // session again, and this write goes as if nothing happened.
-    absl::StatusOr<RedisValue> restored = writer_connection_.Run(
-        {"EVAL", kRenew, "2", state.Key("l"), state.Key("e"), state.LeaseValue(owner_),
-         std::to_string(absl::ToInt64Milliseconds(options_.lease)), e});
+    std::vector<std::string> renew;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      renew = RenewCommand(state);
+    }
+    const absl::Time sent = absl::Now();
+    absl::StatusOr<RedisValue> restored = writer_connection_.Run(std::move(renew));
     if (!restored.ok()) return restored.status();
     if (restored->type == RedisValue::kError) return ScriptError(state, *restored);
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      state.confirmed = sent;
       NoteLost(state, absl::StrCat("Redis lost its epoch (", absl::string_view(reply->str).substr(5), ")"));
     }
     reply = writer_connection_.Run(command);
@@ -542,11 +574,9 @@ void RedisTier::Renew() {
         if (state->epoch > 0 && !state->disowned && !state->tombstoned) held.push_back(state);
       }
     }
-    for (const std::shared_ptr<SessionState>& state : held) {
-      commands.push_back({"EVAL", kRenew, "2", state->Key("l"), state->Key("e"), state->LeaseValue(owner_),
-                          std::to_string(absl::ToInt64Milliseconds(options_.lease)), std::to_string(state->epoch)});
-    }
+    for (const std::shared_ptr<SessionState>& state : held) commands.push_back(RenewCommand(*state));
   }
+  const absl::Time sent = absl::Now();
   absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(commands);
   std::lock_guard<std::mutex> lock(mutex_);
   if (!replies.ok()) {
@@ -584,8 +614,48 @@ void RedisTier::Renew() {
     const RedisValue& reply = (*replies)[facts_count + i];
     if (reply.type == RedisValue::kError && absl::StartsWith(reply.str, "STALE ")) {
       Disown(*held[i], absl::string_view(reply.str).substr(6));
-    } else if (reply.type == RedisValue::kInteger && reply.integer == 2) {
-      NoteLost(*held[i], "Redis lost its epoch");
+      continue;
+    }
+    if (reply.type != RedisValue::kInteger) continue;
+    held[i]->confirmed = sent;
+    if (reply.integer == 2) NoteLost(*held[i], "Redis lost its epoch");
+  }
+}
+
+std::string RedisTier::OrphanTtlMs() const { return std::to_string(absl::ToInt64Milliseconds(options_.orphan_ttl)); }
+
+std::vector<std::string> RedisTier::RenewCommand(const SessionState& state) const {
+  // A daemon that went longer than the orphan TTL without Redis confirming
+  // its epoch may find it expired, or the session deleted since: it does
+  // not bring it back.
+  const bool may_restore = absl::Now() - state.confirmed < options_.orphan_ttl;
+  return {"EVAL", kRenew, "2", state.Key("l"), state.Key("e"), state.LeaseValue(owner_),
+          std::to_string(absl::ToInt64Milliseconds(options_.lease)), std::to_string(state.epoch),
+          may_restore ? "1" : "0", OrphanTtlMs()};
+}
+
+void RedisTier::Refresh() {
+  std::vector<std::vector<std::string>> commands;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (released_) return;
+    const std::string ttl = OrphanTtlMs();
+    for (const auto& [name, state] : sessions_) {
+      if (state->epoch == 0 || state->disowned || state->tombstoned) continue;
+      for (const char* suffix : {"e", "m", "h"}) commands.push_back({"PEXPIRE", state->Key(suffix), ttl});
+      for (const std::string& key : state->pages) commands.push_back({"PEXPIRE", key, ttl});
+    }
+  }
+  constexpr size_t kBatch = 1024;
+  for (size_t at = 0; at < commands.size(); at += kBatch) {
+    const std::vector<std::vector<std::string>> batch(commands.begin() + static_cast<std::ptrdiff_t>(at),
+                                                      commands.begin() + static_cast<std::ptrdiff_t>(
+                                                                             std::min(commands.size(), at + kBatch)));
+    absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(batch);
+    if (!replies.ok()) {
+      Logf(LogLevel::kWarning, "Redis tier: the keys' expiry (--redis-orphan-ttl) was not refreshed: %s",
+           std::string(replies.status().message()).c_str());
+      return;
     }
   }
 }
@@ -593,6 +663,8 @@ void RedisTier::Renew() {
 void RedisTier::WriterLoop() {
   const absl::Duration renew_every = options_.lease / 3;
   absl::Time next_renew = absl::Now() + renew_every;
+  const absl::Duration refresh_every = options_.orphan_ttl / 4;
+  absl::Time next_refresh = absl::Now() + refresh_every;
   absl::Duration backoff = absl::Milliseconds(50);
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
@@ -612,8 +684,15 @@ void RedisTier::WriterLoop() {
       }
       continue;
     }
+    if (absl::Now() >= next_refresh && up_) {
+      lock.unlock();
+      Refresh();
+      lock.lock();
+      next_refresh = absl::Now() + refresh_every;
+      continue;
+    }
     if (queue_.empty()) {
-      work_.wait_until(lock, absl::ToChronoTime(next_renew),
+      work_.wait_until(lock, absl::ToChronoTime(std::min(next_renew, next_refresh)),
                        [this] { return stopping_ || probe_ || !queue_.empty(); });
       continue;
     }
@@ -843,8 +922,9 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   }
   const std::vector<std::vector<std::string>> commands = {
       {"EVAL", kAcquire, "3", state->Key("l"), state->Key("e"), state->Key("m"), owner_,
-       std::to_string(absl::ToInt64Milliseconds(options_.lease)), "1"},
+       std::to_string(absl::ToInt64Milliseconds(options_.lease)), "1", OrphanTtlMs()},
       {"HGETALL", state->Key("h")}};
+  const absl::Time sent = absl::Now();
   Borrowed connection = Borrow();
   absl::StatusOr<std::vector<RedisValue>> replies = connection->Run(commands);
   if (!replies.ok()) return unavailable(MarkDown(replies.status()));
@@ -958,29 +1038,34 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
     }
   }
   if (in.short_read()) return damaged("is cut short");
-  // Every page the session is said to have is there: a claim that would
-  // come back with fewer tokens than were written is DATA_LOSS instead.
-  std::vector<std::vector<std::string>> exists;
+  // Every page the session is said to have is there (PEXPIRE answers 0 for
+  // a key that is not): a claim that would come back with fewer tokens than
+  // were written is DATA_LOSS instead. Its keys' expiry starts again.
+  const std::string ttl = OrphanTtlMs();
+  std::vector<std::vector<std::string>> exists = {{"PEXPIRE", state->Key("m"), ttl}, {"PEXPIRE", state->Key("h"), ttl}};
+  const size_t own = exists.size();
   for (const auto& layer : pages) {
-    for (const auto& page : layer) exists.push_back({"EXISTS", page.first});
+    for (const auto& page : layer) exists.push_back({"PEXPIRE", page.first, ttl});
   }
-  if (!exists.empty()) {
+  {
     absl::StatusOr<std::vector<RedisValue>> there = connection->Run(exists);
     if (!there.ok()) return release(unavailable(MarkDown(there.status())));
     size_t missing = 0;
     std::string first;
-    for (size_t i = 0; i < exists.size(); ++i) {
+    for (size_t i = own; i < exists.size(); ++i) {
       if ((*there)[i].type == RedisValue::kInteger && (*there)[i].integer == 1) continue;
       if (missing++ == 0) first = exists[i][1];
     }
     if (missing > 0) {
       return release(absl::DataLossError(absl::StrCat(
-          "session ", id, " in Redis: ", missing, " of its ", exists.size(), " pages are missing (", first,
+          "session ", id, " in Redis: ", missing, " of its ", exists.size() - own, " pages are missing (", first,
           " first); Redis lost records (evicted, deleted, or restarted without its append-only file)")));
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  state->confirmed = sent;
   auto record = [&](std::string key, size_t bytes, bool page) {
+    if (page) state->pages.insert(key);
     auto r = std::make_shared<Record>(this, next_lsn_++, bytes, state, std::move(key), page);
     r->done = true;
     if (page) {

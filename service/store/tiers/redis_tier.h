@@ -40,6 +40,9 @@ struct RedisTierOptions {
   int page_tokens = 64;
   absl::Duration timeout = absl::Seconds(1);  // to connect, and per reply
   absl::Duration lease = absl::Seconds(10);
+  // A session's keys expire this long after their owner last refreshed them
+  // (every quarter of it): those of a session nobody holds go.
+  absl::Duration orphan_ttl = absl::Hours(24 * 7);
   // Queued bytes past which writes that may wait (write-through) are
   // refused; writes that may not (a demotion, the drain) may take twice it.
   size_t max_queued_bytes = size_t{64} << 20;
@@ -95,6 +98,11 @@ class RedisTier final : public Tier {
   absl::Status Execute(Job& job, const Record* record);
   // Renews the leases of the sessions held.
   void Renew();
+  // The renewal script's command for the session (under mutex_).
+  std::vector<std::string> RenewCommand(const SessionState& state) const;
+  // Starts the orphan TTL of every key of the sessions held again.
+  void Refresh();
+  std::string OrphanTtlMs() const;
   // Under mutex_: another daemon has the session now, at `epoch_now`
   // (logged once). Returns why, as calls on it are told.
   std::string Disown(SessionState& state, absl::string_view epoch_now);
