@@ -277,15 +277,28 @@ Metrics::Metrics(std::string device, const std::string& tier) : device_(std::mov
   auto counter = [&](const char* name, const char* help) {
     return &BuildCounter().Name(name).Help(help).Register(r).Add({});
   };
-  spill_bytes_ = gauge("turbokv_spill_bytes", "Bytes of live records on the spill tier (--spill-dir or --redis-url)");
-  spill_file_bytes_ = gauge("turbokv_spill_file_bytes", "Bytes of the segment files in --spill-dir, dead records included");
-  spill_budget_bytes_ = gauge("turbokv_spill_budget_bytes", "--spill-budget (or --redis-budget)");
-  spill_queued_bytes_ = gauge("turbokv_spill_queued_bytes", "Bytes waiting for the spill tier's writer");
+  auto by_tier = [&](auto builder, const char* name, const char* help) {
+    return &builder.Name(name).Help(help).Register(r).Add({{"tier", tier}});
+  };
+  tier_live_bytes_ = by_tier(BuildGauge(), "turbokv_tier_live_bytes", "Bytes of live records on the tier below memory");
+  tier_stored_bytes_ = by_tier(BuildGauge(), "turbokv_tier_stored_bytes",
+                               "Bytes the tier below memory holds: live records and dead ones not yet reclaimed "
+                               "(the disk tier's segment files)");
+  tier_budget_bytes_ = by_tier(BuildGauge(), "turbokv_tier_budget_bytes", "--spill-budget or --redis-budget");
+  tier_queued_bytes_ = by_tier(BuildGauge(), "turbokv_tier_queued_bytes", "Bytes waiting for the tier's writer");
+  tier_write_errors_ = by_tier(BuildCounter(), "turbokv_tier_write_errors_total", "Records the tier's writer could not write");
+  tier_crc_failures_ = by_tier(BuildCounter(), "turbokv_tier_crc_failures_total",
+                               "Records of the tier that failed their CRC when read (at start or on promotion)");
+  spill_bytes_ = gauge("turbokv_spill_bytes", "Deprecated (goes after 0.5): turbokv_tier_live_bytes");
+  spill_file_bytes_ = gauge("turbokv_spill_file_bytes", "Deprecated (goes after 0.5): turbokv_tier_stored_bytes");
+  spill_budget_bytes_ = gauge("turbokv_spill_budget_bytes", "Deprecated (goes after 0.5): turbokv_tier_budget_bytes");
+  spill_queued_bytes_ = gauge("turbokv_spill_queued_bytes", "Deprecated (goes after 0.5): turbokv_tier_queued_bytes");
   demotions_ = counter("turbokv_demotions_total", "Sessions demoted from memory to the spill tier");
   promotions_ = counter("turbokv_promotions_total", "Sessions brought back from the spill tier into memory");
-  spill_write_errors_ = counter("turbokv_spill_write_errors_total", "Records the spill writer could not write");
+  spill_write_errors_ = counter("turbokv_spill_write_errors_total",
+                                "Deprecated (goes after 0.5): turbokv_tier_write_errors_total");
   spill_crc_failures_ = counter("turbokv_spill_crc_failures_total",
-                                "Spill records that failed their CRC when read (at start or on promotion)");
+                                "Deprecated (goes after 0.5): turbokv_tier_crc_failures_total");
   promotion_duration_ = &BuildHistogram()
                              .Name("turbokv_promotion_duration_seconds")
                              .Help("Time to bring a demoted session back into memory")
@@ -446,8 +459,14 @@ void Metrics::SetStore(const StoreSnapshot& s) {
   spill_queued_bytes_->Set(static_cast<double>(s.tier.queued_bytes));
   Advance(demotions_, s.demotions, &demotions_seen_);
   Advance(promotions_, s.promotions, &promotions_seen_);
+  tier_live_bytes_->Set(static_cast<double>(s.tier.live_bytes));
+  tier_stored_bytes_->Set(static_cast<double>(s.tier.bytes));
+  tier_budget_bytes_->Set(static_cast<double>(s.tier.budget_bytes));
+  tier_queued_bytes_->Set(static_cast<double>(s.tier.queued_bytes));
   Advance(spill_write_errors_, s.tier.write_errors, &write_errors_seen_);
   Advance(spill_crc_failures_, s.tier.crc_failures, &crc_failures_seen_);
+  Advance(tier_write_errors_, s.tier.write_errors, &tier_write_errors_seen_);
+  Advance(tier_crc_failures_, s.tier.crc_failures, &tier_crc_failures_seen_);
   if (tier_up_ != nullptr) {
     tier_up_->Set(s.tier_health.ok() ? 1 : 0);
     Advance(tier_rewrites_, s.tier.rewrites, &rewrites_seen_);

@@ -128,6 +128,13 @@ class Metrics {
   prometheus::Counter* promotions_;
   prometheus::Counter* spill_write_errors_;
   prometheus::Counter* spill_crc_failures_;
+  // The same, by tier (turbokv_tier_*{tier}); the spill names go after 0.5.
+  prometheus::Gauge* tier_live_bytes_;
+  prometheus::Gauge* tier_stored_bytes_;
+  prometheus::Gauge* tier_budget_bytes_;
+  prometheus::Gauge* tier_queued_bytes_;
+  prometheus::Counter* tier_write_errors_;
+  prometheus::Counter* tier_crc_failures_;
   prometheus::Histogram* promotion_duration_;
   // By codec (CodecKind's value, 1 to 6) and kind (key, value).
   struct QuantizationSeries {
@@ -146,6 +153,8 @@ class Metrics {
   int64_t write_errors_seen_ = 0;
   int64_t crc_failures_seen_ = 0;
   int64_t rewrites_seen_ = 0;
+  int64_t tier_write_errors_seen_ = 0;
+  int64_t tier_crc_failures_seen_ = 0;
 };
 
 }  // namespace turbokv

@@ -1250,10 +1250,18 @@ class DeployTest(unittest.TestCase):
                        "kube_pod_container_resource_limits", "turbokv_inflight_calls", "turbokv_executor_queued",
                        'turbokv_tier_up{job="turbokvd",namespace=~"$namespace",pod=~"$pod",instance=~"$instance",tier="redis"}',
                        "sum by (result) (rate(turbokv_takeovers_total{",
-                       # The tier row: sessions per tier, bytes, demotions, promotions.
-                       "sum by (tier) (turbokv_tier_sessions{", "turbokv_spill_bytes{", "turbokv_spill_budget_bytes{",
-                       "rate(turbokv_demotions_total{", "rate(turbokv_promotions_total{"):
+                       # The tier row: sessions per tier, bytes, demotions, promotions, rewrites.
+                       "sum by (tier) (turbokv_tier_sessions{", "turbokv_tier_live_bytes{", "turbokv_tier_budget_bytes{",
+                       "rate(turbokv_demotions_total{", "rate(turbokv_promotions_total{", "turbokv_tier_rewrites_total{"):
             self.assertIn(metric, joined)
+        # The deprecated names are not what the dashboard reads.
+        self.assertNotIn("turbokv_spill_", joined)
+        # The tier row holds every tier panel: those below it, and nothing above it reads a tier metric.
+        row = next(p for p in dashboard["panels"] if p["type"] == "row" and "Tiers" in p["title"])
+        for panel in dashboard["panels"]:
+            tiered = any(re.search(r"turbokv_(tier|takeovers|demotions|promotions)", t["expr"])
+                         for t in panel.get("targets", []))
+            self.assertEqual(tiered, panel["gridPos"]["y"] > row["gridPos"]["y"], panel["title"])
         self.assertIn("Tiers", " ".join(p["title"] for p in dashboard["panels"] if p["type"] == "row"))
         ids = [p["id"] for p in dashboard["panels"]]
         self.assertEqual(len(ids), len(set(ids)))

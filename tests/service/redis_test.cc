@@ -287,7 +287,10 @@ void WaitForWriteThrough(const Daemon& daemon) {
   for (int i = 0; i < 100; ++i) {
     absl::SleepFor(absl::Milliseconds(200));
     const std::string metrics = Scrape(daemon.MetricsAddress());
-    if (Sample(metrics, "turbokv_spill_queued_bytes") == 0 && Sample(metrics, "turbokv_spill_bytes") > 0) return;
+    if (Sample(metrics, "turbokv_tier_queued_bytes{tier=\"redis\"}") == 0 &&
+        Sample(metrics, "turbokv_tier_live_bytes{tier=\"redis\"}") > 0) {
+      return;
+    }
   }
   ADD_FAILURE() << "the Redis writer never caught up";
 }

@@ -155,7 +155,9 @@ TEST(SpillDaemonTest, EightTimesTheBudgetAcross64SessionsComesBackBitExact) {
   const std::string metrics = Scrape(daemon.MetricsAddress());
   EXPECT_GT(Sample(metrics, "turbokv_demotions_total"), kSessions);
   EXPECT_GT(Sample(metrics, "turbokv_promotions_total"), kSessions / 2);
-  EXPECT_GT(Sample(metrics, "turbokv_spill_bytes"), 8.0 * (kBudgetMiB << 20) * 0.9);
+  EXPECT_GT(Sample(metrics, "turbokv_tier_live_bytes{tier=\"disk\"}"), 8.0 * (kBudgetMiB << 20) * 0.9);
+  // The deprecated name says the same until it goes.
+  EXPECT_EQ(Sample(metrics, "turbokv_spill_bytes"), Sample(metrics, "turbokv_tier_live_bytes{tier=\"disk\"}"));
   EXPECT_EQ(daemon.Stop(SIGTERM), 0) << daemon.Log();
 }
 
@@ -415,7 +417,7 @@ TEST(SpillDaemonTest, AFullDiskRefusesWithBothTiersNamedAndLosesNothing) {
     double write_errors = 0;
     for (absl::Time until = absl::Now() + absl::Seconds(5); write_errors <= 0 && absl::Now() < until;
          absl::SleepFor(absl::Milliseconds(200))) {
-      write_errors = Sample(Scrape(daemon.MetricsAddress()), "turbokv_spill_write_errors_total");
+      write_errors = Sample(Scrape(daemon.MetricsAddress()), "turbokv_tier_write_errors_total{tier=\"disk\"}");
     }
     EXPECT_GT(write_errors, 0);
     EXPECT_THAT(daemon.Log(), HasSubstr("No space left on device"));
