@@ -1259,7 +1259,7 @@ class DeployTest(unittest.TestCase):
         # The tier row holds every tier panel: those below it, and nothing above it reads a tier metric.
         row = next(p for p in dashboard["panels"] if p["type"] == "row" and "Tiers" in p["title"])
         for panel in dashboard["panels"]:
-            tiered = any(re.search(r"turbokv_(tier|takeovers|demotions|promotions)", t["expr"])
+            tiered = any(re.search(r"turbokv_(tier|takeovers|demotions|promotion)", t["expr"])
                          for t in panel.get("targets", []))
             self.assertEqual(tiered, panel["gridPos"]["y"] > row["gridPos"]["y"], panel["title"])
         self.assertIn("Tiers", " ".join(p["title"] for p in dashboard["panels"] if p["type"] == "row"))
