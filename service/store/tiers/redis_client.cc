@@ -234,6 +234,7 @@ absl::Status RedisConnection::Handshake() {
                                    address_.tls_key, "' (--redis-tls-cert, --redis-tls-key)"));
     }
   }
+  ERR_clear_error();
   ssl_ = SSL_new(ssl_context_);
   if (ssl_ == nullptr || SSL_set_fd(ssl_, fd_) != 1) return Fail("cannot set up TLS", TlsError());
   // The name (or address) in the URL is what the certificate must name.
@@ -275,8 +276,10 @@ absl::Status RedisConnection::Connect() {
     if (!authed.ok()) return authed.status();
     if (authed->type == RedisValue::kError) {
       // Redis's reply (WRONGPASS ..., or ERR AUTH ... called without any
-      // password configured) never holds the password.
-      misconfigured_ = true;
+      // password configured) never holds the password. Another error (ERR
+      // max number of clients reached) is no reason to give up.
+      misconfigured_ = absl::StartsWith(authed->str, "WRONGPASS") || absl::StartsWith(authed->str, "NOPERM") ||
+                       absl::StrContains(authed->str, "AUTH");
       return Fail(absl::StrCat("refused the credentials of user '", address_.user.empty() ? "default" : address_.user,
                                "'"),
                   authed->str);
@@ -295,6 +298,7 @@ absl::Status RedisConnection::SendAll(const std::string& bytes, absl::string_vie
     const size_t left = bytes.size() - sent;
     ssize_t n;
     if (ssl_ != nullptr) {
+      ERR_clear_error();
       n = SSL_write(ssl_, bytes.data() + sent, static_cast<int>(std::min<size_t>(left, 1 << 30)));
     } else {
       n = send(fd_, bytes.data() + sent, left, MSG_NOSIGNAL);
@@ -315,6 +319,7 @@ absl::StatusOr<size_t> RedisConnection::Receive(char* buf, size_t size) {
   for (;;) {
     ssize_t n;
     if (ssl_ != nullptr) {
+      ERR_clear_error();
       n = SSL_read(ssl_, buf, static_cast<int>(size));
     } else {
       n = recv(fd_, buf, size, 0);
@@ -322,7 +327,9 @@ absl::StatusOr<size_t> RedisConnection::Receive(char* buf, size_t size) {
     if (n > 0) return static_cast<size_t>(n);
     const int error = n == 0 ? 0 : errno;
     if (error == EINTR && ssl_ == nullptr) continue;
-    return absl::UnavailableError(n == 0 && ssl_ == nullptr ? "the connection was closed" : SystemError(error));
+    std::string reason = ssl_ != nullptr ? TlsError() : "";
+    if (reason.empty()) reason = n == 0 ? "the connection was closed" : SystemError(error);
+    return absl::UnavailableError(reason);
   }
 }
 

@@ -53,8 +53,12 @@ constexpr size_t kReadBatch = 32;  // pages per round trip of a promotion  // a 
 //
 // KEYS: lease, epoch, manifest. ARGV: owner, lease ms, whether the manifest
 // must exist, TTL. {0}: no manifest; {-1, holder, ms left}: leased by
-// another; {epoch[, manifest]}. A lease this owner holds already (a claim
-// whose answer timed out, sent again) is its own.
+// another; {-2}: a manifest without its epoch (Redis lost data: the epoch
+// cannot be told, so nobody claims it; its owner, if alive, restores it);
+// {epoch[, manifest]}. A lease this owner holds already (a claim whose
+// answer timed out, sent again) is its own. Every write and renewal
+// refreshes the epoch's expiry with its own keys', so that the epoch
+// outlives what it fences.
 constexpr char kAcquire[] =
     "local m = false "
     "if ARGV[3] == '1' then m = redis.call('GET', KEYS[3]) if not m then return {0} end end "
@@ -65,6 +69,7 @@ constexpr char kAcquire[] =
     "  if m then return {mine, m} end "
     "  return {mine} "
     "end "
+    "if m and not redis.call('GET', KEYS[2]) then return {-2} end "
     "local e = redis.call('INCR', KEYS[2]) "
     "redis.call('PEXPIRE', KEYS[2], ARGV[4]) "
     "redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. e, 'PX', ARGV[2]) "
@@ -73,17 +78,20 @@ constexpr char kAcquire[] =
 // KEYS: epoch, page, sealed pages. ARGV: epoch, value, field ('' for a
 // tail), entry, TTL.
 constexpr char kWritePage[] = TURBOKV_FENCE
+    "redis.call('PEXPIRE', KEYS[1], ARGV[5]) "
     "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[5]) "
     "if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) redis.call('PEXPIRE', KEYS[3], ARGV[5]) end "
     "return 1";
 // KEYS: epoch, manifest, sealed pages. ARGV: epoch, value, TTL. The
 // manifest lists every page up to now: the sealed pages written before it go.
 constexpr char kWriteManifest[] = TURBOKV_FENCE
+    "redis.call('PEXPIRE', KEYS[1], ARGV[3]) "
     "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
     "redis.call('DEL', KEYS[3]) "
     "return 1";
 // KEYS: epoch, source, destination. ARGV: epoch, TTL.
 constexpr char kCopy[] = TURBOKV_FENCE
+    "redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
     "local copied = redis.call('COPY', KEYS[2], KEYS[3], 'REPLACE') "
     "if copied == 1 then redis.call('PEXPIRE', KEYS[3], ARGV[2]) end "
     "return copied";
@@ -104,7 +112,13 @@ constexpr char kTombstone[] = TURBOKV_FENCE
 // "STALE none".
 constexpr char kRenew[] =
     "local e = redis.call('GET', KEYS[2]) "
-    "if e == ARGV[3] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end "
+    "local h = redis.call('GET', KEYS[1]) "
+    "if h and h ~= ARGV[1] then return redis.error_reply('STALE ' .. (e or 'none')) end "
+    "if e == ARGV[3] then "
+    "  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) "
+    "  redis.call('PEXPIRE', KEYS[2], ARGV[5]) "
+    "  return 1 "
+    "end "
     "local n = tonumber(e) "
     "if (e and not (n and n < tonumber(ARGV[3]))) or ARGV[4] ~= '1' then "
     "  return redis.error_reply('STALE ' .. (e or 'none')) "
@@ -467,6 +481,14 @@ void RedisTier::NoteLost(SessionState& state, absl::string_view why) {
 }
 
 absl::Status RedisTier::ScriptError(SessionState& state, const RedisValue& reply) {
+  // Redis loading its file, busy with a script, a replica, or full: the
+  // write is sent again when Redis takes it.
+  for (absl::string_view transient : {"LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN", "OOM"}) {
+    if (absl::StartsWith(reply.str, transient)) {
+      return absl::UnavailableError(absl::StrCat("Redis at ", options_.address.url, " refused a write of session ",
+                                                 state.id, " for now: ", reply.str));
+    }
+  }
   if (absl::StartsWith(reply.str, "STALE ")) {
     std::lock_guard<std::mutex> lock(mutex_);
     return absl::FailedPreconditionError(Disown(state, absl::string_view(reply.str).substr(6)));
@@ -531,8 +553,7 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
   }
   absl::StatusOr<RedisValue> reply = writer_connection_.Run(command);
   if (!reply.ok()) return reply.status();
-  if (reply->type == RedisValue::kError && absl::StartsWith(reply->str, "LOST ") &&
-      (job.kind == Job::kDelete || job.kind == Job::kTombstone)) {
+  if (reply->type == RedisValue::kError && absl::StartsWith(reply->str, "LOST ") && job.kind == Job::kDelete) {
     return absl::OkStatus();  // nothing left to delete
   }
   if (reply->type == RedisValue::kError && absl::StartsWith(reply->str, "LOST ")) {
@@ -551,7 +572,10 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       state.confirmed = sent;
-      NoteLost(state, absl::StrCat("Redis lost its epoch (", absl::string_view(reply->str).substr(5), ")"));
+      // A tombstone goes as it is: the session is being deleted, not kept.
+      if (job.kind != Job::kTombstone) {
+        NoteLost(state, absl::StrCat("Redis lost its epoch (", absl::string_view(reply->str).substr(5), ")"));
+      }
     }
     reply = writer_connection_.Run(command);
     if (!reply.ok()) return reply.status();
@@ -634,11 +658,11 @@ std::vector<std::string> RedisTier::RenewCommand(const SessionState& state) cons
           may_restore ? "1" : "0", OrphanTtlMs()};
 }
 
-void RedisTier::Refresh() {
+bool RedisTier::Refresh() {
   std::vector<std::vector<std::string>> commands;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (released_) return;
+    if (released_) return true;
     const std::string ttl = OrphanTtlMs();
     for (const auto& [name, state] : sessions_) {
       if (state->epoch == 0 || state->disowned || state->tombstoned) continue;
@@ -647,17 +671,19 @@ void RedisTier::Refresh() {
     }
   }
   constexpr size_t kBatch = 1024;
+  bool refreshed = true;
   for (size_t at = 0; at < commands.size(); at += kBatch) {
     const std::vector<std::vector<std::string>> batch(commands.begin() + static_cast<std::ptrdiff_t>(at),
                                                       commands.begin() + static_cast<std::ptrdiff_t>(
                                                                              std::min(commands.size(), at + kBatch)));
     absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(batch);
     if (!replies.ok()) {
-      Logf(LogLevel::kWarning, "Redis tier: the keys' expiry (--redis-orphan-ttl) was not refreshed: %s",
-           std::string(replies.status().message()).c_str());
-      return;
+      Logf(LogLevel::kWarning, "Redis tier: the expiry (--redis-orphan-ttl) of %zu keys was not refreshed: %s",
+           std::min(kBatch, commands.size() - at), std::string(replies.status().message()).c_str());
+      refreshed = false;  // the other batches go all the same
     }
   }
+  return refreshed;
 }
 
 void RedisTier::WriterLoop() {
@@ -684,11 +710,13 @@ void RedisTier::WriterLoop() {
       }
       continue;
     }
-    if (absl::Now() >= next_refresh && up_) {
+    if (absl::Now() >= next_refresh) {
+      // Also while Redis is refused for its eviction policy; a refresh that
+      // fails is tried again soon, never a quarter TTL later.
       lock.unlock();
-      Refresh();
+      const bool refreshed = Refresh();
       lock.lock();
-      next_refresh = absl::Now() + refresh_every;
+      next_refresh = absl::Now() + (refreshed ? refresh_every : std::min(refresh_every, absl::Seconds(5)));
       continue;
     }
     if (queue_.empty()) {
@@ -936,6 +964,12 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   }
   const long long epoch = acquired.elements[0].integer;
   if (epoch == 0) return absl::NotFoundError("not in Redis");
+  if (epoch == -2) {
+    return absl::DataLossError(absl::StrCat(
+        "session ", id, " in Redis has a manifest but no epoch: Redis lost data (evicted, deleted, or restarted "
+        "without its append-only file), so whether another daemon holds it cannot be told; it is not taken over "
+        "(its owner, if it is alive, restores the epoch within its lease)"));
+  }
   if (epoch < 0) {
     const std::string holder = acquired.elements.size() > 1 ? acquired.elements[1].str : "";
     const long long left = acquired.elements.size() > 2 ? acquired.elements[2].integer : 0;

@@ -100,8 +100,9 @@ class RedisTier final : public Tier {
   void Renew();
   // The renewal script's command for the session (under mutex_).
   std::vector<std::string> RenewCommand(const SessionState& state) const;
-  // Starts the orphan TTL of every key of the sessions held again.
-  void Refresh();
+  // Starts the orphan TTL of every key of the sessions held again; false
+  // when some keys could not be refreshed.
+  bool Refresh();
   std::string OrphanTtlMs() const;
   // Under mutex_: another daemon has the session now, at `epoch_now`
   // (logged once). Returns why, as calls on it are told.
