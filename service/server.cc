@@ -287,6 +287,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     redis.page_tokens = options.page_tokens;
     redis.lease = options.redis_lease;
     redis.timeout = options.redis_timeout;
+    if (options.redis_timeout * 3 >= options.redis_lease) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--redis-timeout ", absl::FormatDuration(options.redis_timeout), " is not under a third of --redis-lease (",
+          absl::FormatDuration(options.redis_lease),
+          "): one slow reply would cost this daemon its leases, since they are renewed every third of it"));
+    }
     if (options.redis_orphan_ttl < 3 * options.redis_lease) {
       return absl::InvalidArgumentError(absl::StrCat("--redis-orphan-ttl ", absl::FormatDuration(options.redis_orphan_ttl),
                                                      " is shorter than 3 x --redis-lease (",

@@ -59,8 +59,14 @@ RedisValue Convert(const redisReply& reply) {
 absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
   RedisAddress address;
   address.url = std::string(url);
+  // A URL with credentials is shown without them.
+  std::string shown(url);
+  if (const size_t at = shown.find('@'), scheme = shown.find("://");
+      at != std::string::npos && scheme != std::string::npos && scheme < at) {
+    shown.replace(scheme + 3, at - scheme - 3, "...");
+  }
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("--redis-url ", url, ": ", why,
+    return absl::InvalidArgumentError(absl::StrCat("--redis-url ", shown, ": ", why,
                                                    " (redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] or unix:///PATH[?db=N])"));
   };
   absl::string_view rest = url;
@@ -128,11 +134,19 @@ absl::Status RedisConnection::Fail(absl::string_view what, absl::string_view rea
 
 namespace {
 
-// OpenSSL's first queued error, as text (empty with none); the queue is emptied.
-std::string TlsError() {
+// OpenSSL's first queued error, as text (empty with none); the queue is
+// emptied. *ours: whether it is Redis refusing this daemon's certificate (or
+// its lack of one), which trying again will not mend.
+std::string TlsError(bool* ours = nullptr) {
   const unsigned long code = ERR_get_error();
   ERR_clear_error();
   if (code == 0) return "";
+  if (ours != nullptr) {
+    const int reason = ERR_GET_REASON(code);
+    *ours = reason == SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED || reason == SSL_R_TLSV1_ALERT_UNKNOWN_CA ||
+            reason == SSL_R_SSLV3_ALERT_BAD_CERTIFICATE || reason == SSL_R_SSLV3_ALERT_CERTIFICATE_UNKNOWN ||
+            reason == SSL_R_TLSV1_ALERT_ACCESS_DENIED;
+  }
   char text[256];
   ERR_error_string_n(code, text, sizeof(text));
   return text;
@@ -253,8 +267,12 @@ absl::Status RedisConnection::Handshake() {
       return Fail("the TLS handshake failed",
                   absl::StrCat("the server's certificate: ", X509_verify_cert_error_string(verified)));
     }
-    const std::string reason = TlsError();
-    return Fail("the TLS handshake failed", reason.empty() ? SystemError(errno) : reason);
+    bool ours = false;
+    const std::string reason = TlsError(&ours);
+    misconfigured_ = ours;
+    std::string why = reason.empty() ? SystemError(errno) : reason;
+    if (why.empty()) why = "no TLS from the server (is the port Redis's TLS port?)";
+    return Fail("the TLS handshake failed", why);
   }
   return absl::OkStatus();
 }
@@ -327,7 +345,11 @@ absl::StatusOr<size_t> RedisConnection::Receive(char* buf, size_t size) {
     if (n > 0) return static_cast<size_t>(n);
     const int error = n == 0 ? 0 : errno;
     if (error == EINTR && ssl_ == nullptr) continue;
-    std::string reason = ssl_ != nullptr ? TlsError() : "";
+    bool ours = false;
+    std::string reason = ssl_ != nullptr ? TlsError(&ours) : "";
+    // With TLS 1.3 Redis refuses a client certificate after the handshake,
+    // at the first read.
+    if (ours) misconfigured_ = true;
     if (reason.empty()) reason = n == 0 ? "the connection was closed" : SystemError(error);
     return absl::UnavailableError(reason);
   }

@@ -142,13 +142,16 @@ std::string MakeOwner() {
 
 // What the tier needs to know of Redis itself, from INFO server, memory and
 // persistence (three commands: Redis before 7 takes one section at a time).
+// An EVAL that does nothing checks that the user may run scripts (every
+// write is one).
 struct RedisFacts {
   std::string run_id;  // another after a restart
   std::string policy;  // maxmemory-policy
+  int64_t maxmemory = 0;
   bool aof = true;     // appendonly
 };
 std::vector<std::vector<std::string>> FactsCommands() {
-  return {{"INFO", "server"}, {"INFO", "memory"}, {"INFO", "persistence"}};
+  return {{"INFO", "server"}, {"INFO", "memory"}, {"INFO", "persistence"}, {"EVAL", "return 1", "0"}};
 }
 std::string InfoField(const RedisValue& info, absl::string_view name) {
   for (absl::string_view line : absl::StrSplit(info.str, absl::ByAnyChar("\r\n"), absl::SkipEmpty())) {
@@ -159,7 +162,7 @@ std::string InfoField(const RedisValue& info, absl::string_view name) {
 // The facts, or why Redis would not tell them: PERMISSION_DENIED when it
 // wants a password, FAILED_PRECONDITION for another error reply.
 absl::StatusOr<RedisFacts> ReadFacts(const RedisAddress& address, const std::vector<RedisValue>& replies) {
-  for (size_t i = 0; i < 3; ++i) {
+  for (size_t i = 0; i < 4; ++i) {
     if (replies[i].type != RedisValue::kError) continue;
     if (absl::StartsWith(replies[i].str, "NOAUTH")) {
       return absl::PermissionDeniedError(absl::StrCat("Redis at ", address.url,
@@ -167,13 +170,16 @@ absl::StatusOr<RedisFacts> ReadFacts(const RedisAddress& address, const std::vec
                                                       "$TURBOKV_REDIS_PASSWORD): ",
                                                       replies[i].str));
     }
-    return absl::FailedPreconditionError(
-        absl::StrCat("Redis at ", address.url, " answered INFO with an error: ", replies[i].str));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Redis at ", address.url, " refused ", i < 3 ? "INFO" : "EVAL", " (user '",
+        address.user.empty() ? "default" : address.user, "' needs INFO, EVAL and the commands its scripts run: GET, SET, HSET, "
+        "DEL, INCR, PEXPIRE, COPY; and HGETALL, EXISTS, PING): ", replies[i].str));
   }
   RedisFacts facts;
   facts.run_id = InfoField(replies[0], "run_id");
   facts.policy = InfoField(replies[1], "maxmemory_policy");
   facts.aof = InfoField(replies[2], "aof_enabled") != "0";
+  if (!absl::SimpleAtoi(InfoField(replies[1], "maxmemory"), &facts.maxmemory)) facts.maxmemory = 0;
   return facts;
 }
 // Why a Redis that evicts keys under memory pressure is refused (empty
@@ -184,6 +190,21 @@ std::string EvictionRefusal(const RedisAddress& address, const RedisFacts& facts
                       "): sessions' pages and epochs would vanish from it; turbokvd writes to it only with "
                       "maxmemory-policy noeviction");
 }
+// Redis without a memory limit, or with one below this daemon's own budget
+// in it: a warning (other daemons may share it, so neither is refused).
+void WarnOfMemory(const RedisAddress& address, const RedisFacts& facts, size_t budget) {
+  if (facts.maxmemory == 0) {
+    Logf(LogLevel::kWarning,
+         "Redis at %s has no maxmemory: it grows until the machine or its container runs out of memory; set "
+         "maxmemory with room for every daemon's --redis-budget",
+         address.url.c_str());
+  } else if (static_cast<size_t>(facts.maxmemory) < budget) {
+    Logf(LogLevel::kWarning, "Redis at %s has maxmemory %s, below this daemon's --redis-budget %s alone",
+         address.url.c_str(), FormatByteSize(static_cast<size_t>(facts.maxmemory)).c_str(),
+         FormatByteSize(budget).c_str());
+  }
+}
+
 void WarnWithoutPersistence(const RedisAddress& address, const RedisFacts& facts) {
   if (facts.aof) return;
   Logf(LogLevel::kWarning,
@@ -300,6 +321,7 @@ absl::StatusOr<std::unique_ptr<RedisTier>> RedisTier::Open(const RedisTierOption
         return absl::FailedPreconditionError(refusal);
       }
       WarnWithoutPersistence(options.address, *facts);
+      WarnOfMemory(options.address, *facts, options.budget_bytes);
       tier->run_id_ = facts->run_id;
     }
   }
