@@ -540,6 +540,7 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
         {"EVAL", kAcquire, "3", state.Key("l"), state.Key("e"), state.Key("m"), owner_,
          std::to_string(absl::ToInt64Milliseconds(options_.lease)), "0", OrphanTtlMs()});
     if (!claimed.ok()) return claimed.status();
+    if (claimed->type == RedisValue::kError) return ScriptError(state, *claimed);
     if (claimed->type != RedisValue::kArray || claimed->elements.empty() ||
         claimed->elements[0].type != RedisValue::kInteger || claimed->elements[0].integer <= 0) {
       return absl::InternalError(absl::StrCat("session ", state.id, " is already in Redis under another daemon"));
