@@ -308,6 +308,17 @@ grpc::health::v1::HealthCheckResponse::ServingStatus RemoteTierHealth(const std:
   return response.status();
 }
 
+// The health of daemon `name`'s Redis tier once it is `wanted`, or as it
+// still is after `limit`.
+grpc::health::v1::HealthCheckResponse::ServingStatus WaitForTierHealth(
+    const std::string& name, grpc::health::v1::HealthCheckResponse::ServingStatus wanted, absl::Duration limit) {
+  grpc::health::v1::HealthCheckResponse::ServingStatus now = RemoteTierHealth(name);
+  for (absl::Time until = absl::Now() + limit; now != wanted && absl::Now() < until; now = RemoteTierHealth(name)) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return now;
+}
+
 // A session of `tokens` tokens written on daemon "a" (with `flags`), which
 // then drains (SIGTERM) and exits 0: its id, or empty (the failure reported).
 std::string HandedOver(const RedisServer& redis, const Sequence& sequence, int64_t tokens,
@@ -612,11 +623,8 @@ TEST(RedisTierTest, RedisPausedOrStoppedNeverHoldsACallAndTheTierCatchesUp) {
   // handover carries every token to another daemon.
   redis.Start();
   for (int i = 0; i < 8; ++i) step();
-  for (absl::Time until = absl::Now() + absl::Seconds(10);
-       RemoteTierHealth("a") != grpc::health::v1::HealthCheckResponse::SERVING && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(100));
-  }
-  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(WaitForTierHealth("a", grpc::health::v1::HealthCheckResponse::SERVING, absl::Seconds(10)),
+            grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
   Daemon b(Flags("b", redis));
   auto client_b = Connected("b", b);
@@ -702,19 +710,13 @@ TEST(RedisTierTest, ARedisThatEvictsKeysIsRefusedAtStartAndWhileItDoes) {
   // Turned to evicting while the daemon runs: the tier is down (writes
   // wait), calls on sessions in memory go on; turned back, it catches up.
   EXPECT_EQ(redis.Run({"CONFIG", "SET", "maxmemory-policy", "volatile-lru"}).str, "OK");
-  for (absl::Time until = absl::Now() + absl::Seconds(5);
-       RemoteTierHealth("a") != grpc::health::v1::HealthCheckResponse::NOT_SERVING && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(100));
-  }
-  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(WaitForTierHealth("a", grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(5)),
+            grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   EXPECT_THAT(a.Log(), HasSubstr("maxmemory-policy volatile-lru"));
   ASSERT_EQ(Appended(sequence.Append(*session, 100, 100)), 200);
   EXPECT_EQ(redis.Run({"CONFIG", "SET", "maxmemory-policy", "noeviction"}).str, "OK");
-  for (absl::Time until = absl::Now() + absl::Seconds(5);
-       RemoteTierHealth("a") != grpc::health::v1::HealthCheckResponse::SERVING && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(100));
-  }
-  EXPECT_EQ(RemoteTierHealth("a"), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(WaitForTierHealth("a", grpc::health::v1::HealthCheckResponse::SERVING, absl::Seconds(5)),
+            grpc::health::v1::HealthCheckResponse::SERVING);
   const std::string id = session->id();
   EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
   Daemon b(Flags("b", redis));
