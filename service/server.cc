@@ -484,7 +484,8 @@ void Server::ExpireLoop() {
     if (expired > 0) Logf(LogLevel::kInfo, "%d idle session(s) expired", expired);
     const SessionStore::RebalanceReport rebalanced = store_->Rebalance();
     for (const std::string& id : rebalanced.dropped) {
-      Logf(LogLevel::kWarning, "session %s dropped: the spill tier is over its high watermark", id.c_str());
+      Logf(LogLevel::kWarning, "session %s dropped: the %s tier is over its high watermark", id.c_str(),
+           options_.redis_url.empty() ? "disk" : "Redis");
     }
     SetTierHealth();
     SetDeviceHealth();

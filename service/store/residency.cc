@@ -154,6 +154,15 @@ void SessionStore::NoteManifestExtras(SessionCache& session) {
 
 namespace {
 
+// Why a session on the tier only was dropped to bring the tier under its
+// high watermark: names the tier and its budget's flag (a Redis tier's is
+// not --spill-budget).
+std::string TierDropReason(const Tier& tier) {
+  const absl::string_view name = tier.name();
+  return absl::StrCat("dropped: the ", name, " tier was over its high watermark (--", name == "redis" ? "redis" : "spill",
+                      "-budget), oldest first");
+}
+
 // Waits for every record of `image` and its manifest; the first error.
 absl::Status WaitForImage(Tier& tier, const TierSession& image, const TierRecord& manifest) {
   for (const TierLayer& layer : image.layers) {
@@ -174,7 +183,7 @@ absl::Status SessionStore::Demote(SessionCache& session) {
   if (image.ok()) {
     for (size_t l = 0; l < image->layers.size(); ++l) {
       if (image->layers[l].tokens != session.layers()[l].tokens()) {
-        image = absl::UnavailableError("a sealed page of the session is not on the spill tier");
+        image = absl::UnavailableError(absl::StrCat("a sealed page of the session is not on the ", tier_->name(), " tier"));
         break;
       }
     }
@@ -442,8 +451,7 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
       live -= static_cast<int64_t>(TierBytes(*session));
       std::lock_guard<std::mutex> lock(mutex_);
       Drop(session.get());
-      RememberGone(*session, "dropped: the spill tier was over its high watermark (--spill-budget), oldest first",
-                   &disk_drops_);
+      RememberGone(*session, TierDropReason(*tier_), &disk_drops_);
       report.dropped.push_back(session->id());
     }
   }
