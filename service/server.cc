@@ -485,7 +485,7 @@ void Server::ExpireLoop() {
     const SessionStore::RebalanceReport rebalanced = store_->Rebalance();
     for (const std::string& id : rebalanced.dropped) {
       Logf(LogLevel::kWarning, "session %s dropped: the %s tier is over its high watermark", id.c_str(),
-           options_.redis_url.empty() ? "disk" : "Redis");
+           store_->tier()->name());
     }
     SetTierHealth();
     SetDeviceHealth();
