@@ -61,6 +61,17 @@ Flags (--name=value or --name value):
   --redis-lease=DURATION   how long a session stays this daemon's after its
                            last renewal (every third of it) (default 10s)
   --redis-timeout=DURATION to connect to Redis, and per reply (default 1s)
+  --redis-acknowledge=WHEN an append answers once Redis holds its tokens
+                           ("written": a daemon killed or cut off from
+                           Redis loses none it acknowledged; a call waits
+                           a round trip to Redis) or once they are queued
+                           for Redis ("queued": what is still queued is
+                           lost then) (default written)
+  --redis-queue=SIZE       most bytes of writes waiting for Redis: past it an
+                           append waits for room (written) or its sealed
+                           pages wait in memory for the background pass
+                           (queued); demotions and the drain may take twice
+                           it (default 64MiB)
   --redis-orphan-ttl=DURATION  a session's keys in Redis expire this long
                            after their owner last refreshed them (every
                            quarter of it): a session nobody holds or claims
@@ -199,6 +210,9 @@ int main(int argc, char** argv) {
       options.redis_url = value;
     } else if (name == "redis-orphan-ttl") {
       if (!absl::ParseDuration(value, &options.redis_orphan_ttl)) return Fail(flag + ": expected a duration like 168h");
+    } else if (name == "redis-acknowledge") {
+      if (value != "written" && value != "queued") return Fail(flag + ": expected written or queued");
+      options.redis_acknowledge_written = value == "written";
     } else if (name == "redis-user") {
       options.redis_user = value;
     } else if (name == "redis-tls-ca") {
@@ -213,6 +227,12 @@ int main(int argc, char** argv) {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
       if (!bytes.ok()) return Fail(absl::StrCat("--redis-budget: ", bytes.status().message()));
       options.redis_budget = *bytes;
+    } else if (name == "redis-queue") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok() || *bytes == 0) {
+        return Fail(absl::StrCat("--redis-queue: ", bytes.ok() ? "must be more than 0" : bytes.status().message()));
+      }
+      options.redis_queue = *bytes;
     } else if (name == "redis-lease") {
       if (!absl::ParseDuration(value, &options.redis_lease) || options.redis_lease < absl::Milliseconds(300)) {
         return Fail(flag + ": expected a duration of at least 300ms, like 10s");

@@ -299,6 +299,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                                                      absl::FormatDuration(3 * options.redis_lease), ")"));
     }
     redis.orphan_ttl = options.redis_orphan_ttl;
+    redis.acknowledge_written = options.redis_acknowledge_written;
+    redis.max_queued_bytes = options.redis_queue;
     absl::StatusOr<std::unique_ptr<RedisTier>> opened = RedisTier::Open(redis);
     if (!opened.ok()) return opened.status();
     tier = *std::move(opened);

@@ -78,6 +78,8 @@ struct ServerOptions {
   absl::Duration redis_lease = absl::Seconds(10);
   absl::Duration redis_timeout = absl::Seconds(1);
   absl::Duration redis_orphan_ttl = absl::Hours(24 * 7);
+  bool redis_acknowledge_written = true;  // --redis-acknowledge
+  size_t redis_queue = size_t{64} << 20;  // --redis-queue
   // Of the memory budget (and of spill_budget): past high, the background
   // pass demotes idle sessions (drops the oldest on disk) down to low.
   double high_watermark = 0.90;

@@ -118,15 +118,18 @@ absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, 
                         queries != nullptr ? queries + i * layer_queries : nullptr);
   }
   TURBOKV_RETURN_IF_ERROR(CommitChunks(writes));
-  // Pages this chunk sealed go to the spill tier behind the call (later,
-  // from the background pass, when the writer's queue is full).
-  store_->WriteThrough(session, /*force=*/false).IgnoreError();
   StoredChunk chunk;
   for (const ChunkWrite& write : writes) {
     chunk.before.push_back(write.before);
     chunk.after.push_back(write.after);
   }
   return chunk;
+}
+
+absl::Status Handler::Persist(SessionCache& session, const std::vector<int>& layers, const StoredChunk& chunk) {
+  std::vector<SessionStore::LayerGrowth> growth;
+  for (size_t i = 0; i < layers.size(); ++i) growth.push_back({layers[i], chunk.before[i]});
+  return store_->AwaitNewTokens(session, growth, store_->QueueNewTokens(session, growth));
 }
 
 int64_t Handler::ReplyBytes(const v1::AppendRequest& /*request*/) {
@@ -180,6 +183,7 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
 
   TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk, StoreChunk(session, layers, request.start(), n, keys.data(),
                                                          values.data(), queries.empty() ? nullptr : queries.data()));
+  TURBOKV_RETURN_IF_ERROR(Persist(session, layers, chunk));
   v1::AppendResponse response;
   response.set_start(request.start());
   int64_t tokens = INT64_MAX;

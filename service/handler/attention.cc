@@ -155,6 +155,7 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
     layer.Truncate(chunk.before[0]);  // a failed call changes nothing
     return status;
   }
+  TURBOKV_RETURN_IF_ERROR(Persist(*session, {request.layer()}, chunk));
   session->Touch(absl::Now());
   return response;
 }
@@ -329,6 +330,7 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   // Appends: each item's pages taken first (an item the budget cannot hold
   // fails alone), then every item's tokens encoded in one parallel job.
   std::vector<ChunkWrite> writes;
+  std::vector<size_t> write_of(batch, SIZE_MAX);  // each item's, if it has one
   if (shape.kv_heads != 0) {
     for (size_t i = 0; i < batch; ++i) {
       if (!status[i].ok()) continue;
@@ -348,6 +350,7 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
         status[i] = pending.status();
         continue;
       }
+      write_of[i] = writes.size();
       writes.push_back(WriteOf(session, request.layer(), std::move((*pending)[0]), keys.data() + i * item_values,
                                values.data() + i * item_values, queries.data() + i * item_queries));
     }
@@ -372,6 +375,20 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   if (absl::Status run = RunBatch(problems, params, static_cast<int64_t>(problems.size()) * shape.k); !run.ok()) {
     for (ChunkWrite& write : writes) write.layer->Truncate(write.before);  // a failed message changes nothing
     return run;
+  }
+  // New tokens are acknowledged as the tier holds them: an item whose
+  // tokens it did not take fails alone. Every item's are queued before any
+  // is waited for.
+  std::vector<absl::StatusOr<SessionStore::TierWrites>> queued(writes.size());
+  for (size_t i = 0; i < batch; ++i) {
+    if (write_of[i] == SIZE_MAX) continue;
+    queued[write_of[i]] =
+        store_->QueueNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].before}});
+  }
+  for (size_t i = 0; i < batch; ++i) {
+    if (write_of[i] == SIZE_MAX) continue;
+    status[i] = store_->AwaitNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].before}},
+                                       queued[write_of[i]]);
   }
 
   v1::DecodeResponse response;

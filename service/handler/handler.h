@@ -172,6 +172,10 @@ class Handler {
     std::vector<int64_t> before;
     std::vector<int64_t> after;
   };
+  // The chunk's new tokens in `layers` of the session made durable before
+  // the call answers (SessionStore::QueueNewTokens, AwaitNewTokens); on an
+  // error they are gone from the layers again.
+  absl::Status Persist(SessionCache& session, const std::vector<int>& layers, const StoredChunk& chunk);
   // PrepareAppend, then encodes keys and values ([layers.size()][n][kv_heads]
   // [head_dim]) into each layer; queries ([layers.size()][n][q_heads]
   // [head_dim], or null) serve the key transforms the chunk fits.

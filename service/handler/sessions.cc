@@ -193,7 +193,7 @@ absl::StatusOr<v1::SessionInfo> Handler::TruncateSession(const v1::TruncateSessi
   }
   std::unique_lock<std::mutex> lock;
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
-  store_->Truncate(*session, request.tokens());
+  TURBOKV_RETURN_IF_ERROR(store_->Truncate(*session, request.tokens()));
   return Info(*session);
 }
 

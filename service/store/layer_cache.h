@@ -46,6 +46,11 @@ class LayerCache {
   // Bytes of the pages this layer holds (pages shared with forks count here too).
   size_t bytes() const { return pages_.size() * page_bytes_; }
   size_t page_bytes() const { return page_bytes_; }
+  // Where its pages' slots lie.
+  SlotShape slots() const {
+    return SlotShape{kv_heads_, page_tokens_, static_cast<int32_t>(key_codec_->layout().code_size()),
+                     static_cast<int32_t>(value_codec_->layout().code_size())};
+  }
   int kv_heads() const { return kv_heads_; }
   int head_dim() const { return key_codec_->layout().head_dim; }
 

@@ -63,6 +63,42 @@ void PutString(std::string* out, const std::string& s) {
   out->append(s);
 }
 
+namespace {
+
+// Calls f(offset in the page, offset in the slots, bytes) for each run of
+// slots [from, to): per head, its keys, then its values.
+template <typename F>
+void ForEachSlotRun(const SlotShape& shape, int32_t from, int32_t to, F f) {
+  const size_t n = static_cast<size_t>(to - from);
+  const size_t head = static_cast<size_t>(shape.page_tokens) * (static_cast<size_t>(shape.key_bytes) + shape.value_bytes);
+  size_t at = 0;
+  for (int32_t h = 0; h < shape.heads; ++h) {
+    const size_t keys = static_cast<size_t>(h) * head + static_cast<size_t>(from) * shape.key_bytes;
+    const size_t values = static_cast<size_t>(h) * head + static_cast<size_t>(shape.page_tokens) * shape.key_bytes +
+                          static_cast<size_t>(from) * shape.value_bytes;
+    f(keys, at, n * shape.key_bytes);
+    at += n * shape.key_bytes;
+    f(values, at, n * shape.value_bytes);
+    at += n * shape.value_bytes;
+  }
+}
+
+}  // namespace
+
+void CopySlots(const uint8_t* page, const SlotShape& shape, int32_t from, int32_t to, std::string* out) {
+  const size_t start = out->size();
+  out->resize(start + shape.slots_bytes(from, to));
+  ForEachSlotRun(shape, from, to, [&](size_t in_page, size_t in_slots, size_t bytes) {
+    std::memcpy(out->data() + start + in_slots, page + in_page, bytes);
+  });
+}
+
+void PlaceSlots(absl::string_view slots, const SlotShape& shape, int32_t from, int32_t to, uint8_t* page) {
+  ForEachSlotRun(shape, from, to, [&](size_t in_page, size_t in_slots, size_t bytes) {
+    std::memcpy(page + in_page, slots.data() + in_slots, bytes);
+  });
+}
+
 absl::string_view Reader::Take(size_t n) {
   if (bytes_.size() < n) {
     short_ = true;

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/thread_pool.h"
 #include "service/log.h"
+#include "service/status_macros.h"
 #include "service/store/session_id.h"
 #include "service/store/session_store.h"
 
@@ -110,6 +111,72 @@ absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCache& session,
+                                                                     absl::Span<const LayerGrowth> growth) {
+  TierWrites writes;
+  if (tier_ == nullptr || !session.resident() || session.gone()) return writes;
+  if (!tier_->holds_every_append()) {
+    WriteThrough(session, /*force=*/false).IgnoreError();
+    return writes;
+  }
+  // A claim finds a session by its manifest: the first one goes before any
+  // of its tokens.
+  if (session.manifest_ == nullptr) WriteTierManifest(session);
+  TURBOKV_RETURN_IF_ERROR(WriteThrough(session, /*force=*/false));
+  const int64_t pt = options_.page_tokens;
+  {
+    std::lock_guard<std::mutex> lock(records_mutex_);
+    for (const LayerGrowth& grown : growth) {
+      const LayerCache& layer = session.layers()[static_cast<size_t>(grown.layer)];
+      for (int64_t i = grown.before / pt; i < layer.tokens() / pt; ++i) {
+        writes.push_back(layer.pages()[static_cast<size_t>(i)]->record);
+      }
+    }
+  }
+  if (session.manifest_ != nullptr) writes.push_back(session.manifest_);
+  std::vector<TailWrite> tails;
+  for (const LayerGrowth& grown : growth) {
+    const LayerCache& layer = session.layers()[static_cast<size_t>(grown.layer)];
+    const int64_t after = layer.tokens();
+    if (after <= grown.before || after % pt == 0) continue;
+    TailWrite tail;
+    tail.layer = grown.layer;
+    tail.index = static_cast<int32_t>(after / pt);
+    tail.from = static_cast<int32_t>(std::max(grown.before, after / pt * pt) - after / pt * pt);
+    tail.to = static_cast<int32_t>(after % pt);
+    tail.shape = layer.slots();
+    const Page& page = *layer.pages()[static_cast<size_t>(tail.index)];
+    TURBOKV_RETURN_IF_ERROR(backend().ReadPage(page.data, page.bytes, [&](absl::string_view bytes) {
+      CopySlots(reinterpret_cast<const uint8_t*>(bytes.data()), tail.shape, tail.from, tail.to, &tail.slots);
+      return absl::OkStatus();
+    }));
+    tails.push_back(std::move(tail));
+  }
+  if (!tails.empty()) {
+    TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record,
+                             tier_->PutTails(session.id(), session.tenant(), std::move(tails)));
+    writes.push_back(std::move(record));
+  }
+  return writes;
+}
+
+absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth,
+                                          const absl::StatusOr<TierWrites>& queued) {
+  absl::Status status = queued.status();
+  for (size_t i = 0; status.ok() && i < queued->size(); ++i) {
+    if ((*queued)[i] != nullptr) status = tier_->Wait(*(*queued)[i]);
+  }
+  if (status.ok()) return status;
+  // Not acknowledged: nothing of the call stays here. What was queued and
+  // not sent yet is not sent (its records go with `queued`).
+  for (const LayerGrowth& grown : growth) session.layers()[static_cast<size_t>(grown.layer)].Truncate(grown.before);
+  ForgetPartialRecords(session);
+  return absl::Status(status.code(), absl::StrCat("the new tokens were not acknowledged: the ", tier_->name(),
+                                                  " tier did not take them (", status.message(),
+                                                  "); the session is as it was before the call, and sending "
+                                                  "them again is safe"));
+}
+
 absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session, bool tails) {
   TierSession image;
   image.header = SessionHeader{session.id(), session.tenant(), session.config(), session.created(),
@@ -141,7 +208,7 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
 }
 
 void SessionStore::WriteTierManifest(SessionCache& session) {
-  absl::StatusOr<TierSession> image = TierImage(session, false);
+  absl::StatusOr<TierSession> image = TierImage(session, tier_->holds_every_append());
   if (!image.ok()) return;
   session.manifest_ = tier_->PutManifest(*image);
   NoteManifestExtras(session);
@@ -334,20 +401,37 @@ absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl:
   return absl::OkStatus();
 }
 
-void SessionStore::Truncate(SessionCache& session, int64_t n) {
-  for (LayerCache& layer : session.layers()) layer.Truncate(n);
-  if (tier_ == nullptr) return;
-  {
-    // A partly filled last page that only this session holds is written in
-    // place from now on: it is not its record any more.
-    std::lock_guard<std::mutex> lock(records_mutex_);
-    for (LayerCache& layer : session.layers()) {
-      if (layer.tokens() % options_.page_tokens != 0 && layer.pages().back().use_count() == 1) {
-        layer.pages().back()->record.reset();
-      }
+void SessionStore::ForgetPartialRecords(SessionCache& session) {
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  for (LayerCache& layer : session.layers()) {
+    if (layer.tokens() % options_.page_tokens != 0 && layer.pages().back().use_count() == 1) {
+      layer.pages().back()->record.reset();
     }
   }
+}
+
+absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
+  for (LayerCache& layer : session.layers()) layer.Truncate(n);
+  if (tier_ == nullptr) return absl::OkStatus();
+  ForgetPartialRecords(session);
   WriteTierManifest(session);
+  if (!tier_->holds_every_append() || !session.resident()) return absl::OkStatus();
+  // The slots each layer's last page was written with past n are no longer
+  // its: a cut (from == to) after them says so to a claim.
+  std::vector<TailWrite> cuts;
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const LayerCache& layer = session.layers()[l];
+    TailWrite cut;
+    cut.layer = static_cast<int32_t>(l);
+    cut.index = static_cast<int32_t>(layer.tokens() / options_.page_tokens);
+    cut.from = cut.to = static_cast<int32_t>(layer.tokens() % options_.page_tokens);
+    cut.shape = layer.slots();
+    cuts.push_back(std::move(cut));
+  }
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record,
+                           tier_->PutTails(session.id(), session.tenant(), std::move(cuts)));
+  TURBOKV_RETURN_IF_ERROR(tier_->Wait(*session.manifest_));
+  return tier_->Wait(*record);
 }
 
 size_t SessionStore::TierBytes(const SessionCache& session) {
@@ -392,6 +476,8 @@ void SessionStore::Rewrite(SessionCache& session) {
   if (absl::Status status = WriteThrough(session, true); !status.ok()) {
     Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s (the next pass goes on)",
          session.id().c_str(), tier_->name(), std::string(status.message()).c_str());
+  } else if (tier_->holds_every_append()) {
+    WriteTierManifest(session);  // its sealed pages have records now: this one holds the tails too
   }
 }
 

@@ -274,8 +274,29 @@ class SessionStore {
   // its mutex). The error says why it stays in memory.
   absl::Status Demote(SessionCache& session);
   // Truncates every layer of the session (under its mutex) to n tokens and
-  // records it on the tier.
-  void Truncate(SessionCache& session, int64_t n);
+  // records it on the tier. With a tier that holds every append, once the
+  // tier has it; an error (the tier down) leaves the session truncated here
+  // while the tier may still hold the tokens.
+  absl::Status Truncate(SessionCache& session, int64_t n);
+  // New tokens of a layer of a session: those past `before`.
+  struct LayerGrowth {
+    int layer = 0;
+    int64_t before = 0;
+  };
+  // Makes a call's new tokens (under the session's mutex) as durable as
+  // the tier promises, before the call answers. With a tier that holds every
+  // append: queues the pages they sealed and their slots of each layer's
+  // partly filled last page, then waits until the tier has them; on an
+  // error every layer is cut back to `before` and the tier's error is
+  // returned (the tokens may be on the tier or not: appending them again
+  // is safe). Otherwise the sealed pages are queued behind the call (or
+  // later, by the background pass, when the writer's queue is full) and it
+  // returns OK. In two halves for calls on many sessions: queue them all,
+  // then wait for each.
+  using TierWrites = std::vector<std::shared_ptr<TierRecord>>;
+  absl::StatusOr<TierWrites> QueueNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth);
+  absl::Status AwaitNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth,
+                              const absl::StatusOr<TierWrites>& queued);
   // The background pass: drops the copies of sessions another daemon
   // claimed from a shared tier, catches up on write-through, demotes idle
   // sessions above the memory high watermark, drops the oldest sessions on
@@ -362,8 +383,13 @@ class SessionStore {
   // Writes the session (under its mutex) to the tier again, every sealed
   // page in a new record after a new manifest: the tier lost its records.
   void Rewrite(SessionCache& session);
-  // Writes a manifest of the session's sealed pages (under its mutex).
+  // Writes a manifest of the session's sealed pages (under its mutex), and
+  // of its tails when the tier holds every append.
   void WriteTierManifest(SessionCache& session);
+  // Under the session's mutex, after its layers were cut back: a partly
+  // filled last page that only this session holds is written in place from
+  // now on, so it is not its record any more.
+  void ForgetPartialRecords(SessionCache& session);
   // Records that the session's latest manifest holds its layers' current
   // transforms and sinks.
   static void NoteManifestExtras(SessionCache& session);

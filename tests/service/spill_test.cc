@@ -196,7 +196,7 @@ TEST_P(SpillTest, ARestartFindsEverySealedPageAndAFlushedTail) {
     }
     {
       std::lock_guard<std::mutex> lock((*c)->mutex());
-      s.store->Truncate(**c, 150);  // two sealed pages kept, the third cut to 22 tokens
+      ASSERT_TRUE(s.store->Truncate(**c, 150).ok());  // two sealed pages kept, the third cut to 22 tokens
     }
     ASSERT_TRUE(s.store->Delete(deleted, "t1").ok());
     kept_sealed = Contents(*s.store, **a);

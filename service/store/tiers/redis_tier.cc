@@ -75,12 +75,21 @@ constexpr char kAcquire[] =
     "redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. e, 'PX', ARGV[2]) "
     "if m then return {e, m} end "
     "return {e}";
-// KEYS: epoch, page, sealed pages. ARGV: epoch, value, field ('' for a
-// tail), entry, TTL.
+// KEYS: epoch, page, sealed pages, the layer's new slots. ARGV: epoch,
+// value, field ('' for a tail), entry, TTL. A sealed page holds what the
+// new slots of its layer said: they go.
 constexpr char kWritePage[] = TURBOKV_FENCE
     "redis.call('PEXPIRE', KEYS[1], ARGV[5]) "
     "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[5]) "
-    "if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) redis.call('PEXPIRE', KEYS[3], ARGV[5]) end "
+    "if ARGV[3] ~= '' then "
+    "  redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) redis.call('PEXPIRE', KEYS[3], ARGV[5]) redis.call('DEL', KEYS[4]) "
+    "end "
+    "return 1";
+// KEYS: epoch, then the new slots of some layers. ARGV: epoch, an entry
+// for each of them, TTL.
+constexpr char kWriteTails[] = TURBOKV_FENCE
+    "redis.call('PEXPIRE', KEYS[1], ARGV[#ARGV]) "
+    "for i = 2, #KEYS do redis.call('APPEND', KEYS[i], ARGV[i]) redis.call('PEXPIRE', KEYS[i], ARGV[#ARGV]) end "
     "return 1";
 // KEYS: epoch, manifest, sealed pages. ARGV: epoch, value, TTL. The
 // manifest lists every page up to now: the sealed pages written before it go.
@@ -97,9 +106,10 @@ constexpr char kCopy[] = TURBOKV_FENCE
     "return copied";
 // KEYS: epoch, page. ARGV: epoch.
 constexpr char kDelete[] = TURBOKV_FENCE "redis.call('DEL', KEYS[2]) return 1";
-// KEYS: epoch, lease, manifest, sealed pages. ARGV: epoch, epoch's expiry ms.
+// KEYS: epoch, lease, manifest, sealed pages, each layer's new slots.
+// ARGV: epoch, epoch's expiry ms.
 constexpr char kTombstone[] = TURBOKV_FENCE
-    "redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) "
+    "redis.call('DEL', unpack(KEYS, 2)) "
     "redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
     "return 1";
 // KEYS: lease, epoch. ARGV: lease value, ms, epoch, whether the epoch may
@@ -215,6 +225,61 @@ void WarnWithoutPersistence(const RedisAddress& address, const RedisFacts& facts
 }
 
 std::string Field(int layer, int index) { return absl::StrCat(layer, ":", index); }
+std::string TailsSuffix(int layer) { return absl::StrCat("d:", layer); }
+
+// Why a page record's value is not the page of `bytes` bytes it should be
+// (empty when it is): its payload starts at kPageHeaderBytes.
+std::string PageProblem(const std::string& value, size_t bytes) {
+  if (value.size() < kPageHeaderBytes || std::memcmp(value.data(), kPageMagic, sizeof(kPageMagic)) != 0) {
+    return "is not a turbokv page";
+  }
+  Reader in(absl::string_view(value).substr(40, 8));
+  const uint32_t payload = in.Get<uint32_t>();
+  const uint32_t crc = in.Get<uint32_t>();
+  if (payload != bytes || value.size() != kPageHeaderBytes + payload) {
+    return absl::StrCat("holds ", payload, " bytes, not the ", bytes, " of this page");
+  }
+  if (Crc32c(absl::string_view(value).substr(kPageHeaderBytes)) != crc) return "fails its CRC";
+  return "";
+}
+
+// A layer's new slots in Redis (d:LAYER): entries of i32 page index, from,
+// to, heads, page_tokens, key bytes, value bytes, u32 CRC-32C of the slots,
+// then the slots (CopySlots). Applied in order on top of page `index` as a
+// claim finds it (`page`, `slots` filled; empty: none yet), each one that
+// starts within what is there: a write sent again, or one whose call failed
+// and was sent again, lands on the same slots. DATA_LOSS naming the
+// problem for a malformed entry.
+absl::Status ReplayTails(absl::string_view log, int32_t index, int32_t page_tokens, std::string* page, int32_t* slots,
+                         bool* changed) {
+  Reader in(log);
+  while (in.left() > 0) {
+    const int32_t at = in.Get<int32_t>();
+    const int32_t from = in.Get<int32_t>();
+    const int32_t to = in.Get<int32_t>();
+    SlotShape shape;
+    shape.heads = in.Get<int32_t>();
+    shape.page_tokens = in.Get<int32_t>();
+    shape.key_bytes = in.Get<int32_t>();
+    shape.value_bytes = in.Get<int32_t>();
+    const uint32_t crc = in.Get<uint32_t>();
+    if (in.short_read() || shape.page_tokens != page_tokens || from < 0 || to < from || to > page_tokens ||
+        shape.heads <= 0 || shape.heads > 4096 || shape.key_bytes <= 0 || shape.key_bytes > 65536 ||
+        shape.value_bytes <= 0 || shape.value_bytes > 65536) {
+      return absl::DataLossError("holds a malformed entry");
+    }
+    const absl::string_view written = in.Take(shape.slots_bytes(from, to));
+    if (in.short_read()) return absl::DataLossError("is cut short");
+    if (at != index || from > *slots) continue;
+    if (Crc32c(written) != crc) return absl::DataLossError("holds an entry that fails its CRC");
+    if (page->empty()) page->assign(shape.page_bytes(), '\0');
+    if (page->size() != shape.page_bytes()) return absl::DataLossError("holds slots of another page size");
+    PlaceSlots(written, shape, from, to, reinterpret_cast<uint8_t*>(page->data()));
+    *slots = to;
+    *changed = true;
+  }
+  return absl::OkStatus();
+}
 
 void PatchEpoch(std::string* value, int64_t epoch) {
   std::memcpy(value->data() + kEpochOffset, &epoch, sizeof(epoch));
@@ -233,6 +298,7 @@ struct RedisTier::SessionState {
   bool lost = false;  // Redis lost its records: in lost_, until the store takes them
   absl::Time confirmed = absl::InfinitePast();  // when Redis last confirmed the epoch (a claim, a renewal)
   std::set<std::string> pages;  // the keys of its page records (refreshed with the session's own)
+  int layers = 0;               // its d:LAYER keys are those of layers below it
   // Copies into this session's keys of pages of other sessions (forks)
   // that its manifests listed, by the page's record.
   std::map<const TierRecord*, std::weak_ptr<Record>> copies;
@@ -252,8 +318,11 @@ class RedisTier::Record final : public TierRecord {
   }
 
   const std::string key;
-  const bool page;  // else a manifest
+  const bool page;  // else a manifest, new slots, or a tail a claim rebuilt
   const std::shared_ptr<SessionState> state;  // whose keys it is in
+  // A tail a claim rebuilt from new slots: its bytes, here only (in Redis
+  // they are the manifest's tail and d:LAYER until the new owner writes).
+  std::string payload;
   // Under the tier's mutex:
   bool done = false;
   bool counted = false;  // in live_bytes_
@@ -267,7 +336,7 @@ class RedisTier::Record final : public TierRecord {
 };
 
 struct RedisTier::Job {
-  enum Kind { kPage, kManifest, kCopy, kDelete, kTombstone } kind = kPage;
+  enum Kind { kPage, kManifest, kCopy, kDelete, kTombstone, kTails } kind = kPage;
   std::weak_ptr<Record> record;  // expired: nobody needs it any more (pages, manifests, copies)
   std::shared_ptr<SessionState> state;
   std::string key;     // the page, manifest or copy written; the page deleted
@@ -275,6 +344,8 @@ struct RedisTier::Job {
   std::string value;   // kPage, kManifest (its epoch patched when sent)
   std::string field;   // kPage: in the sealed pages (empty for a tail)
   std::string entry;
+  std::string layer_tails;  // kPage: its layer's new slots (d:LAYER)
+  std::vector<std::string> tail_keys, tail_entries;  // kTails
   size_t bytes = 0;    // queued
 
   static Job Of(Kind kind, std::shared_ptr<SessionState> state, std::string key,
@@ -392,14 +463,15 @@ absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& ke
   Put<uint32_t>(&value, Crc32c(page));
   value.append(page.data(), page.size());
   const size_t bytes = value.size();
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!force) WaitForRoom(lock, bytes);
   if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "Redis tier budget exceeded: ", FormatByteSize(static_cast<size_t>(live_bytes_ + queued_bytes_)),
         " in Redis or queued, ", FormatByteSize(bytes), " needed, --redis-budget ", FormatByteSize(options_.budget_bytes)));
   }
   const size_t limit = force ? 2 * options_.max_queued_bytes : options_.max_queued_bytes;
-  if (static_cast<size_t>(queued_bytes_) + bytes > limit) {
+  if (queued_bytes_ > 0 && static_cast<size_t>(queued_bytes_) + bytes > limit) {
     return absl::UnavailableError(absl::StrCat("the Redis writer has ", FormatByteSize(static_cast<size_t>(queued_bytes_)),
                                                " queued", up_ ? "" : absl::StrCat(" (", down_reason_, ")")));
   }
@@ -407,6 +479,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& ke
   std::shared_ptr<Record> record = NewPage(state, bytes);
   Job job = Job::Of(Job::kPage, state, record->key, record);
   job.value = std::move(value);
+  job.layer_tails = state->Key(TailsSuffix(key.layer));
   if (key.tokens == options_.page_tokens) {
     job.field = Field(key.layer, key.index);
     PutString(&job.entry, record->key);
@@ -420,6 +493,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& ke
 std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::shared_ptr<SessionState> state = StateOf(session.header.id, session.header.tenant);
+  state->layers = std::max(state->layers, static_cast<int>(session.layers.size()));
   std::string value(kManifestMagic, sizeof(kManifestMagic));
   Put<uint16_t>(&value, kVersion);
   Put<uint16_t>(&value, 0);
@@ -469,6 +543,50 @@ void RedisTier::PutTombstone(const std::string& session, const std::string& tena
   std::shared_ptr<SessionState> state = StateOf(session, tenant);
   state->tombstoned = true;
   Enqueue(Job::Of(Job::kTombstone, std::move(state), ""));
+}
+
+void RedisTier::WaitForRoom(std::unique_lock<std::mutex>& lock, size_t bytes) {
+  // A call that waits for its writes anyway waits for room in the queue
+  // too, while Redis answers (a chunk larger than the queue, or many at
+  // once); one that is answered once queued is refused at once instead.
+  if (!options_.acknowledge_written) return;
+  while (static_cast<size_t>(queued_bytes_) + bytes > options_.max_queued_bytes && queued_bytes_ > 0 && up_ &&
+         !stopping_) {
+    written_.wait_for(lock, absl::ToChronoMilliseconds(options_.timeout));
+  }
+}
+
+absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutTails(const std::string& session, const std::string& tenant,
+                                                                 std::vector<TailWrite> tails) {
+  Job job;
+  job.kind = Job::kTails;
+  int layers = 0;
+  for (const TailWrite& tail : tails) {
+    std::string entry;
+    for (int32_t field : {tail.index, tail.from, tail.to, tail.shape.heads, tail.shape.page_tokens,
+                          tail.shape.key_bytes, tail.shape.value_bytes}) {
+      Put<int32_t>(&entry, field);
+    }
+    Put<uint32_t>(&entry, Crc32c(tail.slots));
+    entry.append(tail.slots);
+    job.bytes += entry.size();
+    job.tail_entries.push_back(std::move(entry));
+    layers = std::max(layers, tail.layer + 1);
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  WaitForRoom(lock, job.bytes);
+  if (queued_bytes_ > 0 && static_cast<size_t>(queued_bytes_) + job.bytes > options_.max_queued_bytes) {
+    return absl::UnavailableError(absl::StrCat("the Redis writer has ", FormatByteSize(static_cast<size_t>(queued_bytes_)),
+                                               " queued", up_ ? "" : absl::StrCat(" (", down_reason_, ")")));
+  }
+  std::shared_ptr<SessionState> state = StateOf(session, tenant);
+  state->layers = std::max(state->layers, layers);
+  for (const TailWrite& tail : tails) job.tail_keys.push_back(state->Key(TailsSuffix(tail.layer)));
+  auto record = std::make_shared<Record>(this, next_lsn_++, job.bytes, state, "", false);
+  job.state = std::move(state);
+  job.record = record;
+  Enqueue(std::move(job));
+  return std::shared_ptr<TierRecord>(std::move(record));
 }
 
 void RedisTier::Release(Record* record) {
@@ -556,7 +674,7 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
   switch (job.kind) {
     case Job::kPage:
       PatchEpoch(&job.value, epoch);
-      command = {"EVAL", kWritePage, "3", state.Key("e"), job.key, state.Key("h"),
+      command = {"EVAL", kWritePage, "4", state.Key("e"), job.key,   state.Key("h"), job.layer_tails,
                  e,      job.value,  job.field, job.entry, ttl};
       break;
     case Job::kManifest:
@@ -569,9 +687,20 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     case Job::kDelete:
       command = {"EVAL", kDelete, "2", state.Key("e"), job.key, e};
       break;
-    case Job::kTombstone:
-      command = {"EVAL", kTombstone, "4", state.Key("e"), state.Key("l"), state.Key("m"), state.Key("h"), e,
-                 std::to_string(kTombstoneEpochMs)};
+    case Job::kTombstone: {
+      int layers;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        layers = state.layers;
+      }
+      command = {"EVAL", kTombstone, std::to_string(4 + layers), state.Key("e"), state.Key("l"), state.Key("m"),
+                 state.Key("h")};
+      for (int l = 0; l < layers; ++l) command.push_back(state.Key(TailsSuffix(l)));
+      command.insert(command.end(), {e, std::to_string(kTombstoneEpochMs)});
+      break;
+    }
+    case Job::kTails:
+      command = TailsCommand(job, e, ttl);
       break;
   }
   absl::StatusOr<RedisValue> reply = writer_connection_.Run(command);
@@ -608,6 +737,67 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     return absl::DataLossError(absl::StrCat("page ", job.source, " of a fork's source is not in Redis any more"));
   }
   return absl::OkStatus();
+}
+
+std::vector<std::string> RedisTier::TailsCommand(const Job& job, const std::string& epoch, const std::string& ttl) {
+  std::vector<std::string> command = {"EVAL", kWriteTails, std::to_string(1 + job.tail_keys.size()),
+                                      job.state->Key("e")};
+  command.insert(command.end(), job.tail_keys.begin(), job.tail_keys.end());
+  command.push_back(epoch);
+  command.insert(command.end(), job.tail_entries.begin(), job.tail_entries.end());
+  command.push_back(ttl);
+  return command;
+}
+
+size_t RedisTier::SendTails(std::unique_lock<std::mutex>& lock) {
+  // The new slots of calls waiting for them, of sessions claimed already:
+  // the run of them at the front of the queue, in one round trip.
+  constexpr size_t kMostJobs = 64;
+  constexpr size_t kMostBytes = size_t{4} << 20;
+  if (!up_ || !refusal_.empty()) return 0;
+  std::vector<std::shared_ptr<Record>> records;
+  std::vector<std::vector<std::string>> commands;
+  const std::string ttl = OrphanTtlMs();
+  size_t bytes = 0;
+  for (size_t i = 0; i < queue_.size() && records.size() < kMostJobs && bytes < kMostBytes; ++i) {
+    const Job& job = queue_[i];
+    std::shared_ptr<Record> record = job.record.lock();
+    if (job.kind != Job::kTails || record == nullptr || job.state->epoch == 0 || job.state->disowned) break;
+    commands.push_back(TailsCommand(job, std::to_string(job.state->epoch), ttl));
+    records.push_back(std::move(record));
+    bytes += job.bytes;
+  }
+  if (records.size() < 2) {
+    lock.unlock();
+    records.clear();  // a release takes the mutex
+    lock.lock();
+    return 0;
+  }
+  lock.unlock();
+  absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(commands);
+  lock.lock();
+  size_t sent = 0;
+  if (!replies.ok()) {
+    // The one-at-a-time path sends them again once Redis answers.
+    up_ = false;
+    down_reason_ = std::string(replies.status().message());
+    written_.notify_all();
+  } else {
+    // Up to the first that Redis did not take plainly (a stale or lost
+    // epoch, a refusal): that one and those after it go one at a time (an
+    // entry written twice is harmless, docs/FORMAT.md).
+    for (; sent < records.size() && (*replies)[sent].type == RedisValue::kInteger; ++sent) {
+      records[sent]->done = true;
+      ++records_written_;
+      queued_bytes_ -= static_cast<int64_t>(queue_.front().bytes);
+      queue_.pop_front();
+    }
+    written_.notify_all();
+  }
+  lock.unlock();
+  records.clear();
+  lock.lock();
+  return sent;
 }
 
 void RedisTier::Renew() {
@@ -690,6 +880,7 @@ bool RedisTier::Refresh() {
     for (const auto& [name, state] : sessions_) {
       if (state->epoch == 0 || state->disowned || state->tombstoned) continue;
       for (const char* suffix : {"e", "m", "h"}) commands.push_back({"PEXPIRE", state->Key(suffix), ttl});
+      for (int l = 0; l < state->layers; ++l) commands.push_back({"PEXPIRE", state->Key(TailsSuffix(l)), ttl});
       for (const std::string& key : state->pages) commands.push_back({"PEXPIRE", key, ttl});
     }
   }
@@ -747,6 +938,7 @@ void RedisTier::WriterLoop() {
                        [this] { return stopping_ || probe_ || !queue_.empty(); });
       continue;
     }
+    if (SendTails(lock) > 0) continue;
     Job& job = queue_.front();  // only this thread pops: stays put while unlocked
     std::shared_ptr<Record> record = job.record.lock();
     absl::Status status;
@@ -813,7 +1005,7 @@ absl::Status RedisTier::Wait(const TierRecord& record) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!r.done) {
     if (!up_) {
-      return absl::UnavailableError(absl::StrCat(down_reason_, "; the write waits in the queue until Redis answers"));
+      return absl::UnavailableError(down_reason_);
     }
     written_.wait_for(lock, absl::ToChronoMilliseconds(options_.timeout));
   }
@@ -887,6 +1079,14 @@ absl::StatusOr<RedisValue> RedisTier::Fetch(const Record& record) {
 
 absl::Status RedisTier::Read(const TierRecord& record, uint8_t* out, size_t bytes) {
   const auto& r = static_cast<const Record&>(record);
+  if (!r.payload.empty()) {
+    if (r.payload.size() != bytes) {
+      return absl::DataLossError(absl::StrCat("the tail of session ", r.state->id, " rebuilt from Redis holds ",
+                                              r.payload.size(), " bytes, not the ", bytes, " of its page"));
+    }
+    std::memcpy(out, r.payload.data(), bytes);
+    return absl::OkStatus();
+  }
   {
     // Known down: a promotion fails at once rather than a timeout per page.
     std::lock_guard<std::mutex> lock(mutex_);
@@ -900,19 +1100,8 @@ absl::Status RedisTier::Read(const TierRecord& record, uint8_t* out, size_t byte
     return absl::DataLossError(absl::StrCat("page ", r.key, " in Redis ", why));
   };
   if (reply->type != RedisValue::kString) return damaged("is missing");
-  const std::string& value = reply->str;
-  if (value.size() < kPageHeaderBytes || std::memcmp(value.data(), kPageMagic, sizeof(kPageMagic)) != 0) {
-    return damaged("is not a turbokv page");
-  }
-  Reader in(absl::string_view(value).substr(40, 8));
-  const uint32_t payload = in.Get<uint32_t>();
-  const uint32_t crc = in.Get<uint32_t>();
-  if (payload != bytes || value.size() != kPageHeaderBytes + payload) {
-    return damaged(absl::StrCat("holds ", payload, " bytes, not the ", bytes, " of this page"));
-  }
-  const absl::string_view data = absl::string_view(value).substr(kPageHeaderBytes);
-  if (Crc32c(data) != crc) return damaged("fails its CRC");
-  std::memcpy(out, data.data(), bytes);
+  if (std::string why = PageProblem(reply->str, bytes); !why.empty()) return damaged(why);
+  std::memcpy(out, reply->str.data() + kPageHeaderBytes, bytes);
   return absl::OkStatus();
 }
 
@@ -1052,6 +1241,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   std::vector<std::vector<std::pair<std::string, uint32_t>>> pages(layers);
   std::vector<int64_t> lengths(layers);
   std::vector<LayerExtras> extras(layers);
+  std::vector<bool> has_tail(layers, false);  // the manifest's tail is pages[l].back()
   std::vector<std::string> superseded;
   for (uint32_t l = 0; l < layers; ++l) {
     const int64_t tokens = in.Get<int64_t>();
@@ -1090,6 +1280,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
     if (next == full && !tail.first.empty()) {
       pages[l].push_back(std::move(tail));
       lengths[l] = tokens;
+      has_tail[l] = true;
     } else if (!tail.first.empty()) {
       superseded.push_back(std::move(tail.first));
     }
@@ -1104,19 +1295,60 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   for (const auto& layer : pages) {
     for (const auto& page : layer) exists.push_back({"PEXPIRE", page.first, ttl});
   }
+  const size_t listed = exists.size();
+  // And each layer's new slots since, with the tail they go on.
+  for (uint32_t l = 0; l < layers; ++l) {
+    exists.push_back({"GET", state->Key(TailsSuffix(static_cast<int>(l)))});
+    exists.push_back({"PEXPIRE", state->Key(TailsSuffix(static_cast<int>(l))), ttl});
+    if (has_tail[l]) exists.push_back({"GET", pages[l].back().first});
+  }
+  // Per layer, whether new slots changed its last page, and that page
+  // (empty when the layer was cut back to a page's start).
+  std::vector<bool> rebuilt(layers, false);
+  std::vector<std::string> tails(layers);
   {
     absl::StatusOr<std::vector<RedisValue>> there = connection->Run(exists);
     if (!there.ok()) return release(unavailable(MarkDown(there.status())));
     size_t missing = 0;
     std::string first;
-    for (size_t i = own; i < exists.size(); ++i) {
+    for (size_t i = own; i < listed; ++i) {
       if ((*there)[i].type == RedisValue::kInteger && (*there)[i].integer == 1) continue;
       if (missing++ == 0) first = exists[i][1];
     }
     if (missing > 0) {
       return release(absl::DataLossError(absl::StrCat(
-          "session ", id, " in Redis: ", missing, " of its ", exists.size() - own, " pages are missing (", first,
+          "session ", id, " in Redis: ", missing, " of its ", listed - own, " pages are missing (", first,
           " first); Redis lost records (evicted, deleted, or restarted without its append-only file)")));
+    }
+    size_t at = listed;
+    for (uint32_t l = 0; l < layers; ++l) {
+      const RedisValue& log = (*there)[at];
+      at += 2;
+      std::string page;
+      const int32_t index = static_cast<int32_t>(lengths[l] / pt);
+      int32_t slots = static_cast<int32_t>(lengths[l] - index * pt);
+      if (has_tail[l]) {
+        const RedisValue& value = (*there)[at++];
+        if (log.type != RedisValue::kString || log.str.empty()) continue;
+        // A damaged tail stays as listed: reading it back is DATA_LOSS
+        // naming it.
+        if (value.type != RedisValue::kString ||
+            !PageProblem(value.str, pages[l].back().second - kPageHeaderBytes).empty()) {
+          continue;
+        }
+        page = value.str.substr(kPageHeaderBytes);
+      }
+      if (log.type != RedisValue::kString || log.str.empty()) continue;
+      bool changed = false;
+      if (absl::Status replayed = ReplayTails(log.str, index, static_cast<int32_t>(pt), &page, &slots, &changed);
+          !replayed.ok()) {
+        return release(absl::DataLossError(
+            absl::StrCat("session ", id, " in Redis: the new slots of layer ", l, " ", replayed.message())));
+      }
+      if (!changed) continue;
+      lengths[l] = index * pt + slots;
+      rebuilt[l] = true;
+      if (slots > 0) tails[l] = std::move(page);
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -1141,8 +1373,20 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       layer.pages.push_back(record(std::move(key), bytes, true));
       claimed->listed.push_back(std::static_pointer_cast<Record>(layer.pages.back()));
     }
+    if (rebuilt[l]) {
+      // The manifest still lists its tail (kept for it); the layer's last
+      // page is the one rebuilt.
+      if (has_tail[l]) layer.pages.pop_back();
+      if (!tails[l].empty()) {
+        auto tail = std::make_shared<Record>(this, next_lsn_++, tails[l].size(), state, "", false);
+        tail->done = true;
+        tail->payload = std::move(tails[l]);
+        layer.pages.push_back(std::move(tail));
+      }
+    }
     session.layers.push_back(std::move(layer));
   }
+  state->layers = static_cast<int>(layers);
   session.manifest = std::move(claimed);
   for (std::string& key : superseded) Enqueue(Job::Of(Job::kDelete, state, std::move(key)));  // its older copy goes
   sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)] = state;

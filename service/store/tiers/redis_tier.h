@@ -8,6 +8,8 @@
 //   turbokv:{ID}:TENANT_HEX:m   the manifest: header, layer lengths, pages
 //   turbokv:{ID}:TENANT_HEX:h   sealed pages written since the manifest
 //   turbokv:{ID}:TENANT_HEX:p:OWNER:LSN   a page
+//   turbokv:{ID}:TENANT_HEX:d:LAYER   new slots of the layer's last page,
+//                                      appended until the page is sealed
 // One writer thread sends the records queued by the request path, in order;
 // every write is a script that first checks that the session's epoch is
 // still this daemon's, so a daemon whose session was claimed by another
@@ -15,7 +17,11 @@
 // length. A page key goes when its last handle does (a page of a fork listed
 // by the fork's manifest is copied into the fork's keys first). While Redis
 // does not answer, records wait in the queue (bounded for write-through)
-// and are sent when it is back. No gRPC types.
+// and are sent when it is back; a store that acknowledges appends only once
+// Redis holds them (holds_every_append) waits for their records instead,
+// the new slots of a layer's last page among them (PutTails: entries
+// appended to d:LAYER, several calls' pipelined in one round trip), and
+// refuses the append when they do not arrive. No gRPC types.
 #pragma once
 
 #include <condition_variable>
@@ -44,8 +50,14 @@ struct RedisTierOptions {
   // (every quarter of it): those of a session nobody holds go.
   absl::Duration orphan_ttl = absl::Hours(24 * 7);
   // Queued bytes past which writes that may wait (write-through) are
-  // refused; writes that may not (a demotion, the drain) may take twice it.
+  // refused, or, acknowledging once written, wait for room while Redis
+  // answers; writes that may not (a demotion, the drain) may take twice it.
   size_t max_queued_bytes = size_t{64} << 20;
+  // Appends are acknowledged once Redis holds them, the new slots of
+  // partly filled last pages included (--redis-acknowledge=written); with
+  // false (=queued), once queued for the writer: faster, but an owner cut
+  // off from Redis, or killed, loses what was still queued.
+  bool acknowledge_written = true;
 };
 
 class RedisTier final : public Tier {
@@ -63,6 +75,9 @@ class RedisTier final : public Tier {
   absl::StatusOr<TierScanReport> Scan() override;
   absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, absl::string_view page, bool force) override;
   std::shared_ptr<TierRecord> PutManifest(const TierSession& session) override;
+  bool holds_every_append() const override { return options_.acknowledge_written; }
+  absl::StatusOr<std::shared_ptr<TierRecord>> PutTails(const std::string& session, const std::string& tenant,
+                                                        std::vector<TailWrite> tails) override;
   void PutTombstone(const std::string& session, const std::string& tenant) override;
   absl::Status Wait(const TierRecord& record) override;
   absl::Status Read(const TierRecord& record, uint8_t* out, size_t bytes) override;
@@ -90,12 +105,21 @@ class RedisTier final : public Tier {
   std::shared_ptr<SessionState> StateOf(const std::string& id, const std::string& tenant);
   // Under mutex_: a record for a new page of the session, in a key of its own.
   std::shared_ptr<Record> NewPage(const std::shared_ptr<SessionState>& state, size_t bytes);
+  // Under mutex_ (held by `lock`): with acknowledge_written, until `bytes`
+  // more fit in the queue, the queue is empty, or Redis does not answer.
+  void WaitForRoom(std::unique_lock<std::mutex>& lock, size_t bytes);
   // Under mutex_: queues a job.
   void Enqueue(Job job);
   void WriterLoop();
   // Sends one job (claiming its session first when it is new); `record` is
   // its record, held (null for deletes and tombstones).
   absl::Status Execute(Job& job, const Record* record);
+  // The script that appends a kTails job's entries, under `epoch`.
+  static std::vector<std::string> TailsCommand(const Job& job, const std::string& epoch, const std::string& ttl);
+  // Under mutex_ (held by `lock`, let go while Redis answers): sends the
+  // kTails jobs at the front of the queue pipelined, when there are two or
+  // more of claimed sessions; how many were written and left the queue.
+  size_t SendTails(std::unique_lock<std::mutex>& lock);
   // Renews the leases of the sessions held.
   void Renew();
   // The renewal script's command for the session (under mutex_).

@@ -52,6 +52,19 @@ struct PageKey {
   uint64_t rotation_seed = 0;
 };
 
+// New slots of a layer's partly filled last page (Tier::PutTails): slots
+// [from, to) of page `index` (tokens index * page_tokens + slot), as
+// CopySlots gives them. from == to: the layer was cut back to `to` slots of
+// that page (a truncation).
+struct TailWrite {
+  int32_t layer = 0;
+  int32_t index = 0;
+  int32_t from = 0;
+  int32_t to = 0;
+  SlotShape shape;
+  std::string slots;
+};
+
 // A session's state on a tier: its header and, per layer, its length and the
 // records of its pages in order (the last one may be partly filled).
 struct TierLayer {
@@ -125,6 +138,22 @@ class Tier {
   virtual void Close() = 0;
 
   virtual TierStats Stats() const = 0;
+
+  // A tier that holds every append (Redis, unless --redis-acknowledge=queued):
+  // the store acknowledges new tokens only once they are written, the
+  // partly filled last pages through PutTails, and its manifests carry
+  // tails. A local tier keeps these defaults (tails are written at the
+  // drain and at demotion only).
+  virtual bool holds_every_append() const { return false; }
+  // Queues, as one write, new slots of some of a session's layers' last
+  // pages; its handle is for Wait only (it names no page to Read).
+  virtual absl::StatusOr<std::shared_ptr<TierRecord>> PutTails(const std::string& session, const std::string& tenant,
+                                                                std::vector<TailWrite> tails) {
+    (void)session;
+    (void)tenant;
+    (void)tails;
+    return absl::UnimplementedError("this tier does not hold every append");
+  }
 
   // A tier shared with other daemons (Redis) holds sessions this daemon may
   // not; a local tier never does, and keeps these defaults.
