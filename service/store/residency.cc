@@ -87,7 +87,7 @@ absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
       unwritten = layer.pages()[static_cast<size_t>(layer.tokens() / pt) - 1]->record == nullptr;
     }
     if (unwritten) {
-      WriteTierManifest(session);
+      TURBOKV_RETURN_IF_ERROR(WriteTierManifest(session));
       break;
     }
   }
@@ -119,10 +119,18 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
     WriteThrough(session, /*force=*/false).IgnoreError();
     return writes;
   }
-  // A claim finds a session by its manifest: the first one goes before any
-  // of its tokens.
-  if (session.manifest_ == nullptr) WriteTierManifest(session);
+  // A claim finds a session by its manifest, with each layer's transform
+  // and sink tokens: one that has the current ones goes before the tokens.
+  bool stale = session.manifest_ == nullptr;
+  for (size_t l = 0; l < session.layers().size() && !stale; ++l) {
+    stale = l >= session.manifest_extras_.size() || session.manifest_extras_[l] != session.layers()[l].extras_version();
+  }
+  if (stale) TURBOKV_RETURN_IF_ERROR(WriteTierManifest(session));
   TURBOKV_RETURN_IF_ERROR(WriteThrough(session, /*force=*/false));
+  if (session.manifest_lacks_tails_) {
+    TURBOKV_RETURN_IF_ERROR(WriteTierManifest(session));  // its sealed pages have records now
+    session.manifest_lacks_tails_ = false;
+  }
   const int64_t pt = options_.page_tokens;
   {
     std::lock_guard<std::mutex> lock(records_mutex_);
@@ -168,9 +176,18 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
   }
   if (status.ok()) return status;
   // Not acknowledged: nothing of the call stays here. What was queued and
-  // not sent yet is not sent (its records go with `queued`).
+  // not sent yet is not sent (its records go with `queued`); what the tier
+  // took (a page the call sealed) is superseded by a manifest of the
+  // session as it is again, before the pages cut off go from the tier.
+  std::vector<std::shared_ptr<TierRecord>> held = HoldRecords(session);
   for (const LayerGrowth& grown : growth) session.layers()[static_cast<size_t>(grown.layer)].Truncate(grown.before);
   ForgetPartialRecords(session);
+  if (absl::Status manifest = WriteTierManifest(session); !manifest.ok()) {
+    Logf(LogLevel::kWarning, "session %s: its manifest after a refused append: %s (the next append writes one)",
+         session.id().c_str(), std::string(manifest.message()).c_str());
+    session.manifest_extras_.clear();
+  }
+  held.clear();
   return absl::Status(status.code(), absl::StrCat("the new tokens were not acknowledged: the ", tier_->name(),
                                                   " tier did not take them (", status.message(),
                                                   "); the session is as it was before the call, and sending "
@@ -193,6 +210,7 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
       for (size_t i = 0; i < full && pages[i]->record != nullptr; ++i) out.pages.push_back(pages[i]->record);
     }
     out.tokens = static_cast<int64_t>(out.pages.size()) * pt;
+    out.whole = out.tokens == layer.tokens();
     out.extras = layer.Extras();
     if (tails && out.pages.size() == full && layer.tokens() % pt != 0) {
       absl::StatusOr<std::shared_ptr<TierRecord>> tail = PutPage(
@@ -201,17 +219,30 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
       if (!tail.ok()) return tail.status();
       out.pages.push_back(*std::move(tail));
       out.tokens = layer.tokens();
+      out.whole = true;
     }
     image.layers.push_back(std::move(out));
   }
   return image;
 }
 
-void SessionStore::WriteTierManifest(SessionCache& session) {
+absl::Status SessionStore::WriteTierManifest(SessionCache& session) {
   absl::StatusOr<TierSession> image = TierImage(session, tier_->holds_every_append());
-  if (!image.ok()) return;
+  if (!image.ok()) return image.status();
   session.manifest_ = tier_->PutManifest(*image);
   NoteManifestExtras(session);
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<TierRecord>> SessionStore::HoldRecords(SessionCache& session) {
+  std::vector<std::shared_ptr<TierRecord>> held;
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  for (const LayerCache& layer : session.layers()) {
+    for (const std::shared_ptr<Page>& page : layer.pages()) {
+      if (page->record != nullptr) held.push_back(page->record);
+    }
+  }
+  return held;
 }
 
 void SessionStore::NoteManifestExtras(SessionCache& session) {
@@ -411,11 +442,14 @@ void SessionStore::ForgetPartialRecords(SessionCache& session) {
 }
 
 absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
+  std::vector<std::shared_ptr<TierRecord>> held = tier_ != nullptr ? HoldRecords(session) : decltype(held)();
   for (LayerCache& layer : session.layers()) layer.Truncate(n);
   if (tier_ == nullptr) return absl::OkStatus();
   ForgetPartialRecords(session);
-  WriteTierManifest(session);
+  const absl::Status manifest = WriteTierManifest(session);
+  held.clear();  // the pages cut off go after the manifest
   if (!tier_->holds_every_append() || !session.resident()) return absl::OkStatus();
+  TURBOKV_RETURN_IF_ERROR(manifest);
   // The slots each layer's last page was written with past n are no longer
   // its: a cut (from == to) after them says so to a claim.
   std::vector<TailWrite> cuts;
@@ -430,7 +464,7 @@ absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
   }
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record,
                            tier_->PutTails(session.id(), session.tenant(), std::move(cuts)));
-  TURBOKV_RETURN_IF_ERROR(tier_->Wait(*session.manifest_));
+  if (session.manifest_ != nullptr) TURBOKV_RETURN_IF_ERROR(tier_->Wait(*session.manifest_));
   return tier_->Wait(*record);
 }
 
@@ -472,12 +506,17 @@ void SessionStore::Rewrite(SessionCache& session) {
     }
   }
   session.manifest_extras_.clear();
-  WriteTierManifest(session);
-  if (absl::Status status = WriteThrough(session, true); !status.ok()) {
+  session.manifest_lacks_tails_ = tier_->holds_every_append();
+  absl::Status status = WriteTierManifest(session);
+  if (status.ok()) status = WriteThrough(session, true);
+  // Its sealed pages have records now: a manifest that holds the tails too
+  // (or, failing it, the next append's).
+  if (status.ok() && session.manifest_lacks_tails_) status = WriteTierManifest(session);
+  if (status.ok()) {
+    session.manifest_lacks_tails_ = false;
+  } else {
     Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s (the next pass goes on)",
          session.id().c_str(), tier_->name(), std::string(status.message()).c_str());
-  } else if (tier_->holds_every_append()) {
-    WriteTierManifest(session);  // its sealed pages have records now: this one holds the tails too
   }
 }
 

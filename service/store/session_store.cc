@@ -170,7 +170,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const Session
   }
   if (tier_ != nullptr) {
     std::lock_guard<std::mutex> lock((*session)->mutex());
-    WriteTierManifest(**session);
+    WriteTierManifest(**session).IgnoreError();  // it holds no tokens yet: the first append writes one
   }
   return session;
 }
@@ -232,9 +232,14 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(SessionCache& s
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
   fork->errors_ = source.errors_;
-  if (tier_ != nullptr) WriteTierManifest(*fork);
+  absl::Status written = tier_ != nullptr ? WriteTierManifest(*fork) : absl::OkStatus();
+  if (written.ok() && tier_ != nullptr && tier_->holds_every_append()) {
+    // Acknowledged once the tier holds it, as an append is.
+    written = tier_->Wait(*fork->manifest_);
+  }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (absl::Status inserted = Insert(fork); !inserted.ok()) {
+  absl::Status inserted = written.ok() ? Insert(fork) : written;
+  if (!inserted.ok()) {
     Drop(fork.get());
     return inserted;
   }

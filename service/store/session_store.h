@@ -191,6 +191,9 @@ class SessionCache {
   // Per layer: the LayerCache::extras_version() of its latest manifest (a
   // sealed page that depends on a later one waits for a new manifest).
   std::vector<uint64_t> manifest_extras_;
+  // A tier that holds every append lost the session's records and its
+  // manifest since lacks the tails: the next write sends one that has them.
+  bool manifest_lacks_tails_ = false;
 };
 
 // Marks a session in a call for the life of a call that releases its lock
@@ -384,8 +387,13 @@ class SessionStore {
   // page in a new record after a new manifest: the tier lost its records.
   void Rewrite(SessionCache& session);
   // Writes a manifest of the session's sealed pages (under its mutex), and
-  // of its tails when the tier holds every append.
-  void WriteTierManifest(SessionCache& session);
+  // of its tails when the tier holds every append; the error of writing a
+  // tail.
+  absl::Status WriteTierManifest(SessionCache& session);
+  // Under the session's mutex: the records of its pages, held so that
+  // pages a truncation drops go from the tier only after the manifest that
+  // follows it (their deletes queue behind it).
+  std::vector<std::shared_ptr<TierRecord>> HoldRecords(SessionCache& session);
   // Under the session's mutex, after its layers were cut back: a partly
   // filled last page that only this session holds is written in place from
   // now on, so it is not its record any more.

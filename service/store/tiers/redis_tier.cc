@@ -76,13 +76,17 @@ constexpr char kAcquire[] =
     "if m then return {e, m} end "
     "return {e}";
 // KEYS: epoch, page, sealed pages, the layer's new slots. ARGV: epoch,
-// value, field ('' for a tail), entry, TTL. A sealed page holds what the
-// new slots of its layer said: they go.
+// value, field ('' for a tail), entry, TTL, the page's index. A sealed page
+// holds what the new slots of its layer said when they are of it (or of a
+// page before it, cut back since): they go; those of a later page (a
+// session written again after Redis lost it) stay.
 constexpr char kWritePage[] = TURBOKV_FENCE
     "redis.call('PEXPIRE', KEYS[1], ARGV[5]) "
     "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[5]) "
     "if ARGV[3] ~= '' then "
-    "  redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) redis.call('PEXPIRE', KEYS[3], ARGV[5]) redis.call('DEL', KEYS[4]) "
+    "  redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) redis.call('PEXPIRE', KEYS[3], ARGV[5]) "
+    "  local first = redis.call('GETRANGE', KEYS[4], 0, 3) "
+    "  if #first == 4 and struct.unpack('<i4', first) <= tonumber(ARGV[6]) then redis.call('DEL', KEYS[4]) end "
     "end "
     "return 1";
 // KEYS: epoch, then the new slots of some layers. ARGV: epoch, an entry
@@ -91,12 +95,15 @@ constexpr char kWriteTails[] = TURBOKV_FENCE
     "redis.call('PEXPIRE', KEYS[1], ARGV[#ARGV]) "
     "for i = 2, #KEYS do redis.call('APPEND', KEYS[i], ARGV[i]) redis.call('PEXPIRE', KEYS[i], ARGV[#ARGV]) end "
     "return 1";
-// KEYS: epoch, manifest, sealed pages. ARGV: epoch, value, TTL. The
-// manifest lists every page up to now: the sealed pages written before it go.
+// KEYS: epoch, manifest, sealed pages, the new slots of the layers it
+// holds whole. ARGV: epoch, value, TTL. The manifest lists every page up to
+// now: the sealed pages written before it go, and so do the new slots of
+// every layer whose tail it holds.
 constexpr char kWriteManifest[] = TURBOKV_FENCE
     "redis.call('PEXPIRE', KEYS[1], ARGV[3]) "
     "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
     "redis.call('DEL', KEYS[3]) "
+    "for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end "
     "return 1";
 // KEYS: epoch, source, destination. ARGV: epoch, TTL.
 constexpr char kCopy[] = TURBOKV_FENCE
@@ -250,8 +257,10 @@ std::string PageProblem(const std::string& value, size_t bytes) {
 // starts within what is there: a write sent again, or one whose call failed
 // and was sent again, lands on the same slots. DATA_LOSS naming the
 // problem for a malformed entry.
-absl::Status ReplayTails(absl::string_view log, int32_t index, int32_t page_tokens, std::string* page, int32_t* slots,
-                         bool* changed) {
+absl::Status ReplayTails(absl::string_view log, int32_t index, int32_t page_tokens, const SessionConfig& config,
+                         std::string* page, int32_t* slots, bool* changed) {
+  // A slot's code is at most a float per value and a few of header.
+  const int32_t most_bytes = 4 * config.head_dim + 64;
   Reader in(log);
   while (in.left() > 0) {
     const int32_t at = in.Get<int32_t>();
@@ -263,9 +272,9 @@ absl::Status ReplayTails(absl::string_view log, int32_t index, int32_t page_toke
     shape.key_bytes = in.Get<int32_t>();
     shape.value_bytes = in.Get<int32_t>();
     const uint32_t crc = in.Get<uint32_t>();
-    if (in.short_read() || shape.page_tokens != page_tokens || from < 0 || to < from || to > page_tokens ||
-        shape.heads <= 0 || shape.heads > 4096 || shape.key_bytes <= 0 || shape.key_bytes > 65536 ||
-        shape.value_bytes <= 0 || shape.value_bytes > 65536) {
+    if (in.short_read() || shape.page_tokens != page_tokens || from < 0 || to < from || to >= page_tokens ||
+        shape.heads != config.kv_heads || shape.key_bytes <= 0 || shape.key_bytes > most_bytes ||
+        shape.value_bytes <= 0 || shape.value_bytes > most_bytes) {
       return absl::DataLossError("holds a malformed entry");
     }
     const absl::string_view written = in.Take(shape.slots_bytes(from, to));
@@ -345,7 +354,8 @@ struct RedisTier::Job {
   std::string field;   // kPage: in the sealed pages (empty for a tail)
   std::string entry;
   std::string layer_tails;  // kPage: its layer's new slots (d:LAYER)
-  std::vector<std::string> tail_keys, tail_entries;  // kTails
+  std::string index;        // kPage: its index in the layer
+  std::vector<std::string> tail_keys, tail_entries;  // kTails; kManifest: the new slots it supersedes (keys only)
   size_t bytes = 0;    // queued
 
   static Job Of(Kind kind, std::shared_ptr<SessionState> state, std::string key,
@@ -480,6 +490,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& ke
   Job job = Job::Of(Job::kPage, state, record->key, record);
   job.value = std::move(value);
   job.layer_tails = state->Key(TailsSuffix(key.layer));
+  job.index = std::to_string(key.index);
   if (key.tokens == options_.page_tokens) {
     job.field = Field(key.layer, key.index);
     PutString(&job.entry, record->key);
@@ -532,6 +543,9 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
   auto record = std::make_shared<Record>(this, next_lsn_++, value.size(), state, state->Key("m"), false);
   record->listed = std::move(listed);
   Job job = Job::Of(Job::kManifest, state, record->key, record);
+  for (size_t l = 0; l < session.layers.size(); ++l) {
+    if (session.layers[l].whole) job.tail_keys.push_back(state->Key(TailsSuffix(static_cast<int>(l))));
+  }
   job.value = std::move(value);
   job.bytes = job.value.size();
   Enqueue(std::move(job));
@@ -675,11 +689,14 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     case Job::kPage:
       PatchEpoch(&job.value, epoch);
       command = {"EVAL", kWritePage, "4", state.Key("e"), job.key,   state.Key("h"), job.layer_tails,
-                 e,      job.value,  job.field, job.entry, ttl};
+                 e,      job.value,  job.field, job.entry, ttl,            job.index};
       break;
     case Job::kManifest:
       PatchEpoch(&job.value, epoch);
-      command = {"EVAL", kWriteManifest, "3", state.Key("e"), job.key, state.Key("h"), e, job.value, ttl};
+      command = {"EVAL", kWriteManifest, std::to_string(3 + job.tail_keys.size()), state.Key("e"), job.key,
+                 state.Key("h")};
+      command.insert(command.end(), job.tail_keys.begin(), job.tail_keys.end());
+      command.insert(command.end(), {e, job.value, ttl});
       break;
     case Job::kCopy:
       command = {"EVAL", kCopy, "3", state.Key("e"), job.source, job.key, e, ttl};
@@ -759,10 +776,14 @@ size_t RedisTier::SendTails(std::unique_lock<std::mutex>& lock) {
   std::vector<std::vector<std::string>> commands;
   const std::string ttl = OrphanTtlMs();
   size_t bytes = 0;
+  std::shared_ptr<Record> after;  // the first job not in the batch's record: released unlocked too
   for (size_t i = 0; i < queue_.size() && records.size() < kMostJobs && bytes < kMostBytes; ++i) {
     const Job& job = queue_[i];
     std::shared_ptr<Record> record = job.record.lock();
-    if (job.kind != Job::kTails || record == nullptr || job.state->epoch == 0 || job.state->disowned) break;
+    if (job.kind != Job::kTails || record == nullptr || job.state->epoch == 0 || job.state->disowned) {
+      after = std::move(record);
+      break;
+    }
     commands.push_back(TailsCommand(job, std::to_string(job.state->epoch), ttl));
     records.push_back(std::move(record));
     bytes += job.bytes;
@@ -770,9 +791,13 @@ size_t RedisTier::SendTails(std::unique_lock<std::mutex>& lock) {
   if (records.size() < 2) {
     lock.unlock();
     records.clear();  // a release takes the mutex
+    after.reset();
     lock.lock();
     return 0;
   }
+  lock.unlock();
+  after.reset();
+  lock.lock();
   lock.unlock();
   absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(commands);
   lock.lock();
@@ -1340,7 +1365,8 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       }
       if (log.type != RedisValue::kString || log.str.empty()) continue;
       bool changed = false;
-      if (absl::Status replayed = ReplayTails(log.str, index, static_cast<int32_t>(pt), &page, &slots, &changed);
+      if (absl::Status replayed = ReplayTails(log.str, index, static_cast<int32_t>(pt), session.header.config, &page, &slots,
+                                                     &changed);
           !replayed.ok()) {
         return release(absl::DataLossError(
             absl::StrCat("session ", id, " in Redis: the new slots of layer ", l, " ", replayed.message())));

@@ -69,6 +69,9 @@ struct TailWrite {
 // records of its pages in order (the last one may be partly filled).
 struct TierLayer {
   int64_t tokens = 0;
+  // Every token the layer holds (false: sealed pages whose records are not
+  // queued yet are left out, and so its tail).
+  bool whole = true;
   std::vector<std::shared_ptr<TierRecord>> pages;
   LayerExtras extras;  // its transform and sink tokens
 };
