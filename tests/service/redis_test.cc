@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -422,6 +423,20 @@ grpc::health::v1::HealthCheckResponse::ServingStatus WaitForTierHealth(
   return now;
 }
 
+// Session `id` opened through `client`, whose daemon claims it from Redis
+// once the lease of the daemon that held it lapses (refused until then,
+// naming the lease; at most 5 s).
+absl::StatusOr<Session> OpenedOnceTheLeaseLapses(const Client& client, const std::string& id) {
+  absl::StatusOr<Session> session = client.OpenSession(id);
+  for (absl::Time until = absl::Now() + absl::Seconds(5); !session.ok() && absl::Now() < until;) {
+    EXPECT_EQ(session.status().code(), absl::StatusCode::kFailedPrecondition) << session.status();
+    EXPECT_THAT(session.status().message(), HasSubstr("lease"));
+    absl::SleepFor(absl::Milliseconds(100));
+    session = client.OpenSession(id);
+  }
+  return session;
+}
+
 // A session of `tokens` tokens written on daemon "a" (with `flags`), which
 // then drains (SIGTERM) and exits 0: its id, or empty (the failure reported).
 std::string HandedOver(const RedisServer& redis, const Sequence& sequence, int64_t tokens,
@@ -472,13 +487,7 @@ void HandOverAndKill(const std::vector<std::string>& flags, int64_t kept_after_k
   // claimed again.
   Daemon c(Flags("c", redis, flags));
   auto client = Connected("c", c);
-  absl::StatusOr<Session> session = client->OpenSession(id);
-  for (absl::Time until = absl::Now() + absl::Seconds(5); !session.ok() && absl::Now() < until;) {
-    EXPECT_EQ(session.status().code(), absl::StatusCode::kFailedPrecondition) << session.status();
-    EXPECT_THAT(session.status().message(), HasSubstr("lease"));
-    absl::SleepFor(absl::Milliseconds(100));
-    session = client->OpenSession(id);
-  }
+  absl::StatusOr<Session> session = OpenedOnceTheLeaseLapses(*client, id);
   ASSERT_TRUE(session.ok()) << session.status() << c.Log();
   ASSERT_TRUE(session->Info().ok());
   EXPECT_EQ(session->Info()->layer_tokens(0), kept_after_kill);
@@ -569,11 +578,7 @@ TEST(RedisTierTest, DecodeAndStepLoseNothingAcknowledgedToAKill) {
   Daemon b(Flags("b", redis));
   auto client = Connected("b", b);
   for (int i = 0; i < kSessions; ++i) {
-    absl::StatusOr<Session> taken = client->OpenSession(ids[i]);
-    for (absl::Time until = absl::Now() + absl::Seconds(5); !taken.ok() && absl::Now() < until;) {
-      absl::SleepFor(absl::Milliseconds(100));  // A's leases lapse
-      taken = client->OpenSession(ids[i]);
-    }
+    absl::StatusOr<Session> taken = OpenedOnceTheLeaseLapses(*client, ids[i]);
     ASSERT_TRUE(taken.ok()) << taken.status() << b.Log();
     auto info = taken->Info();
     ASSERT_TRUE(info.ok());
@@ -583,6 +588,40 @@ TEST(RedisTierTest, DecodeAndStepLoseNothingAcknowledgedToAKill) {
   }
 }
 
+// A session that `write` appends to on daemon "a" (with `flags`), which
+// is then killed (-9), as daemon "b" takes it over: what A answered for it
+// last, what B has, and B's length of layer 0 (-1: not taken over, the
+// failure reported).
+struct AfterAKill {
+  Observed answered, taken;
+  int64_t tokens = -1;
+};
+AfterAKill KilledAfter(const RedisServer& redis, const std::vector<std::string>& flags,
+                       const std::function<void(const Session&)>& write) {
+  AfterAKill after;
+  std::string id;
+  {
+    Daemon a(Flags("a", redis, flags));
+    auto client = Connected("a", a);
+    auto session = client->CreateSession(Shape());
+    EXPECT_TRUE(session.ok()) << session.status();
+    if (!session.ok()) return after;
+    id = session->id();
+    write(*session);
+    after.answered = Observe(*session);
+    EXPECT_EQ(kill(a.pid(), SIGKILL), 0);
+    a.Wait();
+  }
+  Daemon b(Flags("b", redis));
+  auto client = Connected("b", b);
+  absl::StatusOr<Session> taken = OpenedOnceTheLeaseLapses(*client, id);
+  EXPECT_TRUE(taken.ok()) << taken.status() << b.Log();
+  if (!taken.ok() || !taken->Info().ok()) return after;
+  after.tokens = taken->Info()->layer_tokens(0);
+  after.taken = Observe(*taken);
+  return after;
+}
+
 // Tokens appended one at a time: the layers' sink tokens (4 by default)
 // fill over several calls, and each call's manifest holds them as they are,
 // so that a takeover after a kill -9 finds every acknowledged token usable.
@@ -590,30 +629,11 @@ TEST(RedisTierTest, SinkTokensFilledOneAtATimeSurviveAKill) {
   SKIP_WITHOUT_REDIS();
   RedisServer redis;
   const Sequence sequence;
-  std::string id;
-  Observed answered;
-  {
-    Daemon a(Flags("a", redis));
-    auto client = Connected("a", a);
-    auto session = client->CreateSession(Shape());
-    ASSERT_TRUE(session.ok()) << session.status();
-    id = session->id();
-    for (int64_t t = 0; t < 10; ++t) ASSERT_EQ(Appended(sequence.Append(*session, t, 1)), t + 1);
-    answered = Observe(*session);
-    ASSERT_EQ(kill(a.pid(), SIGKILL), 0);
-    a.Wait();
-  }
-  Daemon b(Flags("b", redis));
-  auto client = Connected("b", b);
-  absl::StatusOr<Session> taken = client->OpenSession(id);
-  for (absl::Time until = absl::Now() + absl::Seconds(5); !taken.ok() && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(100));  // A's lease lapses
-    taken = client->OpenSession(id);
-  }
-  ASSERT_TRUE(taken.ok()) << taken.status() << b.Log();
-  ASSERT_TRUE(taken->Info().ok());
-  EXPECT_EQ(taken->Info()->layer_tokens(0), 10);
-  EXPECT_TRUE(Observe(*taken) == answered);
+  const AfterAKill after = KilledAfter(redis, {}, [&](const Session& session) {
+    for (int64_t t = 0; t < 10; ++t) ASSERT_EQ(Appended(sequence.Append(session, t, 1)), t + 1);
+  });
+  EXPECT_EQ(after.tokens, 10);
+  EXPECT_TRUE(after.taken == after.answered);
 }
 
 // A chunk whose pages are more than the writer's queue takes
@@ -624,26 +644,11 @@ TEST(RedisTierTest, AChunkLargerThanTheQueueWaitsForRoom) {
   RedisServer redis;
   Reference reference;
   const Sequence sequence;
-  std::string id;
-  {
-    Daemon a(Flags("a", redis, {"--redis-queue=64KiB"}));
-    auto client = Connected("a", a);
-    auto session = client->CreateSession(Shape());
-    ASSERT_TRUE(session.ok()) << session.status();
-    id = session->id();
-    ASSERT_EQ(Appended(sequence.Append(*session, 0, 1000)), 1000);  // 30 pages of about 7.5 KB, and the tails
-    ASSERT_EQ(kill(a.pid(), SIGKILL), 0);
-    a.Wait();
-  }
-  Daemon b(Flags("b", redis));
-  auto client = Connected("b", b);
-  absl::StatusOr<Session> taken = client->OpenSession(id);
-  for (absl::Time until = absl::Now() + absl::Seconds(5); !taken.ok() && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(100));  // A's lease lapses
-    taken = client->OpenSession(id);
-  }
-  ASSERT_TRUE(taken.ok()) << taken.status() << b.Log();
-  EXPECT_TRUE(Observe(*taken) == reference.Of(sequence, 1000, 1000));
+  const AfterAKill after = KilledAfter(redis, {"--redis-queue=64KiB"}, [&](const Session& session) {
+    ASSERT_EQ(Appended(sequence.Append(session, 0, 1000)), 1000);  // 30 pages of about 7.5 KB, and the tails
+  });
+  EXPECT_EQ(after.tokens, 1000);
+  EXPECT_TRUE(after.taken == reference.Of(sequence, 1000, 1000));
 }
 
 TEST(RedisTierTest, ForksAndTruncatedSessionsCarryOverAndAForkOutlivesItsSource) {
@@ -969,11 +974,7 @@ TEST(RedisTierTest, RedisRestartedEmptyUnderLoadLosesNothingTheOwnerAcknowledged
   a.Wait();
   Daemon b(Flags("b", redis));
   auto client_b = Connected("b", b);
-  absl::StatusOr<Session> taken = client_b->OpenSession(id);
-  for (absl::Time until = absl::Now() + absl::Seconds(5); !taken.ok() && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(100));
-    taken = client_b->OpenSession(id);
-  }
+  absl::StatusOr<Session> taken = OpenedOnceTheLeaseLapses(*client_b, id);
   ASSERT_TRUE(taken.ok()) << taken.status() << "\n" << a.Log();
   ASSERT_TRUE(taken->Info().ok());
   EXPECT_EQ(taken->Info()->layer_tokens(0), tokens);
@@ -1050,12 +1051,7 @@ TEST(RedisTierTest, AnOwnerCutOffFromRedisLosesNoAcknowledgedAppend) {
       proxy.Cut();
     }
     absl::SleepFor(absl::Milliseconds(1200));  // past the lease (1 s)
-    absl::StatusOr<Session> on_b = client_b->OpenSession(session->id());
-    for (absl::Time until = absl::Now() + absl::Seconds(5); !on_b.ok() && absl::Now() < until;) {
-      EXPECT_EQ(on_b.status().code(), absl::StatusCode::kFailedPrecondition) << on_b.status();
-      absl::SleepFor(absl::Milliseconds(100));
-      on_b = client_b->OpenSession(session->id());
-    }
+    absl::StatusOr<Session> on_b = OpenedOnceTheLeaseLapses(*client_b, session->id());
     if (stopped) {
       ASSERT_EQ(kill(a.pid(), SIGCONT), 0);
     } else {
