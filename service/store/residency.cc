@@ -176,17 +176,26 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
   }
   if (status.ok()) return status;
   // Not acknowledged: nothing of the call stays here. What was queued and
-  // not sent yet is not sent (its records go with `queued`); what the tier
-  // took (a page the call sealed) is superseded by a manifest of the
-  // session as it is again, before the pages cut off go from the tier.
+  // not sent yet is not sent (its records go with `queued`). A page the
+  // call sealed may have reached the tier, superseding the new slots it
+  // held: a manifest of the session as it is again goes before the pages
+  // cut off go from the tier.
+  const int64_t pt = options_.page_tokens;
+  bool sealed = false;
+  for (const LayerGrowth& grown : growth) {
+    sealed = sealed || session.layers()[static_cast<size_t>(grown.layer)].tokens() / pt > grown.before / pt;
+  }
   std::vector<std::shared_ptr<TierRecord>> held = HoldRecords(session);
   for (const LayerGrowth& grown : growth) session.layers()[static_cast<size_t>(grown.layer)].Truncate(grown.before);
   ForgetPartialRecords(session);
-  if (absl::Status manifest = WriteTierManifest(session); !manifest.ok()) {
+  if (absl::Status manifest = sealed ? WriteTierManifest(session) : absl::OkStatus(); !manifest.ok()) {
     Logf(LogLevel::kWarning, "session %s: its manifest after a refused append: %s (the next append writes one)",
          session.id().c_str(), std::string(manifest.message()).c_str());
     session.manifest_extras_.clear();
   }
+  // A manifest the tier refused for good (not for being unreachable): the
+  // next call writes another rather than wait on it again.
+  if (!absl::IsUnavailable(status)) session.manifest_extras_.clear();
   held.clear();
   return absl::Status(status.code(), absl::StrCat("the new tokens were not acknowledged: the ", tier_->name(),
                                                   " tier did not take them (", status.message(),
