@@ -253,11 +253,13 @@ void LayerCache::Truncate(int64_t n) {
       std::fill(sinks_.begin() + region + tokens_ * slot, sinks_.begin() + region + storage_.sink_tokens * slot, '\0');
     }
   }
+  bool changed = tokens_ < storage_.sink_tokens;
   if (tokens_ <= storage_.sink_tokens && transform_fixed_) {
     transform_fixed_ = false;
     transform_ = nullptr;
+    changed = true;
   }
-  ++extras_version_;
+  if (changed) ++extras_version_;
 }
 
 LayerCache LayerCache::Fork(int64_t prefix) const {

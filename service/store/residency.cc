@@ -192,6 +192,7 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
     Logf(LogLevel::kWarning, "session %s: its manifest after a refused append: %s (the next append writes one)",
          session.id().c_str(), std::string(manifest.message()).c_str());
     session.manifest_extras_.clear();
+    session.kept_records_.insert(session.kept_records_.end(), held.begin(), held.end());
   }
   // A manifest the tier refused for good (not for being unreachable): the
   // next call writes another rather than wait on it again.
@@ -236,10 +237,31 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
 }
 
 absl::Status SessionStore::WriteTierManifest(SessionCache& session) {
+  if (tier_->holds_every_append()) {
+    // It holds every layer whole: sealed pages without records get theirs
+    // first, for it (not entered as sealed since the manifest before it,
+    // which a claim still reads until this one is written).
+    const int64_t pt = options_.page_tokens;
+    for (size_t l = 0; l < session.layers().size(); ++l) {
+      const LayerCache& layer = session.layers()[l];
+      for (size_t i = 0; i < static_cast<size_t>(layer.tokens() / pt); ++i) {
+        {
+          std::lock_guard<std::mutex> lock(records_mutex_);
+          if (layer.pages()[i]->record != nullptr) continue;
+        }
+        PageKey key = Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt));
+        key.for_manifest = true;
+        TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record, PutPage(key, *layer.pages()[i], /*force=*/false));
+        std::lock_guard<std::mutex> lock(records_mutex_);
+        if (layer.pages()[i]->record == nullptr) layer.pages()[i]->record = std::move(record);
+      }
+    }
+  }
   absl::StatusOr<TierSession> image = TierImage(session, tier_->holds_every_append());
   if (!image.ok()) return image.status();
   session.manifest_ = tier_->PutManifest(*image);
   NoteManifestExtras(session);
+  session.kept_records_.clear();  // their deletes go after it
   return absl::OkStatus();
 }
 
@@ -456,6 +478,10 @@ absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
   if (tier_ == nullptr) return absl::OkStatus();
   ForgetPartialRecords(session);
   const absl::Status manifest = WriteTierManifest(session);
+  if (!manifest.ok()) {
+    session.manifest_extras_.clear();  // the next write sends one
+    session.kept_records_.insert(session.kept_records_.end(), held.begin(), held.end());
+  }
   held.clear();  // the pages cut off go after the manifest
   if (!tier_->holds_every_append() || !session.resident()) return absl::OkStatus();
   TURBOKV_RETURN_IF_ERROR(manifest);

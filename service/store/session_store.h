@@ -194,6 +194,9 @@ class SessionCache {
   // A tier that holds every append lost the session's records and its
   // manifest since lacks the tails: the next write sends one that has them.
   bool manifest_lacks_tails_ = false;
+  // Records of pages a refused append or a truncation dropped, kept until a
+  // manifest without them is queued (their deletes go after it).
+  std::vector<std::shared_ptr<TierRecord>> kept_records_;
 };
 
 // Marks a session in a call for the life of a call that releases its lock

@@ -491,7 +491,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& ke
   job.value = std::move(value);
   job.layer_tails = state->Key(TailsSuffix(key.layer));
   job.index = std::to_string(key.index);
-  if (key.tokens == options_.page_tokens) {
+  if (key.tokens == options_.page_tokens && !key.for_manifest) {
     job.field = Field(key.layer, key.index);
     PutString(&job.entry, record->key);
     Put<uint32_t>(&job.entry, static_cast<uint32_t>(bytes));
@@ -544,7 +544,11 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
   record->listed = std::move(listed);
   Job job = Job::Of(Job::kManifest, state, record->key, record);
   for (size_t l = 0; l < session.layers.size(); ++l) {
-    if (session.layers[l].whole) job.tail_keys.push_back(state->Key(TailsSuffix(static_cast<int>(l))));
+    // A daemon that acknowledges once queued writes no new slots: any left
+    // are another owner's, superseded by this manifest.
+    if (session.layers[l].whole || !options_.acknowledge_written) {
+      job.tail_keys.push_back(state->Key(TailsSuffix(static_cast<int>(l))));
+    }
   }
   job.value = std::move(value);
   job.bytes = job.value.size();
@@ -797,8 +801,6 @@ size_t RedisTier::SendTails(std::unique_lock<std::mutex>& lock) {
   }
   lock.unlock();
   after.reset();
-  lock.lock();
-  lock.unlock();
   absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(commands);
   lock.lock();
   size_t sent = 0;

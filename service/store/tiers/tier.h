@@ -50,6 +50,9 @@ struct PageKey {
   CodecKind key_codec = CodecKind::kTurbo3;
   CodecKind value_codec = CodecKind::kTurbo3;
   uint64_t rotation_seed = 0;
+  // A sealed page written for the manifest that follows it: it is not
+  // entered among the pages sealed since the manifest (Redis's hash).
+  bool for_manifest = false;
 };
 
 // New slots of a layer's partly filled last page (Tier::PutTails): slots
