@@ -1,0 +1,396 @@
+// Redis for the tests of the tiers that use it (redis_test.cc,
+// stacked_tier_test.cc): a redis-server of the test's own, the session shape
+// and token sequence the tests append, daemons' flags and clients, and what
+// a session gives back compared with a memory-only reference.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/cpp/client.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "service/store/tiers/redis_client.h"
+#include "tests/kernels/codec_testing.h"
+#include "tests/service/daemon_testing.h"
+
+namespace turbokv {
+
+constexpr int kLayers = 2, kKvHeads = 2, kQHeads = 4, kDim = 64;
+constexpr char kRedisServer[] = "/usr/bin/redis-server";
+
+#define SKIP_WITHOUT_REDIS() \
+  if (!HaveRedis())          \
+  GTEST_SKIP() << kRedisServer << " is not installed (make deps installs redis-server)"
+
+inline std::string TempPath(const std::string& name) {
+  return absl::StrCat("/tmp/turbokv-redis-test-", getpid(), "-", name);
+}
+
+// TLS for a test: a CA, a server certificate it signed for 127.0.0.1, a
+// client certificate it signed, and another CA, made with the openssl
+// command (PEM files in a directory of the test's own).
+struct Certificates {
+  std::string dir = TempPath("tls");
+  std::string ca = dir + "/ca.crt", other_ca = dir + "/other-ca.crt";
+  std::string server_cert = dir + "/server.crt", server_key = dir + "/server.key";
+  std::string client_cert = dir + "/client.crt", client_key = dir + "/client.key";
+  Certificates() {
+    const std::string script =
+        absl::StrCat("set -e; rm -rf ", dir, "; mkdir -p ", dir, "; cd ", dir, "\n",
+                     "for ca in ca other-ca; do openssl req -x509 -newkey rsa:2048 "
+                     "-nodes -days 1 -subj /CN=$ca "
+                     "-keyout $ca.key -out $ca.crt; done\n",
+                     "echo subjectAltName=IP:127.0.0.1 > server.ext\n",
+                     "for who in server client; do openssl req -newkey rsa:2048 -nodes "
+                     "-subj /CN=turbokv-$who "
+                     "-keyout $who.key -out $who.csr; done\n",
+                     "openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key "
+                     "-CAcreateserial -days 1 -extfile server.ext "
+                     "-out server.crt\n",
+                     "openssl x509 -req -in client.csr -CA ca.crt -CAkey ca.key "
+                     "-CAcreateserial -days 1 -out client.crt\n");
+    EXPECT_EQ(std::system(absl::StrCat("sh -c '", script, "' >/dev/null 2>&1").c_str()),
+              0);
+  }
+};
+
+// A free TCP port on 127.0.0.1 (for a server that takes no port 0).
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t size = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
+// A redis-server of its own on a unix socket, persisted by its append-only
+// file unless `persistent` is false (then a restart starts it empty), with
+// the eviction policy `policy`, wanting `password` when one is given, and
+// with `tls`, serving TLS on 127.0.0.1 too (TlsUrl; client certificates
+// required).
+class RedisServer {
+ public:
+  explicit RedisServer(bool persistent = true, std::string policy = "noeviction",
+                       std::string password = "", const Certificates* tls = nullptr)
+      : socket_(TempPath("redis.sock")),
+        dir_(TempPath("redis-data")),
+        persistent_(persistent),
+        policy_(std::move(policy)),
+        password_(std::move(password)),
+        tls_(tls),
+        tls_port_(tls ? FreePort() : 0) {
+    std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_).c_str());
+    Start();
+  }
+  ~RedisServer() { Kill(); }
+
+  void Start() {
+    unlink(socket_.c_str());
+    pid_ = fork();
+    if (pid_ == 0) {
+      const std::string log = TempPath("redis.log");
+      // Persisted as docs/OPERATIONS.md asks (appendonly), each write
+      // synced, so that a kill -9 of Redis loses nothing.
+      std::vector<std::string> args = {kRedisServer,
+                                       "--port",
+                                       "0",
+                                       "--unixsocket",
+                                       socket_,
+                                       "--unixsocketperm",
+                                       "700",
+                                       "--dir",
+                                       dir_,
+                                       "--save",
+                                       "",
+                                       "--appendonly",
+                                       persistent_ ? "yes" : "no",
+                                       "--appendfsync",
+                                       "always",
+                                       "--maxmemory-policy",
+                                       policy_,
+                                       "--logfile",
+                                       log};
+      if (!password_.empty()) args.insert(args.end(), {"--requirepass", password_});
+      if (tls_ != nullptr) {
+        args.insert(
+            args.end(),
+            {"--bind", "127.0.0.1", "--tls-port", std::to_string(tls_port_),
+             "--tls-cert-file", tls_->server_cert, "--tls-key-file", tls_->server_key,
+             "--tls-ca-cert-file", tls_->ca, "--tls-auth-clients", "yes"});
+      }
+      std::vector<char*> argv;
+      for (std::string& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      execv(kRedisServer, argv.data());
+      _exit(127);
+    }
+    RedisConnection connection(Address(), absl::Seconds(1));
+    for (int i = 0; i < 200; ++i) {
+      if (connection.Run({"PING"}).ok()) return;
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    ADD_FAILURE() << "redis-server did not start on " << socket_;
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  // Sends the server a signal (SIGSTOP and SIGCONT: Redis stopped a while).
+  void Signal(int signal) const { kill(pid_, signal); }
+  RedisAddress Address() const {
+    RedisAddress address = *ParseRedisUrl(Url());
+    address.password = password_;
+    return address;
+  }
+  std::string Url() const { return "unix://" + socket_; }
+  const std::string& socket_path() const { return socket_; }
+  std::string TlsUrl() const { return absl::StrCat("rediss://127.0.0.1:", tls_port_); }
+  // One command, on a connection of its own.
+  RedisValue Run(std::vector<std::string> command) const {
+    RedisConnection connection(Address(), absl::Seconds(2));
+    absl::StatusOr<RedisValue> reply = connection.Run(std::move(command));
+    EXPECT_TRUE(reply.ok()) << reply.status();
+    return reply.ok() ? *reply : RedisValue();
+  }
+
+ private:
+  std::string socket_;
+  std::string dir_;
+  bool persistent_;
+  std::string policy_;
+  std::string password_;
+  const Certificates* tls_;
+  int tls_port_;
+  pid_t pid_ = -1;
+};
+
+inline bool HaveRedis() { return access(kRedisServer, X_OK) == 0; }
+
+inline SessionOptions Shape() {
+  SessionOptions options;
+  options.layers = kLayers;
+  options.kv_heads = kKvHeads;
+  options.q_heads = kQHeads;
+  options.head_dim = kDim;
+  options.key_codec = v1::CODEC_TURBO3;
+  options.value_codec = v1::CODEC_TURBO4;
+  options.rotation_seed = 77;
+  return options;
+}
+
+// Token t of the test's sequence, every layer: [layers][n][kv_heads][head_dim].
+struct Sequence {
+  static constexpr int64_t kTokens = 1024;
+  explicit Sequence(uint64_t seed = 11)
+      : k(testing::GaussianVectors(kTokens * kKvHeads, kDim, seed)),
+        v(testing::GaussianVectors(kTokens * kKvHeads, kDim, seed + 1)) {}
+  std::vector<float> k, v;
+  std::vector<float> Chunk(const std::vector<float>& from, int64_t start,
+                           int64_t n) const {
+    std::vector<float> out;
+    const size_t row = size_t{kKvHeads} * kDim;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int64_t t = start; t < start + n; ++t) {
+        const size_t at = static_cast<size_t>((t + 31 * l) % kTokens) * row;
+        out.insert(out.end(), from.begin() + at, from.begin() + at + row);
+      }
+    }
+    return out;
+  }
+  absl::StatusOr<int64_t> Append(const Session& session, int64_t start, int64_t n) const {
+    return session.AppendAllLayers(start, TensorData::F32(Chunk(k, start, n)),
+                                   TensorData::F32(Chunk(v, start, n)));
+  }
+};
+
+// The length an append reached, or -1 (its error reported).
+inline int64_t Appended(const absl::StatusOr<int64_t>& appended) {
+  EXPECT_TRUE(appended.ok()) << appended.status();
+  return appended.value_or(-1);
+}
+
+// One daemon's socket, by name.
+inline std::string Socket(const std::string& name) {
+  return "unix://" + TempPath(name + ".sock");
+}
+
+inline std::vector<std::string> Flags(const std::string& name, const RedisServer& redis,
+                                      std::vector<std::string> more = {}) {
+  std::vector<std::string> flags = {
+      "--listen=" + Socket(name),   "--device=cpu",     "--threads=1",
+      "--redis-url=" + redis.Url(), "--redis-lease=1s", "--redis-timeout=300ms"};
+  flags.insert(flags.end(), more.begin(), more.end());
+  return flags;
+}
+
+inline std::unique_ptr<Client> Connected(const std::string& name,
+                                         const testing::Daemon& daemon,
+                                         const ClientOptions& options = {}) {
+  auto client = Client::Connect(Socket(name), options);
+  EXPECT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  return client;
+}
+
+// What a session of this daemon gives for a query at layer 1, and its keys
+// and values read back: equal to those of the same tokens appended to a
+// session that never left memory.
+struct Observed {
+  std::vector<float> output, lse, keys, values;
+  bool operator==(const Observed& o) const {
+    return output == o.output && lse == o.lse && keys == o.keys && values == o.values;
+  }
+};
+inline Observed Observe(const Session& session) {
+  Observed seen;
+  auto attended =
+      session.Attend(1, TensorData::F32(testing::GaussianVectors(kQHeads, kDim, 13)));
+  EXPECT_TRUE(attended.ok()) << attended.status();
+  if (attended.ok()) {
+    seen.output = attended->output;
+    seen.lse = attended->lse;
+  }
+  auto kv = session.ReadKv(0);
+  EXPECT_TRUE(kv.ok()) << kv.status();
+  if (kv.ok()) {
+    seen.keys = kv->keys;
+    seen.values = kv->values;
+  }
+  return seen;
+}
+
+// The same tokens in a memory-only daemon.
+class Reference {
+ public:
+  Reference()
+      : daemon_({"--listen=" + Socket("reference"), "--device=cpu", "--threads=1"}) {
+    client_ = Connected("reference", daemon_);
+  }
+  // The first chunk of `fitted` tokens (it fits each layer's key
+  // transform, as the observed session's first chunk did), then the rest.
+  Observed Of(const Sequence& sequence, int64_t fitted, int64_t tokens) {
+    return Of({{&sequence, tokens}}, fitted);
+  }
+  // Tokens from each sequence in turn: the first `until` of one, then the
+  // next up to its `until`, ...; the first sequence's first `fitted` tokens
+  // go first as one chunk (cut back to its `until` when that is shorter:
+  // a session truncated after its first chunk).
+  Observed Of(const std::vector<std::pair<const Sequence*, int64_t>>& parts,
+              int64_t fitted) {
+    auto session = client_->CreateSession(Shape());
+    EXPECT_TRUE(session.ok()) << session.status();
+    EXPECT_TRUE(parts[0].first->Append(*session, 0, fitted).ok());
+    int64_t at = std::min(fitted, parts[0].second);
+    if (at < fitted) {
+      EXPECT_TRUE(session->Truncate(at).ok());
+    }
+    for (const auto& [sequence, until] : parts) {
+      if (until > at) {
+        EXPECT_TRUE(sequence->Append(*session, at, until - at).ok());
+      }
+      at = std::max(at, until);
+    }
+    return Observe(*session);
+  }
+
+ private:
+  testing::Daemon daemon_;
+  std::unique_ptr<Client> client_;
+};
+
+// Until the daemon's writer has nothing queued (the metric, refreshed every second).
+inline void WaitForWriteThrough(const testing::Daemon& daemon) {
+  for (int i = 0; i < 100; ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    const std::string metrics = testing::Scrape(daemon.MetricsAddress());
+    if (testing::Sample(metrics, "turbokv_tier_queued_bytes{tier=\"redis\"}") == 0 &&
+        testing::Sample(metrics, "turbokv_tier_live_bytes{tier=\"redis\"}") > 0) {
+      return;
+    }
+  }
+  ADD_FAILURE() << "the Redis writer never caught up";
+}
+
+// The health of the Redis tier, as a Kubernetes probe would ask it.
+inline grpc::health::v1::HealthCheckResponse::ServingStatus RemoteTierHealth(
+    const std::string& name) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(Socket(name), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service("turbokv.RemoteTier");
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response.status();
+}
+
+// The health of daemon `name`'s Redis tier once it is `wanted`, or as it
+// still is after `limit`.
+inline grpc::health::v1::HealthCheckResponse::ServingStatus WaitForTierHealth(
+    const std::string& name, grpc::health::v1::HealthCheckResponse::ServingStatus wanted,
+    absl::Duration limit) {
+  grpc::health::v1::HealthCheckResponse::ServingStatus now = RemoteTierHealth(name);
+  for (absl::Time until = absl::Now() + limit; now != wanted && absl::Now() < until;
+       now = RemoteTierHealth(name)) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return now;
+}
+
+// Session `id` opened through `client`, whose daemon claims it from Redis
+// once the lease of the daemon that held it lapses (refused until then,
+// naming the lease; at most 5 s).
+inline absl::StatusOr<Session> OpenedOnceTheLeaseLapses(const Client& client,
+                                                        const std::string& id) {
+  absl::StatusOr<Session> session = client.OpenSession(id);
+  for (absl::Time until = absl::Now() + absl::Seconds(5);
+       !session.ok() && absl::Now() < until;) {
+    EXPECT_EQ(session.status().code(), absl::StatusCode::kFailedPrecondition)
+        << session.status();
+    EXPECT_THAT(session.status().message(), ::testing::HasSubstr("lease"));
+    absl::SleepFor(absl::Milliseconds(100));
+    session = client.OpenSession(id);
+  }
+  return session;
+}
+
+// A session of `tokens` tokens written on daemon "a" (with `flags`), which
+// then drains (SIGTERM) and exits 0: its id, or empty (the failure reported).
+inline std::string HandedOver(const RedisServer& redis, const Sequence& sequence,
+                              int64_t tokens, const std::vector<std::string>& flags = {},
+                              const ClientOptions& options = {}) {
+  testing::Daemon a(Flags("a", redis, flags));
+  auto client = Connected("a", a, options);
+  auto session = client->CreateSession(Shape());
+  EXPECT_TRUE(session.ok()) << session.status();
+  if (!session.ok() || Appended(sequence.Append(*session, 0, tokens)) != tokens)
+    return "";
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  EXPECT_THAT(a.Log(), ::testing::HasSubstr("sessions handed over"));
+  return session->id();
+}
+
+}  // namespace turbokv
