@@ -6,7 +6,8 @@
 // one decode step over every layer for B sessions through a Decode stream,
 // the same work as B x L unary Step calls, and the backend alone on the same
 // batches, interleaved. --device cpu (default) or cuda:N. With --spill: the
-// disk tier (RunSpill).
+// disk tier (RunSpill); with --redis-url too, the disk stacked over that
+// Redis (a redis-server you run).
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -251,8 +252,11 @@ int64_t ReadSequentially(const std::string& dir) {
 // (page cache dropped) against a plain sequential read of the segment files,
 // round by round; (b) Step p99 on one session while another client prefills
 // sessions that are then demoted, against the same prefills deleted instead
-// (and alone, and while a session is promoted over and over).
-int RunSpill(const Shape& shape, long long rounds, long long calls, const SessionOptions& session_options, bool json) {
+// (and alone, and while a session is promoted over and over). redis_url:
+// the disk stacked over Redis (every page written to both; promotion reads
+// the disk).
+int RunSpill(const Shape& shape, long long rounds, long long calls, const SessionOptions& session_options, bool json,
+             const std::string& redis_url) {
   const std::string dir = absl::StrCat("/tmp/turbokv-bench-spill-", getpid());
   ServerOptions server_options;
   const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");
@@ -262,9 +266,12 @@ int RunSpill(const Shape& shape, long long rounds, long long calls, const Sessio
   server_options.memory_budget = size_t{16} << 30;
   server_options.metrics_listen = "";
   server_options.spill_dir = dir;
+  server_options.redis_url = redis_url;
   absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(server_options);
-  if (!server.ok() || !(*server)->Start().ok()) {
-    std::fprintf(stderr, "turbokv-bench e2e --spill: the server did not start\n");
+  absl::Status started = server.ok() ? (*server)->Start() : server.status();
+  if (!started.ok()) {
+    std::fprintf(stderr, "turbokv-bench e2e --spill: the server did not start: %s\n",
+                 std::string(started.message()).c_str());
     return 1;
   }
   std::unique_ptr<Client> client = Client::Connect(socket);
@@ -388,11 +395,12 @@ int RunE2e(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"tokens", "kv-heads", "q-heads", "head-dim", "layers", "threads", "chunk", "calls", "codec",
-                      "batch", "steps", "rounds", "device"},
+                      "batch", "steps", "rounds", "device", "redis-url"},
                      {"json", "spill"}, &error)) {
     return UsageError(error);
   }
   const bool spill = options.Has("spill");
+  if (options.Has("redis-url") && !spill) return UsageError("--redis-url goes with --spill (the disk stacked over Redis)");
   long long tokens, kv_heads, q_heads, head_dim, layers, threads, chunk, calls, batch = 0, steps, rounds;
   if (!options.GetInt("tokens", spill ? 8192 : 32768, &tokens, &error) ||
       !options.GetInt("kv-heads", 8, &kv_heads, &error) || !options.GetInt("q-heads", 32, &q_heads, &error) ||
@@ -417,7 +425,7 @@ int RunE2e(int argc, char** argv) {
   session_options.key_codec = session_options.value_codec = codec;
   if (spill) {
     return RunSpill(Shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk}, rounds, calls, session_options,
-                    options.Has("json"));
+                    options.Has("json"), options.Get("redis-url", ""));
   }
   ServerOptions server_options;
   const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");

@@ -29,7 +29,7 @@ constexpr char kUsage[] =
     "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
     "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]]\n"
     "                         [--device cpu|cuda:N] [--json]\n"
-    "       turbokv-bench e2e --spill [--tokens 8192] [--layers 32] [--rounds 5] [--calls N] ...\n"
+    "       turbokv-bench e2e --spill [--redis-url URL] [--tokens 8192] [--layers 32] [--rounds 5] [--calls N] ...\n"
     "                         the disk tier: promotion MB/s against a sequential read, Step p99 while demoting\n"
     "       turbokv-bench quality [--layers 32] [--kv-heads 8] [--q-heads 32] [--head-dim 128]\n"
     "                             [--tokens 4096,32768] [--queries 4] [--sample-layers 2] [--threads 2] [--max-bits 3.7] [--json]\n"

@@ -50,13 +50,14 @@ Flags (--name=value or --name value):
                            their next call, and a restart finds them (default
                            none)
   --spill-budget=SIZE      most bytes of live records in --spill-dir (default 64GiB)
-  --redis-url=URL          a tier shared with other daemons, instead of
-                           --spill-dir: redis://HOST[:PORT][/DB],
-                           rediss://... (TLS) or unix:///PATH[?db=N]. Sealed
-                           pages are written through; a call naming a
-                           session this daemon does not hold takes it over
-                           from Redis; SIGTERM hands every session over
-                           (default none)
+  --redis-url=URL          a tier shared with other daemons:
+                           redis://HOST[:PORT][/DB], rediss://... (TLS) or
+                           unix:///PATH[?db=N]. Sealed pages are written
+                           through; a call naming a session this daemon does
+                           not hold takes it over from Redis; SIGTERM hands
+                           every session over. With --spill-dir, the disk
+                           sits between memory and Redis (a local copy read
+                           first) (default none)
   --redis-budget=SIZE      most bytes turbokvd keeps in Redis (default 64GiB)
   --redis-lease=DURATION   how long a session stays this daemon's after its
                            last renewal (every third of it) (default 10s)

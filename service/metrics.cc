@@ -4,6 +4,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <map>
 #include <random>
 #include <vector>
 
@@ -118,7 +120,7 @@ class ProcessCollector : public prometheus::Collectable {
 
 }  // namespace
 
-Metrics::Metrics(std::string device, const std::string& tier) : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(std::string device, const std::vector<std::string>& tiers) : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
@@ -248,22 +250,23 @@ Metrics::Metrics(std::string device, const std::string& tier) : device_(std::mov
   auto& tier_sessions = BuildGauge()
                             .Name("turbokv_tier_sessions")
                             .Help("Sessions by where their pages are: memory (resident), or disk or redis (demoted "
-                                  "to --spill-dir or --redis-url)")
+                                  "to --spill-dir or --redis-url; with both, on each)")
                             .Register(r);
-  tier_sessions_[0] = &tier_sessions.Add({{"tier", "memory"}});
-  tier_sessions_[1] = &tier_sessions.Add({{"tier", tier}});
-  if (tier == "redis") {
+  memory_sessions_ = &tier_sessions.Add({{"tier", "memory"}});
+  tiers_.resize(tiers.size());
+  for (size_t i = 0; i < tiers.size(); ++i) tiers_[i].sessions = &tier_sessions.Add({{"tier", tiers[i]}});
+  if (std::find(tiers.begin(), tiers.end(), "redis") != tiers.end()) {
     tier_up_ = &BuildGauge()
                     .Name("turbokv_tier_up")
                     .Help("1 while the shared tier answers, 0 while it does not (writes then wait in the queue)")
                     .Register(r)
-                    .Add({{"tier", tier}});
+                    .Add({{"tier", "redis"}});
     tier_rewrites_ = &BuildCounter()
                           .Name("turbokv_tier_rewrites_total")
                           .Help("Sessions written to the shared tier again because it lost their records (Redis "
                                 "restarted without its append-only file, or from an older one)")
                           .Register(r)
-                          .Add({{"tier", tier}});
+                          .Add({{"tier", "redis"}});
     auto& takeovers = BuildCounter()
                           .Name("turbokv_takeovers_total")
                           .Help("Calls naming a session this daemon did not hold, by how its claim from the shared "
@@ -277,18 +280,30 @@ Metrics::Metrics(std::string device, const std::string& tier) : device_(std::mov
   auto counter = [&](const char* name, const char* help) {
     return &BuildCounter().Name(name).Help(help).Register(r).Add({});
   };
-  auto by_tier = [&](auto builder, const char* name, const char* help) {
-    return &builder.Name(name).Help(help).Register(r).Add({{"tier", tier}});
-  };
-  tier_live_bytes_ = by_tier(BuildGauge(), "turbokv_tier_live_bytes", "Bytes of live records on the tier below memory");
-  tier_stored_bytes_ = by_tier(BuildGauge(), "turbokv_tier_stored_bytes",
-                               "Bytes the tier below memory holds: live records and dead ones not yet reclaimed "
-                               "(the disk tier's segment files)");
-  tier_budget_bytes_ = by_tier(BuildGauge(), "turbokv_tier_budget_bytes", "--spill-budget or --redis-budget");
-  tier_queued_bytes_ = by_tier(BuildGauge(), "turbokv_tier_queued_bytes", "Bytes waiting for the tier's writer");
-  tier_write_errors_ = by_tier(BuildCounter(), "turbokv_tier_write_errors_total", "Records the tier's writer could not write");
-  tier_crc_failures_ = by_tier(BuildCounter(), "turbokv_tier_crc_failures_total",
-                               "Records of the tier that failed their CRC when read (at start or on promotion)");
+  auto& live = BuildGauge().Name("turbokv_tier_live_bytes").Help("Bytes of live records on the tier below memory").Register(r);
+  auto& stored = BuildGauge()
+                     .Name("turbokv_tier_stored_bytes")
+                     .Help("Bytes the tier below memory holds: live records and dead ones not yet reclaimed (the disk "
+                           "tier's segment files)")
+                     .Register(r);
+  auto& budget = BuildGauge().Name("turbokv_tier_budget_bytes").Help("--spill-budget or --redis-budget").Register(r);
+  auto& queued = BuildGauge().Name("turbokv_tier_queued_bytes").Help("Bytes waiting for the tier's writer").Register(r);
+  auto& write_errors =
+      BuildCounter().Name("turbokv_tier_write_errors_total").Help("Records the tier's writer could not write").Register(r);
+  auto& crc_failures = BuildCounter()
+                           .Name("turbokv_tier_crc_failures_total")
+                           .Help("Records of the tier that failed their CRC when read (at start or on promotion)")
+                           .Register(r);
+  for (size_t i = 0; i < tiers.size(); ++i) {
+    const std::map<std::string, std::string> label = {{"tier", tiers[i]}};
+    TierSeries& t = tiers_[i];
+    t.live_bytes = &live.Add(label);
+    t.stored_bytes = &stored.Add(label);
+    t.budget_bytes = &budget.Add(label);
+    t.queued_bytes = &queued.Add(label);
+    t.write_errors = &write_errors.Add(label);
+    t.crc_failures = &crc_failures.Add(label);
+  }
   spill_bytes_ = gauge("turbokv_spill_bytes", "Deprecated (goes after 0.5): turbokv_tier_live_bytes");
   spill_file_bytes_ = gauge("turbokv_spill_file_bytes", "Deprecated (goes after 0.5): turbokv_tier_stored_bytes");
   spill_budget_bytes_ = gauge("turbokv_spill_budget_bytes", "Deprecated (goes after 0.5): turbokv_tier_budget_bytes");
@@ -451,22 +466,27 @@ void Metrics::SetStore(const StoreSnapshot& s) {
   Advance(lru_evictions_, s.lru_evictions, &lru_seen_);
   Advance(ttl_expiries_, s.ttl_expiries, &ttl_seen_);
   Advance(disk_drops_, s.disk_drops, &disk_drops_seen_);
-  tier_sessions_[0]->Set(static_cast<double>(s.resident_sessions));
-  tier_sessions_[1]->Set(static_cast<double>(s.demoted_sessions));
-  spill_bytes_->Set(static_cast<double>(s.tier.live_bytes));
-  spill_file_bytes_->Set(static_cast<double>(s.tier.bytes));
-  spill_budget_bytes_->Set(static_cast<double>(s.tier.budget_bytes));
-  spill_queued_bytes_->Set(static_cast<double>(s.tier.queued_bytes));
+  memory_sessions_->Set(static_cast<double>(s.resident_sessions));
+  const TierStats top = s.tier_parts.empty() ? TierStats() : s.tier_parts.front();
+  spill_bytes_->Set(static_cast<double>(top.live_bytes));
+  spill_file_bytes_->Set(static_cast<double>(top.bytes));
+  spill_budget_bytes_->Set(static_cast<double>(top.budget_bytes));
+  spill_queued_bytes_->Set(static_cast<double>(top.queued_bytes));
+  Advance(spill_write_errors_, top.write_errors, &write_errors_seen_);
+  Advance(spill_crc_failures_, top.crc_failures, &crc_failures_seen_);
   Advance(demotions_, s.demotions, &demotions_seen_);
   Advance(promotions_, s.promotions, &promotions_seen_);
-  tier_live_bytes_->Set(static_cast<double>(s.tier.live_bytes));
-  tier_stored_bytes_->Set(static_cast<double>(s.tier.bytes));
-  tier_budget_bytes_->Set(static_cast<double>(s.tier.budget_bytes));
-  tier_queued_bytes_->Set(static_cast<double>(s.tier.queued_bytes));
-  Advance(spill_write_errors_, s.tier.write_errors, &write_errors_seen_);
-  Advance(spill_crc_failures_, s.tier.crc_failures, &crc_failures_seen_);
-  Advance(tier_write_errors_, s.tier.write_errors, &tier_write_errors_seen_);
-  Advance(tier_crc_failures_, s.tier.crc_failures, &tier_crc_failures_seen_);
+  for (size_t i = 0; i < tiers_.size() && i < s.tier_parts.size(); ++i) {
+    TierSeries& t = tiers_[i];
+    const TierStats& stats = s.tier_parts[i];
+    t.sessions->Set(static_cast<double>(s.demoted_sessions));
+    t.live_bytes->Set(static_cast<double>(stats.live_bytes));
+    t.stored_bytes->Set(static_cast<double>(stats.bytes));
+    t.budget_bytes->Set(static_cast<double>(stats.budget_bytes));
+    t.queued_bytes->Set(static_cast<double>(stats.queued_bytes));
+    Advance(t.write_errors, stats.write_errors, &t.write_errors_seen);
+    Advance(t.crc_failures, stats.crc_failures, &t.crc_failures_seen);
+  }
   if (tier_up_ != nullptr) {
     tier_up_->Set(s.tier_health.ok() ? 1 : 0);
     Advance(tier_rewrites_, s.tier.rewrites, &rewrites_seen_);

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -35,10 +36,11 @@ enum class KvKind { kKey, kValue };
 
 class Metrics {
  public:
-  // device: the label of the memory and kernel series, e.g. "cpu"; tier:
-  // where demoted sessions are, "disk" or "redis" (which also gets
-  // turbokv_tier_up and turbokv_takeovers_total).
-  explicit Metrics(std::string device, const std::string& tier = "disk");
+  // device: the label of the memory and kernel series, e.g. "cpu"; tiers:
+  // where demoted sessions are, top first (Tier::Parts): "disk", "redis",
+  // or both stacked ("redis" also gets turbokv_tier_up and
+  // turbokv_takeovers_total).
+  explicit Metrics(std::string device, const std::vector<std::string>& tiers = {"disk"});
   ~Metrics();
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
@@ -116,7 +118,7 @@ class Metrics {
   prometheus::Counter* lru_evictions_;
   prometheus::Counter* ttl_expiries_;
   prometheus::Counter* disk_drops_;
-  prometheus::Gauge* tier_sessions_[2] = {};  // memory, the tier
+  prometheus::Gauge* memory_sessions_ = nullptr;  // turbokv_tier_sessions{tier="memory"}
   prometheus::Gauge* tier_up_ = nullptr;      // a shared tier only
   prometheus::Counter* tier_rewrites_ = nullptr;  // a shared tier only
   prometheus::Counter* takeovers_[kTakeoverResults] = {};
@@ -128,13 +130,21 @@ class Metrics {
   prometheus::Counter* promotions_;
   prometheus::Counter* spill_write_errors_;
   prometheus::Counter* spill_crc_failures_;
-  // The same, by tier (turbokv_tier_*{tier}); the spill names go after 0.5.
-  prometheus::Gauge* tier_live_bytes_;
-  prometheus::Gauge* tier_stored_bytes_;
-  prometheus::Gauge* tier_budget_bytes_;
-  prometheus::Gauge* tier_queued_bytes_;
-  prometheus::Counter* tier_write_errors_;
-  prometheus::Counter* tier_crc_failures_;
+  // The same, by tier (turbokv_tier_*{tier}, in the order of
+  // StoreSnapshot::tier_parts); the spill names, which show the top tier,
+  // go after 0.5.
+  struct TierSeries {
+    prometheus::Gauge* sessions = nullptr;  // demoted: on every tier of a stack
+    prometheus::Gauge* live_bytes = nullptr;
+    prometheus::Gauge* stored_bytes = nullptr;
+    prometheus::Gauge* budget_bytes = nullptr;
+    prometheus::Gauge* queued_bytes = nullptr;
+    prometheus::Counter* write_errors = nullptr;
+    prometheus::Counter* crc_failures = nullptr;
+    int64_t write_errors_seen = 0;  // under SetStore's single caller
+    int64_t crc_failures_seen = 0;
+  };
+  std::vector<TierSeries> tiers_;
   prometheus::Histogram* promotion_duration_;
   // By codec (CodecKind's value, 1 to 6) and kind (key, value).
   struct QuantizationSeries {
@@ -153,8 +163,6 @@ class Metrics {
   int64_t write_errors_seen_ = 0;
   int64_t crc_failures_seen_ = 0;
   int64_t rewrites_seen_ = 0;
-  int64_t tier_write_errors_seen_ = 0;
-  int64_t tier_crc_failures_seen_ = 0;
 };
 
 }  // namespace turbokv

@@ -40,6 +40,7 @@
 #include "service/rpc/kv_cache_service.h"
 #include "service/store/tiers/disk_tier.h"
 #include "service/store/tiers/redis_tier.h"
+#include "service/store/tiers/stacked_tier.h"
 #include "service/text_file.h"
 
 namespace turbokv {
@@ -232,7 +233,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   server->budget_ = options.memory_budget != 0          ? options.memory_budget
                     : server->backend_->capacity_bytes() != 0 ? server->backend_->capacity_bytes()
                                                               : kDefaultHostBudget;
-  server->metrics_ = std::make_unique<Metrics>(server->backend_->label(), options.redis_url.empty() ? "disk" : "redis");
+  // The tiers below memory, top first (a stack: the disk, then Redis).
+  std::vector<std::string> tiers;
+  if (!options.spill_dir.empty() || options.redis_url.empty()) tiers.push_back("disk");
+  if (!options.redis_url.empty()) tiers.push_back("redis");
+  server->metrics_ = std::make_unique<Metrics>(server->backend_->label(), tiers);
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromFile(options.auth_tokens_file);
     if (!authenticator.ok()) return authenticator.status();
@@ -256,11 +261,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   store.low_watermark = options.low_watermark;
   store.on_takeover = [metrics = server->metrics_.get()](TakeoverResult result) { metrics->CountTakeover(result); };
   std::unique_ptr<Tier> tier;
-  if (!options.redis_url.empty() && !options.spill_dir.empty()) {
-    return absl::InvalidArgumentError(
-        "--redis-url and --spill-dir together are not supported yet: choose one tier (Redis also serves as the "
-        "spill tier of this daemon)");
-  }
   if (!options.redis_url.empty() && !options.snapshot_dir.empty()) {
     return absl::InvalidArgumentError(
         "--redis-url and --snapshot-dir cannot go together: Redis keeps the sessions across restarts (the drain "
@@ -303,6 +303,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     redis.max_queued_bytes = options.redis_queue;
     absl::StatusOr<std::unique_ptr<RedisTier>> opened = RedisTier::Open(redis);
     if (!opened.ok()) return opened.status();
+    server->redis_tier_ = opened->get();
     tier = *std::move(opened);
   }
   if (!options.spill_dir.empty()) {
@@ -312,7 +313,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     disk.page_tokens = options.page_tokens;
     absl::StatusOr<std::unique_ptr<DiskTier>> opened = DiskTier::Open(disk);
     if (!opened.ok()) return opened.status();
-    tier = *std::move(opened);
+    // With Redis too, the disk sits between memory and Redis: promotion
+    // reads it first, Redis holds the truth.
+    tier = tier == nullptr ? std::unique_ptr<Tier>(*std::move(opened))
+                           : std::make_unique<StackedTier>(*std::move(opened), std::move(tier));
   }
   server->store_ = std::make_unique<SessionStore>(store, std::move(tier));
   HandlerOptions handler;
@@ -432,7 +436,7 @@ absl::Status Server::Start() {
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   SetTierHealth();
   if (!options_.redis_url.empty()) {
-    const auto* redis = static_cast<const RedisTier*>(store_->tier());
+    const RedisTier* redis = redis_tier_;
     const absl::Status health = redis->Health();
     Logf(LogLevel::kInfo, "Redis tier %s%s (budget %s, lease %s, timeout %s) as owner %s: %s", options_.redis_url.c_str(),
          options_.redis_password.empty()

@@ -27,6 +27,7 @@ class Handler;
 class KvCacheService;
 class MetricsPage;
 class Metrics;
+class RedisTier;
 class ThreadPool;
 
 struct ServerOptions {
@@ -169,6 +170,7 @@ class Server {
   std::unique_ptr<ThreadPool> kernel_pool_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<SessionStore> store_;
+  const RedisTier* redis_tier_ = nullptr;  // with --redis-url: in store_'s tier
   std::unique_ptr<Handler> handler_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<KvCacheService> service_;

@@ -32,7 +32,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
     }
     if (absl::Status room = HasRoomFor(tenant); !room.ok()) return room;
   }
-  absl::StatusOr<TierSession> image = tier_->Claim(id, tenant);
+  absl::StatusOr<TierSession> image = tier_->Claim(id, tenant, /*if_epoch=*/0);
   if (!image.ok()) {
     if (absl::IsNotFound(image.status())) {
       CountTakeover(kTakeoverNotFound);
@@ -563,6 +563,20 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
     std::lock_guard<std::mutex> lock(mutex_);
     Erase(disowned.first);
   }
+  {
+    // Sessions the tier claimed by itself (a stacked daemon's copies on its
+    // disk, once the lease of its run before lapsed), one claim at a time
+    // with calls' takeovers.
+    std::lock_guard<std::mutex> claiming(claim_mutex_);
+    for (TierSession& image : tier_->TakeClaimed()) {
+      const std::string id = image.header.id;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (absl::Status status = RegisterDemoted(std::move(image), absl::Now()); !status.ok()) {
+        Logf(LogLevel::kWarning, "session %s, claimed from the %s tier, is not registered: %s", id.c_str(),
+             tier_->name(), std::string(status.message()).c_str());
+      }
+    }
+  }
   for (const std::string& id : tier_->TakeLost()) {
     std::shared_ptr<SessionCache> session;
     {
@@ -651,6 +665,17 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
   return first_error;
 }
 
+absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now) {
+  if (sessions_.count(image.header.id) != 0) return absl::OkStatus();  // its snapshot holds it whole
+  SessionConfig config = image.header.config;
+  config.pinned = image.pinned;
+  auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
+  session->Touch(now);
+  session->manifest_ = image.manifest;
+  session->demoted_ = std::make_unique<TierSession>(std::move(image));
+  return Insert(session);
+}
+
 absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
   if (tier_ == nullptr) return TierScanReport();
   absl::StatusOr<TierScanReport> report = tier_->Scan();
@@ -659,19 +684,12 @@ absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
   report->sessions.clear();
   std::lock_guard<std::mutex> lock(mutex_);
   for (TierSession& image : sessions) {
-    if (sessions_.count(image.header.id) != 0) continue;  // its snapshot holds it whole
-    SessionConfig config = image.header.config;
-    config.pinned = image.pinned;
-    auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
-    session->Touch(now);
-    session->manifest_ = image.manifest;
     const std::string id = image.header.id;
-    session->demoted_ = std::make_unique<TierSession>(std::move(image));
-    if (absl::Status status = Insert(session); !status.ok()) {
+    if (absl::Status status = RegisterDemoted(std::move(image), now); !status.ok()) {
       report->damaged.emplace_back(id, status);
-      continue;
+    } else {
+      ++report->loaded;
     }
-    ++report->loaded;
   }
   for (const auto& [id, status] : report->damaged) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
   return report;

@@ -271,7 +271,10 @@ StoreSnapshot SessionStore::Snapshot() const {
     if (session->resident()) snapshot.resident_fp16_bytes += fp16_bytes;
     ++(session->resident() ? snapshot.resident_sessions : snapshot.demoted_sessions);
   }
-  if (tier_ != nullptr) snapshot.tier = tier_->Stats();
+  if (tier_ != nullptr) {
+    snapshot.tier = tier_->Stats();
+    for (const Tier* part : tier_->Parts()) snapshot.tier_parts.push_back(part->Stats());
+  }
   snapshot.demotions = demotions_.load();
   snapshot.promotions = promotions_.load();
   snapshot.disk_drops = disk_drops_.load();

@@ -56,7 +56,8 @@ struct StoreSnapshot {
   int64_t demotions = 0;          // since start
   int64_t promotions = 0;
   int64_t disk_drops = 0;         // sessions dropped because the spill budget was full
-  TierStats tier;
+  TierStats tier;                 // the tier's (a stack's: the one whose budget drops sessions)
+  std::vector<TierStats> tier_parts;  // each tier of Tier::Parts(), top first
   absl::Status tier_health;       // a shared tier: why it does not answer
   struct TenantUse {
     int64_t sessions = 0;
@@ -365,6 +366,9 @@ class SessionStore {
   absl::Status HasRoomFor(const std::string& tenant) const;
   // Under mutex_: adds a built session, or HasRoomFor's error.
   absl::Status Insert(std::shared_ptr<SessionCache> session);
+  // Under mutex_: adds a session the tier holds (on the tier only), unless
+  // one of its id is here already (from a snapshot); Insert's error.
+  absl::Status RegisterDemoted(TierSession image, absl::Time now);
   // Claims a session this daemon does not hold from the shared tier (Find).
   absl::StatusOr<std::shared_ptr<SessionCache>> TakeOver(const std::string& id, const std::string& tenant,
                                                          absl::Time now);

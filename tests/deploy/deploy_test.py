@@ -213,22 +213,24 @@ def check_sidecar(test: unittest.TestCase, deployment: dict):
     test.assertEqual(args["--listen"], f"unix://{socket_dir}/turbokv.sock")
     test.assertIn("emptyDir", volumes["turbokv-socket"])
     test.assertIn({"name": "turbokv-socket", "mountPath": socket_dir}, worker["volumeMounts"])
-    # The spill dir is a volume of its own, bounded; or the Redis tier,
-    # which turbokvd refuses beside it and beside snapshots, with every one
-    # of its flags.
+    # The spill dir is a volume of its own, bounded; the Redis tier, which
+    # turbokvd refuses beside snapshots, comes with every one of its flags,
+    # and with the spill dir too it sits under it.
     claims = [c["metadata"]["name"] for c in deployment["spec"].get("volumeClaimTemplates", [])]
     if "--redis-url" in args:
-        for flag in ("--spill-dir", "--spill-budget", "--snapshot-dir", "--snapshot-deadline"):
+        for flag in ("--snapshot-dir", "--snapshot-deadline"):
             test.assertNotIn(flag, args)
-        for volume in ("turbokv-spill", "turbokv-snapshot"):
-            test.assertNotIn(volume, volumes)
-            test.assertNotIn(volume, mounts)
-            test.assertNotIn(volume, claims)
+        test.assertNotIn("turbokv-snapshot", volumes)
+        test.assertNotIn("turbokv-snapshot", mounts)
+        test.assertNotIn("turbokv-snapshot", claims)
         for flag in ("--redis-budget", "--redis-lease", "--redis-timeout"):
             test.assertIn(flag, args)
-    else:
+    if "--spill-dir" in args:
         test.assertEqual(args["--spill-dir"], mounts["turbokv-spill"])
         test.assertIn("sizeLimit", volumes["turbokv-spill"]["emptyDir"])
+    else:
+        test.assertIn("--redis-url", args)
+        test.assertNotIn("turbokv-spill", volumes)
     # Snapshots on a volume of their own: an emptyDir here, or a claim per pod.
     if "--snapshot-dir" in args:
         test.assertEqual(args["--snapshot-dir"], mounts["turbokv-snapshot"])
@@ -1127,25 +1129,20 @@ class DeployTest(unittest.TestCase):
         self.assertNotIn("TURBOKV_REDIS_PASSWORD", {e["name"] for e in objects["Deployment"]["spec"]["template"]["spec"]
                                                     ["initContainers"][0]["env"]})
 
-    def test_chart_refuses_the_disk_and_redis_tiers_together_and_two_redis(self):
-        # turbokvd refuses --spill-dir and --snapshot-dir with --redis-url:
-        # the chart says so before anything is installed, naming the values.
-        # Before: snapshots (on by default) went to turbokvd beside
-        # --redis-url, and a snapshot loaded at the next start brought back
-        # a session another turbokvd held since the drain.
-        refusals = {
-            (True, True): r"turbokvd\.spill\.enabled, turbokvd\.snapshot\.enabled and the Redis tier .*"
-                          r"set turbokvd\.spill\.enabled=false and turbokvd\.snapshot\.enabled=false",
-            (True, False): r"turbokvd\.spill\.enabled and the Redis tier .*set turbokvd\.spill\.enabled=false$",
-            (False, True): r"turbokvd\.snapshot\.enabled and the Redis tier .*--snapshot-dir with --redis-url.*"
-                           r"set turbokvd\.snapshot\.enabled=false$",
-        }
+    def test_chart_refuses_snapshots_with_redis_and_two_redis_and_stacks_the_disk_on_it(self):
+        # turbokvd refuses --snapshot-dir with --redis-url: the chart says so
+        # before anything is installed, naming the value. Before: snapshots
+        # (on by default) went to turbokvd beside --redis-url, and a snapshot
+        # loaded at the next start brought back a session another turbokvd
+        # held since the drain. The spill dir goes with Redis: the disk
+        # stacked between memory and Redis.
+        refusal = (r"turbokvd\.snapshot\.enabled and the Redis tier .*--snapshot-dir with --redis-url.*"
+                   r"set turbokvd\.snapshot\.enabled=false$")
         for key, value in (("url", "redis://redis.cache.svc:6379"), ("deploy", {"enabled": True})):
-            for (spill, snapshot), refusal in refusals.items():
-                with self.subTest(key, spill=spill, snapshot=snapshot):
+            for spill in (True, False):
+                with self.subTest(key, spill=spill):
                     values = default_values()
                     values["turbokvd"]["spill"]["enabled"] = spill
-                    values["turbokvd"]["snapshot"]["enabled"] = snapshot
                     if key == "url":
                         values["redis"]["url"] = value
                     else:
@@ -1156,6 +1153,12 @@ class DeployTest(unittest.TestCase):
                     values["turbokvd"]["snapshot"]["persistence"]["enabled"] = True
                     with self.assertRaisesRegex(TemplateError, refusal):
                         rendered_objects(values)
+                    values["turbokvd"]["snapshot"]["persistence"]["enabled"] = False
+                    values["turbokvd"]["snapshot"]["enabled"] = False
+                    objects, _ = rendered_objects(values)
+                    args = check_sidecar(self, worker_workload(objects))
+                    self.assertIn("--redis-url", " ".join(args))
+                    self.assertEqual(spill, any(a.startswith("--spill-dir=") for a in args))
         values = redis_deploy_values()
         values["redis"]["url"] = "redis://redis.cache.svc:6379"
         with self.assertRaisesRegex(TemplateError, r"redis\.url and redis\.deploy\.enabled are both set"):

@@ -1099,9 +1099,8 @@ TEST(RedisUrlTest, FormsAndMistakes) {
   }
 }
 
-TEST(RedisTierTest, TheDaemonRefusesRedisWithAnotherTierOrABadUrl) {
+TEST(RedisTierTest, TheDaemonRefusesRedisWithSnapshotsOrABadUrl) {
   const std::pair<std::vector<std::string>, const char*> refused[] = {
-      {{"--redis-url=redis://127.0.0.1:1", "--spill-dir=/tmp"}, "--redis-url and --spill-dir"},
       {{"--redis-url=redis://127.0.0.1:1", "--snapshot-dir=/tmp"}, "--redis-url and --snapshot-dir"},
       {{"--redis-url=redis//127.0.0.1"}, "the scheme must be"},
       {{"--redis-url=redis://127.0.0.1:1", "--redis-lease=10ms"}, "--redis-lease"},

@@ -28,9 +28,10 @@ namespace {
 constexpr char kMagic[4] = {'T', 'K', 'V', 'R'};
 // 2: a manifest's session header holds per-layer codecs and the preset;
 // 3: it holds the key transform, value centering and sink tokens, and each
-// layer's entry its transform and sink page. Records of versions 1 and 2
-// are still read.
-constexpr uint16_t kVersion = 3;
+// layer's entry its transform and sink page; 4: a page names the shared
+// tier's copy of it and a manifest the session's epoch there (a stacked
+// daemon's). Records of versions 1 to 3 are still read.
+constexpr uint16_t kVersion = 4;
 constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kFrameBytes = 24;  // magic, version, type, 0, lsn, header bytes, payload bytes
 constexpr size_t kCrcBytes = 4;
@@ -87,7 +88,8 @@ struct DiskTier::Segment {
 
 class DiskTier::Record final : public TierRecord {
  public:
-  Record(DiskTier* tier, uint64_t lsn, size_t bytes) : TierRecord(lsn, bytes), tier_(tier) {}
+  Record(DiskTier* tier, uint64_t lsn, size_t bytes, std::string shared_name = "")
+      : TierRecord(lsn, bytes, std::move(shared_name)), tier_(tier) {}
   ~Record() override {
     std::lock_guard<std::mutex> lock(tier_->mutex_);
     tier_->Release(this);
@@ -186,6 +188,8 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
     int32_t layer, index, tokens;
     CodecKind key_codec, value_codec;
     uint64_t seed;
+    std::string tenant;
+    std::string shared_name;  // from version 4
   };
   struct ManifestInfo {
     uint64_t lsn;
@@ -257,7 +261,13 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
         continue;
       }
       segment->sessions.insert(session);
-      auto record = std::make_shared<Record>(this, lsn, bytes);
+      PageInfo page;
+      if (type == kPage) {
+        page = PageInfo{lsn, session, header.Get<int32_t>(), header.Get<int32_t>(), header.Get<int32_t>(),
+                        static_cast<CodecKind>(header.Get<uint8_t>()), static_cast<CodecKind>(header.Get<uint8_t>()),
+                        header.Get<uint64_t>(), tenant, version >= 4 ? header.GetString() : ""};
+      }
+      auto record = std::make_shared<Record>(this, lsn, bytes, page.shared_name);
       record->segment = segment.get();
       record->offset = at;
       record->done = true;
@@ -270,11 +280,8 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
         if (lsn > newest.lsn) {
           newest = ManifestInfo{lsn, std::string(buffer.data() + kFrameBytes, header_bytes), version};
         }
-      } else if (type == kPage) {
-        PageInfo info{lsn, session, header.Get<int32_t>(), header.Get<int32_t>(), header.Get<int32_t>(),
-                      static_cast<CodecKind>(header.Get<uint8_t>()), static_cast<CodecKind>(header.Get<uint8_t>()),
-                      header.Get<uint64_t>()};
-        if (!header.short_read()) pages[session].push_back(info);
+      } else if (type == kPage && !header.short_read()) {
+        pages[session].push_back(std::move(page));
       }
     }
     segments_.emplace(number, std::move(segment));
@@ -327,6 +334,7 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
       }
       session.layers.push_back(std::move(layer));
     }
+    if (manifest.version >= 4) session.shared_epoch = in.Get<int64_t>();
     if (malformed || in.short_read()) {
       damaged[id] = "its manifest on disk is malformed";
       continue;
@@ -357,6 +365,13 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
     report.sessions.push_back(std::move(session));
   }
   for (auto& [id, why] : damaged) report.damaged.emplace_back(id, absl::DataLossError(why));
+  for (const auto& [id, infos] : pages) {
+    auto dead = tombstone.find(id);
+    for (const PageInfo& page : infos) {
+      if (page.shared_name.empty() || (dead != tombstone.end() && dead->second > page.lsn)) continue;
+      report.named.push_back(TierScanReport::Named{id, page.tenant, records[page.lsn]});
+    }
+  }
   // Records no session holds die here (and segments left without live
   // records go); the writer appends to a new segment.
   records.clear();
@@ -395,6 +410,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key
   Put<uint8_t>(&header, static_cast<uint8_t>(key.key_codec));
   Put<uint8_t>(&header, static_cast<uint8_t>(key.value_codec));
   Put<uint64_t>(&header, key.rotation_seed);
+  PutString(&header, key.shared_name);
   const size_t bytes = kFrameBytes + header.size() + page.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {
@@ -405,7 +421,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key
   if (!force && static_cast<size_t>(queued_bytes_) + bytes > options_.max_queued_bytes) {
     return absl::UnavailableError(absl::StrCat("the spill writer has ", FormatByteSize(queued_bytes_), " queued"));
   }
-  auto record = std::make_shared<Record>(this, next_lsn_, bytes);
+  auto record = std::make_shared<Record>(this, next_lsn_, bytes, key.shared_name);
   Job job;
   job.type = kPage;
   job.record = record;
@@ -427,6 +443,7 @@ std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
     for (const auto& page : layer.pages) Put<uint64_t>(&header, page->lsn());
     PutLayerExtras(&header, layer.extras);
   }
+  Put<int64_t>(&header, session.shared_epoch);
   const size_t bytes = kFrameBytes + header.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   auto record = std::make_shared<Record>(this, next_lsn_, bytes);

@@ -52,9 +52,10 @@ constexpr size_t kReadBatch = 32;  // pages per round trip of a promotion  // a 
 // their last ARGV.
 //
 // KEYS: lease, epoch, manifest. ARGV: owner, lease ms, whether the manifest
-// must exist, TTL. {0}: no manifest; {-1, holder, ms left}: leased by
-// another; {-2}: a manifest without its epoch (Redis lost data: the epoch
-// cannot be told, so nobody claims it; its owner, if alive, restores it);
+// must exist, TTL, the epoch it must have ('' for any). {0}: no manifest;
+// {-1, holder, ms left}: leased by another; {-2}: a manifest without its
+// epoch (Redis lost data: the epoch cannot be told, so nobody claims it;
+// its owner, if alive, restores it); {-3, epoch}: not the epoch asked for;
 // {epoch[, manifest]}. A lease this owner holds already (a claim whose
 // answer timed out, sent again) is its own. Every write and renewal
 // refreshes the epoch's expiry with its own keys', so that the epoch
@@ -69,7 +70,9 @@ constexpr char kAcquire[] =
     "  if m then return {mine, m} end "
     "  return {mine} "
     "end "
-    "if m and not redis.call('GET', KEYS[2]) then return {-2} end "
+    "local was = redis.call('GET', KEYS[2]) "
+    "if m and not was then return {-2} end "
+    "if ARGV[5] ~= '' and was ~= ARGV[5] then return {-3, was or 'none'} end "
     "local e = redis.call('INCR', KEYS[2]) "
     "redis.call('PEXPIRE', KEYS[2], ARGV[4]) "
     "redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. e, 'PX', ARGV[2]) "
@@ -319,7 +322,7 @@ struct RedisTier::SessionState {
 class RedisTier::Record final : public TierRecord {
  public:
   Record(RedisTier* tier, uint64_t lsn, size_t bytes, std::shared_ptr<SessionState> state, std::string key, bool page)
-      : TierRecord(lsn, bytes), key(std::move(key)), page(page), state(std::move(state)), tier_(tier) {}
+      : TierRecord(lsn, bytes, page ? key : ""), key(std::move(key)), page(page), state(std::move(state)), tier_(tier) {}
   ~Record() override {
     tier_->Forget(this);
     std::lock_guard<std::mutex> lock(tier_->mutex_);
@@ -674,7 +677,7 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     // A new session: its first record claims it.
     absl::StatusOr<RedisValue> claimed = writer_connection_.Run(
         {"EVAL", kAcquire, "3", state.Key("l"), state.Key("e"), state.Key("m"), owner_,
-         std::to_string(absl::ToInt64Milliseconds(options_.lease)), "0", OrphanTtlMs()});
+         std::to_string(absl::ToInt64Milliseconds(options_.lease)), "0", OrphanTtlMs(), ""});
     if (!claimed.ok()) return claimed.status();
     if (claimed->type == RedisValue::kError) return ScriptError(state, *claimed);
     if (claimed->type != RedisValue::kArray || claimed->elements.empty() ||
@@ -1170,7 +1173,7 @@ TierStats RedisTier::Stats() const {
   return stats;
 }
 
-absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::string& tenant) {
+absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::string& tenant, int64_t if_epoch) {
   if (!PlausibleSessionId(id)) return absl::NotFoundError("not a session id");
   std::shared_ptr<SessionState> state = std::make_shared<SessionState>();
   state->id = id;
@@ -1189,7 +1192,8 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   }
   const std::vector<std::vector<std::string>> commands = {
       {"EVAL", kAcquire, "3", state->Key("l"), state->Key("e"), state->Key("m"), owner_,
-       std::to_string(absl::ToInt64Milliseconds(options_.lease)), "1", OrphanTtlMs()},
+       std::to_string(absl::ToInt64Milliseconds(options_.lease)), "1", OrphanTtlMs(),
+       if_epoch > 0 ? std::to_string(if_epoch) : ""},
       {"HGETALL", state->Key("h")}};
   const absl::Time sent = absl::Now();
   Borrowed connection = Borrow();
@@ -1203,6 +1207,11 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   }
   const long long epoch = acquired.elements[0].integer;
   if (epoch == 0) return absl::NotFoundError("not in Redis");
+  if (epoch == -3) {
+    const std::string now = acquired.elements.size() > 1 ? acquired.elements[1].str : "";
+    return absl::AbortedError(absl::StrCat("session ", id, " was claimed by another turbokvd since (its epoch in Redis is ",
+                                           now, ", not ", if_epoch, ")"));
+  }
   if (epoch == -2) {
     return absl::DataLossError(absl::StrCat(
         "session ", id, " in Redis has a manifest but no epoch: Redis lost data (evicted, deleted, or restarted "
@@ -1416,6 +1425,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   }
   state->layers = static_cast<int>(layers);
   session.manifest = std::move(claimed);
+  session.shared_epoch = epoch;
   for (std::string& key : superseded) Enqueue(Job::Of(Job::kDelete, state, std::move(key)));  // its older copy goes
   sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)] = state;
   // This daemon's again: the store must not drop it for an older claim.
@@ -1436,6 +1446,12 @@ std::vector<std::string> RedisTier::TakeLost() {
   std::vector<std::string> lost;
   lost.swap(lost_);
   return lost;
+}
+
+int64_t RedisTier::Epoch(const std::string& id, const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sessions_.find(absl::StrCat(tenant, std::string(1, '\0'), id));
+  return it == sessions_.end() ? 0 : it->second->epoch;
 }
 
 absl::Status RedisTier::Owned(const std::string& id) const {

@@ -29,13 +29,20 @@ class TierRecord {
   virtual ~TierRecord() = default;
   uint64_t lsn() const { return lsn_; }  // the tier's sequence number: later records have larger ones
   size_t bytes() const { return bytes_; }  // on the tier, framing included
+  // A page's name on a shared tier (its Redis key), which names the same
+  // bytes for ever (a key is written once): on that tier, and on a local
+  // tier below it for the copy it keeps (PageKey::shared_name). Empty
+  // otherwise.
+  const std::string& shared_name() const { return shared_name_; }
 
  protected:
-  TierRecord(uint64_t lsn, size_t bytes) : lsn_(lsn), bytes_(bytes) {}
+  TierRecord(uint64_t lsn, size_t bytes, std::string shared_name = "")
+      : lsn_(lsn), bytes_(bytes), shared_name_(std::move(shared_name)) {}
 
  private:
   const uint64_t lsn_;
   const size_t bytes_;
+  const std::string shared_name_;
 };
 
 // What a page record says of its page: whose, where in the layer, how many
@@ -53,6 +60,10 @@ struct PageKey {
   // A sealed page written for the manifest that follows it: it is not
   // entered among the pages sealed since the manifest (Redis's hash).
   bool for_manifest = false;
+  // On a local tier under a shared one (StackedTier): the shared tier's
+  // name for the same page, kept with the copy so that a restart can tell
+  // which of the shared tier's pages it holds.
+  std::string shared_name{};
 };
 
 // New slots of a layer's partly filled last page (Tier::PutTails): slots
@@ -83,6 +94,11 @@ struct TierSession {
   bool pinned = false;
   std::vector<TierLayer> layers;
   std::shared_ptr<TierRecord> manifest;  // the record that describes it
+  // The session's epoch on a shared tier: the one a claim raised it to
+  // (Tier::Claim); in a local tier's manifest, the epoch the copy was
+  // written under when a shared tier is above it (StackedTier), 0 when none
+  // is.
+  int64_t shared_epoch = 0;
 };
 
 // What a tier held at start.
@@ -95,6 +111,15 @@ struct TierScanReport {
   int64_t records = 0;      // records read
   int64_t torn = 0;         // records that failed their CRC or were cut short: skipped
   int64_t bytes = 0;        // of the live records
+  // Page records that carry a shared tier's name (PageKey::shared_name),
+  // whether a session above holds them or not, of sessions not deleted
+  // since: copies a stacked daemon may read again (StackedTier).
+  struct Named {
+    std::string session;
+    std::string tenant;
+    std::shared_ptr<TierRecord> record;
+  };
+  std::vector<Named> named;
 };
 
 struct TierStats {
@@ -169,11 +194,25 @@ class Tier {
   // the writes of the daemon that held it before are refused. NOT_FOUND
   // when the tier has no such session; FAILED_PRECONDITION while another
   // daemon holds it; UNAVAILABLE when the tier cannot be reached.
-  virtual absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant) {
+  // With if_epoch > 0, only when the session's epoch there is still
+  // if_epoch (nobody claimed it since a copy written under it): ABORTED
+  // otherwise. The session returned carries the epoch the claim raised.
+  virtual absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant, int64_t if_epoch) {
     (void)id;
     (void)tenant;
+    (void)if_epoch;
     return absl::NotFoundError("no shared tier");
   }
+  // The session's epoch on the tier as this daemon knows it (0: none yet).
+  virtual int64_t Epoch(const std::string& id, const std::string& tenant) const {
+    (void)id;
+    (void)tenant;
+    return 0;
+  }
+  // Sessions claimed since the last call outside a call naming them (a
+  // stacked daemon's local copies, once the lease of the run before
+  // lapses): the store registers them, on the tier only.
+  virtual std::vector<TierSession> TakeClaimed() { return {}; }
   // The sessions another daemon has claimed since the last call, each with
   // the FAILED_PRECONDITION that says so: this daemon drops them (without a
   // tombstone: they are the other daemon's now).
@@ -192,6 +231,10 @@ class Tier {
   virtual absl::Status ReleaseAll() { return absl::OkStatus(); }
   // OK while the tier answers; why not otherwise.
   virtual absl::Status Health() const { return absl::OkStatus(); }
+
+  // The tiers this one is made of, top first, each with its own name and
+  // Stats (for metrics): itself, but for a stack of tiers.
+  virtual std::vector<const Tier*> Parts() const { return {this}; }
 };
 
 }  // namespace turbokv

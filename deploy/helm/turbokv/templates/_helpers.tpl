@@ -154,15 +154,7 @@ there is none.
 {{- if and .Values.redis.url .Values.redis.deploy.enabled }}
 {{- fail "redis.url and redis.deploy.enabled are both set: give turbokvd either an existing Redis (redis.url) or the chart's own (redis.deploy.enabled)" }}
 {{- end }}
-{{- if include "turbokv.redisUrl" . }}
-{{- $spill := .Values.turbokvd.spill.enabled }}
-{{- $snapshot := .Values.turbokvd.snapshot.enabled }}
-{{- if and $spill $snapshot }}
-{{- fail "turbokvd.spill.enabled, turbokvd.snapshot.enabled and the Redis tier (redis.url or redis.deploy.enabled) cannot go together: turbokvd refuses --spill-dir and --snapshot-dir with --redis-url; set turbokvd.spill.enabled=false and turbokvd.snapshot.enabled=false" }}
-{{- else if $spill }}
-{{- fail "turbokvd.spill.enabled and the Redis tier (redis.url or redis.deploy.enabled) cannot go together: turbokvd refuses --spill-dir with --redis-url; set turbokvd.spill.enabled=false" }}
-{{- else if $snapshot }}
+{{- if and (include "turbokv.redisUrl" .) .Values.turbokvd.snapshot.enabled }}
 {{- fail "turbokvd.snapshot.enabled and the Redis tier (redis.url or redis.deploy.enabled) cannot go together: turbokvd refuses --snapshot-dir with --redis-url (a snapshot loaded at the next start would bring back a session another turbokvd may hold since the drain, a second writer; the Redis tier keeps sessions across restarts itself); set turbokvd.snapshot.enabled=false" }}
-{{- end }}
 {{- end }}
 {{- end }}
