@@ -48,8 +48,15 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
   session->Touch(now);
   session->manifest_ = image->manifest;
   session->demoted_ = std::make_unique<TierSession>(*std::move(image));
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (absl::Status inserted = Insert(session); !inserted.ok()) return inserted;
+  absl::Status inserted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inserted = Insert(session);
+  }
+  if (!inserted.ok()) {
+    tier_->LetGo(std::move(*session->demoted_));  // its pages stay on the tier
+    return inserted;
+  }
   CountTakeover(kTakeoverOk);
   Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens in layer 0, %d layers)", id.c_str(),
        tier_->name(), static_cast<long long>(session->layer_tokens(0)), config.layers);
@@ -570,8 +577,8 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
     std::lock_guard<std::mutex> claiming(claim_mutex_);
     for (TierSession& image : tier_->TakeClaimed()) {
       const std::string id = image.header.id;
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (absl::Status status = RegisterDemoted(std::move(image), absl::Now()); !status.ok()) {
+      bool kept_on_tier = false;
+      if (absl::Status status = RegisterDemoted(std::move(image), absl::Now(), &kept_on_tier); !status.ok()) {
         Logf(LogLevel::kWarning, "session %s, claimed from the %s tier, is not registered: %s", id.c_str(),
              tier_->name(), std::string(status.message()).c_str());
       }
@@ -665,15 +672,24 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
   return first_error;
 }
 
-absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now) {
-  if (sessions_.count(image.header.id) != 0) return absl::OkStatus();  // its snapshot holds it whole
+absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bool* kept_on_tier) {
+  *kept_on_tier = false;
   SessionConfig config = image.header.config;
   config.pinned = image.pinned;
   auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
   session->Touch(now);
   session->manifest_ = image.manifest;
   session->demoted_ = std::make_unique<TierSession>(std::move(image));
-  return Insert(session);
+  absl::Status inserted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (sessions_.count(session->id()) != 0) {
+      return absl::AlreadyExistsError("its snapshot holds it whole");
+    }
+    inserted = Insert(session);
+  }
+  if (!inserted.ok()) *kept_on_tier = tier_->LetGo(std::move(*session->demoted_));
+  return inserted;
 }
 
 absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
@@ -682,16 +698,19 @@ absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
   if (!report.ok()) return report.status();
   std::vector<TierSession> sessions = std::move(report->sessions);
   report->sessions.clear();
-  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [id, status] : report->damaged) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
   for (TierSession& image : sessions) {
     const std::string id = image.header.id;
-    if (absl::Status status = RegisterDemoted(std::move(image), now); !status.ok()) {
-      report->damaged.emplace_back(id, status);
-    } else {
+    bool kept_on_tier = false;
+    absl::Status status = RegisterDemoted(std::move(image), now, &kept_on_tier);
+    if (status.ok()) {
       ++report->loaded;
+    } else if (!absl::IsAlreadyExists(status)) {
+      report->damaged.emplace_back(id, status);
+      // Lost, unless the tier still holds it for a later claim.
+      if (!kept_on_tier) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
     }
   }
-  for (const auto& [id, status] : report->damaged) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
   return report;
 }
 

@@ -366,9 +366,11 @@ class SessionStore {
   absl::Status HasRoomFor(const std::string& tenant) const;
   // Under mutex_: adds a built session, or HasRoomFor's error.
   absl::Status Insert(std::shared_ptr<SessionCache> session);
-  // Under mutex_: adds a session the tier holds (on the tier only), unless
-  // one of its id is here already (from a snapshot); Insert's error.
-  absl::Status RegisterDemoted(TierSession image, absl::Time now);
+  // Adds a session the tier holds (on the tier only): ALREADY_EXISTS when
+  // one of its id is here (from a snapshot), or Insert's error, the session
+  // let go on the tier (Tier::LetGo: *kept_on_tier says whether a later
+  // claim finds it there).
+  absl::Status RegisterDemoted(TierSession image, absl::Time now, bool* kept_on_tier);
   // Claims a session this daemon does not hold from the shared tier (Find).
   absl::StatusOr<std::shared_ptr<SessionCache>> TakeOver(const std::string& id, const std::string& tenant,
                                                          absl::Time now);

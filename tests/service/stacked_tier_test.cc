@@ -120,29 +120,60 @@ TEST(StackedTierTest, ACopyAnotherDaemonClaimedSinceIsDroppedNeverServed) {
   const std::string dir = SpillDir("taken");
   const std::string id = HandedOver(redis, sequence, 200, {"--spill-dir=" + dir});
   ASSERT_FALSE(id.empty());
+  // Another daemon takes it over, writes more, and holds it while this one
+  // restarts: the copy is dropped at once, not kept waiting for the lease.
+  Daemon b(Flags("b", redis));
+  auto b_client = Connected("b", b);
   {
-    // Another daemon takes it over and writes more.
-    Daemon b(Flags("b", redis));
-    auto client = Connected("b", b);
-    auto session = client->OpenSession(id);
+    auto session = b_client->OpenSession(id);
     ASSERT_TRUE(session.ok()) << session.status() << b.Log();
     ASSERT_EQ(Appended(sequence.Append(*session, 200, 150)), 350);
-    ASSERT_EQ(b.Stop(SIGTERM), 0) << b.Log();
   }
   Daemon again(Stacked("a", redis, dir));
   auto client = Connected("a", again);
-  EXPECT_THAT(again.Log(),
-              HasSubstr("its copy on the local disk tier is dropped, never served"));
+  EXPECT_THAT(again.Log(), HasSubstr("its copy on the local disk tier is dropped, never served"));
   EXPECT_THAT(again.Log(), HasSubstr("was claimed by another turbokvd since"));
+  EXPECT_THAT(again.Log(), HasSubstr("0 waiting for their claim"));
   auto listed = client->ListSessions();
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_TRUE(listed->empty());
-  // Named, it is claimed from Redis as the other daemon left it.
+  EXPECT_EQ(client->OpenSession(id).status().code(), absl::StatusCode::kFailedPrecondition);
+  // Handed over, it is claimed from Redis as the other daemon left it.
+  ASSERT_EQ(b.Stop(SIGTERM), 0) << b.Log();
   auto session = client->OpenSession(id);
   ASSERT_TRUE(session.ok()) << session.status() << again.Log();
   EXPECT_EQ(session->Info()->layer_tokens(0), 350);
   EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 200, 350));
   EXPECT_EQ(again.Stop(SIGTERM), 0) << again.Log();
+}
+
+TEST(StackedTierTest, ASessionTheStoreCannotTakeAtARestartStaysWholeInRedis) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  Reference reference;
+  const Sequence sequence;
+  const std::string dir = SpillDir("full");
+  const std::string first = HandedOver(redis, sequence, 350, {"--spill-dir=" + dir});
+  const std::string second = HandedOver(redis, sequence, 350, {"--spill-dir=" + dir});
+  ASSERT_FALSE(first.empty());
+  ASSERT_FALSE(second.empty());
+  {
+    // Room for one of the two: the other is let go in Redis, whole.
+    Daemon again(Stacked("a", redis, dir, {"--max-sessions=1"}));
+    auto client = Connected("a", again);
+    auto listed = client->ListSessions();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_EQ(listed->size(), 1u) << again.Log();
+    ASSERT_EQ(again.Stop(SIGTERM), 0) << again.Log();
+  }
+  Daemon b(Flags("b", redis));
+  auto client = Connected("b", b);
+  for (const std::string& id : {first, second}) {
+    auto session = client->OpenSession(id);
+    ASSERT_TRUE(session.ok()) << session.status() << b.Log();
+    EXPECT_TRUE(Observe(*session) == reference.Of(sequence, 350, 350));
+  }
+  EXPECT_EQ(b.Stop(SIGTERM), 0) << b.Log();
 }
 
 TEST(StackedTierTest,

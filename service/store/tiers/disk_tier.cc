@@ -30,8 +30,10 @@ constexpr char kMagic[4] = {'T', 'K', 'V', 'R'};
 // 3: it holds the key transform, value centering and sink tokens, and each
 // layer's entry its transform and sink page; 4: a page names the shared
 // tier's copy of it and a manifest the session's epoch there (a stacked
-// daemon's). Records of versions 1 to 3 are still read.
+// daemon's). Records of versions 1 to 3 are still read, and a record
+// that holds neither is written as version 3 (a turbokvd of before reads it).
 constexpr uint16_t kVersion = 4;
+constexpr uint16_t kVersionWithoutRedis = 3;
 constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kFrameBytes = 24;  // magic, version, type, 0, lsn, header bytes, payload bytes
 constexpr size_t kCrcBytes = 4;
@@ -49,9 +51,9 @@ absl::Status Errno(absl::string_view what, const std::string& path) {
   return error == ENOSPC || error == EDQUOT ? absl::ResourceExhaustedError(message) : absl::UnavailableError(message);
 }
 
-std::string Frame(RecordType type, uint64_t lsn, const std::string& header, size_t payload) {
+std::string Frame(RecordType type, uint64_t lsn, const std::string& header, size_t payload, uint16_t version) {
   std::string out(kMagic, sizeof(kMagic));
-  Put<uint16_t>(&out, kVersion);
+  Put<uint16_t>(&out, version);
   Put<uint8_t>(&out, type);
   Put<uint8_t>(&out, 0);
   Put<uint64_t>(&out, lsn);
@@ -410,7 +412,8 @@ absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key
   Put<uint8_t>(&header, static_cast<uint8_t>(key.key_codec));
   Put<uint8_t>(&header, static_cast<uint8_t>(key.value_codec));
   Put<uint64_t>(&header, key.rotation_seed);
-  PutString(&header, key.shared_name);
+  const uint16_t version = key.shared_name.empty() ? kVersionWithoutRedis : kVersion;
+  if (version >= 4) PutString(&header, key.shared_name);
   const size_t bytes = kFrameBytes + header.size() + page.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {
@@ -426,7 +429,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key
   job.type = kPage;
   job.record = record;
   job.session = key.session;
-  job.head = Frame(kPage, next_lsn_, header, page.size());
+  job.head = Frame(kPage, next_lsn_, header, page.size(), version);
   job.head.append(page.data(), page.size());
   job.bytes = bytes;
   Enqueue(std::move(job));
@@ -443,7 +446,8 @@ std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
     for (const auto& page : layer.pages) Put<uint64_t>(&header, page->lsn());
     PutLayerExtras(&header, layer.extras);
   }
-  Put<int64_t>(&header, session.shared_epoch);
+  const uint16_t version = session.shared_epoch == 0 ? kVersionWithoutRedis : kVersion;
+  if (version >= 4) Put<int64_t>(&header, session.shared_epoch);
   const size_t bytes = kFrameBytes + header.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   auto record = std::make_shared<Record>(this, next_lsn_, bytes);
@@ -451,7 +455,7 @@ std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
   job.type = kManifest;
   job.record = record;
   job.session = session.header.id;
-  job.head = Frame(kManifest, next_lsn_, header, 0);
+  job.head = Frame(kManifest, next_lsn_, header, 0, version);
   job.bytes = bytes;
   Enqueue(std::move(job));
   return record;
@@ -470,7 +474,7 @@ void DiskTier::EnqueueTombstone(const std::string& session, const std::string& t
   job.type = kTombstone;
   job.session = session;
   job.tenant = tenant;
-  job.head = Frame(kTombstone, next_lsn_, header, 0);
+  job.head = Frame(kTombstone, next_lsn_, header, 0, kVersionWithoutRedis);  // the same in every version
   job.bytes = kFrameBytes + header.size() + kCrcBytes;
   Enqueue(std::move(job));
 }

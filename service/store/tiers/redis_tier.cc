@@ -53,26 +53,28 @@ constexpr size_t kReadBatch = 32;  // pages per round trip of a promotion  // a 
 //
 // KEYS: lease, epoch, manifest. ARGV: owner, lease ms, whether the manifest
 // must exist, TTL, the epoch it must have ('' for any). {0}: no manifest;
-// {-1, holder, ms left}: leased by another; {-2}: a manifest without its
-// epoch (Redis lost data: the epoch cannot be told, so nobody claims it;
-// its owner, if alive, restores it); {-3, epoch}: not the epoch asked for;
-// {epoch[, manifest]}. A lease this owner holds already (a claim whose
-// answer timed out, sent again) is its own. Every write and renewal
+// {-3, epoch}: not the epoch asked for (checked before the lease: a copy
+// of a session another daemon claimed since is told so even while that
+// daemon holds it); {-1, holder, ms left}: leased by another; {-2}: a
+// manifest without its epoch (Redis lost data: the epoch cannot be told, so
+// nobody claims it; its owner, if alive, restores it); {epoch[, manifest]}.
+// A lease this owner holds already (a claim whose answer timed out, sent
+// again) is its own. Every write and renewal
 // refreshes the epoch's expiry with its own keys', so that the epoch
 // outlives what it fences.
 constexpr char kAcquire[] =
     "local m = false "
     "if ARGV[3] == '1' then m = redis.call('GET', KEYS[3]) if not m then return {0} end end "
     "local holder = redis.call('GET', KEYS[1]) "
-    "if holder then "
-    "  if string.sub(holder, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return {-1, holder, redis.call('PTTL', KEYS[1])} end "
+    "if holder and string.sub(holder, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then "
     "  local mine = tonumber(string.sub(holder, #ARGV[1] + 2)) "
     "  if m then return {mine, m} end "
     "  return {mine} "
     "end "
     "local was = redis.call('GET', KEYS[2]) "
-    "if m and not was then return {-2} end "
     "if ARGV[5] ~= '' and was ~= ARGV[5] then return {-3, was or 'none'} end "
+    "if holder then return {-1, holder, redis.call('PTTL', KEYS[1])} end "
+    "if m and not was then return {-2} end "
     "local e = redis.call('INCR', KEYS[2]) "
     "redis.call('PEXPIRE', KEYS[2], ARGV[4]) "
     "redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. e, 'PX', ARGV[2]) "
@@ -306,6 +308,7 @@ struct RedisTier::SessionState {
   // Under the tier's mutex:
   int64_t epoch = 0;  // 0: not claimed yet (the writer claims a new session before its first write)
   bool disowned = false;
+  bool let_go = false;  // claimed, then let go (LetGo): its pages stay when their handles go
   bool tombstoned = false;
   bool lost = false;  // Redis lost its records: in lost_, until the store takes them
   absl::Time confirmed = absl::InfinitePast();  // when Redis last confirmed the epoch (a claim, a renewal)
@@ -616,7 +619,10 @@ void RedisTier::Release(Record* record) {
   // A page nobody holds any more goes from Redis, unless the daemon is
   // going away (its sessions stay for the next) or the session is another
   // daemon's now (the fence would refuse it anyway).
-  if (!record->page || closed_ || !record->done || !record->status.ok() || record->state->disowned) return;
+  if (!record->page || closed_ || !record->done || !record->status.ok() || record->state->disowned ||
+      record->state->let_go) {
+    return;
+  }
   Enqueue(Job::Of(Job::kDelete, record->state, record->key));
 }
 
@@ -1209,6 +1215,11 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   if (epoch == 0) return absl::NotFoundError("not in Redis");
   if (epoch == -3) {
     const std::string now = acquired.elements.size() > 1 ? acquired.elements[1].str : "";
+    if (now == "none") {
+      return absl::AbortedError(absl::StrCat("session ", id, " in Redis has lost its epoch (", if_epoch,
+                                             " when this copy was written): whether another daemon claimed it "
+                                             "since cannot be told"));
+    }
     return absl::AbortedError(absl::StrCat("session ", id, " was claimed by another turbokvd since (its epoch in Redis is ",
                                            now, ", not ", if_epoch, ")"));
   }
@@ -1226,9 +1237,12 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
                                                       " ms unless that daemon renews it"));
   }
   state->epoch = epoch;
+  // A claim that fails from here on raised the epoch: the error says to
+  // what (ClaimedEpoch), so that a copy written under the old one knows
+  // that nobody else claimed the session since.
   auto release = [&](absl::Status why) {
     connection->Run({"EVAL", kRelease, "1", state->Key("l"), state->LeaseValue(owner_)}).IgnoreError();
-    return why;
+    return WithClaimedEpoch(std::move(why), epoch);
   };
   if (acquired.elements.size() < 2 || acquired.elements[1].type != RedisValue::kString) {
     return release(absl::InternalError("Redis returned no manifest"));
@@ -1366,11 +1380,15 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       if (has_tail[l]) {
         const RedisValue& value = (*there)[at++];
         if (log.type != RedisValue::kString || log.str.empty()) continue;
-        // A damaged tail stays as listed: reading it back is DATA_LOSS
-        // naming it.
+        // A damaged tail with new slots to replay on it: the layer cannot
+        // be rebuilt (left as listed, a copy of the tail elsewhere, on a
+        // stacked daemon's disk, would serve it without them).
         if (value.type != RedisValue::kString ||
             !PageProblem(value.str, pages[l].back().second - kPageHeaderBytes).empty()) {
-          continue;
+          return release(absl::DataLossError(absl::StrCat(
+              "session ", id, " in Redis: the last page of layer ", l, " (", pages[l].back().first,
+              ") is missing or damaged, and new slots were written on it; Redis lost records (evicted, deleted, or "
+              "restarted without its append-only file)")));
         }
         page = value.str.substr(kPageHeaderBytes);
       }
@@ -1433,6 +1451,21 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   disowned_.erase(std::remove_if(disowned_.begin(), disowned_.end(), [&](const auto& d) { return d.first == id; }),
                   disowned_.end());
   return session;
+}
+
+bool RedisTier::LetGo(TierSession image) {
+  std::vector<std::string> release;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sessions_.find(absl::StrCat(image.header.tenant, std::string(1, '\0'), image.header.id));
+    if (it == sessions_.end()) return true;
+    SessionState& state = *it->second;
+    state.let_go = true;
+    release = {"EVAL", kRelease, "1", state.Key("l"), state.LeaseValue(owner_)};
+    sessions_.erase(it);  // neither renewed nor refreshed any more
+  }
+  Borrow()->Run(release).IgnoreError();
+  return true;
 }
 
 std::vector<std::pair<std::string, absl::Status>> RedisTier::TakeDisowned() {

@@ -87,6 +87,7 @@ class RedisTier final : public Tier {
   TierStats Stats() const override;
   absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant, int64_t if_epoch) override;
   int64_t Epoch(const std::string& id, const std::string& tenant) const override;
+  bool LetGo(TierSession image) override;
   std::vector<std::pair<std::string, absl::Status>> TakeDisowned() override;
   std::vector<std::string> TakeLost() override;
   absl::Status Owned(const std::string& id) const override;

@@ -1,6 +1,7 @@
 #include "service/store/tiers/stacked_tier.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -16,9 +17,6 @@ std::string KeyOf(const std::string& tenant, const std::string& id) {
   return absl::StrCat(tenant, std::string(1, '\0'), id);
 }
 
-// Bytes of pages a start-up upload queues before it waits for them (within
-// the shared writer's queue, whose default is 64 MiB).
-constexpr size_t kUploadWindow = size_t{32} << 20;
 
 }  // namespace
 
@@ -96,12 +94,30 @@ TierSession StackedTier::Merge(TierSession claimed, const Copy* copy) {
 
 absl::StatusOr<TierSession> StackedTier::ClaimCopy(Copy& copy) {
   const TierSession& session = copy.session;
-  // Written by a daemon without a shared tier (epoch 0): the shared tier
-  // gets it.
-  if (session.shared_epoch == 0) return Upload(session);
-  absl::StatusOr<TierSession> claimed =
-      shared_->Claim(session.header.id, session.header.tenant, session.shared_epoch);
-  if (!claimed.ok()) return claimed.status();
+  const std::string& id = session.header.id;
+  const std::string& tenant = session.header.tenant;
+  if (session.shared_epoch == 0) {
+    // Written by a daemon without a shared tier: the shared tier gets it,
+    // unless it has the session already (then its state is the truth: the
+    // copy may be older, or another daemon's writes may be there since).
+    absl::StatusOr<TierSession> there = shared_->Claim(id, tenant, /*if_epoch=*/0);
+    if (absl::IsNotFound(there.status())) return Upload(session);
+    if (!there.ok()) return there.status();
+    Logf(LogLevel::kWarning,
+         "session %s: its copy on the local %s tier was written without the %s tier, "
+         "which has the session: the %s tier's is served",
+         id.c_str(), local_->name(), shared_->name(), shared_->name());
+    return Merge(*std::move(there), &copy);
+  }
+  absl::StatusOr<TierSession> claimed = shared_->Claim(id, tenant, session.shared_epoch);
+  if (!claimed.ok()) {
+    // A claim that raised the epoch and then failed: nobody else has
+    // claimed the session since, and the copy waits under the new epoch.
+    if (const int64_t raised = ClaimedEpoch(claimed.status()); raised > 0) {
+      copy.session.shared_epoch = raised;
+    }
+    return claimed.status();
+  }
   return Merge(*std::move(claimed), &copy);
 }
 
@@ -113,43 +129,64 @@ void StackedTier::Drop(const Copy& copy, const absl::Status& why) {
   local_->PutTombstone(copy.session.header.id, copy.session.header.tenant);
 }
 
+bool StackedTier::Settle(const std::string& key, Copy copy,
+                         absl::StatusOr<TierSession> claimed,
+                         std::vector<TierSession>* out) {
+  if (claimed.ok()) {
+    out->push_back(*std::move(claimed));
+    return true;
+  }
+  if (absl::IsAborted(claimed.status()) || absl::IsNotFound(claimed.status())) {
+    Drop(copy, claimed.status());
+    return true;
+  }
+  // Held by the lease of the run before (killed), the shared tier does not
+  // answer, or its records are damaged: tried again later (backing off),
+  // or by a call that then hears why not.
+  const absl::Time now = absl::Now();
+  copy.retry = now + copy.backoff;
+  copy.backoff = std::min(2 * copy.backoff, kMostBackoff);
+  std::lock_guard<std::mutex> lock(mutex_);
+  waiting_.emplace(key, std::move(copy));
+  return false;
+}
+
 absl::StatusOr<TierScanReport> StackedTier::Scan() {
   absl::StatusOr<TierScanReport> report = local_->Scan();
   if (!report.ok()) return report.status();
+  // A damaged copy is not used: a call naming its session claims it from
+  // the shared tier, which holds the truth.
+  for (const auto& [id, why] : report->damaged) {
+    Logf(LogLevel::kWarning,
+         "session %s: its copy on the local %s tier is not used (%s); a call naming "
+         "it claims it from the %s tier",
+         id.c_str(), local_->name(), std::string(why.message()).c_str(), shared_->name());
+  }
+  report->damaged.clear();
   std::unordered_map<std::string, Copy> copies;
   for (TierSession& session : report->sessions) {
     copies[KeyOf(session.header.tenant, session.header.id)].session = std::move(session);
   }
   for (TierScanReport::Named& named : report->named) {
     auto it = copies.find(KeyOf(named.tenant, named.session));
-    if (it != copies.end())
+    if (it != copies.end()) {
       it->second.pages[named.record->shared_name()] = std::move(named.record);
+    }
   }
   report->sessions.clear();
   report->named.clear();
-  int dropped = 0, waiting = 0;
+  const size_t found = copies.size();
+  int waiting = 0;
   for (auto& [key, copy] : copies) {
-    absl::StatusOr<TierSession> session = ClaimCopy(copy);
-    if (session.ok()) {
-      report->sessions.push_back(*std::move(session));
-    } else if (absl::IsAborted(session.status()) || absl::IsNotFound(session.status())) {
-      Drop(copy, session.status());
-      ++dropped;
-    } else {
-      // Held by the lease of the run before (killed), the shared tier does
-      // not answer, or its records are damaged: claimed later, or by a
-      // call that then hears why not.
-      ++waiting;
-      waiting_.emplace(key, std::move(copy));
-    }
+    absl::StatusOr<TierSession> claimed = ClaimCopy(copy);
+    if (!Settle(key, std::move(copy), std::move(claimed), &report->sessions)) ++waiting;
   }
   Logf(LogLevel::kInfo,
        "%zu session(s) on the local %s tier: %zu claimed from the %s tier, %d waiting "
-       "for their claim (a lease not "
-       "lapsed, or the tier not answering), %d dropped (claimed by another turbokvd "
-       "since, or gone from the %s tier)",
-       copies.size(), local_->name(), report->sessions.size(), shared_->name(), waiting,
-       dropped, shared_->name());
+       "for their claim (a lease not lapsed, or the tier not answering), %zu dropped "
+       "(claimed by another turbokvd since, or gone from the %s tier)",
+       found, local_->name(), report->sessions.size(), shared_->name(), waiting,
+       found - report->sessions.size() - static_cast<size_t>(waiting), shared_->name());
   return report;
 }
 
@@ -158,7 +195,6 @@ absl::StatusOr<TierSession> StackedTier::Upload(const TierSession& copy) {
   const SessionConfig& config = session.header.config;
   const int64_t pt = session.header.page_tokens;
   std::string page;
-  size_t unwaited = 0;
   std::shared_ptr<TierRecord> last;
   for (size_t l = 0; l < session.layers.size(); ++l) {
     TierLayer& layer = session.layers[l];
@@ -181,14 +217,19 @@ absl::StatusOr<TierSession> StackedTier::Upload(const TierSession& copy) {
       key.for_manifest = true;
       absl::StatusOr<std::shared_ptr<TierRecord>> shared =
           shared_->PutPage(key, page, /*force=*/true);
+      if (absl::IsUnavailable(shared.status()) && last != nullptr) {
+        // The writer's queue is full: once what is queued is written.
+        if (absl::Status written = shared_->Wait(*last); !written.ok()) return written;
+        shared = shared_->PutPage(key, page, /*force=*/true);
+      }
       if (!shared.ok()) return shared.status();
       last = *shared;
-      record = std::make_shared<Record>(*std::move(shared), std::move(record));
-      unwaited += page.size();
-      if (unwaited >= kUploadWindow) {
-        if (absl::Status written = shared_->Wait(*last); !written.ok()) return written;
-        unwaited = 0;
-      }
+      // A copy that names the shared page, so that a restart finds it.
+      key.shared_name = last->shared_name();
+      absl::StatusOr<std::shared_ptr<TierRecord>> local =
+          local_->PutPage(key, page, /*force=*/true);
+      record = std::make_shared<Record>(*std::move(shared),
+                                        local.ok() ? *std::move(local) : std::move(record));
     }
   }
   std::shared_ptr<TierRecord> manifest = shared_->PutManifest(SharedView(session));
@@ -285,28 +326,25 @@ void StackedTier::Close() {
 absl::StatusOr<TierSession> StackedTier::Claim(const std::string& id,
                                                const std::string& tenant,
                                                int64_t if_epoch) {
-  Copy copy;
-  bool had_copy = false;
+  const std::string key = KeyOf(tenant, id);
+  std::optional<Copy> copy;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = waiting_.find(KeyOf(tenant, id));
+    auto it = waiting_.find(key);
     if (it != waiting_.end()) {
       copy = std::move(it->second);
       waiting_.erase(it);
-      had_copy = true;
     }
   }
-  if (had_copy) {
-    absl::StatusOr<TierSession> session = ClaimCopy(copy);
-    if (session.ok() ||
-        !(absl::IsAborted(session.status()) || absl::IsNotFound(session.status()))) {
-      if (!session.ok()) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        waiting_.emplace(KeyOf(tenant, id), std::move(copy));
-      }
-      return session;
-    }
-    Drop(copy, session.status());
+  if (copy.has_value()) {
+    absl::StatusOr<TierSession> claimed = ClaimCopy(*copy);
+    const absl::Status status = claimed.status();
+    std::vector<TierSession> out;
+    Settle(key, *std::move(copy), std::move(claimed), &out);
+    if (!out.empty()) return std::move(out.front());
+    // Dropped (another daemon claimed it since): the session as the shared
+    // tier has it, below. Otherwise the claim's error.
+    if (!absl::IsAborted(status)) return status;
   }
   absl::StatusOr<TierSession> claimed = shared_->Claim(id, tenant, if_epoch);
   if (!claimed.ok()) return claimed.status();
@@ -314,22 +352,23 @@ absl::StatusOr<TierSession> StackedTier::Claim(const std::string& id,
 }
 
 std::vector<TierSession> StackedTier::TakeClaimed() {
-  std::unordered_map<std::string, Copy> copies;
+  const absl::Time now = absl::Now();
+  std::vector<std::pair<std::string, Copy>> due;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    copies.swap(waiting_);
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (it->second.retry > now) {
+        ++it;
+        continue;
+      }
+      due.emplace_back(it->first, std::move(it->second));
+      it = waiting_.erase(it);
+    }
   }
   std::vector<TierSession> claimed;
-  for (auto& [key, copy] : copies) {
+  for (auto& [key, copy] : due) {
     absl::StatusOr<TierSession> session = ClaimCopy(copy);
-    if (session.ok()) {
-      claimed.push_back(*std::move(session));
-    } else if (absl::IsAborted(session.status()) || absl::IsNotFound(session.status())) {
-      Drop(copy, session.status());
-    } else {
-      std::lock_guard<std::mutex> lock(mutex_);
-      waiting_.emplace(key, std::move(copy));
-    }
+    Settle(key, std::move(copy), std::move(session), &claimed);
   }
   return claimed;
 }

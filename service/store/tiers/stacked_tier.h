@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "service/store/tiers/tier.h"
 
 namespace turbokv {
@@ -60,6 +61,7 @@ class StackedTier final : public Tier {
     return shared_->Epoch(id, tenant);
   }
   std::vector<TierSession> TakeClaimed() override;
+  bool LetGo(TierSession image) override { return shared_->LetGo(SharedView(image)); }
   std::vector<std::pair<std::string, absl::Status>> TakeDisowned() override {
     return shared_->TakeDisowned();
   }
@@ -74,11 +76,15 @@ class StackedTier final : public Tier {
  private:
   class Record;
   // A session's copy on the local tier, not claimed yet: its manifest's
-  // session and the local page records that name shared pages, by name.
+  // session and the local page records that name shared pages, by name;
+  // when its claim is tried next, backing off while it fails.
   struct Copy {
     TierSession session;
     std::unordered_map<std::string, std::shared_ptr<TierRecord>> pages;
+    absl::Time retry = absl::InfinitePast();
+    absl::Duration backoff = absl::Seconds(1);
   };
+  static constexpr absl::Duration kMostBackoff = absl::Seconds(30);
   // `claimed` (the shared tier's records) with each page's local copy from
   // `copy` when it has one (null: none), and a local manifest of it
   // written when there was a copy.
@@ -93,6 +99,11 @@ class StackedTier final : public Tier {
   absl::StatusOr<TierSession> Upload(const TierSession& copy);
   // The copy goes from the local tier, saying why in the log.
   void Drop(const Copy& copy, const absl::Status& why);
+  // What a claim of the copy (stored under `key`) came to: a session into
+  // *out, or the copy dropped (ABORTED, NOT_FOUND), or back among the
+  // waiting ones to be tried later; false in the last case.
+  bool Settle(const std::string& key, Copy copy, absl::StatusOr<TierSession> claimed,
+              std::vector<TierSession>* out);
   // The session as one of the two tiers holds it: the shared tier's
   // records, or the local ones (each layer up to its first page without a
   // local copy).

@@ -13,6 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/codec.h"
@@ -134,6 +136,22 @@ struct TierStats {
   int64_t rewrites = 0;      // sessions written again because a shared tier lost their records
 };
 
+// A failed Tier::Claim that raised the session's epoch before it failed
+// (and let the session go again) says to what: no other daemon claimed the
+// session in between, and a copy written under the epoch before is still
+// its latest (StackedTier). 0 when the error says nothing of it.
+inline absl::Status WithClaimedEpoch(absl::Status status, int64_t epoch) {
+  status.SetPayload("turbokv/claimed-epoch", absl::Cord(std::to_string(epoch)));
+  return status;
+}
+inline int64_t ClaimedEpoch(const absl::Status& status) {
+  int64_t epoch = 0;
+  if (auto payload = status.GetPayload("turbokv/claimed-epoch")) {
+    if (!absl::SimpleAtoi(std::string(*payload), &epoch)) epoch = 0;
+  }
+  return epoch;
+}
+
 class Tier {
  public:
   virtual ~Tier() = default;
@@ -213,6 +231,15 @@ class Tier {
   // stacked daemon's local copies, once the lease of the run before
   // lapses): the store registers them, on the tier only.
   virtual std::vector<TierSession> TakeClaimed() { return {}; }
+  // A session the tier handed over (Scan, Claim, TakeClaimed) that the
+  // store could not take (its limits). A shared tier lets it go without
+  // deleting anything (its lease released, its records' handles going
+  // without their pages) and returns true: a later claim finds it. A local
+  // tier returns false: its records die with their handles.
+  virtual bool LetGo(TierSession image) {
+    (void)image;
+    return false;
+  }
   // The sessions another daemon has claimed since the last call, each with
   // the FAILED_PRECONDITION that says so: this daemon drops them (without a
   // tombstone: they are the other daemon's now).
