@@ -501,6 +501,7 @@ void Server::ExpireLoop() {
       Logf(LogLevel::kError, "demotion failed, sessions stay in memory: %s", error.c_str());
     }
     last_demotion_error = error;
+    backend_->Trim();
     const size_t used = held();
     if (used + kTrimBytes < used_at_trim) {
       malloc_trim(0);

@@ -59,6 +59,10 @@ class Backend {
   virtual absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) = 0;
   // Gives back a page of AllocatePage (same size). Thread-safe.
   virtual void FreePage(uint8_t* page, size_t bytes) = 0;
+  // Called by the daemon's background pass (every --expiry-interval): what
+  // the backend keeps of freed pages for reuse goes back to the system
+  // once it has sat through a whole pass.
+  virtual void Trim() {}
   // Calls use() with the page's `bytes` bytes readable on the host: the page
   // itself on the CPU, a copy of it on a device. use's error, or the copy's.
   virtual absl::Status ReadPage(const uint8_t* page, size_t bytes,

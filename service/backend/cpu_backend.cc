@@ -2,6 +2,8 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <cstring>
 #include <new>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +22,12 @@ std::string CpuName(ThreadPool* pool) {
 
 CpuBackend::CpuBackend(ThreadPool* pool) : Backend(CpuName(pool), "cpu"), pool_(pool) {}
 
+CpuBackend::~CpuBackend() {
+  for (auto& [bytes, pages] : kept_) {
+    for (auto& [page, generation] : pages) munmap(page, bytes);
+  }
+}
+
 absl::Status CpuBackend::CheckHeadDim(int) const { return absl::OkStatus(); }
 
 absl::StatusOr<uint8_t*> CpuBackend::AllocatePage(size_t bytes) {
@@ -28,7 +36,21 @@ absl::StatusOr<uint8_t*> CpuBackend::AllocatePage(size_t bytes) {
   // would waste most of a 4 KiB mapping and come from the heap.
   uint8_t* data = nullptr;
   if (bytes >= kMapThreshold) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    {
+      std::lock_guard<std::mutex> lock(kept_mutex_);
+      auto it = kept_.find(bytes);
+      if (it != kept_.end() && !it->second.empty()) {
+        data = it->second.back().first;
+        it->second.pop_back();
+        kept_bytes_ -= bytes;
+      }
+    }
+    if (data != nullptr) {
+      std::memset(data, 0, bytes);
+      return data;
+    }
+    // Populated at once: one call instead of a fault per 4 KiB.
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p != MAP_FAILED) data = static_cast<uint8_t*>(p);
   } else {
     data = new (std::nothrow) uint8_t[bytes]();
@@ -39,10 +61,34 @@ absl::StatusOr<uint8_t*> CpuBackend::AllocatePage(size_t bytes) {
 
 void CpuBackend::FreePage(uint8_t* page, size_t bytes) {
   if (bytes >= kMapThreshold) {
+    {
+      std::lock_guard<std::mutex> lock(kept_mutex_);
+      if (kept_bytes_ + bytes <= kKeptBytes) {
+        kept_[bytes].emplace_back(page, generation_);
+        kept_bytes_ += bytes;
+        return;
+      }
+    }
     munmap(page, bytes);
   } else {
     delete[] page;
   }
+}
+
+void CpuBackend::Trim() {
+  std::vector<std::pair<uint8_t*, size_t>> unmap;
+  {
+    std::lock_guard<std::mutex> lock(kept_mutex_);
+    for (auto& [bytes, pages] : kept_) {
+      auto fresh = std::partition(pages.begin(), pages.end(),
+                                  [&](const auto& page) { return page.second == generation_; });
+      for (auto it = fresh; it != pages.end(); ++it) unmap.emplace_back(it->first, bytes);
+      kept_bytes_ -= bytes * static_cast<size_t>(pages.end() - fresh);
+      pages.erase(fresh, pages.end());
+    }
+    ++generation_;
+  }
+  for (auto& [page, bytes] : unmap) munmap(page, bytes);
 }
 
 absl::Status CpuBackend::ReadPage(const uint8_t* page, size_t bytes,
