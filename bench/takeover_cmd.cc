@@ -1,5 +1,6 @@
-// turbokv-bench takeover: the Redis tier, on a redis-server and turbokvd
-// daemons this command starts itself, in a temp dir.
+// turbokv-bench takeover: the Redis tier, on a redis-server (with --cluster
+// N, a Redis Cluster of N masters on loopback ports) and turbokvd daemons
+// this command starts itself, in a temp dir.
 //  (1) A session appended on daemon A is handed over (A gets SIGTERM) and a
 //      fresh daemon B takes it over: the time from B's first call naming it
 //      (OpenSession) through the first Attend, which brings every layer into
@@ -14,9 +15,13 @@
 //      --acknowledge written (the daemon's default) a Step answers once
 //      Redis holds its token, so Steps are refused while Redis is paused or
 //      stopped: how long a refusal takes; with queued, they go on.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -108,27 +113,76 @@ class Child {
   pid_t pid_ = -1;
 };
 
-// A redis-server on a unix socket (no persistence) and the turbokvd daemons
-// started on it, in a temp dir removed with it.
-class Cluster {
+// A redis-server on a unix socket (no persistence), or a Redis Cluster of
+// `masters` on loopback ports, and the turbokvd daemons started on it, in a
+// temp dir removed with it.
+class Rig {
  public:
   // Daemons acknowledge appends as --redis-acknowledge=`acknowledge`.
-  static absl::StatusOr<std::unique_ptr<Cluster>> Start(long long threads, const std::string& acknowledge) {
+  static absl::StatusOr<std::unique_ptr<Rig>> Start(long long threads, const std::string& acknowledge, int masters) {
     char dir[] = "/tmp/turbokv-bench-takeover-XXXXXX";
     if (mkdtemp(dir) == nullptr) return absl::InternalError("cannot make a temp dir");
-    std::unique_ptr<Cluster> cluster(new Cluster(dir, threads));
-    cluster->acknowledge_ = acknowledge;
+    std::unique_ptr<Rig> rig(new Rig(dir, threads));
+    rig->acknowledge_ = acknowledge;
+    if (masters == 0) {
+      rig->redis_.push_back(std::make_unique<Child>(
+          "redis-server",
+          std::vector<std::string>{kRedisServer, "--port", "0", "--unixsocket", rig->dir_ + "/redis.sock",
+                                   "--unixsocketperm", "700", "--dir", rig->dir_, "--save", "", "--appendonly", "no"},
+          rig->dir_ + "/redis.log"));
+      rig->url_ = "unix://" + rig->dir_ + "/redis.sock";
+    } else {
+      std::vector<std::string> nodes;
+      for (int i = 0; i < masters; ++i) {
+        const int port = ClusterPort(nodes);
+        const std::string node_dir = absl::StrCat(rig->dir_, "/", port);
+        mkdir(node_dir.c_str(), 0700);
+        rig->redis_.push_back(std::make_unique<Child>(
+            absl::StrCat("redis-server ", port),
+            std::vector<std::string>{kRedisServer, "--port", std::to_string(port), "--bind", "127.0.0.1",
+                                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--dir",
+                                     node_dir, "--save", "", "--appendonly", "no"},
+            node_dir + "/redis.log"));
+        nodes.push_back(absl::StrCat("127.0.0.1:", port));
+      }
+      rig->url_ = "redis://" + absl::StrJoin(nodes, ",");
+      for (const std::string& node : nodes) {
+        RedisNodeConnection one(*ParseRedisUrl("redis://" + node), absl::Seconds(1));
+        for (int i = 0; i < 400 && !one.Run(std::vector<std::string>{"PING"}).ok(); ++i) {
+          absl::SleepFor(absl::Milliseconds(25));
+        }
+      }
+      const std::string create = absl::StrCat("redis-cli --cluster create ", absl::StrJoin(nodes, " "),
+                                              " --cluster-yes >", rig->dir_, "/create.log 2>&1");
+      if (std::system(create.c_str()) != 0) {
+        return absl::UnavailableError("redis-cli --cluster create failed: " +
+                                      ReadTextFile(rig->dir_ + "/create.log").value_or(""));
+      }
+    }
+    rig->address_ = *ParseRedisUrl(rig->url_);
+    rig->control_ = std::make_unique<RedisConnection>(rig->address_, absl::Seconds(10));
     for (int i = 0; i < 400; ++i) {
-      if (cluster->control_.Run({"PING"}).ok()) return cluster;
+      absl::StatusOr<std::vector<RedisConnection::NodeReplies>> info =
+          rig->control_->RunOnEveryNode({{"CLUSTER", "INFO"}});
+      // Standalone: CLUSTER INFO is an error reply, and Redis answers.
+      if (info.ok() && (masters == 0 || (static_cast<int>(info->size()) == masters &&
+                                         std::all_of(info->begin(), info->end(), [](const auto& node) {
+                                           return node.replies.ok() &&
+                                                  absl::StrContains((*node.replies)[0].str, "cluster_state:ok");
+                                         })))) {
+        return rig;
+      }
       absl::SleepFor(absl::Milliseconds(25));
     }
-    return absl::UnavailableError("redis-server did not start: " + cluster->redis_.LogTail());
+    return absl::UnavailableError("Redis did not start: " + rig->redis_[0]->LogTail());
   }
-  ~Cluster() {
+  ~Rig() {
     // Every process ends before the dir goes.
     daemons_.clear();
-    redis_.Signal(SIGKILL);
-    redis_.Wait();
+    for (const std::unique_ptr<Child>& redis : redis_) {
+      redis->Signal(SIGKILL);
+      redis->Wait();
+    }
     std::system(("rm -rf " + dir_).c_str());
   }
 
@@ -151,39 +205,57 @@ class Cluster {
     return nullptr;
   }
 
-  // A field of INFO SECTION, or "".
+  // A command on every master; false when one did not answer.
+  bool OnEveryNode(std::vector<std::string> command) {
+    absl::StatusOr<std::vector<RedisConnection::NodeReplies>> replies = control_->RunOnEveryNode({std::move(command)});
+    return replies.ok() && std::all_of(replies->begin(), replies->end(), [](const auto& node) {
+             return node.replies.ok() && (*node.replies)[0].type != RedisValue::kError;
+           });
+  }
+
+  // A field of INFO SECTION (summed over the masters when a number), or "".
   std::string Info(const std::string& section, const std::string& field) {
-    absl::StatusOr<RedisValue> reply = control_.Run({"INFO", section});
-    if (!reply.ok()) return "";
-    for (absl::string_view line : absl::StrSplit(reply->str, "\r\n")) {
-      if (absl::ConsumePrefix(&line, field + ":")) return std::string(line);
+    absl::StatusOr<std::vector<RedisConnection::NodeReplies>> replies = control_->RunOnEveryNode({{"INFO", section}});
+    if (!replies.ok()) return "";
+    std::string text;
+    int64_t sum = 0;
+    bool numbers = true, found = false;
+    for (const auto& node : *replies) {
+      if (!node.replies.ok()) continue;
+      for (absl::string_view line : absl::StrSplit((*node.replies)[0].str, "\r\n")) {
+        if (!absl::ConsumePrefix(&line, field + ":")) continue;
+        int64_t value = 0;
+        found = true;
+        numbers = numbers && absl::SimpleAtoi(line, &value);
+        sum += value;
+        text = std::string(line);
+      }
     }
-    return "";
+    return found && numbers && replies->size() > 1 ? std::to_string(sum) : text;
   }
   int64_t UsedMemory() {
     int64_t bytes = 0;
     return absl::SimpleAtoi(Info("memory", "used_memory"), &bytes) ? bytes : 0;
   }
 
-  // The page keys of one session.
+  // The page keys of one session (every key of a session is in its slot:
+  // one master's).
   absl::StatusOr<std::vector<std::string>> PageKeys(const std::string& id) {
     std::vector<std::string> keys;
-    std::string cursor = "0";
-    do {
-      absl::StatusOr<RedisValue> reply =
-          control_.Run({"SCAN", cursor, "MATCH", absl::StrCat("turbokv:{", id, "}:*:p:*"), "COUNT", "1000"});
-      if (!reply.ok()) return reply.status();
-      if (reply->type != RedisValue::kArray || reply->elements.size() != 2) return absl::InternalError("SCAN's reply");
-      cursor = reply->elements[0].str;
-      for (const RedisValue& key : reply->elements[1].elements) keys.push_back(key.str);
-    } while (cursor != "0");
+    absl::StatusOr<std::vector<RedisConnection::NodeReplies>> nodes =
+        control_->RunOnEveryNode({{"KEYS", absl::StrCat("turbokv:{", id, "}:*:p:*")}});
+    if (!nodes.ok()) return nodes.status();
+    for (const auto& node : *nodes) {
+      if (!node.replies.ok()) return node.replies.status();
+      for (const RedisValue& key : (*node.replies)[0].elements) keys.push_back(key.str);
+    }
     return keys;
   }
 
   // Until Redis answers again, and a daemon's writer has had a moment to
   // send what waited.
   void Settle() {
-    for (int i = 0; i < 400 && !control_.Run({"PING"}).ok(); ++i) absl::SleepFor(absl::Milliseconds(25));
+    for (int i = 0; i < 400 && !OnEveryNode({"PING"}); ++i) absl::SleepFor(absl::Milliseconds(25));
     absl::SleepFor(absl::Milliseconds(500));
   }
 
@@ -199,28 +271,42 @@ class Cluster {
   }
 
   const RedisAddress& address() const { return address_; }
-  RedisConnection& control() { return control_; }
-  Child& redis() { return redis_; }
+  // Every redis-server process.
+  void SignalRedis(int signal) const {
+    for (const std::unique_ptr<Child>& redis : redis_) redis->Signal(signal);
+  }
 
  private:
-  Cluster(std::string dir, long long threads)
-      : dir_(std::move(dir)),
-        url_("unix://" + dir_ + "/redis.sock"),
-        threads_(threads),
-        redis_("redis-server",
-               {kRedisServer, "--port", "0", "--unixsocket", dir_ + "/redis.sock", "--unixsocketperm", "700", "--dir",
-                dir_, "--save", "", "--appendonly", "no"},
-               dir_ + "/redis.log"),
-        address_(*ParseRedisUrl(url_)),
-        control_(address_, absl::Seconds(10)) {}
+  Rig(std::string dir, long long threads) : dir_(std::move(dir)), threads_(threads) {}
+
+  // A loopback port for a cluster node, its bus port (10000 above) free
+  // too, not among `taken`.
+  static int ClusterPort(const std::vector<std::string>& taken) {
+    std::mt19937 rng(static_cast<unsigned>(getpid()));
+    for (;;) {
+      const int port = 20000 + static_cast<int>(rng() % 30000);
+      if (std::find(taken.begin(), taken.end(), absl::StrCat("127.0.0.1:", port)) != taken.end()) continue;
+      bool free = true;
+      for (int p : {port, port + 10000}) {
+        const int fd = socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in address = {};
+        address.sin_family = AF_INET;
+        address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        address.sin_port = htons(static_cast<uint16_t>(p));
+        free = free && bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+        close(fd);
+      }
+      if (free) return port;
+    }
+  }
 
   const std::string dir_;
-  const std::string url_;
+  std::string url_;
   const long long threads_;
-  Child redis_;
+  std::vector<std::unique_ptr<Child>> redis_;
   std::string acknowledge_;
-  const RedisAddress address_;
-  RedisConnection control_;
+  RedisAddress address_;
+  std::unique_ptr<RedisConnection> control_;
   std::vector<std::unique_ptr<Child>> daemons_;
 };
 
@@ -340,7 +426,7 @@ int RunTakeover(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"layers", "tokens", "kv-heads", "q-heads", "head-dim", "threads", "repeats", "seconds",
-                      "acknowledge"},
+                      "acknowledge", "cluster"},
                      {"json"}, &error)) {
     return UsageError(error);
   }
@@ -349,7 +435,10 @@ int RunTakeover(int argc, char** argv) {
     return UsageError("--acknowledge must be written or queued, got \"" + acknowledge + "\"");
   }
   const bool refused_while_down = acknowledge == "written";
-  long long layers, tokens, kv_heads, q_heads, head_dim, threads, repeats, seconds;
+  long long layers, tokens, kv_heads, q_heads, head_dim, threads, repeats, seconds, masters = 0;
+  if (options.Has("cluster") && (!options.GetInt("cluster", 3, &masters, &error) || masters < 3 || masters > 16)) {
+    return UsageError(error.empty() ? "--cluster: the masters of a Redis Cluster, 3 to 16" : error);
+  }
   if (!options.GetInt("layers", 32, &layers, &error) || !options.GetInt("tokens", 8192, &tokens, &error) ||
       !options.GetInt("kv-heads", 8, &kv_heads, &error) || !options.GetInt("q-heads", 32, &q_heads, &error) ||
       !options.GetInt("head-dim", 128, &head_dim, &error) || !options.GetInt("threads", 2, &threads, &error) ||
@@ -358,10 +447,14 @@ int RunTakeover(int argc, char** argv) {
   }
   if (access(kRedisServer, X_OK) != 0) return Fail(absl::StrCat(kRedisServer, " is not installed (make deps installs it)"));
   if (access(TURBOKVD_PATH, X_OK) != 0) return Fail(absl::StrCat(TURBOKVD_PATH, " is not built (make turbokvd)"));
-  absl::StatusOr<std::unique_ptr<Cluster>> started = Cluster::Start(threads, acknowledge);
+  absl::StatusOr<std::unique_ptr<Rig>> started = Rig::Start(threads, acknowledge, static_cast<int>(masters));
   if (!started.ok()) return Fail(std::string(started.status().message()));
-  Cluster& cluster = **started;
+  Rig& cluster = **started;
   const std::string redis_version = cluster.Info("server", "redis_version");
+  const std::string redis_kind =
+      masters == 0 ? absl::StrCat("redis-server ", redis_version, " on a unix socket")
+                   : absl::StrCat("a Redis Cluster of ", masters, " masters (redis-server ", redis_version,
+                                  ") on loopback TCP");
 
   SessionOptions session_options;
   session_options.layers = static_cast<int>(layers);
@@ -448,7 +541,7 @@ int RunTakeover(int argc, char** argv) {
       // B hands it over in turn; Redis is emptied for the next repeat.
       fresh->Signal(SIGTERM);
       if (const int rc = fresh->Wait(); rc != 0) return Fail(absl::StrCat(fresh->name(), "'s drain exited ", rc));
-      if (!cluster.control().Run({"FLUSHALL"}).ok()) return Fail("FLUSHALL was not answered");
+      if (!cluster.OnEveryNode({"FLUSHALL"})) return Fail("FLUSHALL was not answered");
     } else {
       absl::StatusOr<v1::StatsResponse> stats = client->Stats();
       device = stats.ok() ? stats->device() : "";
@@ -478,13 +571,16 @@ int RunTakeover(int argc, char** argv) {
   if (!rewind()) return Fail("Truncate failed");
   const Window answering = Steps(*taken, seconds, token_values, query, &position, &rng);
   if (!rewind()) return Fail("Truncate failed");
-  absl::StatusOr<RedisValue> pause = cluster.control().Run({"CLIENT", "PAUSE", std::to_string(seconds * 1000), "ALL"});
-  if (!pause.ok() || pause->str != "OK") return Fail("CLIENT PAUSE was refused");
+  // Paused past the window by a call's timeout (1s) and more: a write sent
+  // in its last moment is not answered once the pause ends.
+  if (!cluster.OnEveryNode({"CLIENT", "PAUSE", std::to_string(seconds * 1000 + 2500), "ALL"})) {
+    return Fail("CLIENT PAUSE was refused");
+  }
   const Window paused = Steps(*taken, seconds, token_values, query, &position, &rng);
   if (!rewind()) return Fail("Truncate failed");
-  cluster.redis().Signal(SIGSTOP);
+  cluster.SignalRedis(SIGSTOP);
   const Window stopped = Steps(*taken, seconds, token_values, query, &position, &rng);
-  cluster.redis().Signal(SIGCONT);
+  cluster.SignalRedis(SIGCONT);
   if (!rewind()) return Fail("Truncate failed");  // the daemon's tier is up again: the drain finds it so
   b->Signal(SIGTERM);
   const int b_drained = b->Wait();
@@ -522,7 +618,8 @@ int RunTakeover(int argc, char** argv) {
       return "[" + absl::StrJoin(values, ", ") + "]";
     };
     absl::PrintF(
-        "{\"machine\": \"%s\", \"daemon_device\": \"%s\", \"redis_version\": \"%s\", \"acknowledge\": \"%s\", "
+        "{\"machine\": \"%s\", \"daemon_device\": \"%s\", \"redis_version\": \"%s\", \"cluster_masters\": %d, "
+        "\"acknowledge\": \"%s\", "
         "\"layers\": %d, \"tokens\": %d, "
         "\"kv_heads\": %d, \"q_heads\": %d, \"head_dim\": %d, \"codec\": \"turbo3\", \"threads\": %d, "
         "\"repeats\": %d, \"session_bytes\": %d, \"redis_page_keys\": %d, \"redis_page_value_bytes\": %d, "
@@ -535,7 +632,7 @@ int RunTakeover(int argc, char** argv) {
         "\"takeover_over_get_1conn\": %.3f, \"takeover_over_get_4conn\": %.3f, \"takeover_over_get_as_promotion\": %.3f, "
         "\"step_seconds\": %d, %s, %s, %s, \"step_p99_paused_over_answering\": %.3f, "
         "\"step_p99_stopped_over_answering\": %.3f, \"last_drain_exit\": %d}\n",
-        machine, device, redis_version, acknowledge, layers, tokens, kv_heads, q_heads, head_dim, threads, repeats, session_bytes,
+        machine, device, redis_version, masters, acknowledge, layers, tokens, kv_heads, q_heads, head_dim, threads, repeats, session_bytes,
         page_keys, page_value_bytes, redis_page_bytes, Median(runs, &Run::used_memory_delta), list(&Run::prefill_s),
         list(&Run::handover_s), list(&Run::claim_s), list(&Run::promote_s), list(&Run::takeover_s),
         Median(runs, &Run::takeover_s), takeover_mb_s, get_one, get_parallel, get_as_promotion, threads, kPipelineDepth,
@@ -545,8 +642,8 @@ int RunTakeover(int argc, char** argv) {
         window_json("answering", answering), window_json("paused", paused), window_json("stopped", stopped),
         p99_paused / p99_answering, p99_stopped / p99_answering, b_drained);
   } else {
-    absl::PrintF("Redis tier takeover: %s; turbokvd %s, --redis-acknowledge=%s; redis-server %s on a unix socket\n",
-                 machine, device, acknowledge, redis_version);
+    absl::PrintF("Redis tier takeover: %s; turbokvd %s, --redis-acknowledge=%s; %s\n", machine, device, acknowledge,
+                 redis_kind);
     absl::PrintF("a %d-layer, %d-token session (turbo3 keys and values, %d kv heads, %d q heads, d %d): %.1f MB of "
                  "pages (GetSession bytes_used), %d keys of %d bytes in Redis (%.1f MB; used_memory grew %.1f MB); "
                  "median of %d\n\n",

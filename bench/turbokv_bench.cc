@@ -35,8 +35,10 @@ constexpr char kUsage[] =
     "                             [--tokens 4096,32768] [--queries 4] [--sample-layers 2] [--threads 2] [--max-bits 3.7] [--json]\n"
     "                         each preset's attention error on model-shaped data, and its bits per value\n"
     "       turbokv-bench takeover [--layers 32] [--tokens 8192] [--kv-heads 8] [--q-heads 32] [--head-dim 128]\n"
-    "                              [--threads 2] [--repeats 3] [--seconds 3] [--acknowledge written|queued] [--json]\n"
-    "                         the Redis tier, on a redis-server and turbokvd daemons it starts: a session handed\n"
+    "                              [--threads 2] [--repeats 3] [--seconds 3] [--acknowledge written|queued]\n"
+    "                              [--cluster N] [--json]\n"
+    "                         the Redis tier, on a redis-server (a Redis Cluster of N masters with --cluster)\n"
+    "                         and turbokvd daemons it starts: a session handed\n"
     "                         over and taken over (OpenSession through the first Attend) against GETs of its\n"
     "                         pages, and Step p99 while Redis answers, is paused and is stopped\n";
 

@@ -52,7 +52,9 @@ Flags (--name=value or --name value):
   --spill-budget=SIZE      most bytes of live records in --spill-dir (default 64GiB)
   --redis-url=URL          a tier shared with other daemons:
                            redis://HOST[:PORT][/DB], rediss://... (TLS) or
-                           unix:///PATH[?db=N]. Sealed pages are written
+                           unix:///PATH[?db=N]; a Redis Cluster: any node,
+                           or redis://HOST1:PORT1,HOST2:PORT2,... (seeds).
+                           Sealed pages are written
                            through; a call naming a session this daemon does
                            not hold takes it over from Redis; SIGTERM hands
                            every session over. With --spill-dir, the disk

@@ -11,12 +11,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/cpp/client.h"
@@ -70,17 +72,59 @@ struct Certificates {
   }
 };
 
-// A free TCP port on 127.0.0.1 (for a server that takes no port 0).
-inline int FreePort() {
+// Binds `port` on 127.0.0.1 (0: any free one) and lets it go: the port,
+// or 0 when it is taken.
+inline int BindPort(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address = {};
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
   socklen_t size = sizeof(address);
   getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
   close(fd);
-  return ntohs(address.sin_port);
+  return bound ? ntohs(address.sin_port) : 0;
+}
+
+// A free TCP port on 127.0.0.1 (for a server that takes no port 0).
+inline int FreePort() { return BindPort(0); }
+
+// A free port for a Redis Cluster node, whose cluster bus takes the port
+// 10000 above it (so at most 55535), free too.
+inline int FreeClusterPort() {
+  for (;;) {
+    const int port = FreePort();
+    if (port <= 55535 && BindPort(port + 10000) != 0) return port;
+  }
+}
+
+// In a child: execs redis-server with these arguments (they follow the
+// binary's path).
+[[noreturn]] inline void ExecRedisServer(std::vector<std::string> args) {
+  args.insert(args.begin(), kRedisServer);
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  execv(kRedisServer, argv.data());
+  _exit(127);
+}
+
+// Until the Redis at `address` answers PING (5 s at most; a failure then).
+inline void WaitForPing(const RedisAddress& address, const std::string& name) {
+  RedisNodeConnection connection(address, absl::Seconds(1));
+  for (int i = 0; i < 200; ++i) {
+    if (connection.Run(std::vector<std::string>{"PING"}).ok()) return;
+    absl::SleepFor(absl::Milliseconds(25));
+  }
+  ADD_FAILURE() << "redis-server did not start on " << name;
+}
+
+inline void KillRedisServer(pid_t* pid) {
+  if (*pid <= 0) return;
+  kill(*pid, SIGKILL);
+  waitpid(*pid, nullptr, 0);
+  *pid = -1;
 }
 
 // A redis-server of its own on a unix socket, persisted by its append-only
@@ -111,25 +155,9 @@ class RedisServer {
       const std::string log = TempPath("redis.log");
       // Persisted as docs/OPERATIONS.md asks (appendonly), each write
       // synced, so that a kill -9 of Redis loses nothing.
-      std::vector<std::string> args = {kRedisServer,
-                                       "--port",
-                                       "0",
-                                       "--unixsocket",
-                                       socket_,
-                                       "--unixsocketperm",
-                                       "700",
-                                       "--dir",
-                                       dir_,
-                                       "--save",
-                                       "",
-                                       "--appendonly",
-                                       persistent_ ? "yes" : "no",
-                                       "--appendfsync",
-                                       "always",
-                                       "--maxmemory-policy",
-                                       policy_,
-                                       "--logfile",
-                                       log};
+      std::vector<std::string> args = {"--port", "0", "--unixsocket", socket_, "--unixsocketperm", "700",
+                                       "--dir", dir_, "--save", "", "--appendonly", persistent_ ? "yes" : "no",
+                                       "--appendfsync", "always", "--maxmemory-policy", policy_, "--logfile", log};
       if (!password_.empty()) args.insert(args.end(), {"--requirepass", password_});
       if (tls_ != nullptr) {
         args.insert(
@@ -138,25 +166,11 @@ class RedisServer {
              "--tls-cert-file", tls_->server_cert, "--tls-key-file", tls_->server_key,
              "--tls-ca-cert-file", tls_->ca, "--tls-auth-clients", "yes"});
       }
-      std::vector<char*> argv;
-      for (std::string& arg : args) argv.push_back(arg.data());
-      argv.push_back(nullptr);
-      execv(kRedisServer, argv.data());
-      _exit(127);
+      ExecRedisServer(std::move(args));
     }
-    RedisConnection connection(Address(), absl::Seconds(1));
-    for (int i = 0; i < 200; ++i) {
-      if (connection.Run({"PING"}).ok()) return;
-      absl::SleepFor(absl::Milliseconds(25));
-    }
-    ADD_FAILURE() << "redis-server did not start on " << socket_;
+    WaitForPing(Address(), socket_);
   }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
+  void Kill() { KillRedisServer(&pid_); }
   // Sends the server a signal (SIGSTOP and SIGCONT: Redis stopped a while).
   void Signal(int signal) const { kill(pid_, signal); }
   RedisAddress Address() const {
@@ -184,6 +198,118 @@ class RedisServer {
   const Certificates* tls_;
   int tls_port_;
   pid_t pid_ = -1;
+};
+
+// A Redis Cluster of its own on loopback TCP ports (free ones): `masters`
+// masters with `replicas` replicas each, made by redis-cli --cluster create,
+// persisted like RedisServer, a node failed after 1 s without an answer
+// (and its replica taking over whatever its replication lag).
+class RedisClusterServers {
+ public:
+  explicit RedisClusterServers(int masters, int replicas = 0) {
+    const int count = masters * (1 + replicas);
+    for (int i = 0; i < count; ++i) {
+      int port = FreeClusterPort();
+      while (std::find(ports_.begin(), ports_.end(), port) != ports_.end()) port = FreeClusterPort();
+      ports_.push_back(port);
+      pids_.push_back(-1);
+      const std::string dir = Dir(i);
+      std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str());
+      Start(i);
+    }
+    std::string create = "redis-cli --cluster create";
+    for (int port : ports_) absl::StrAppend(&create, " 127.0.0.1:", port);
+    absl::StrAppend(&create, " --cluster-replicas ", replicas, " --cluster-yes >/dev/null 2>&1");
+    EXPECT_EQ(std::system(create.c_str()), 0) << create;
+    EXPECT_TRUE(WaitUntilHealthy(absl::Seconds(20)));
+    // Replicas in sync with their masters (or they could not take over).
+    for (int node = masters; node < count; ++node) {
+      bool synced = false;
+      for (absl::Time until = absl::Now() + absl::Seconds(20); !synced && absl::Now() < until;
+           absl::SleepFor(absl::Milliseconds(100))) {
+        synced = absl::StrContains(Run(node, {"INFO", "replication"}).str, "master_link_status:up");
+      }
+      EXPECT_TRUE(synced) << "replica 127.0.0.1:" << ports_[node];
+    }
+  }
+  ~RedisClusterServers() {
+    for (pid_t& pid : pids_) KillRedisServer(&pid);
+  }
+
+  // Starts a node (again after Kill: from its files, a member of the
+  // cluster as before).
+  void Start(int node) {
+    const std::string dir = Dir(node);
+    pids_[node] = fork();
+    if (pids_[node] == 0) {
+      ExecRedisServer({"--port", std::to_string(ports_[node]), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                       "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                       "--cluster-replica-validity-factor", "0", "--dir", dir, "--save", "", "--appendonly", "yes",
+                       "--appendfsync", "always", "--maxmemory-policy", "noeviction", "--logfile",
+                       dir + "/redis.log"});
+    }
+    WaitForPing(Address(node), absl::StrCat("127.0.0.1:", ports_[node]));
+  }
+  void Kill(int node) { KillRedisServer(&pids_[node]); }
+  int size() const { return static_cast<int>(ports_.size()); }
+  int port(int node) const { return ports_[node]; }
+  // One node, or all of them as seeds.
+  std::string Url(int node = 0) const { return absl::StrCat("redis://127.0.0.1:", ports_[node]); }
+  std::string SeedsUrl() const {
+    std::string url = "redis://";
+    for (size_t i = 0; i < ports_.size(); ++i) absl::StrAppend(&url, i == 0 ? "" : ",", "127.0.0.1:", ports_[i]);
+    return url;
+  }
+  RedisAddress Address(int node) const { return *ParseRedisUrl(Url(node)); }
+  // One command on one node (no redirection followed).
+  RedisValue Run(int node, std::vector<std::string> command) const {
+    RedisNodeConnection connection(Address(node), absl::Seconds(2));
+    absl::StatusOr<RedisValue> reply = connection.Run(std::move(command));
+    EXPECT_TRUE(reply.ok()) << reply.status();
+    return reply.ok() ? *reply : RedisValue();
+  }
+  // The node serving `slot` as master now, as `asked` sees it (-1: none).
+  int MasterOf(int slot, int asked) const {
+    const RedisValue slots = Run(asked, {"CLUSTER", "SLOTS"});
+    for (const RedisValue& range : slots.elements) {
+      if (range.elements.size() < 3 || slot < range.elements[0].integer || slot > range.elements[1].integer) continue;
+      for (int node = 0; node < size(); ++node) {
+        if (range.elements[2].elements[1].integer == ports_[node]) return node;
+      }
+    }
+    return -1;
+  }
+  std::string Id(int node) const { return Run(node, {"CLUSTER", "MYID"}).str; }
+  // Until `slot` is served by a master other than `failed` (its replica,
+  // promoted) and the cluster is healthy again, as `asked` sees it.
+  bool WaitForFailover(int slot, int failed, int asked, absl::Duration limit) const {
+    for (absl::Time until = absl::Now() + limit; absl::Now() < until; absl::SleepFor(absl::Milliseconds(100))) {
+      const int master = MasterOf(slot, asked);
+      if (master >= 0 && master != failed) return WaitUntilHealthy(until - absl::Now());
+    }
+    return false;
+  }
+  // Until every live node says the cluster is ok with every slot served.
+  bool WaitUntilHealthy(absl::Duration limit) const {
+    for (absl::Time until = absl::Now() + limit; absl::Now() < until; absl::SleepFor(absl::Milliseconds(100))) {
+      bool healthy = true;
+      for (int node = 0; node < size() && healthy; ++node) {
+        if (pids_[node] <= 0) continue;
+        RedisNodeConnection connection(Address(node), absl::Seconds(1));
+        absl::StatusOr<RedisValue> info = connection.Run(std::vector<std::string>{"CLUSTER", "INFO"});
+        healthy = info.ok() && absl::StrContains(info->str, "cluster_state:ok") &&
+                  absl::StrContains(info->str, "cluster_slots_ok:16384");
+      }
+      if (healthy) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::string Dir(int node) const { return TempPath(absl::StrCat("cluster-", ports_[node])); }
+
+  std::vector<int> ports_;
+  std::vector<pid_t> pids_;
 };
 
 inline bool HaveRedis() { return access(kRedisServer, X_OK) == 0; }
@@ -236,13 +362,17 @@ inline std::string Socket(const std::string& name) {
   return "unix://" + TempPath(name + ".sock");
 }
 
-inline std::vector<std::string> Flags(const std::string& name, const RedisServer& redis,
+inline std::vector<std::string> Flags(const std::string& name, const std::string& redis_url,
                                       std::vector<std::string> more = {}) {
   std::vector<std::string> flags = {
       "--listen=" + Socket(name),   "--device=cpu",     "--threads=1",
-      "--redis-url=" + redis.Url(), "--redis-lease=1s", "--redis-timeout=300ms"};
+      "--redis-url=" + redis_url, "--redis-lease=1s", "--redis-timeout=300ms"};
   flags.insert(flags.end(), more.begin(), more.end());
   return flags;
+}
+inline std::vector<std::string> Flags(const std::string& name, const RedisServer& redis,
+                                      std::vector<std::string> more = {}) {
+  return Flags(name, redis.Url(), std::move(more));
 }
 
 inline std::unique_ptr<Client> Connected(const std::string& name,

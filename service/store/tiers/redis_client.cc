@@ -20,10 +20,13 @@
 #include <cstring>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 
 namespace turbokv {
 namespace {
@@ -66,8 +69,10 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
     shown.replace(scheme + 3, at - scheme - 3, "...");
   }
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("--redis-url ", shown, ": ", why,
-                                                   " (redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] or unix:///PATH[?db=N])"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--redis-url ", shown, ": ", why,
+                     " (redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] or unix:///PATH[?db=N]; a cluster: "
+                     "redis://HOST1:PORT1,HOST2:PORT2,...)"));
   };
   absl::string_view rest = url;
   if (absl::ConsumePrefix(&rest, "unix://")) {
@@ -97,26 +102,45 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
     absl::string_view db = rest.substr(slash + 1);
     if (!db.empty() && (!absl::SimpleAtoi(db, &address.db) || address.db < 0)) return bad("the database must be a number");
   }
-  if (size_t colon = hostport.rfind(':'); colon != absl::string_view::npos) {
-    if (!absl::SimpleAtoi(hostport.substr(colon + 1), &address.port) || address.port <= 0 || address.port > 65535) {
-      return bad("the port must be 1 to 65535");
+  for (absl::string_view seed : absl::StrSplit(hostport, ',')) {
+    int port = 6379;
+    if (size_t colon = seed.rfind(':'); colon != absl::string_view::npos) {
+      if (!absl::SimpleAtoi(seed.substr(colon + 1), &port) || port <= 0 || port > 65535) {
+        return bad("the port must be 1 to 65535");
+      }
+      seed = seed.substr(0, colon);
     }
-    hostport = hostport.substr(0, colon);
+    if (seed.empty()) return bad("no host");
+    address.seeds.emplace_back(std::string(seed), port);
   }
-  if (hostport.empty()) return bad("no host");
-  address.host = std::string(hostport);
+  address.host = address.seeds.front().first;
+  address.port = address.seeds.front().second;
   return address;
 }
 
-RedisConnection::RedisConnection(RedisAddress address, absl::Duration timeout)
+int RedisClusterSlot(absl::string_view key) {
+  if (const size_t open = key.find('{'); open != absl::string_view::npos) {
+    const size_t close = key.find('}', open + 1);
+    if (close != absl::string_view::npos && close > open + 1) key = key.substr(open + 1, close - open - 1);
+  }
+  // CRC16-CCITT (XMODEM), as Redis Cluster's key distribution specifies.
+  uint16_t crc = 0;
+  for (const char c : key) {
+    crc ^= static_cast<uint16_t>(static_cast<uint8_t>(c)) << 8;
+    for (int bit = 0; bit < 8; ++bit) crc = (crc & 0x8000) != 0 ? static_cast<uint16_t>((crc << 1) ^ 0x1021) : crc << 1;
+  }
+  return crc & 16383;
+}
+
+RedisNodeConnection::RedisNodeConnection(RedisAddress address, absl::Duration timeout)
     : address_(std::move(address)), timeout_(timeout) {}
 
-RedisConnection::~RedisConnection() {
+RedisNodeConnection::~RedisNodeConnection() {
   Close();
   if (ssl_context_ != nullptr) SSL_CTX_free(ssl_context_);
 }
 
-void RedisConnection::Close() {
+void RedisNodeConnection::Close() {
   if (ssl_ != nullptr) SSL_free(ssl_);
   ssl_ = nullptr;
   if (fd_ >= 0) close(fd_);
@@ -125,7 +149,7 @@ void RedisConnection::Close() {
   reader_ = nullptr;
 }
 
-absl::Status RedisConnection::Fail(absl::string_view what, absl::string_view reason) {
+absl::Status RedisNodeConnection::Fail(absl::string_view what, absl::string_view reason) {
   Close();
   std::string message = absl::StrCat("Redis at ", address_.url, ": ", what);
   if (!reason.empty()) absl::StrAppend(&message, ": ", reason);
@@ -159,7 +183,7 @@ std::string SystemError(int error) {
 
 }  // namespace
 
-absl::Status RedisConnection::Dial() {
+absl::Status RedisNodeConnection::Dial() {
   const int timeout_ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout_)));
   // Each address in turn: a non-blocking connect, waited for within the timeout.
   auto attempt = [&](int family, const sockaddr* to, socklen_t length) -> int {
@@ -220,7 +244,7 @@ absl::Status RedisConnection::Dial() {
   return absl::OkStatus();
 }
 
-absl::Status RedisConnection::Handshake() {
+absl::Status RedisNodeConnection::Handshake() {
   auto unusable = [&](absl::string_view what) {
     misconfigured_ = true;
     return Fail(what, TlsError());
@@ -277,7 +301,7 @@ absl::Status RedisConnection::Handshake() {
   return absl::OkStatus();
 }
 
-absl::Status RedisConnection::Connect() {
+absl::Status RedisNodeConnection::Connect() {
   if (fd_ >= 0) return absl::OkStatus();
   misconfigured_ = false;
   if (absl::Status status = Dial(); !status.ok()) return status;
@@ -311,7 +335,7 @@ absl::Status RedisConnection::Connect() {
   return absl::OkStatus();
 }
 
-absl::Status RedisConnection::SendAll(const std::string& bytes, absl::string_view what) {
+absl::Status RedisNodeConnection::SendAll(const std::string& bytes, absl::string_view what) {
   for (size_t sent = 0; sent < bytes.size();) {
     const size_t left = bytes.size() - sent;
     ssize_t n;
@@ -333,7 +357,7 @@ absl::Status RedisConnection::SendAll(const std::string& bytes, absl::string_vie
   return absl::OkStatus();
 }
 
-absl::StatusOr<size_t> RedisConnection::Receive(char* buf, size_t size) {
+absl::StatusOr<size_t> RedisNodeConnection::Receive(char* buf, size_t size) {
   for (;;) {
     ssize_t n;
     if (ssl_ != nullptr) {
@@ -355,7 +379,7 @@ absl::StatusOr<size_t> RedisConnection::Receive(char* buf, size_t size) {
   }
 }
 
-absl::StatusOr<std::vector<RedisValue>> RedisConnection::Run(const std::vector<std::vector<std::string>>& commands) {
+absl::StatusOr<std::vector<RedisValue>> RedisNodeConnection::Run(const std::vector<std::vector<std::string>>& commands) {
   if (absl::Status status = Connect(); !status.ok()) return status;
   std::string out;
   std::vector<const char*> argv;
@@ -397,10 +421,393 @@ absl::StatusOr<std::vector<RedisValue>> RedisConnection::Run(const std::vector<s
   return replies;
 }
 
+absl::StatusOr<RedisValue> RedisNodeConnection::Run(std::vector<std::string> command) {
+  absl::StatusOr<std::vector<RedisValue>> replies = Run(std::vector<std::vector<std::string>>{std::move(command)});
+  if (!replies.ok()) return replies.status();
+  return std::move(replies->front());
+}
+
+namespace {
+
+constexpr int kSlots = 16384;
+constexpr int kMostRedirects = 5;
+
+// The argument that holds a command's key (its slot's), or -1 for a
+// command without one. The tier's commands: EVAL with its KEYS, and
+// single-key commands (GET, SET, DEL, PEXPIRE, HGETALL, ...); keyless ones
+// go to any master (RunOnEveryNode for those meant for every one).
+int KeyArgument(const std::vector<std::string>& command) {
+  if (command.empty()) return -1;
+  const std::string name = absl::AsciiStrToUpper(command[0]);
+  if (name == "EVAL" || name == "EVALSHA") {
+    int keys = 0;
+    return command.size() > 3 && absl::SimpleAtoi(command[2], &keys) && keys > 0 ? 3 : -1;
+  }
+  for (const char* keyless : {"PING", "INFO", "CONFIG", "AUTH", "SELECT", "CLUSTER", "CLIENT", "DBSIZE", "SCRIPT",
+                              "COMMAND", "HELLO", "ASKING", "READONLY", "WAIT", "FLUSHALL", "KEYS", "SCAN"}) {
+    if (name == keyless) return -1;
+  }
+  return command.size() > 1 ? 1 : -1;
+}
+
+// Host and port of a MOVED or ASK reply's "SLOT HOST:PORT" (an empty host:
+// the node that answered, `asked`).
+bool Redirect(const std::string& error, absl::string_view kind, const std::string& asked, std::string* host,
+              int* port) {
+  absl::string_view rest = error;
+  if (!absl::ConsumePrefix(&rest, kind) || !absl::ConsumePrefix(&rest, " ")) return false;
+  const size_t space = rest.find(' ');
+  if (space == absl::string_view::npos) return false;
+  absl::string_view where = rest.substr(space + 1);
+  const size_t colon = where.rfind(':');
+  if (colon == absl::string_view::npos || !absl::SimpleAtoi(where.substr(colon + 1), port)) return false;
+  *host = where.substr(0, colon).empty() ? asked : std::string(where.substr(0, colon));
+  return true;
+}
+
+// Whether an error reply to CLUSTER SLOTS says that Redis is not a cluster.
+bool NotACluster(const std::string& error) {
+  return absl::StrContains(error, "cluster support disabled") || absl::StartsWith(error, "ERR unknown command");
+}
+
+}  // namespace
+
+RedisConnection::RedisConnection(RedisAddress address, absl::Duration timeout)
+    : address_(std::move(address)), timeout_(timeout) {}
+
+RedisConnection::~RedisConnection() = default;
+
+size_t RedisConnection::Node(const std::string& host, int port) {
+  const std::string name = absl::StrCat(host, ":", port);
+  for (size_t i = 0; i < node_names_.size(); ++i) {
+    if (node_names_[i] == name) return i;
+  }
+  RedisAddress node = address_;
+  node.host = host;
+  node.port = port;
+  node.path.clear();
+  node.seeds = {{host, port}};
+  node.url = absl::StrCat(address_.tls ? "rediss://" : "redis://", name);
+  nodes_.push_back(std::make_unique<RedisNodeConnection>(std::move(node), timeout_));
+  node_names_.push_back(name);
+  silent_since_.push_back(absl::InfinitePast());
+  return nodes_.size() - 1;
+}
+
+bool RedisConnection::ReadSlots(const RedisValue& reply, const std::string& asked_host) {
+  if (reply.type != RedisValue::kArray || reply.elements.empty()) return false;
+  std::vector<std::pair<std::pair<long long, long long>, std::pair<std::string, int>>> ranges;
+  for (const RedisValue& range : reply.elements) {
+    if (range.type != RedisValue::kArray || range.elements.size() < 3 || range.elements[2].type != RedisValue::kArray ||
+        range.elements[2].elements.size() < 2) {
+      return false;
+    }
+    const long long first = range.elements[0].integer, last = range.elements[1].integer;
+    const RedisValue& master = range.elements[2];
+    // An empty host is the node that answered's; "?" is not known yet.
+    const std::string& named = master.elements[0].str;
+    if (named == "?") continue;
+    if (first < 0 || last >= kSlots || first > last) return false;
+    ranges.push_back({{first, last}, {named.empty() ? asked_host : named, static_cast<int>(master.elements[1].integer)}});
+  }
+  std::vector<int32_t> slots(kSlots, -1);
+  for (const auto& [range, master] : ranges) {
+    const int32_t node = static_cast<int32_t>(Node(master.first, master.second));
+    for (long long slot = range.first; slot <= range.second; ++slot) slots[static_cast<size_t>(slot)] = node;
+  }
+  slots_ = std::move(slots);
+  return true;
+}
+
+absl::Status RedisConnection::Discover() {
+  if (discovered_) return absl::OkStatus();
+  // Each seed in turn (a unix socket's URL is its one seed).
+  std::vector<std::pair<std::string, int>> seeds = address_.seeds;
+  if (seeds.empty()) seeds.emplace_back("", 0);
+  absl::Status last;
+  for (const auto& [host, port] : seeds) {
+    RedisAddress seed = address_;
+    if (!host.empty()) {
+      seed.host = host;
+      seed.port = port;
+    }
+    auto node = std::make_unique<RedisNodeConnection>(seed, timeout_);
+    absl::StatusOr<RedisValue> slots = node->Run(std::vector<std::string>{"CLUSTER", "SLOTS"});
+    misconfigured_ = node->misconfigured();
+    if (!slots.ok()) {
+      last = slots.status();
+      if (misconfigured_) return last;
+      continue;
+    }
+    if (slots->type == RedisValue::kError) {
+      if (absl::StartsWith(slots->str, "NOPERM")) {
+        // May this user not ask, or is there no cluster to ask about?
+        absl::StatusOr<RedisValue> info = node->Run(std::vector<std::string>{"INFO", "cluster"});
+        if (info.ok() && absl::StrContains(info->str, "cluster_enabled:1")) {
+          misconfigured_ = true;
+          return absl::FailedPreconditionError(absl::StrCat("Redis Cluster at ", address_.url, " refused CLUSTER SLOTS (",
+                                                            slots->str, "): user '",
+                                                            address_.user.empty() ? "default" : address_.user,
+                                                            "' needs it to find the masters"));
+        }
+      } else if (!NotACluster(slots->str) && !absl::StartsWith(slots->str, "NOAUTH")) {
+        // Busy or loading: asked again at the next call.
+        last = absl::UnavailableError(absl::StrCat("Redis at ", seed.url, ": CLUSTER SLOTS: ", slots->str));
+        continue;
+      }
+      // Not a cluster: this node is Redis (one that wants a password this
+      // daemon lacks says so to the facts the tier reads at start).
+      nodes_.push_back(std::move(node));
+      node_names_.push_back(seed.path.empty() ? absl::StrCat(seed.host, ":", seed.port) : seed.path);
+      silent_since_.push_back(absl::InfinitePast());
+      discovered_ = true;
+      return absl::OkStatus();
+    }
+    if (!ReadSlots(*slots, seed.host)) {
+      nodes_.clear();
+      node_names_.clear();
+      silent_since_.clear();
+      last = absl::UnavailableError(absl::StrCat("Redis at ", seed.url, ": CLUSTER SLOTS answered something else"));
+      continue;
+    }
+    if (address_.db != 0) {
+      misconfigured_ = true;
+      return absl::FailedPreconditionError(
+          absl::StrCat("Redis Cluster at ", address_.url, " has database 0 only, not ", address_.db));
+    }
+    cluster_ = true;
+    discovered_ = true;
+    return absl::OkStatus();
+  }
+  return last;
+}
+
+absl::Status RedisConnection::RefreshSlots(const std::vector<size_t>& silent, absl::Time deadline) {
+  absl::Status last = absl::UnavailableError(absl::StrCat("Redis Cluster at ", address_.url, ": no node answers"));
+  // The masters of the map first, then the other nodes known, then the
+  // seeds; those that did not answer lately last, and those that did not
+  // just now not at all.
+  std::vector<size_t> ask;
+  for (int32_t node : slots_) {
+    if (node >= 0 && std::find(ask.begin(), ask.end(), static_cast<size_t>(node)) == ask.end()) {
+      ask.push_back(static_cast<size_t>(node));
+    }
+  }
+  for (const auto& [host, port] : address_.seeds) Node(host, port);
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (std::find(ask.begin(), ask.end(), node) == ask.end()) ask.push_back(node);
+  }
+  std::stable_sort(ask.begin(), ask.end(), [&](size_t a, size_t b) { return silent_since_[a] < silent_since_[b]; });
+  for (size_t node : ask) {
+    if (std::find(silent.begin(), silent.end(), node) != silent.end()) continue;
+    if (absl::Now() >= deadline) break;
+    absl::StatusOr<RedisValue> slots = nodes_[node]->Run(std::vector<std::string>{"CLUSTER", "SLOTS"});
+    if (!slots.ok()) {
+      silent_since_[node] = absl::Now();
+      last = slots.status();
+      continue;
+    }
+    silent_since_[node] = absl::InfinitePast();
+    if (ReadSlots(*slots, nodes_[node]->address().host)) return absl::OkStatus();
+  }
+  return last;
+}
+
+std::string RedisConnection::NodeOf(absl::string_view key) const {
+  if (!cluster_) return node_names_.empty() ? "" : node_names_[0];
+  const int32_t node = slots_[static_cast<size_t>(RedisClusterSlot(key))];
+  return node < 0 ? "" : node_names_[static_cast<size_t>(node)];
+}
+
+absl::StatusOr<std::vector<RedisValue>> RedisConnection::Run(const std::vector<std::vector<std::string>>& commands) {
+  misconfigured_ = false;
+  if (absl::Status found = Discover(); !found.ok()) return found;
+  if (!cluster_) {
+    absl::StatusOr<std::vector<RedisValue>> replies = nodes_[0]->Run(commands);
+    misconfigured_ = nodes_[0]->misconfigured();
+    return replies;
+  }
+  return RunOnCluster(commands);
+}
+
 absl::StatusOr<RedisValue> RedisConnection::Run(std::vector<std::string> command) {
   absl::StatusOr<std::vector<RedisValue>> replies = Run(std::vector<std::vector<std::string>>{std::move(command)});
   if (!replies.ok()) return replies.status();
   return std::move(replies->front());
+}
+
+absl::StatusOr<std::vector<RedisValue>> RedisConnection::RunOnCluster(
+    const std::vector<std::vector<std::string>>& commands) {
+  std::vector<RedisValue> replies(commands.size());
+  // Where each command not answered yet goes: its slot's master, or a node
+  // an ASK named (-1: its slot's).
+  std::vector<size_t> pending(commands.size());
+  for (size_t i = 0; i < commands.size(); ++i) pending[i] = i;
+  std::vector<int64_t> asked(commands.size(), -1);
+  std::vector<bool> unreached(commands.size(), false);  // its node did not answer, and still has its slot
+  size_t any = 0;  // the node for commands without a key
+  absl::Status failed;
+  std::vector<size_t> silent;  // nodes that did not answer
+  // The whole call within a few timeouts; a slot being moved answers
+  // TRYAGAIN to a command whose keys are not all on one side yet: sent
+  // again for up to one timeout, then that reply.
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + 3 * timeout_;
+  const absl::Time busy_until = start + timeout_;
+  int redirects = 0;
+  bool refreshed = false;  // the whole map, after a MOVED
+  for (int round = 0; !pending.empty(); ++round) {
+    if (redirects > kMostRedirects || (round > 0 && absl::Now() >= deadline)) {
+      if (!failed.ok()) return failed;
+      return absl::UnavailableError(absl::StrCat("Redis Cluster at ", address_.url, ": still redirected after ",
+                                                 redirects, " tries"));
+    }
+    // Grouped by node, in the order of their first command.
+    std::vector<std::pair<size_t, std::vector<size_t>>> groups;
+    for (size_t i : pending) {
+      const int key = KeyArgument(commands[i]);
+      while (std::find(silent.begin(), silent.end(), any) != silent.end() && silent.size() < nodes_.size()) {
+        any = (any + 1) % nodes_.size();
+      }
+      size_t node = any;
+      if (asked[i] >= 0) {
+        node = static_cast<size_t>(asked[i]);
+      } else if (key >= 0) {
+        const int32_t master = slots_[static_cast<size_t>(RedisClusterSlot(commands[i][static_cast<size_t>(key)]))];
+        if (master < 0) {
+          unreached[i] = true;
+          continue;
+        }
+        node = static_cast<size_t>(master);
+      }
+      // Still a node that did not answer (the map has not moved the slot
+      // away: no failover yet).
+      if (std::find(silent.begin(), silent.end(), node) != silent.end()) {
+        unreached[i] = true;
+        continue;
+      }
+      auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == node; });
+      if (group == groups.end()) {
+        groups.push_back({node, {}});
+        group = groups.end() - 1;
+      }
+      group->second.push_back(i);
+    }
+    std::vector<size_t> again;
+    bool refresh = false, busy = false, redirected = false;
+    for (const auto& [node, indices] : groups) {
+      std::vector<std::vector<std::string>> batch;
+      for (size_t i : indices) {
+        if (asked[i] >= 0) batch.push_back({"ASKING"});
+        batch.push_back(commands[i]);
+      }
+      absl::StatusOr<std::vector<RedisValue>> got = nodes_[node]->Run(batch);
+      if (!got.ok()) {
+        // A master that does not answer (failed over, gone): the map again.
+        misconfigured_ = nodes_[node]->misconfigured();
+        if (misconfigured_) return got.status();
+        failed = got.status();
+        silent_since_[node] = absl::Now();
+        refresh = true;
+        redirected = true;
+        silent.push_back(node);
+        for (size_t i : indices) asked[i] = -1;
+        again.insert(again.end(), indices.begin(), indices.end());
+        continue;
+      }
+      silent_since_[node] = absl::InfinitePast();
+      size_t at = 0;
+      for (size_t i : indices) {
+        if (asked[i] >= 0) ++at;  // ASKING's OK
+        RedisValue& reply = (*got)[at++];
+        std::string host;
+        int port = 0;
+        if (reply.type == RedisValue::kError &&
+            Redirect(reply.str, "MOVED", nodes_[node]->address().host, &host, &port)) {
+          const int key = KeyArgument(commands[i]);
+          if (key >= 0) {
+            slots_[static_cast<size_t>(RedisClusterSlot(commands[i][static_cast<size_t>(key)]))] =
+                static_cast<int32_t>(Node(host, port));
+          }
+          asked[i] = -1;
+          again.push_back(i);
+          redirected = true;
+          refresh = refresh || !refreshed;  // other slots have moved too, most likely
+        } else if (reply.type == RedisValue::kError &&
+                   Redirect(reply.str, "ASK", nodes_[node]->address().host, &host, &port)) {
+          asked[i] = static_cast<int64_t>(Node(host, port));
+          again.push_back(i);
+          redirected = true;
+        } else if (reply.type == RedisValue::kError && absl::StartsWith(reply.str, "TRYAGAIN") &&
+                   absl::Now() + absl::Milliseconds(20) * (round + 1) < busy_until) {
+          // A slot being moved, its keys on both nodes for now: shortly
+          // again, to the same node.
+          again.push_back(i);
+          busy = true;
+        } else {
+          asked[i] = -1;
+          replies[i] = std::move(reply);
+        }
+      }
+    }
+    if (refresh) {
+      // The MOVED patches stay when the map cannot be read.
+      const std::vector<int32_t> patched = slots_;
+      if (!RefreshSlots(silent, deadline).ok()) slots_ = patched;
+      refreshed = true;
+    }
+    if (busy) absl::SleepFor(absl::Milliseconds(20) * (round + 1));
+    if (redirected) ++redirects;
+    std::sort(again.begin(), again.end());
+    pending = std::move(again);
+  }
+  // Commands whose master did not answer: an error for the whole call when
+  // none was answered, else a reply of their own (CLUSTERDOWN, which the
+  // caller takes for Redis refusing them for now), the others' replies kept.
+  const size_t lost = static_cast<size_t>(std::count(unreached.begin(), unreached.end(), true));
+  if (lost == commands.size() && lost > 0) {
+    return failed.ok() ? absl::UnavailableError(absl::StrCat("Redis Cluster at ", address_.url,
+                                                             ": no master serves the slot"))
+                       : failed;
+  }
+  for (size_t i = 0; i < commands.size(); ++i) {
+    if (!unreached[i]) continue;
+    replies[i].type = RedisValue::kError;
+    replies[i].str = absl::StrCat("CLUSTERDOWN its master did not answer: ",
+                                  failed.ok() ? "no master serves the slot" : failed.message());
+  }
+  return replies;
+}
+
+absl::StatusOr<std::vector<RedisConnection::NodeReplies>> RedisConnection::RunOnEveryNode(
+    const std::vector<std::vector<std::string>>& commands) {
+  misconfigured_ = false;
+  if (absl::Status found = Discover(); !found.ok()) return found;
+  std::vector<size_t> masters;
+  if (!cluster_) {
+    masters.push_back(0);
+  } else {
+    for (int32_t node : slots_) {
+      if (node >= 0 && std::find(masters.begin(), masters.end(), static_cast<size_t>(node)) == masters.end()) {
+        masters.push_back(static_cast<size_t>(node));
+      }
+    }
+  }
+  std::vector<NodeReplies> all;
+  std::vector<size_t> silent;
+  for (size_t node : masters) {
+    absl::StatusOr<std::vector<RedisValue>> replies = nodes_[node]->Run(commands);
+    if (nodes_[node]->misconfigured()) {
+      misconfigured_ = true;
+      return replies.status();
+    }
+    if (!replies.ok()) silent.push_back(node);
+    all.push_back(NodeReplies{node_names_[node], std::move(replies)});
+  }
+  if (cluster_ && !silent.empty()) RefreshSlots(silent, absl::Now() + timeout_).IgnoreError();
+  // Standalone, or every master silent: the call's error.
+  if (silent.size() == masters.size()) return all.front().replies.status();
+  return all;
 }
 
 }  // namespace turbokv

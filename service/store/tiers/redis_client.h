@@ -1,12 +1,16 @@
 // One blocking connection to Redis, over a unix socket, TCP or TLS (OpenSSL),
 // with a time limit on connecting and on every reply, for the Redis tier's
-// threads. Commands are written and replies parsed by hiredis's protocol
-// functions (Debian's hiredis 0.14 has no TLS of its own). Not thread-safe:
-// each thread has its own. No gRPC types.
+// threads; to a Redis Cluster, a connection to each master, commands routed
+// by the slot of their key and MOVED and ASK followed. Commands are written
+// and replies parsed by hiredis's protocol functions (Debian's hiredis 0.14
+// has no TLS of its own). Not thread-safe: each thread has its own. No gRPC
+// types.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -20,10 +24,12 @@ struct ssl_ctx_st;
 namespace turbokv {
 
 // Where Redis is: redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] (TLS)
-// or unix:///PATH[?db=N].
+// or unix:///PATH[?db=N]. A Redis Cluster is any of its nodes, or several
+// (redis://HOST1:PORT1,HOST2:PORT2,...: seeds tried in turn), database 0.
 struct RedisAddress {
-  std::string host;  // empty for a unix socket
+  std::string host;  // empty for a unix socket; the first seed
   int port = 6379;
+  std::vector<std::pair<std::string, int>> seeds;  // every HOST:PORT given (TCP), the first one first
   std::string path;  // the unix socket
   int db = 0;
   std::string url;   // as given, for messages
@@ -53,12 +59,17 @@ struct RedisValue {
   std::vector<RedisValue> elements;
 };
 
-class RedisConnection {
+// The Redis Cluster slot of a key (CRC16 of its hash tag, the part between
+// the first '{' and the next '}' when not empty, or of the whole key).
+int RedisClusterSlot(absl::string_view key);
+
+// One connection to one Redis node.
+class RedisNodeConnection {
  public:
-  RedisConnection(RedisAddress address, absl::Duration timeout);
-  ~RedisConnection();
-  RedisConnection(const RedisConnection&) = delete;
-  RedisConnection& operator=(const RedisConnection&) = delete;
+  RedisNodeConnection(RedisAddress address, absl::Duration timeout);
+  ~RedisNodeConnection();
+  RedisNodeConnection(const RedisNodeConnection&) = delete;
+  RedisNodeConnection& operator=(const RedisNodeConnection&) = delete;
 
   // Sends the commands in one batch and reads their replies in order.
   // UNAVAILABLE naming the address when it cannot connect, send or read
@@ -96,6 +107,74 @@ class RedisConnection {
   ssl_st* ssl_ = nullptr;
   redisReader* reader_ = nullptr;
   bool misconfigured_ = false;
+};
+
+// Redis, standalone or a cluster (found out at the first call: CLUSTER
+// SLOTS answered), as one connection.
+class RedisConnection {
+ public:
+  RedisConnection(RedisAddress address, absl::Duration timeout);
+  ~RedisConnection();
+  RedisConnection(const RedisConnection&) = delete;
+  RedisConnection& operator=(const RedisConnection&) = delete;
+
+  // Sends the commands and reads their replies, in order. A cluster's go to
+  // the masters of their keys' slots (commands without a key to any),
+  // pipelined per master (a slot's in order, but for those a redirection
+  // sends again after later ones were answered); a MOVED reply updates the
+  // map (the whole of it, once a call) and the command goes to the new
+  // master, an ASK sends it to the node named (after ASKING), a TRYAGAIN
+  // sends it again for up to the timeout, and a master that does not answer
+  // has the map read again from the other nodes: its commands go where the
+  // map sends them then, or answer a CLUSTERDOWN error reply of their own
+  // (the others answered as usual). UNAVAILABLE as a node's connection says
+  // when no command could be sent (or after too many redirections); the
+  // whole call within about three timeouts. A Redis error reply is a
+  // RedisValue of kError, not an error.
+  absl::StatusOr<std::vector<RedisValue>> Run(const std::vector<std::vector<std::string>>& commands);
+  // One command.
+  absl::StatusOr<RedisValue> Run(std::vector<std::string> command);
+  // The commands on every master (one, standalone): each node's replies,
+  // or why it did not answer, by its host:port (or socket path). The
+  // error of a master when none answered.
+  struct NodeReplies {
+    std::string node;
+    absl::StatusOr<std::vector<RedisValue>> replies;
+  };
+  absl::StatusOr<std::vector<NodeReplies>> RunOnEveryNode(const std::vector<std::vector<std::string>>& commands);
+  // The master (host:port) that serves this key's slot as last known; the
+  // one Redis, standalone; "" when none is known.
+  std::string NodeOf(absl::string_view key) const;
+
+  const RedisAddress& address() const { return address_; }
+  // Whether the last connection failed for a reason that trying again will
+  // not mend (RedisNodeConnection::misconfigured).
+  bool misconfigured() const { return misconfigured_; }
+  // Whether Redis is a cluster (known once a call has reached it).
+  bool cluster() const { return cluster_; }
+
+ private:
+  // Connects to the first seed that answers and finds out whether it is a
+  // cluster (reading the slot map then).
+  absl::Status Discover();
+  // The slot map again, from any node that answers but `silent` (nodes
+  // that did not answer just now), asking no node after `deadline`.
+  absl::Status RefreshSlots(const std::vector<size_t>& silent, absl::Time deadline);
+  // The slot map from this reply to CLUSTER SLOTS; false when it is not one.
+  bool ReadSlots(const RedisValue& reply, const std::string& asked_host);
+  // The connection to the node at host:port (made on first use).
+  size_t Node(const std::string& host, int port);
+  absl::StatusOr<std::vector<RedisValue>> RunOnCluster(const std::vector<std::vector<std::string>>& commands);
+
+  const RedisAddress address_;
+  const absl::Duration timeout_;
+  bool discovered_ = false;
+  bool cluster_ = false;
+  bool misconfigured_ = false;
+  std::vector<std::unique_ptr<RedisNodeConnection>> nodes_;  // standalone: one
+  std::vector<std::string> node_names_;                      // host:port of each
+  std::vector<int32_t> slots_;  // a cluster's: each slot's master, an index in nodes_ (-1: none known)
+  std::vector<absl::Time> silent_since_;  // of each node: when it last did not answer (InfinitePast: it did)
 };
 
 }  // namespace turbokv

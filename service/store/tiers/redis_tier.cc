@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "service/byte_size.h"
@@ -110,12 +111,12 @@ constexpr char kWriteManifest[] = TURBOKV_FENCE
     "redis.call('DEL', KEYS[3]) "
     "for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end "
     "return 1";
-// KEYS: epoch, source, destination. ARGV: epoch, TTL.
+// KEYS: epoch, destination. ARGV: epoch, the page's value (read from the
+// source first: in a cluster the two are in different slots), TTL.
 constexpr char kCopy[] = TURBOKV_FENCE
-    "redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
-    "local copied = redis.call('COPY', KEYS[2], KEYS[3], 'REPLACE') "
-    "if copied == 1 then redis.call('PEXPIRE', KEYS[3], ARGV[2]) end "
-    "return copied";
+    "redis.call('PEXPIRE', KEYS[1], ARGV[3]) "
+    "redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
+    "return 1";
 // KEYS: epoch, page. ARGV: epoch.
 constexpr char kDelete[] = TURBOKV_FENCE "redis.call('DEL', KEYS[2]) return 1";
 // KEYS: epoch, lease, manifest, sealed pages, each layer's new slots.
@@ -167,6 +168,8 @@ std::string MakeOwner() {
 // An EVAL that does nothing checks that the user may run scripts (every
 // write is one).
 struct RedisFacts {
+  std::string node;    // host:port (or socket path)
+  std::string where;   // "Redis at URL", and the node of a cluster
   std::string run_id;  // another after a restart
   std::string policy;  // maxmemory-policy
   int64_t maxmemory = 0;
@@ -183,57 +186,101 @@ std::string InfoField(const RedisValue& info, absl::string_view name) {
 }
 // The facts, or why Redis would not tell them: PERMISSION_DENIED when it
 // wants a password, FAILED_PRECONDITION for another error reply.
-absl::StatusOr<RedisFacts> ReadFacts(const RedisAddress& address, const std::vector<RedisValue>& replies) {
+absl::StatusOr<RedisFacts> ReadFacts(const RedisAddress& address, const std::string& where,
+                                     const std::vector<RedisValue>& replies) {
   for (size_t i = 0; i < 4; ++i) {
     if (replies[i].type != RedisValue::kError) continue;
     if (absl::StartsWith(replies[i].str, "NOAUTH")) {
-      return absl::PermissionDeniedError(absl::StrCat("Redis at ", address.url,
+      return absl::PermissionDeniedError(absl::StrCat(where,
                                                       " needs a password (--redis-password-file or "
                                                       "$TURBOKV_REDIS_PASSWORD): ",
                                                       replies[i].str));
     }
     return absl::FailedPreconditionError(absl::StrCat(
-        "Redis at ", address.url, " refused ", i < 3 ? "INFO" : "EVAL", " (user '",
-        address.user.empty() ? "default" : address.user, "' needs INFO, EVAL and the commands its scripts run: GET, SET, HSET, "
-        "DEL, INCR, PEXPIRE, COPY; and HGETALL, EXISTS, PING): ", replies[i].str));
+        where, " refused ", i < 3 ? "INFO" : "EVAL", " (user '", address.user.empty() ? "default" : address.user,
+        "' needs INFO, EVAL and the commands its scripts run: GET, SET, HSET, DEL, INCR, PEXPIRE, PTTL, APPEND, "
+        "GETRANGE; and HGETALL, EXISTS, PING, and CLUSTER SLOTS and ASKING for a cluster): ",
+        replies[i].str));
   }
   RedisFacts facts;
+  facts.where = where;
   facts.run_id = InfoField(replies[0], "run_id");
   facts.policy = InfoField(replies[1], "maxmemory_policy");
   facts.aof = InfoField(replies[2], "aof_enabled") != "0";
   if (!absl::SimpleAtoi(InfoField(replies[1], "maxmemory"), &facts.maxmemory)) facts.maxmemory = 0;
   return facts;
 }
+// The facts of every master that answers (a cluster's; standalone, the
+// one Redis's, `node` naming it), or the connection's error (UNAVAILABLE:
+// no master answered), or the facts' own (ReadFacts).
+absl::StatusOr<std::vector<RedisFacts>> GatherFacts(RedisConnection& connection, const RedisAddress& address) {
+  absl::StatusOr<std::vector<RedisConnection::NodeReplies>> nodes = connection.RunOnEveryNode(FactsCommands());
+  if (!nodes.ok()) return nodes.status();
+  std::vector<RedisFacts> all;
+  for (const RedisConnection::NodeReplies& node : *nodes) {
+    if (!node.replies.ok()) continue;  // failing over, or down: its slots' writes say so
+    const std::string where = connection.cluster()
+                                  ? absl::StrCat("Redis Cluster at ", address.url, " (node ", node.node, ")")
+                                  : absl::StrCat("Redis at ", address.url);
+    absl::StatusOr<RedisFacts> facts = ReadFacts(address, where, *node.replies);
+    if (!facts.ok()) return facts.status();
+    facts->node = node.node;
+    all.push_back(*std::move(facts));
+  }
+  return all;
+}
 // Why a Redis that evicts keys under memory pressure is refused (empty
-// when it does not): a session's pages, manifest or epoch would vanish.
-std::string EvictionRefusal(const RedisAddress& address, const RedisFacts& facts) {
-  if (facts.policy.empty() || facts.policy == "noeviction") return "";
-  return absl::StrCat("Redis at ", address.url, " evicts keys under memory pressure (maxmemory-policy ", facts.policy,
-                      "): sessions' pages and epochs would vanish from it; turbokvd writes to it only with "
-                      "maxmemory-policy noeviction");
+// when no node does): a session's pages, manifest or epoch would vanish.
+std::string EvictionRefusal(const std::vector<RedisFacts>& nodes) {
+  for (const RedisFacts& facts : nodes) {
+    if (facts.policy.empty() || facts.policy == "noeviction") continue;
+    return absl::StrCat(facts.where, " evicts keys under memory pressure (maxmemory-policy ", facts.policy,
+                        "): sessions' pages and epochs would vanish from it; turbokvd writes to it only with "
+                        "maxmemory-policy noeviction");
+  }
+  return "";
 }
 // Redis without a memory limit, or with one below this daemon's own budget
-// in it: a warning (other daemons may share it, so neither is refused).
-void WarnOfMemory(const RedisAddress& address, const RedisFacts& facts, size_t budget) {
-  if (facts.maxmemory == 0) {
-    Logf(LogLevel::kWarning,
-         "Redis at %s has no maxmemory: it grows until the machine or its container runs out of memory; set "
-         "maxmemory with room for every daemon's --redis-budget",
-         address.url.c_str());
-  } else if (static_cast<size_t>(facts.maxmemory) < budget) {
-    Logf(LogLevel::kWarning, "Redis at %s has maxmemory %s, below this daemon's --redis-budget %s alone",
-         address.url.c_str(), FormatByteSize(static_cast<size_t>(facts.maxmemory)).c_str(),
-         FormatByteSize(budget).c_str());
+// in it (a cluster's masters' summed): a warning (other daemons may share
+// it, so neither is refused).
+void WarnOfMemory(const std::vector<RedisFacts>& nodes, size_t budget) {
+  int64_t total = 0;
+  for (const RedisFacts& facts : nodes) {
+    if (facts.maxmemory == 0) {
+      Logf(LogLevel::kWarning,
+           "%s has no maxmemory: it grows until the machine or its container runs out of memory; set maxmemory "
+           "with room for every daemon's --redis-budget",
+           facts.where.c_str());
+      return;
+    }
+    total += facts.maxmemory;
+  }
+  if (!nodes.empty() && static_cast<size_t>(total) < budget) {
+    Logf(LogLevel::kWarning, "%s has maxmemory %s%s, below this daemon's --redis-budget %s alone",
+         nodes.size() == 1 ? nodes[0].where.c_str() : "Redis Cluster", FormatByteSize(static_cast<size_t>(total)).c_str(),
+         nodes.size() == 1 ? "" : " over its masters", FormatByteSize(budget).c_str());
   }
 }
 
-void WarnWithoutPersistence(const RedisAddress& address, const RedisFacts& facts) {
-  if (facts.aof) return;
-  Logf(LogLevel::kWarning,
-       "Redis at %s runs without its append-only file (appendonly no): a restart of Redis loses what it held since "
-       "its last snapshot; this daemon then writes the sessions it holds in memory again, but sessions held only in "
-       "Redis are lost",
-       address.url.c_str());
+void WarnWithoutPersistence(const std::vector<RedisFacts>& nodes) {
+  for (const RedisFacts& facts : nodes) {
+    if (facts.aof) continue;
+    Logf(LogLevel::kWarning,
+         "%s runs without its append-only file (appendonly no): a restart of Redis loses what it held since its last "
+         "snapshot; this daemon then writes the sessions it holds in memory again, but sessions held only in Redis "
+         "are lost",
+         facts.where.c_str());
+  }
+}
+
+// An error reply that Redis gives only for now: loading its file, busy
+// with a script, a replica, full, or (a cluster) a slot being moved or
+// not served.
+bool TransientRefusal(absl::string_view error) {
+  for (absl::string_view transient : {"LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN", "OOM", "CLUSTERDOWN"}) {
+    if (absl::StartsWith(error, transient)) return true;
+  }
+  return false;
 }
 
 std::string Field(int layer, int index) { return absl::StrCat(layer, ":", index); }
@@ -395,21 +442,20 @@ absl::StatusOr<std::unique_ptr<RedisTier>> RedisTier::Open(const RedisTierOption
   std::unique_ptr<RedisTier> tier(new RedisTier(options));
   {
     RedisConnection probe(options.address, options.timeout);
-    absl::StatusOr<std::vector<RedisValue>> info = probe.Run(FactsCommands());
-    if (!info.ok() && probe.misconfigured()) return absl::FailedPreconditionError(info.status().message());
-    if (!info.ok()) {
+    absl::StatusOr<std::vector<RedisFacts>> facts = GatherFacts(probe, options.address);
+    if (!facts.ok() && probe.misconfigured()) return absl::FailedPreconditionError(facts.status().message());
+    if (absl::IsUnavailable(facts.status())) {
       tier->up_ = false;
-      tier->down_reason_ = std::string(info.status().message());
+      tier->down_reason_ = std::string(facts.status().message());
     } else {
       // Redis answers, but not as turbokvd needs: no start.
-      absl::StatusOr<RedisFacts> facts = ReadFacts(options.address, *info);
       if (!facts.ok()) return facts.status();
-      if (std::string refusal = EvictionRefusal(options.address, *facts); !refusal.empty()) {
+      if (std::string refusal = EvictionRefusal(*facts); !refusal.empty()) {
         return absl::FailedPreconditionError(refusal);
       }
-      WarnWithoutPersistence(options.address, *facts);
-      WarnOfMemory(options.address, *facts, options.budget_bytes);
-      tier->run_id_ = facts->run_id;
+      WarnWithoutPersistence(*facts);
+      WarnOfMemory(*facts, options.budget_bytes);
+      for (const RedisFacts& node : *facts) tier->run_ids_[node.node] = node.run_id;
     }
   }
   tier->writer_ = std::thread([t = tier.get()] { t->WriterLoop(); });
@@ -648,13 +694,10 @@ void RedisTier::NoteLost(SessionState& state, absl::string_view why) {
 }
 
 absl::Status RedisTier::ScriptError(SessionState& state, const RedisValue& reply) {
-  // Redis loading its file, busy with a script, a replica, or full: the
-  // write is sent again when Redis takes it.
-  for (absl::string_view transient : {"LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN", "OOM"}) {
-    if (absl::StartsWith(reply.str, transient)) {
-      return absl::UnavailableError(absl::StrCat("Redis at ", options_.address.url, " refused a write of session ",
-                                                 state.id, " for now: ", reply.str));
-    }
+  // The write is sent again when Redis takes it.
+  if (TransientRefusal(reply.str)) {
+    return absl::UnavailableError(absl::StrCat("Redis at ", options_.address.url, " refused a write of session ",
+                                               state.id, " for now: ", reply.str));
   }
   if (absl::StartsWith(reply.str, "STALE ")) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -711,9 +754,16 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
       command.insert(command.end(), job.tail_keys.begin(), job.tail_keys.end());
       command.insert(command.end(), {e, job.value, ttl});
       break;
-    case Job::kCopy:
-      command = {"EVAL", kCopy, "3", state.Key("e"), job.source, job.key, e, ttl};
+    case Job::kCopy: {
+      absl::StatusOr<RedisValue> source = writer_connection_.Run({"GET", job.source});
+      if (!source.ok()) return source.status();
+      if (source->type == RedisValue::kError) return ScriptError(state, *source);
+      if (source->type != RedisValue::kString) {
+        return absl::DataLossError(absl::StrCat("page ", job.source, " of a fork's source is not in Redis any more"));
+      }
+      command = {"EVAL", kCopy, "2", state.Key("e"), job.key, e, source->str, ttl};
       break;
+    }
     case Job::kDelete:
       command = {"EVAL", kDelete, "2", state.Key("e"), job.key, e};
       break;
@@ -763,9 +813,6 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
     if (!reply.ok()) return reply.status();
   }
   if (reply->type == RedisValue::kError) return ScriptError(state, *reply);
-  if (job.kind == Job::kCopy && reply->integer == 0) {
-    return absl::DataLossError(absl::StrCat("page ", job.source, " of a fork's source is not in Redis any more"));
-  }
   return absl::OkStatus();
 }
 
@@ -838,8 +885,7 @@ size_t RedisTier::SendTails(std::unique_lock<std::mutex>& lock) {
 
 void RedisTier::Renew() {
   std::vector<std::shared_ptr<SessionState>> held;
-  std::vector<std::vector<std::string>> commands = FactsCommands();
-  const size_t facts_count = commands.size();
+  std::vector<std::vector<std::string>> commands;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!released_) {
@@ -850,7 +896,9 @@ void RedisTier::Renew() {
     for (const std::shared_ptr<SessionState>& state : held) commands.push_back(RenewCommand(*state));
   }
   const absl::Time sent = absl::Now();
-  absl::StatusOr<std::vector<RedisValue>> replies = writer_connection_.Run(commands);
+  const absl::StatusOr<std::vector<RedisFacts>> facts = GatherFacts(writer_connection_, options_.address);
+  absl::StatusOr<std::vector<RedisValue>> replies =
+      absl::IsUnavailable(facts.status()) ? facts.status() : writer_connection_.Run(commands);
   std::lock_guard<std::mutex> lock(mutex_);
   if (!replies.ok()) {
     if (up_) Logf(LogLevel::kWarning, "Redis tier unreachable: %s", std::string(replies.status().message()).c_str());
@@ -859,9 +907,7 @@ void RedisTier::Renew() {
     written_.notify_all();
     return;
   }
-  const absl::StatusOr<RedisFacts> facts = ReadFacts(options_.address, *replies);
-  const std::string refusal =
-      facts.ok() ? EvictionRefusal(options_.address, *facts) : std::string(facts.status().message());
+  const std::string refusal = facts.ok() ? EvictionRefusal(*facts) : std::string(facts.status().message());
   if (refusal != refusal_) {
     if (!refusal.empty()) Logf(LogLevel::kError, "%s; writes wait in the queue", refusal.c_str());
     refusal_ = refusal;
@@ -874,17 +920,31 @@ void RedisTier::Renew() {
     if (!up_) Logf(LogLevel::kInfo, "Redis tier reachable again");
     up_ = true;
   }
-  if (facts.ok() && facts->run_id != run_id_) {
-    // Another Redis process: whatever it lost since its last append-only
-    // write or snapshot, the sessions held in memory are written again.
-    if (!run_id_.empty()) {
-      for (const std::shared_ptr<SessionState>& state : held) NoteLost(*state, "Redis restarted");
+  if (facts.ok()) {
+    // Another Redis process (a restart; a cluster's replica promoted, or a
+    // master new to the map): whatever it lost since its last append-only
+    // write or snapshot, the sessions held in memory that it serves are
+    // written again.
+    std::vector<std::string> restarted;
+    const bool first = run_ids_.empty();  // Redis did not answer at start
+    for (const RedisFacts& node : *facts) {
+      std::string& known = run_ids_[node.node];
+      if (known == node.run_id) continue;
+      if (!first) restarted.push_back(node.node);
+      known = node.run_id;
     }
-    WarnWithoutPersistence(options_.address, *facts);
-    run_id_ = facts->run_id;
+    if (!restarted.empty()) {
+      for (const std::shared_ptr<SessionState>& state : held) {
+        const std::string serves = writer_connection_.NodeOf(state->Key("e"));
+        if (std::find(restarted.begin(), restarted.end(), serves) != restarted.end()) {
+          NoteLost(*state, "Redis restarted");
+        }
+      }
+      WarnWithoutPersistence(*facts);
+    }
   }
   for (size_t i = 0; i < held.size(); ++i) {
-    const RedisValue& reply = (*replies)[facts_count + i];
+    const RedisValue& reply = (*replies)[i];
     if (reply.type == RedisValue::kError && absl::StartsWith(reply.str, "STALE ")) {
       Disown(*held[i], absl::string_view(reply.str).substr(6));
       continue;
@@ -1206,6 +1266,9 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   absl::StatusOr<std::vector<RedisValue>> replies = connection->Run(commands);
   if (!replies.ok()) return unavailable(MarkDown(replies.status()));
   const RedisValue& acquired = (*replies)[0];
+  if (acquired.type == RedisValue::kError && TransientRefusal(acquired.str)) {
+    return unavailable(absl::StrCat("Redis, which refused it for now: ", acquired.str));
+  }
   if (acquired.type != RedisValue::kArray || acquired.elements.empty() ||
       acquired.elements[0].type != RedisValue::kInteger) {
     return absl::InternalError(absl::StrCat("Redis answered the claim of session ", id, " with ",
