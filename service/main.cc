@@ -359,7 +359,7 @@ int main(int argc, char** argv) {
   if (!options.spill_dir.empty()) {
     const turbokv::TierScanReport& spilled = (*server)->spilled();
     Logf(LogLevel::kInfo,
-                 "spill tier %s (budget %s): %lld session(s) on disk, %s of live records; %lld record(s) "
+                 "spill tier %s (budget %s): %lld session(s) restored, %s of live records; %lld record(s) "
                  "read, %lld torn or failing their CRC (skipped)",
                  options.spill_dir.c_str(), turbokv::FormatByteSize(options.spill_budget).c_str(),
                  static_cast<long long>(spilled.loaded), turbokv::FormatByteSize(static_cast<size_t>(spilled.bytes)).c_str(),

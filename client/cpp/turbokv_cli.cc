@@ -774,7 +774,7 @@ const std::vector<Command>& Commands() {
                           OtherFlag("center-values", Kind::kBool, "false", "values centered before their codec too"),
                           IntFlag("sink-tokens", -1, -1, 64,
                                   "first tokens of every layer kept apart in --sink-codec; -1: the daemon's default (4)"),
-                          OtherFlag("sink-codec", Kind::kCodec, "", "codec of the sink tokens: f16 or q8_0"),
+                          OtherFlag("sink-codec", Kind::kCodec, "", "codec of the sink tokens (the daemon takes f16 or q8_0 for them)"),
                           OutputFlag()}) {
       create.push_back(flag);
     }

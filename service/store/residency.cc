@@ -666,7 +666,7 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
   }
   if (absl::Status status = tier_->Sync(); !status.ok() && first_error.ok()) first_error = status;
   if (!first_error.ok() && failed > 0) {
-    return absl::Status(first_error.code(), absl::StrCat(failed, " session(s) not flushed to the spill tier; ",
+    return absl::Status(first_error.code(), absl::StrCat(failed, " session(s) not flushed to the ", tier_->name(), " tier; ",
                                                          first_error.message()));
   }
   return first_error;

@@ -95,6 +95,23 @@ TEST(RedisClusterTest, ASessionAndItsForkMoveBetweenDaemonsThroughTheCluster) {
   auto fork = client->OpenSession(fork_id);
   ASSERT_TRUE(fork.ok()) << fork.status() << b.Log();
   EXPECT_TRUE(Observe(*fork) == reference.Of({{&sequence, 200}, {&other, 300}}, 350));
+  // Mistakes that stop the start: a database other than 0, and among the
+  // seeds a Redis that is not a node of the cluster.
+  {
+    Daemon wrong(Flags("wrong", cluster.Url(0) + "/2"));
+    EXPECT_NE(wrong.Wait(), 0);
+    EXPECT_THAT(wrong.Log(), HasSubstr("a Redis Cluster has database 0 only"));
+  }
+  const int plain_port = FreeClusterPort();
+  pid_t plain = ::fork();
+  if (plain == 0) ExecRedisServer({"--port", std::to_string(plain_port), "--bind", "127.0.0.1", "--save", ""});
+  WaitForPing(*ParseRedisUrl(absl::StrCat("redis://127.0.0.1:", plain_port)), "the standalone Redis");
+  {
+    Daemon mixed(Flags("mixed", absl::StrCat("redis://127.0.0.1:", plain_port, ",127.0.0.1:", cluster.port(1))));
+    EXPECT_NE(mixed.Wait(), 0);
+    EXPECT_THAT(mixed.Log(), HasSubstr("is not a cluster node"));
+  }
+  KillRedisServer(&plain);
   EXPECT_EQ(b.Stop(SIGTERM), 0) << b.Log();
 }
 

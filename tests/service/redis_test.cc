@@ -1004,6 +1004,19 @@ TEST(RedisTierTest, APasswordComesFromAFileOrTheEnvironmentAndNeverShows) {
     EXPECT_THAT(reader.Log(), HasSubstr("refused EVAL (user 'reader' needs INFO, EVAL"));
     EXPECT_THAT(reader.Log(), HasSubstr("NOPERM"));
   }
+  // One that may run scripts, but not every command they run: refused too,
+  // naming those (before, it started and every append failed INTERNAL).
+  EXPECT_EQ(redis.Run({"ACL", "SETUSER", "scripter", "on", ">" + password + "-s", "~turbokv:*", "+@all", "-append",
+                       "-incr"})
+                .str,
+            "OK");
+  {
+    setenv("TURBOKV_REDIS_PASSWORD", (password + "-s").c_str(), 1);
+    Daemon scripter(Flags("scripter", redis, {"--redis-user=scripter"}));
+    unsetenv("TURBOKV_REDIS_PASSWORD");
+    EXPECT_NE(scripter.Wait(), 0);
+    EXPECT_THAT(scripter.Log(), HasSubstr("user 'scripter' may not run APPEND, INCR"));
+  }
   // From the environment, as an ACL user of its own: another daemon takes
   // the session over.
   EXPECT_EQ(redis.Run({"ACL", "SETUSER", "turbokv", "on", ">" + password + "-2", "~turbokv:*", "+@all"}).str, "OK");

@@ -281,7 +281,7 @@ TEST(SpillDaemonTest, AfterKillNineTheRestartHasTheSealedPagesOfEverySession) {
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
   EXPECT_THAT(daemon.Log(), HasSubstr(absl::StrCat("spill tier ", dir)));
-  EXPECT_THAT(daemon.Log(), HasSubstr(absl::StrCat(kSessions, " session(s) on disk")));
+  EXPECT_THAT(daemon.Log(), HasSubstr(absl::StrCat(kSessions, " session(s) restored")));
   int64_t recovered = 0, sent = 0;
   for (int s = 0; s < kSessions; ++s) {
     auto session = client->OpenSession(ids[s]);

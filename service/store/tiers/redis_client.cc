@@ -100,9 +100,11 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
   if (size_t slash = rest.find('/'); slash != absl::string_view::npos) {
     hostport = rest.substr(0, slash);
     absl::string_view db = rest.substr(slash + 1);
+    if (absl::StrContains(db, ',')) return bad("the database goes after the last seed (redis://H1:P1,H2:P2/DB)");
     if (!db.empty() && (!absl::SimpleAtoi(db, &address.db) || address.db < 0)) return bad("the database must be a number");
   }
   for (absl::string_view seed : absl::StrSplit(hostport, ',')) {
+    if (absl::StrContains(seed, ' ')) return bad("a seed holds a space");
     int port = 6379;
     if (size_t colon = seed.rfind(':'); colon != absl::string_view::npos) {
       if (!absl::SimpleAtoi(seed.substr(colon + 1), &port) || port <= 0 || port > 65535) {
@@ -111,6 +113,8 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
       seed = seed.substr(0, colon);
     }
     if (seed.empty()) return bad("no host");
+    int number = 0;
+    if (absl::SimpleAtoi(seed, &number)) return bad("a seed is HOST:PORT, not a port alone");
     address.seeds.emplace_back(std::string(seed), port);
   }
   address.host = address.seeds.front().first;
@@ -330,7 +334,12 @@ absl::Status RedisNodeConnection::Connect() {
   if (address_.db != 0) {
     absl::StatusOr<RedisValue> selected = Run({"SELECT", std::to_string(address_.db)});
     if (!selected.ok()) return selected.status();
-    if (selected->type == RedisValue::kError) return Fail(absl::StrCat("SELECT ", address_.db), selected->str);
+    if (selected->type == RedisValue::kError) {
+      // A cluster node has database 0 only: no retry mends that.
+      misconfigured_ = absl::StrContains(selected->str, "cluster mode");
+      return Fail(absl::StrCat("SELECT ", address_.db),
+                  misconfigured_ ? absl::StrCat(selected->str, " (a Redis Cluster has database 0 only)") : selected->str);
+    }
   }
   return absl::OkStatus();
 }
@@ -380,6 +389,20 @@ absl::StatusOr<size_t> RedisNodeConnection::Receive(char* buf, size_t size) {
 }
 
 absl::StatusOr<std::vector<RedisValue>> RedisNodeConnection::Run(const std::vector<std::vector<std::string>>& commands) {
+  // A connection kept from before that Redis has closed since (a restart,
+  // its idle timeout) fails the first command sent on it, before anything
+  // is read: sent again once on a new one. The tier's commands may be sent
+  // twice (its writes are fenced, and land on the same keys and slots).
+  const bool kept = fd_ >= 0;
+  bool closed = false;
+  absl::StatusOr<std::vector<RedisValue>> replies = RunOnce(commands, &closed);
+  if (!replies.ok() && kept && closed) replies = RunOnce(commands, &closed);
+  return replies;
+}
+
+absl::StatusOr<std::vector<RedisValue>> RedisNodeConnection::RunOnce(const std::vector<std::vector<std::string>>& commands,
+                                                                    bool* closed) {
+  *closed = false;
   if (absl::Status status = Connect(); !status.ok()) return status;
   std::string out;
   std::vector<const char*> argv;
@@ -398,7 +421,11 @@ absl::StatusOr<std::vector<RedisValue>> RedisNodeConnection::Run(const std::vect
     redisFreeCommand(formatted);
   }
   const std::string first = commands.empty() || commands[0].empty() ? "" : commands[0][0];
-  if (absl::Status status = SendAll(out, first); !status.ok()) return status;
+  if (absl::Status status = SendAll(out, first); !status.ok()) {
+    *closed = absl::StrContains(status.message(), std::strerror(EPIPE)) ||
+              absl::StrContains(status.message(), std::strerror(ECONNRESET));
+    return status;
+  }
   std::vector<RedisValue> replies;
   replies.reserve(commands.size());
   std::vector<char> buf(size_t{64} << 10);
@@ -409,9 +436,14 @@ absl::StatusOr<std::vector<RedisValue>> RedisNodeConnection::Run(const std::vect
       if (reply != nullptr) break;
       absl::StatusOr<size_t> got = Receive(buf.data(), buf.size());
       if (!got.ok()) {
-        return Fail(absl::StrCat("no reply to ", commands[i].empty() ? "" : commands[i][0], " within ",
-                                 absl::FormatDuration(timeout_)),
-                    got.status().message());
+        const bool eof = got.status().message() == "the connection was closed" ||
+                         got.status().message() == std::strerror(ECONNRESET);
+        *closed = eof && i == 0 && replies.empty();
+        return Fail(eof ? absl::StrCat("the connection was closed before the reply to ",
+                                       commands[i].empty() ? "" : commands[i][0])
+                        : absl::StrCat("no reply to ", commands[i].empty() ? "" : commands[i][0], " within ",
+                                       absl::FormatDuration(timeout_)),
+                    eof ? "" : got.status().message());
       }
       redisReaderFeed(reader_, buf.data(), *got);
     }
@@ -556,7 +588,14 @@ absl::Status RedisConnection::Discover() {
         continue;
       }
       // Not a cluster: this node is Redis (one that wants a password this
-      // daemon lacks says so to the facts the tier reads at start).
+      // daemon lacks says so to the facts the tier reads at start). Several
+      // seeds name a cluster's nodes: one that is not is a mistake.
+      if (address_.seeds.size() > 1 && !absl::StartsWith(slots->str, "NOAUTH")) {
+        misconfigured_ = true;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "--redis-url ", address_.url, " names several seeds (a Redis Cluster's nodes), but ", seed.host, ":",
+            seed.port, " is not a cluster node (", slots->str, "); give a standalone Redis alone"));
+      }
       nodes_.push_back(std::move(node));
       node_names_.push_back(seed.path.empty() ? absl::StrCat(seed.host, ":", seed.port) : seed.path);
       silent_since_.push_back(absl::InfinitePast());

@@ -87,6 +87,9 @@ class RedisNodeConnection {
 
  private:
   absl::Status Connect();
+  // Run, once; *closed: it failed because Redis had closed the connection
+  // before it answered anything.
+  absl::StatusOr<std::vector<RedisValue>> RunOnce(const std::vector<std::vector<std::string>>& commands, bool* closed);
   // The socket, connected within the timeout (fd_).
   absl::Status Dial();
   // The TLS session over fd_ (ssl_).

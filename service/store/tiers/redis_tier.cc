@@ -212,13 +212,22 @@ absl::StatusOr<RedisFacts> ReadFacts(const RedisAddress& address, const std::str
 }
 // The facts of every master that answers (a cluster's; standalone, the
 // one Redis's, `node` naming it), or the connection's error (UNAVAILABLE:
-// no master answered), or the facts' own (ReadFacts).
-absl::StatusOr<std::vector<RedisFacts>> GatherFacts(RedisConnection& connection, const RedisAddress& address) {
+// no master answered), or the facts' own (ReadFacts). *silent: why a
+// master that did not answer did not ("" when all did).
+absl::StatusOr<std::vector<RedisFacts>> GatherFacts(RedisConnection& connection, const RedisAddress& address,
+                                                    std::string* silent) {
+  silent->clear();
   absl::StatusOr<std::vector<RedisConnection::NodeReplies>> nodes = connection.RunOnEveryNode(FactsCommands());
   if (!nodes.ok()) return nodes.status();
   std::vector<RedisFacts> all;
   for (const RedisConnection::NodeReplies& node : *nodes) {
-    if (!node.replies.ok()) continue;  // failing over, or down: its slots' writes say so
+    if (!node.replies.ok()) {
+      // Failing over, or down: with Redis's default full coverage the
+      // cluster refuses every slot meanwhile, and the tier is down.
+      *silent = absl::StrCat("Redis Cluster at ", address.url, ": master ", node.node, " does not answer (",
+                             node.replies.status().message(), ")");
+      continue;
+    }
     const std::string where = connection.cluster()
                                   ? absl::StrCat("Redis Cluster at ", address.url, " (node ", node.node, ")")
                                   : absl::StrCat("Redis at ", address.url);
@@ -281,6 +290,39 @@ bool TransientRefusal(absl::string_view error) {
     if (absl::StartsWith(error, transient)) return true;
   }
   return false;
+}
+
+// The commands the tier's scripts run, each tried once in a script on keys
+// of their own (turbokv:{acl-probe}:*, gone within 10 s): an ACL user that
+// may not run one would have every write refused. FAILED_PRECONDITION
+// naming those it may not run; OK when Redis does not answer (the tier is
+// down then, and says so).
+absl::Status CheckCommands(RedisConnection& connection, const RedisAddress& address) {
+  static constexpr char kProbe[] =
+      "local refused = {} "
+      "local function try(name, ...) "
+      "  local r = redis.pcall(name, ...) "
+      "  if type(r) == 'table' and r.err and (string.find(r.err, 'NOPERM', 1, true) or "
+      "      string.find(r.err, \"can't run this command\", 1, true)) then refused[#refused + 1] = name end "
+      "end "
+      "try('SET', KEYS[1], 'x', 'PX', '10000') try('GET', KEYS[1]) try('APPEND', KEYS[1], 'y') "
+      "try('GETRANGE', KEYS[1], 0, 1) try('EXISTS', KEYS[1]) try('PTTL', KEYS[1]) try('PEXPIRE', KEYS[1], 10000) "
+      "try('HSET', KEYS[2], 'f', 'v') try('HGETALL', KEYS[2]) try('PEXPIRE', KEYS[2], 10000) "
+      "try('INCR', KEYS[3]) try('PEXPIRE', KEYS[3], 10000) try('DEL', KEYS[1], KEYS[2], KEYS[3]) "
+      "return refused";
+  absl::StatusOr<RedisValue> refused = connection.Run(
+      {"EVAL", kProbe, "3", "turbokv:{acl-probe}:k", "turbokv:{acl-probe}:h", "turbokv:{acl-probe}:c"});
+  if (refused.ok() && refused->type == RedisValue::kError && !TransientRefusal(refused->str)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Redis at ", address.url, " refused the script that checks turbokvd's commands: ", refused->str));
+  }
+  if (!refused.ok() || refused->type != RedisValue::kArray || refused->elements.empty()) return absl::OkStatus();
+  std::vector<std::string> names;
+  for (const RedisValue& name : refused->elements) names.push_back(name.str);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "Redis at ", address.url, ": user '", address.user.empty() ? "default" : address.user, "' may not run ",
+      absl::StrJoin(names, ", "), " (turbokvd's scripts run GET, SET, APPEND, GETRANGE, EXISTS, PTTL, PEXPIRE, HSET, "
+      "HGETALL, INCR and DEL on keys turbokv:*)"));
 }
 
 std::string Field(int layer, int index) { return absl::StrCat(layer, ":", index); }
@@ -442,17 +484,19 @@ absl::StatusOr<std::unique_ptr<RedisTier>> RedisTier::Open(const RedisTierOption
   std::unique_ptr<RedisTier> tier(new RedisTier(options));
   {
     RedisConnection probe(options.address, options.timeout);
-    absl::StatusOr<std::vector<RedisFacts>> facts = GatherFacts(probe, options.address);
+    std::string silent;
+    absl::StatusOr<std::vector<RedisFacts>> facts = GatherFacts(probe, options.address, &silent);
     if (!facts.ok() && probe.misconfigured()) return absl::FailedPreconditionError(facts.status().message());
-    if (absl::IsUnavailable(facts.status())) {
+    if (absl::IsUnavailable(facts.status()) || !silent.empty()) {
       tier->up_ = false;
-      tier->down_reason_ = std::string(facts.status().message());
+      tier->down_reason_ = facts.ok() ? silent : std::string(facts.status().message());
     } else {
       // Redis answers, but not as turbokvd needs: no start.
       if (!facts.ok()) return facts.status();
       if (std::string refusal = EvictionRefusal(*facts); !refusal.empty()) {
         return absl::FailedPreconditionError(refusal);
       }
+      if (absl::Status allowed = CheckCommands(probe, options.address); !allowed.ok()) return allowed;
       WarnWithoutPersistence(*facts);
       WarnOfMemory(*facts, options.budget_bytes);
       for (const RedisFacts& node : *facts) tier->run_ids_[node.node] = node.run_id;
@@ -896,7 +940,8 @@ void RedisTier::Renew() {
     for (const std::shared_ptr<SessionState>& state : held) commands.push_back(RenewCommand(*state));
   }
   const absl::Time sent = absl::Now();
-  const absl::StatusOr<std::vector<RedisFacts>> facts = GatherFacts(writer_connection_, options_.address);
+  std::string silent;
+  const absl::StatusOr<std::vector<RedisFacts>> facts = GatherFacts(writer_connection_, options_.address, &silent);
   absl::StatusOr<std::vector<RedisValue>> replies =
       absl::IsUnavailable(facts.status()) ? facts.status() : writer_connection_.Run(commands);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -915,6 +960,13 @@ void RedisTier::Renew() {
   if (!refusal_.empty()) {
     up_ = false;
     down_reason_ = refusal_;
+    written_.notify_all();
+  } else if (!silent.empty()) {
+    // The renewals of the other masters' sessions went; the tier is down
+    // until every master answers.
+    if (up_) Logf(LogLevel::kWarning, "Redis tier unreachable: %s", silent.c_str());
+    up_ = false;
+    down_reason_ = silent;
     written_.notify_all();
   } else {
     if (!up_) Logf(LogLevel::kInfo, "Redis tier reachable again");
