@@ -38,7 +38,9 @@ class ThreadPool {
 
   // Runs fn(i) for every i in [0, n) and returns when all have finished.
   // fn must not throw, and must not call ParallelFor on the same pool.
-  void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
+  // `heavy`: each index is a large piece of work (a promotion's layer), so
+  // the call is a large one whatever n.
+  void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, bool heavy = false);
 
  private:
   // One ParallelFor call. A worker holds it by shared_ptr while it runs an

@@ -424,8 +424,9 @@ absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl:
   tier_->WillRead(records);
   absl::Status status = Materialize(session);
   if (status.ok()) {
-    // Layers load in parallel: one thread's reads wait on the disk while
-    // another's pages are checked and copied.
+    // Layers load in parallel, as a large call (on the kernel workers, in
+    // the background, whatever the count of layers): one thread's reads
+    // wait on the tier while another's pages are checked and copied.
     std::vector<absl::Status> loaded(image.layers.size());
     auto load = [&](int64_t l) {
       size_t next = 0;
@@ -436,7 +437,7 @@ absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl:
           });
     };
     if (pool != nullptr) {
-      pool->ParallelFor(static_cast<int64_t>(image.layers.size()), load);
+      pool->ParallelFor(static_cast<int64_t>(image.layers.size()), load, /*heavy=*/true);
     } else {
       for (size_t l = 0; l < image.layers.size(); ++l) load(static_cast<int64_t>(l));
     }
