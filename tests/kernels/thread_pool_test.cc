@@ -6,6 +6,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -63,26 +64,33 @@ TEST(ThreadPoolTest, ManyConcurrentCallersEachSeeEveryIndexOnce) {
 
 // A background pool: a call of background_from indices or more runs on the
 // workers alone (the caller only waits), at nice +10 on Linux; a smaller
-// call runs on its caller alone.
+// call runs on its caller alone, but a heavy one (a promotion's layers) is
+// a large call whatever its count.
 TEST(ThreadPoolTest, ABackgroundPoolRunsLargeCallsOnItsWorkersAndSmallOnesOnTheCaller) {
   ThreadPool pool(2, /*background_from=*/8);
   EXPECT_EQ(pool.size(), 2);
   const std::thread::id caller = std::this_thread::get_id();
-  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{500}}) {
+  for (const auto& call : std::vector<std::pair<int64_t, bool>>{
+           {1, false}, {7, false}, {8, false}, {500, false}, {2, true}, {7, true}}) {
+    const int64_t n = call.first;
+    const bool heavy = call.second;
     std::mutex mutex;
     std::set<std::thread::id> threads;
     std::vector<std::atomic<int>> seen(static_cast<size_t>(n));
     std::atomic<int> low_priority{0};
-    pool.ParallelFor(n, [&](int64_t i) {
-      ++seen[static_cast<size_t>(i)];
+    pool.ParallelFor(
+        n,
+        [&](int64_t i) {
+          ++seen[static_cast<size_t>(i)];
 #ifdef __linux__
-      if (getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))) >= 10) ++low_priority;
+          if (getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))) >= 10) ++low_priority;
 #endif
-      std::lock_guard<std::mutex> lock(mutex);
-      threads.insert(std::this_thread::get_id());
-    });
+          std::lock_guard<std::mutex> lock(mutex);
+          threads.insert(std::this_thread::get_id());
+        },
+        heavy);
     for (const auto& s : seen) EXPECT_EQ(s.load(), 1) << n;
-    if (n < 8) {
+    if (n < 8 && !heavy) {
       EXPECT_EQ(threads, std::set<std::thread::id>{caller}) << n;
     } else {
       EXPECT_EQ(threads.count(caller), 0u) << n;
