@@ -35,4 +35,8 @@ std::string ShowId(absl::string_view id) {
   return absl::StrCat(id.substr(0, kShown), "... (", id.size(), " bytes)");
 }
 
+std::string TenantSessionKey(absl::string_view tenant, absl::string_view id) {
+  return absl::StrCat(tenant, absl::string_view("\0", 1), id);
+}
+
 }  // namespace turbokv

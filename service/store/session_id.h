@@ -20,4 +20,8 @@ bool PlausibleSessionId(absl::string_view id);
 // (past gRPC's metadata limit).
 std::string ShowId(absl::string_view id);
 
+// One key for a session of a tenant, for maps of sessions by both (ids are
+// base32: no NUL in them).
+std::string TenantSessionKey(absl::string_view tenant, absl::string_view id);
+
 }  // namespace turbokv

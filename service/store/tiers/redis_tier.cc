@@ -524,7 +524,7 @@ RedisTier::Borrowed RedisTier::Borrow() {
 }
 
 std::shared_ptr<RedisTier::SessionState> RedisTier::StateOf(const std::string& id, const std::string& tenant) {
-  std::shared_ptr<SessionState>& state = sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)];
+  std::shared_ptr<SessionState>& state = sessions_[TenantSessionKey(tenant, id)];
   if (state == nullptr) {
     state = std::make_shared<SessionState>();
     state->id = id;
@@ -1136,7 +1136,7 @@ void RedisTier::WriterLoop() {
       }
     }
     if (job.kind == Job::kTombstone && status.ok()) {
-      auto it = sessions_.find(absl::StrCat(job.state->tenant, std::string(1, '\0'), job.state->id));
+      auto it = sessions_.find(TenantSessionKey(job.state->tenant, job.state->id));
       if (it != sessions_.end() && it->second == job.state) sessions_.erase(it);
     }
     queued_bytes_ -= static_cast<int64_t>(job.bytes);
@@ -1303,7 +1303,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   };
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = sessions_.find(absl::StrCat(tenant, std::string(1, '\0'), id));
+    auto it = sessions_.find(TenantSessionKey(tenant, id));
     if (it != sessions_.end() && it->second->tombstoned) return absl::NotFoundError("deleted");
     // Known down: no call waits for Redis's timeout again until it answers.
     if (!up_) return unavailable(down_reason_);
@@ -1560,7 +1560,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   session.manifest = std::move(claimed);
   session.shared_epoch = epoch;
   for (std::string& key : superseded) Enqueue(Job::Of(Job::kDelete, state, std::move(key)));  // its older copy goes
-  sessions_[absl::StrCat(tenant, std::string(1, '\0'), id)] = state;
+  sessions_[TenantSessionKey(tenant, id)] = state;
   // This daemon's again: the store must not drop it for an older claim.
   disowned_why_.erase(id);
   disowned_.erase(std::remove_if(disowned_.begin(), disowned_.end(), [&](const auto& d) { return d.first == id; }),
@@ -1572,7 +1572,7 @@ bool RedisTier::LetGo(TierSession image) {
   std::vector<std::string> release;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = sessions_.find(absl::StrCat(image.header.tenant, std::string(1, '\0'), image.header.id));
+    auto it = sessions_.find(TenantSessionKey(image.header.tenant, image.header.id));
     if (it == sessions_.end()) return true;
     SessionState& state = *it->second;
     state.let_go = true;
@@ -1598,7 +1598,7 @@ std::vector<std::string> RedisTier::TakeLost() {
 
 int64_t RedisTier::Epoch(const std::string& id, const std::string& tenant) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = sessions_.find(absl::StrCat(tenant, std::string(1, '\0'), id));
+  auto it = sessions_.find(TenantSessionKey(tenant, id));
   return it == sessions_.end() ? 0 : it->second->epoch;
 }
 

@@ -6,20 +6,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "service/byte_size.h"
 #include "service/log.h"
 #include "service/store/session_id.h"
 
 namespace turbokv {
-namespace {
-
-std::string KeyOf(const std::string& tenant, const std::string& id) {
-  return absl::StrCat(tenant, std::string(1, '\0'), id);
-}
-
-
-}  // namespace
-
 // A page or manifest on both tiers, or on the shared one only (local null:
 // the local tier was full, or the record is the shared tier's alone).
 class StackedTier::Record final : public TierRecord {
@@ -34,11 +24,6 @@ class StackedTier::Record final : public TierRecord {
 
 StackedTier::StackedTier(std::unique_ptr<Tier> local, std::unique_ptr<Tier> shared)
     : local_(std::move(local)), shared_(std::move(shared)) {}
-
-StackedTier::~StackedTier() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  waiting_.clear();
-}
 
 TierSession StackedTier::SharedView(const TierSession& session) {
   TierSession view = session;
@@ -165,10 +150,10 @@ absl::StatusOr<TierScanReport> StackedTier::Scan() {
   report->damaged.clear();
   std::unordered_map<std::string, Copy> copies;
   for (TierSession& session : report->sessions) {
-    copies[KeyOf(session.header.tenant, session.header.id)].session = std::move(session);
+    copies[TenantSessionKey(session.header.tenant, session.header.id)].session = std::move(session);
   }
   for (TierScanReport::Named& named : report->named) {
-    auto it = copies.find(KeyOf(named.tenant, named.session));
+    auto it = copies.find(TenantSessionKey(named.tenant, named.session));
     if (it != copies.end()) {
       it->second.pages[named.record->shared_name()] = std::move(named.record);
     }
@@ -326,7 +311,7 @@ void StackedTier::Close() {
 absl::StatusOr<TierSession> StackedTier::Claim(const std::string& id,
                                                const std::string& tenant,
                                                int64_t if_epoch) {
-  const std::string key = KeyOf(tenant, id);
+  const std::string key = TenantSessionKey(tenant, id);
   std::optional<Copy> copy;
   {
     std::lock_guard<std::mutex> lock(mutex_);

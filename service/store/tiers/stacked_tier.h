@@ -28,7 +28,6 @@ namespace turbokv {
 class StackedTier final : public Tier {
  public:
   StackedTier(std::unique_ptr<Tier> local, std::unique_ptr<Tier> shared);
-  ~StackedTier() override;
 
   // Messages name the shared tier: it holds every session, and its budget
   // is the one that drops them.
