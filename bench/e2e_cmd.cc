@@ -259,23 +259,19 @@ int RunSpill(const Shape& shape, long long rounds, long long calls, const Sessio
              const std::string& redis_url) {
   const std::string dir = absl::StrCat("/tmp/turbokv-bench-spill-", getpid());
   ServerOptions server_options;
-  const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");
-  server_options.listen = {socket};
   server_options.device = "cpu";
   server_options.threads = static_cast<int>(shape.threads);
-  server_options.memory_budget = size_t{16} << 30;
   server_options.metrics_listen = "";
   server_options.spill_dir = dir;
   server_options.redis_url = redis_url;
-  absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(server_options);
-  absl::Status started = server.ok() ? (*server)->Start() : server.status();
+  absl::StatusOr<BenchServer> started = StartBenchServer(server_options);
   if (!started.ok()) {
     std::fprintf(stderr, "turbokv-bench e2e --spill: the server did not start: %s\n",
-                 std::string(started.message()).c_str());
+                 std::string(started.status().message()).c_str());
     return 1;
   }
-  std::unique_ptr<Client> client = Client::Connect(socket);
-  if (!client->WaitUntilServing(absl::Seconds(10)).ok()) return 1;
+  std::unique_ptr<Server>& server = started->server;
+  std::unique_ptr<Client>& client = started->client;
   const size_t token_values = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
   constexpr size_t kSlack = size_t{1} << 20;
   std::mt19937 rng(1);
@@ -286,7 +282,7 @@ int RunSpill(const Shape& shape, long long rounds, long long calls, const Sessio
   if (!idle.ok() || !busy.ok() || Prefill(*idle, shape, pool, kSlack, 1) < 0 || Prefill(*busy, shape, pool, kSlack, 2) < 0) {
     return 1;
   }
-  SessionStore& store = (*server)->store();
+  SessionStore& store = server->store();
   auto demote = [&](const Session& session) {
     absl::StatusOr<std::shared_ptr<SessionCache>> found = store.Find(session.id(), "", absl::Now());
     if (!found.ok()) return false;
@@ -355,8 +351,8 @@ int RunSpill(const Shape& shape, long long rounds, long long calls, const Sessio
   const std::vector<double> busy_alone = with_background(0, &prefilled);
   const std::vector<double> demoting = with_background(1, &demoted);
   const std::vector<double> promoting = with_background(2, &promoted);
-  (*server)->Shutdown(absl::Seconds(1)).IgnoreError();
-  server->reset();
+  server->Shutdown(absl::Seconds(1)).IgnoreError();
+  server.reset();
   std::system(("rm -rf " + dir).c_str());
   for (const auto* v : {&alone, &busy_alone, &demoting, &promoting}) {
     if (v->size() != static_cast<size_t>(calls)) return 1;
@@ -428,31 +424,25 @@ int RunE2e(int argc, char** argv) {
                     options.Has("json"), options.Get("redis-url", ""));
   }
   ServerOptions server_options;
-  const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");
-  server_options.listen = {socket};
   server_options.device = options.Get("device", "cpu");
   server_options.threads = static_cast<int>(threads);
-  server_options.memory_budget = size_t{16} << 30;
   server_options.metrics_listen = "";
-  absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(server_options);
-  if (!server.ok()) {
-    std::fprintf(stderr, "turbokv-bench e2e: %s\n", std::string(server.status().message()).c_str());
+  absl::StatusOr<BenchServer> started = StartBenchServer(server_options);
+  if (!started.ok()) {
+    std::fprintf(stderr, "turbokv-bench e2e: the server did not start: %s\n",
+                 std::string(started.status().message()).c_str());
     return 1;
   }
-  if (!(*server)->Start().ok()) {
-    std::fprintf(stderr, "turbokv-bench e2e: the server did not start\n");
-    return 1;
-  }
-  std::unique_ptr<Client> client = Client::Connect(socket);
+  std::unique_ptr<Server>& server = started->server;
+  std::unique_ptr<Client>& client = started->client;
   if (batch > 0) {
-    if (!client->WaitUntilServing(absl::Seconds(10)).ok()) return 1;
     const int rc = RunBatch(Shape{tokens, kv_heads, q_heads, head_dim, layers, threads, chunk}, batch, steps,
-                            *client, **server, session_options, options.Has("json"));
-    (*server)->Shutdown(absl::Seconds(1)).IgnoreError();  // no snapshot dir: nothing to fail
+                            *client, *server, session_options, options.Has("json"));
+    server->Shutdown(absl::Seconds(1)).IgnoreError();  // no snapshot dir: nothing to fail
     return rc;
   }
   absl::StatusOr<Session> session = client->CreateSession(session_options);
-  if (!client->WaitUntilServing(absl::Seconds(10)).ok() || !session.ok()) {
+  if (!session.ok()) {
     std::fprintf(stderr, "turbokv-bench e2e: %s\n", std::string(session.status().message()).c_str());
     return 1;
   }
@@ -473,7 +463,7 @@ int RunE2e(int argc, char** argv) {
   std::vector<float> key(token_values), value(token_values), query(static_cast<size_t>(q_heads) * head_dim);
   for (float& x : query) x = normal(rng);
   std::vector<double> step_us, attend_us, kernel_us, rtt_us;
-  absl::StatusOr<std::shared_ptr<SessionCache>> stored = (*server)->store().Find(session->id(), "", absl::Now());
+  absl::StatusOr<std::shared_ptr<SessionCache>> stored = server->store().Find(session->id(), "", absl::Now());
   std::vector<float> out(query.size()), lse(q_heads);
   int64_t position = tokens;
   const int per_turn = std::max<int>(1, static_cast<int>(calls / 10));
@@ -505,7 +495,7 @@ int RunE2e(int argc, char** argv) {
       const AttentionProblem problem{cache, AttentionQueries{1, query.data(), &last},
                                      AttentionOutput{out.data(), lse.data()}};
       const auto start = Clock::now();
-      absl::Status status = (*server)->store().backend().Attend(AttentionBatch{&problem, 1}, params);
+      absl::Status status = server->store().backend().Attend(AttentionBatch{&problem, 1}, params);
       kernel_us.push_back(Micros(start));
       if (!status.ok()) return 1;
     }
@@ -518,7 +508,7 @@ int RunE2e(int argc, char** argv) {
   const double step_p50 = Percentile(step_us, 0.5), kernel_p50 = Percentile(kernel_us, 0.5),
                rtt_p50 = Percentile(rtt_us, 0.5);
   const double budget = 1.5 * (kernel_p50 + rtt_p50);
-  (*server)->Shutdown(absl::Seconds(1)).IgnoreError();  // no snapshot dir: nothing to fail
+  server->Shutdown(absl::Seconds(1)).IgnoreError();  // no snapshot dir: nothing to fail
 
   if (options.Has("json")) {
     std::printf(
@@ -534,7 +524,7 @@ int RunE2e(int argc, char** argv) {
     return 0;
   }
   std::printf("turbokvd over a unix socket, %s keys and values, %lld kv heads, %lld q heads, d %lld, %lld threads, %s\n\n",
-              v1::Codec_Name(codec).c_str(), kv_heads, q_heads, head_dim, threads, (*server)->device().c_str());
+              v1::Codec_Name(codec).c_str(), kv_heads, q_heads, head_dim, threads, server->device().c_str());
   std::printf("| measure | p50 | p99 |\n|---|---:|---:|\n");
   std::printf("| append, %lld tokens x %lld layers in chunks of %lld (fp16 in) | %.0f token-layers/s, %.0f MB/s | |\n",
               tokens, layers, chunk, token_layers_per_s, input_mb_per_s);

@@ -6,6 +6,9 @@
 #include <memory>
 #include <string>
 
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
 #include "bench/cli.h"
 #include "kernels/half.h"
 
@@ -46,6 +49,20 @@ double Prefill(const Session& session, const Shape& shape, const std::vector<uin
     return -1;
   }
   return Micros(start_time) / 1e6;
+}
+
+absl::StatusOr<BenchServer> StartBenchServer(ServerOptions options) {
+  const std::string socket = absl::StrCat("unix:///tmp/turbokv-bench-", getpid(), ".sock");
+  options.listen = {socket};
+  options.memory_budget = size_t{16} << 30;
+  BenchServer out;
+  absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
+  if (!server.ok()) return server.status();
+  out.server = *std::move(server);
+  if (absl::Status started = out.server->Start(); !started.ok()) return started;
+  out.client = Client::Connect(socket);
+  if (absl::Status serving = out.client->WaitUntilServing(absl::Seconds(10)); !serving.ok()) return serving;
+  return out;
 }
 
 }  // namespace turbokv::bench

@@ -7,7 +7,9 @@
 #include <random>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "client/cpp/client.h"
+#include "service/server.h"
 
 namespace turbokv::bench {
 
@@ -28,5 +30,14 @@ std::vector<uint16_t> Fp16Pool(const Shape& shape, size_t slack, std::mt19937* r
 // (reported on stderr).
 double Prefill(const Session& session, const Shape& shape, const std::vector<uint16_t>& pool, size_t slack,
                uint64_t salt);
+
+// An in-process turbokvd started with `options` on a unix socket of this
+// process (16 GiB of memory, no metrics unless set) and a client of it,
+// serving.
+struct BenchServer {
+  std::unique_ptr<Server> server;
+  std::unique_ptr<Client> client;
+};
+absl::StatusOr<BenchServer> StartBenchServer(ServerOptions options);
 
 }  // namespace turbokv::bench

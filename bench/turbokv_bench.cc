@@ -6,6 +6,7 @@
 //   turbokv-bench e2e ...      the service over a unix socket vs its kernel and an empty round trip (e2e_cmd.cc)
 //   turbokv-bench quality ...  each codec preset's attention error against float attention, and its bits (quality_cmd.cc)
 //   turbokv-bench takeover ... the Redis tier: a session taken over by another daemon vs plain GETs (takeover_cmd.cc)
+//   turbokv-bench prefix ...   sessions sharing a prefix by content: memory and start time vs appending it (prefix_cmd.cc)
 #include <cstdio>
 #include <string>
 
@@ -18,6 +19,7 @@ int RunAttend(int argc, char** argv);
 int RunE2e(int argc, char** argv);
 int RunQuality(int argc, char** argv);
 int RunTakeover(int argc, char** argv);
+int RunPrefix(int argc, char** argv);
 
 constexpr char kUsage[] =
     "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--target AVX2|SSE4|...] [--json]\n"
@@ -40,7 +42,11 @@ constexpr char kUsage[] =
     "                         the Redis tier, on a redis-server (a Redis Cluster of N masters with --cluster)\n"
     "                         and turbokvd daemons it starts: a session handed\n"
     "                         over and taken over (OpenSession through the first Attend) against GETs of its\n"
-    "                         pages, and Step p99 while Redis answers, is paused and is stopped\n";
+    "                         pages, and Step p99 while Redis answers, is paused and is stopped\n"
+    "       turbokv-bench prefix [--sessions 32] [--tokens 4096] [--layers 32] [--kv-heads 8] [--q-heads 32]\n"
+    "                            [--head-dim 128] [--threads 2] [--preset NAME] [--json]\n"
+    "                         one session appends a prefix and names its blocks, the others start from it:\n"
+    "                         memory held against one session's, and start time against appending\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);
@@ -58,6 +64,7 @@ int main(int argc, char** argv) {
   if (command == "e2e") return RunE2e(argc - 2, argv + 2);
   if (command == "quality") return RunQuality(argc - 2, argv + 2);
   if (command == "takeover") return RunTakeover(argc - 2, argv + 2);
+  if (command == "prefix") return RunPrefix(argc - 2, argv + 2);
   if (command == "-h" || command == "--help" || command == "help") {
     std::printf("%s", kUsage);
     return 0;

@@ -1,5 +1,7 @@
 #include "client/cpp/client.h"
 
+#include <openssl/sha.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -359,6 +361,36 @@ absl::StatusOr<Session> Session::Fork(int64_t prefix_tokens) const {
   return Session(stub_, response->session_id(), response->session().config(), options_);
 }
 
+absl::StatusOr<v1::NameBlocksResponse> Session::NameBlocks(int64_t first_block,
+                                                           const std::vector<std::string>& hashes) const {
+  v1::NameBlocksRequest request;
+  request.set_session_id(id_);
+  request.set_first_block(first_block);
+  for (const std::string& hash : hashes) request.add_block_hashes(hash);
+  return Call(&v1::KvCacheService::Stub::NameBlocks, *stub_, *options_, request);
+}
+
+std::vector<std::string> BlockHashes(absl::Span<const int32_t> tokens, int block_tokens, absl::string_view salt) {
+  std::vector<std::string> hashes;
+  if (block_tokens <= 0) return hashes;
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(salt.data()), salt.size(), digest);
+  std::string previous(reinterpret_cast<const char*>(digest), sizeof(digest));
+  for (size_t start = 0; start + static_cast<size_t>(block_tokens) <= tokens.size(); start += block_tokens) {
+    std::string input = previous;
+    for (size_t t = start; t < start + static_cast<size_t>(block_tokens); ++t) {
+      const uint32_t id = static_cast<uint32_t>(tokens[t]);
+      const char bytes[4] = {static_cast<char>(id & 0xff), static_cast<char>((id >> 8) & 0xff),
+                             static_cast<char>((id >> 16) & 0xff), static_cast<char>(id >> 24)};
+      input.append(bytes, 4);
+    }
+    SHA256(reinterpret_cast<const unsigned char*>(input.data()), input.size(), digest);
+    previous.assign(reinterpret_cast<const char*>(digest), sizeof(digest));
+    hashes.push_back(previous);
+  }
+  return hashes;
+}
+
 absl::StatusOr<v1::SessionInfo> Session::Truncate(int64_t tokens) const {
   v1::TruncateSessionRequest request;
   request.set_session_id(id_);
@@ -464,10 +496,14 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
   config->set_center_values(options.center_values);
   if (options.sink_tokens.has_value()) config->set_sink_tokens(*options.sink_tokens);
   config->set_sink_codec(options.sink_codec);
+  for (const std::string& hash : options.prefix_blocks) request.add_prefix_blocks(hash);
   absl::StatusOr<v1::CreateSessionResponse> response =
       Call(&v1::KvCacheService::Stub::CreateSession, *stub_, *options_, request);
   if (!response.ok()) return response.status();
-  return Session(stub_, response->session_id(), response->config(), options_);
+  Session session(stub_, response->session_id(), response->config(), options_);
+  session.prefix_tokens_ = response->prefix_tokens();
+  session.block_tokens_ = response->block_tokens();
+  return session;
 }
 
 absl::StatusOr<Session> Client::OpenSession(const std::string& id) const {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -62,7 +63,20 @@ struct SessionOptions {
   bool center_values = false;
   std::optional<int> sink_tokens;  // unset: the daemon's default (4)
   v1::Codec sink_codec = v1::CODEC_UNSPECIFIED;  // f16 or q8_0
+  // Reuse by content: the hashes of the session's first blocks
+  // (BlockHashes); it starts with the longest prefix of them a session of
+  // the same tenant and storage named (Session::NameBlocks), sharing its
+  // pages. Session::prefix_tokens() says how many tokens it got.
+  std::vector<std::string> prefix_blocks;
 };
+
+// The chained hashes naming the full blocks of `tokens` (token ids), as
+// NameBlocks and SessionOptions::prefix_blocks take them: hash i =
+// SHA-256(hash i-1 || block i's ids as little-endian int32), hash -1 =
+// SHA-256(salt). A salt (e.g. the model's name and revision) keeps equal
+// token ids of different models apart. docs/API.md "Reusing prefixes".
+std::vector<std::string> BlockHashes(absl::Span<const int32_t> tokens, int block_tokens,
+                                     absl::string_view salt = "");
 
 struct Attention {
   std::vector<float> output;  // [n][q_heads][head_dim]
@@ -203,6 +217,10 @@ class Session {
   const std::string& id() const { return id_; }
   // The effective configuration, as the daemon returned it.
   const v1::SessionConfig& config() const { return config_; }
+  // Tokens per layer it started with (SessionOptions::prefix_blocks; 0 for
+  // a handle from OpenSession or Fork), and the daemon's block size.
+  int64_t prefix_tokens() const { return prefix_tokens_; }
+  int block_tokens() const { return block_tokens_; }
 
   // Stores tokens [start, start + n) of one layer; n from the keys' size.
   // Returns the layer's new length. queries: as AppendStream::Write.
@@ -223,6 +241,9 @@ class Session {
   absl::StatusOr<KvData> ReadKv(int layer, int64_t start = 0, int64_t end = 0) const;
 
   absl::StatusOr<Session> Fork(int64_t prefix_tokens) const;
+  // Names blocks first_block, first_block + 1, ... (full in every layer) for
+  // reuse by later sessions of the tenant (BlockHashes).
+  absl::StatusOr<v1::NameBlocksResponse> NameBlocks(int64_t first_block, const std::vector<std::string>& hashes) const;
   absl::StatusOr<v1::SessionInfo> Truncate(int64_t tokens) const;
   absl::StatusOr<v1::SessionInfo> Info() const;
   absl::Status Delete() const;
@@ -237,6 +258,8 @@ class Session {
   std::string id_;
   v1::SessionConfig config_;
   std::shared_ptr<const ClientOptions> options_;
+  int64_t prefix_tokens_ = 0;
+  int block_tokens_ = 0;
 };
 
 

@@ -27,6 +27,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/cpp/client.h"
@@ -425,8 +426,36 @@ void PrintMessage(const Args& args, const Message& message) {
 // ---------------------------------------------------------------------------
 // Commands.
 
+// The chained hashes of the full blocks of the token ids in the file named by
+// --FLAG (ids separated by spaces, commas or newlines), in the daemon's
+// block size, salted with --salt.
+absl::StatusOr<std::vector<std::string>> TokenBlockHashes(const turbokv::Client& client, const Args& args,
+                                                          const std::string& flag) {
+  const std::string& path = args.Text(flag);
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read the file"));
+  std::stringstream contents;
+  contents << in.rdbuf();
+  std::vector<int32_t> tokens;
+  for (absl::string_view word : absl::StrSplit(contents.str(), absl::ByAnyChar(" ,\t\n\r"), absl::SkipEmpty())) {
+    int32_t id = 0;
+    if (!absl::SimpleAtoi(word, &id) || id < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": '", word, "' is not a token id"));
+    }
+    tokens.push_back(id);
+  }
+  absl::StatusOr<turbokv::v1::StatsResponse> stats = client.Stats();
+  if (!stats.ok()) return stats.status();
+  return turbokv::BlockHashes(tokens, stats->block_tokens(), args.Text("salt"));
+}
+
 absl::Status Create(const turbokv::Client& client, const Args& args) {
   turbokv::SessionOptions options;
+  if (!args.Text("prefix-tokens").empty()) {
+    absl::StatusOr<std::vector<std::string>> hashes = TokenBlockHashes(client, args, "prefix-tokens");
+    if (!hashes.ok()) return hashes.status();
+    options.prefix_blocks = *std::move(hashes);
+  }
   options.layers = static_cast<int>(args.Int("layers"));
   options.kv_heads = static_cast<int>(args.Int("kv-heads"));
   options.q_heads = static_cast<int>(args.Int("q-heads"));
@@ -449,10 +478,31 @@ absl::Status Create(const turbokv::Client& client, const Args& args) {
   absl::StatusOr<turbokv::Session> session = client.CreateSession(options);
   if (!session.ok()) return session.status();
   if (args.Json()) {
-    PrintJson(Value::Object().Add("session_id", Value::String(session->id())).Add("config", FromMessage(session->config())));
+    PrintJson(Value::Object()
+                  .Add("session_id", Value::String(session->id()))
+                  .Add("config", FromMessage(session->config()))
+                  .Add("prefix_tokens", Value::Int(session->prefix_tokens())));
   } else {
     std::printf("%s\n", session->id().c_str());
+    if (!options.prefix_blocks.empty()) {
+      std::fprintf(stderr, "started with %lld tokens of a stored prefix\n",
+                   static_cast<long long>(session->prefix_tokens()));
+    }
   }
+  return absl::OkStatus();
+}
+
+absl::Status NameBlocks(const turbokv::Client& client, const Args& args) {
+  absl::StatusOr<std::vector<std::string>> hashes = TokenBlockHashes(client, args, "tokens");
+  if (!hashes.ok()) return hashes.status();
+  if (hashes->empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--tokens=", args.Text("tokens"), ": no full block of token ids"));
+  }
+  absl::StatusOr<turbokv::Session> session = client.OpenSession(args.positional[0]);
+  if (!session.ok()) return session.status();
+  absl::StatusOr<turbokv::v1::NameBlocksResponse> named = session->NameBlocks(0, *hashes);
+  if (!named.ok()) return named.status();
+  PrintMessage(args, *named);
   return absl::OkStatus();
 }
 
@@ -749,6 +799,10 @@ FlagSpec OutputFlag() {
   return OtherFlag("output", Kind::kOutput, "table", "table for people, json for scripts (every field, numbers as numbers)");
 }
 
+FlagSpec SaltFlag() {
+  return OtherFlag("salt", Kind::kText, "", "mixed into the first block's hash: e.g. the model's name and revision");
+}
+
 std::vector<FlagSpec> ShapeFlags(int64_t layers, int64_t kv_heads, int64_t q_heads, int64_t head_dim) {
   return {IntFlag("layers", layers, 1, kMaxLayers, "layers"),
           IntFlag("kv-heads", kv_heads, 1, kMaxHeads, "key/value heads"),
@@ -775,7 +829,10 @@ const std::vector<Command>& Commands() {
                           IntFlag("sink-tokens", -1, -1, 64,
                                   "first tokens of every layer kept apart in --sink-codec; -1: the daemon's default (4)"),
                           OtherFlag("sink-codec", Kind::kCodec, "", "codec of the sink tokens (the daemon takes f16 or q8_0 for them)"),
-                          OutputFlag()}) {
+                          OtherFlag("prefix-tokens", Kind::kText, "",
+                                    "a file of the session's first token ids: it starts with the longest stored "
+                                    "prefix of their blocks (see name-blocks)"),
+                          SaltFlag(), OutputFlag()}) {
       create.push_back(flag);
     }
     std::vector<FlagSpec> decode = {IntFlag("batch", 8, 1, 1024, "sessions decoded together")};
@@ -805,6 +862,13 @@ const std::vector<Command>& Commands() {
          List},
         {"get", "ID", 1, 1, "one session: shape, codecs, tokens per layer, bytes, residency", {OutputFlag()}, "5s", Get},
         {"delete", "ID", 1, 1, "delete a session (prints nothing)", {}, "5s", Delete},
+        {"name-blocks", "ID", 1, 1,
+         "name the session's full blocks by the token ids they hold, for reuse by later sessions (create "
+         "--prefix-tokens)",
+         {OtherFlag("tokens", Kind::kText, "", "a file of the session's token ids from its first (spaces, commas or "
+                                               "newlines between them)"),
+          SaltFlag(), OutputFlag()},
+         "5s", NameBlocks},
         {"stats", "", 0, 0, "the daemon's totals (tokens: over sessions and layers)", {OutputFlag()}, "5s", Stats},
         {"snapshot", "", 0, 0, "write every session to turbokvd's --snapshot-dir now", {OutputFlag()}, "60s",
          Snapshot},

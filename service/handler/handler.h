@@ -82,6 +82,8 @@ class Handler {
       const std::string& tenant = "");
   absl::StatusOr<v1::ForkSessionResponse> ForkSession(const v1::ForkSessionRequest& request,
       const std::string& tenant = "");
+  absl::StatusOr<v1::NameBlocksResponse> NameBlocks(const v1::NameBlocksRequest& request,
+      const std::string& tenant = "");
   // One message of an Append stream.
   absl::StatusOr<v1::AppendResponse> Append(const v1::AppendRequest& request,
       const std::string& tenant = "");

@@ -110,6 +110,25 @@ absl::Status ConfigStorage(const v1::SessionConfig& proto, SessionConfig* config
   return absl::OkStatus();
 }
 
+// Block hashes as a request gives them: 1 to 64 bytes each.
+absl::StatusOr<std::vector<std::string>> BlockHashes(const google::protobuf::RepeatedPtrField<std::string>& field,
+                                                     absl::string_view name) {
+  if (field.size() > kMaxNamedBlocks) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has ", field.size(), " hashes, more than the ",
+                                                   kMaxNamedBlocks, " allowed in one message"));
+  }
+  std::vector<std::string> hashes;
+  hashes.reserve(static_cast<size_t>(field.size()));
+  for (int i = 0; i < field.size(); ++i) {
+    if (field[i].empty() || field[i].size() > kMaxBlockHashBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(name, "[", i, "] is ", field[i].size(),
+                                                     " bytes: a block hash is 1 to ", kMaxBlockHashBytes, " bytes"));
+    }
+    hashes.push_back(field[i]);
+  }
+  return hashes;
+}
+
 }  // namespace
 
 absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::CreateSessionRequest& request,
@@ -153,10 +172,35 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
   config.pinned = proto.pinned();
   TURBOKV_RETURN_IF_ERROR(ConfigStorage(proto, &config));
 
-  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, store_->Create(config, tenant, absl::Now()));
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<std::string> prefix, BlockHashes(request.prefix_blocks(), "prefix_blocks"));
   v1::CreateSessionResponse response;
-  response.set_session_id(session->id());
+  if (prefix.empty()) {
+    TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, store_->Create(config, tenant, absl::Now()));
+    response.set_session_id(session->id());
+  } else {
+    TURBOKV_ASSIGN_OR_RETURN(SessionStore::Attached attached,
+                             store_->Attach(config, proto.has_rotation_seed(), tenant, prefix, absl::Now()));
+    response.set_session_id(attached.session->id());
+    response.set_prefix_tokens(attached.tokens);
+    config.rotation_seed = attached.session->config().rotation_seed;
+  }
   ConfigToProto(config, response.mutable_config());
+  response.set_block_tokens(store_->options().page_tokens);
+  return response;
+}
+
+absl::StatusOr<v1::NameBlocksResponse> Handler::NameBlocks(const v1::NameBlocksRequest& request,
+    const std::string& tenant) {
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<std::string> hashes, BlockHashes(request.block_hashes(), "block_hashes"));
+  if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
+  std::unique_lock<std::mutex> lock;
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, FindLocked(request.session_id(), tenant, &lock));
+  TURBOKV_ASSIGN_OR_RETURN(PrefixIndex::Holding holding, store_->NameBlocks(*session, request.first_block(), hashes));
+  const int page_tokens = store_->options().page_tokens;
+  v1::NameBlocksResponse response;
+  response.set_named_blocks(static_cast<int64_t>(holding.hashes.size()));
+  response.set_reusable_from_blocks(std::max<int64_t>(1, (holding.reuse_from_tokens + page_tokens - 1) / page_tokens));
+  response.set_block_tokens(page_tokens);
   return response;
 }
 
@@ -260,6 +304,8 @@ absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&, const 
   response.set_promotions(snapshot.promotions);
   response.set_spill_bytes(snapshot.tier.live_bytes);
   response.set_spill_budget_bytes(snapshot.tier.budget_bytes);
+  response.set_block_tokens(store_->options().page_tokens);
+  response.set_named_blocks(static_cast<int64_t>(store_->prefix_index().blocks()));
   return response;
 }
 

@@ -584,6 +584,7 @@ KvCacheService::KvCacheService(Handler* handler, Executor* executor, Metrics* me
   RegisterUnary("DeleteSession", &Handler::DeleteSession);
   RegisterUnary("TruncateSession", &Handler::TruncateSession);
   RegisterUnary("ForkSession", &Handler::ForkSession);
+  RegisterUnary("NameBlocks", &Handler::NameBlocks);
   RegisterStream("Append", &Handler::Append, /*drainable=*/false);
   RegisterStream("Attend", &Handler::Attend, /*drainable=*/false);
   RegisterUnary("Step", &Handler::Step);

@@ -24,7 +24,8 @@ LayerCache::LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<c
       page_bytes_(static_cast<size_t>(kv_heads) * page_tokens *
                   (key_codec_->code_size() + value_codec_->code_size())) {
   if (storage_.sink_tokens > 0) {
-    sinks_.assign(static_cast<size_t>(kv_heads) * storage_.sink_tokens * 2 * storage_.sink_codec->code_size(), '\0');
+    sinks_ = std::make_shared<const std::string>(
+        static_cast<size_t>(kv_heads) * storage_.sink_tokens * 2 * storage_.sink_codec->code_size(), '\0');
   }
 }
 
@@ -81,7 +82,7 @@ EncodeChunk LayerCache::Chunk(PendingAppend* pending_out, const float* keys, con
   const int64_t main_begin = std::max<int64_t>(tokens_, storage_.sink_tokens);
   if (tokens_ < sink_end) {
     // The chunk's sink tokens, into a copy of the sink page.
-    pending.sinks = sinks_;
+    pending.sinks = *sinks_;
     EncodeChunk sinks;
     sinks.key_codec = storage_.sink_codec.get();
     sinks.value_codec = storage_.sink_codec.get();
@@ -148,12 +149,13 @@ int64_t LayerCache::Apply(PendingAppend pending) {
     page_pointers_.push_back(pages_.back()->data);
   }
   if (!pending.sinks.empty()) {
-    sinks_ = std::move(pending.sinks);
+    sinks_ = std::make_shared<const std::string>(std::move(pending.sinks));
     ++extras_version_;
   }
   if (pending.fixes_transform) {
     transform_ = std::move(pending.transform);
     transform_fixed_ = true;
+    transform_end_ = pending.end;
     ++extras_version_;
   }
   tokens_ = pending.end;
@@ -185,7 +187,7 @@ absl::Status LayerCache::Read(int64_t start, int64_t n, float* keys, float* valu
   }
   if (start < sinks) {
     const uint8_t* table = nullptr;
-    DecodeCpu(*storage_.sink_codec, *storage_.sink_codec, SinkDescriptor(sinks_, sinks, &table), start,
+    DecodeCpu(*storage_.sink_codec, *storage_.sink_codec, SinkDescriptor(*sinks_, sinks, &table), start,
               std::min(start + n, sinks) - start, keys, values);
   }
   return absl::OkStatus();
@@ -196,7 +198,7 @@ LayerExtras LayerCache::Extras() const {
   extras.transform_fixed = transform_fixed_;
   if (transform_ != nullptr) extras.transform = *transform_;
   extras.sink_tokens = sinks_held();
-  if (extras.sink_tokens > 0) extras.sinks = sinks_;
+  if (extras.sink_tokens > 0) extras.sinks = *sinks_;
   return extras;
 }
 
@@ -204,7 +206,7 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
                                    const std::function<absl::Status(uint8_t*, size_t)>& fill) {
   if (tokens < 0 || !pages_.empty()) return absl::InvalidArgumentError("LoadPages needs an empty layer and tokens >= 0");
   if (extras.sink_tokens != std::min<int64_t>(tokens, storage_.sink_tokens) ||
-      (extras.sink_tokens > 0 && extras.sinks.size() != sinks_.size())) {
+      (extras.sink_tokens > 0 && extras.sinks.size() != sinks_->size())) {
     return absl::DataLossError(absl::StrCat("the layer's sink tokens (", extras.sink_tokens, " in ",
                                             extras.sinks.size(), " bytes) do not match its ", tokens,
                                             " tokens and ", storage_.sink_tokens, " sink slots"));
@@ -232,8 +234,9 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
   pages_ = std::move(loaded);
   for (const std::shared_ptr<Page>& page : pages_) page_pointers_.push_back(page->data);
   tokens_ = tokens;
-  if (extras.sink_tokens > 0) sinks_ = extras.sinks;
+  if (extras.sink_tokens > 0) sinks_ = std::make_shared<const std::string>(extras.sinks);
   transform_fixed_ = extras.transform_fixed;
+  transform_end_ = transform_fixed_ ? tokens : 0;
   if (!extras.transform.empty()) transform_ = std::make_shared<const KeyTransform>(extras.transform);
   ++extras_version_;
   return absl::OkStatus();
@@ -246,17 +249,23 @@ void LayerCache::Truncate(int64_t n) {
   page_pointers_.resize(keep);
   // Sink slots past the tokens read as zeros again, as in a fresh layer;
   // with no token past the sinks left, the next chunk fits a new transform.
-  const size_t slot = storage_.sink_tokens > 0 ? storage_.sink_codec->code_size() : 0;
-  for (int h = 0; h < kv_heads_ && tokens_ < storage_.sink_tokens; ++h) {
-    for (size_t side = 0; side < 2; ++side) {
-      const size_t region = (static_cast<size_t>(h) * 2 + side) * storage_.sink_tokens * slot;
-      std::fill(sinks_.begin() + region + tokens_ * slot, sinks_.begin() + region + storage_.sink_tokens * slot, '\0');
+  if (tokens_ < storage_.sink_tokens) {
+    // A copy: forks may share the page.
+    std::string sinks = *sinks_;
+    const size_t slot = storage_.sink_codec->code_size();
+    for (int h = 0; h < kv_heads_; ++h) {
+      for (size_t side = 0; side < 2; ++side) {
+        const size_t region = (static_cast<size_t>(h) * 2 + side) * storage_.sink_tokens * slot;
+        std::fill(sinks.begin() + region + tokens_ * slot, sinks.begin() + region + storage_.sink_tokens * slot, '\0');
+      }
     }
+    sinks_ = std::make_shared<const std::string>(std::move(sinks));
   }
   bool changed = tokens_ < storage_.sink_tokens;
   if (tokens_ <= storage_.sink_tokens && transform_fixed_) {
     transform_fixed_ = false;
     transform_ = nullptr;
+    transform_end_ = 0;
     changed = true;
   }
   if (changed) ++extras_version_;
@@ -271,6 +280,7 @@ LayerCache LayerCache::Fork(int64_t prefix) const {
   fork.sinks_ = sinks_;
   fork.transform_fixed_ = transform_fixed_;
   fork.transform_ = transform_;
+  fork.transform_end_ = transform_end_;
   fork.Truncate(fork.tokens_);  // sink slots and transform as a layer of that length holds them
   return fork;
 }
@@ -295,7 +305,7 @@ AttentionProblem LayerCache::Attention(const AttentionQueries& queries, const At
   problem.queries = queries;
   problem.output = output;
   problem.transform = transform_.get();
-  if (sinks_held() > 0) problem.sinks = SinkDescriptor(sinks_, sinks_held(), &sink_pointer_);
+  if (sinks_held() > 0) problem.sinks = SinkDescriptor(*sinks_, sinks_held(), &sink_pointer_);
   return problem;
 }
 

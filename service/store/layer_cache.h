@@ -124,6 +124,11 @@ class LayerCache {
   LayerExtras Extras() const;
   // Whether tokens past the sinks are stored through a fitted transform.
   bool transformed() const { return transform_ != nullptr; }
+  // The end of the chunk the transform was fitted on (0 while none is
+  // fixed): the pages before it depend on every token up to it. Not kept by
+  // snapshots and tiers: a layer loaded with a fixed transform says its
+  // length at load.
+  int64_t transform_end() const { return transform_end_; }
   // Bumped whenever Extras() changes: a tier's manifest must hold the
   // current one before a page that depends on it.
   uint64_t extras_version() const { return extras_version_; }
@@ -160,8 +165,11 @@ class LayerCache {
   std::vector<const uint8_t*> page_pointers_;
   int64_t tokens_ = 0;
   bool transform_fixed_ = false;
+  int64_t transform_end_ = 0;
   std::shared_ptr<const KeyTransform> transform_;  // shared with forks; null: as given
-  std::string sinks_;  // the sink page: storage_.sink_tokens slots
+  // The sink page (storage_.sink_tokens slots), shared with forks: replaced,
+  // never changed in place. Null without sink tokens.
+  std::shared_ptr<const std::string> sinks_;
   // The sink page's table (one entry: sinks_'s bytes), set by each
   // descriptor that points to it.
   mutable const uint8_t* sink_pointer_ = nullptr;

@@ -190,6 +190,32 @@ absl::Status GetLayerExtras(Reader& in, absl::string_view what, LayerExtras* ext
   return absl::OkStatus();
 }
 
+void PutNamedBlocks(std::string* out, const NamedBlocks& blocks) {
+  Put<int64_t>(out, blocks.reuse_from_tokens);
+  Put<uint32_t>(out, static_cast<uint32_t>(blocks.hashes.size()));
+  for (const std::string& hash : blocks.hashes) {
+    Put<uint8_t>(out, static_cast<uint8_t>(hash.size()));
+    out->append(hash);
+  }
+}
+
+absl::Status GetNamedBlocks(Reader& in, absl::string_view what, NamedBlocks* blocks) {
+  const auto malformed = [&] { return absl::DataLossError(absl::StrCat(what, ": its named blocks are malformed")); };
+  blocks->reuse_from_tokens = in.Get<int64_t>();
+  const uint32_t count = in.Get<uint32_t>();
+  // Each hash takes two bytes at least.
+  if (in.short_read() || blocks->reuse_from_tokens < 0 || count > in.left() / 2) return malformed();
+  blocks->hashes.clear();
+  blocks->hashes.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint8_t size = in.Get<uint8_t>();
+    const absl::string_view hash = in.Take(size);
+    if (in.short_read() || size == 0 || size > kMaxBlockHashBytes) return malformed();
+    blocks->hashes.emplace_back(hash);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SessionHeader> GetSessionHeader(Reader& in, int page_tokens, absl::string_view what, int format) {
   SessionHeader s;
   s.id = in.GetString();

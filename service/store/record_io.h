@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -85,6 +86,16 @@ void PutLayerExtras(std::string* out, const LayerExtras& extras);
 // Reads one; DATA_LOSS naming `what` when it is cut short or malformed
 // (whether it fits its layer is LayerCache::LoadPages's to say).
 absl::Status GetLayerExtras(Reader& in, absl::string_view what, LayerExtras* extras);
+
+// The blocks a session named for reuse by content (PrefixIndex), as the
+// newest snapshots and tiers' manifests keep them after its layers.
+struct NamedBlocks {
+  int64_t reuse_from_tokens = 0;   // PrefixIndex::Holding's
+  std::vector<std::string> hashes;  // of blocks 0, 1, ...
+};
+void PutNamedBlocks(std::string* out, const NamedBlocks& blocks);
+// Reads them back; DATA_LOSS naming `what` when cut short or malformed.
+absl::Status GetNamedBlocks(Reader& in, absl::string_view what, NamedBlocks* blocks);
 
 // What a session header holds, by format (the snapshot's and tiers'
 // versions map to one): 1 the shape, codecs and limits; 2 also per-layer

@@ -216,6 +216,8 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
   image.header = SessionHeader{session.id(), session.tenant(), session.config(), session.created(),
                                options_.page_tokens};
   image.pinned = session.config().pinned;
+  PrefixIndex::Holding holding = prefix_index_.Get(session.id());
+  image.named = NamedBlocks{holding.reuse_from_tokens, std::move(holding.hashes)};
   const int64_t pt = options_.page_tokens;
   for (size_t l = 0; l < session.layers().size(); ++l) {
     const LayerCache& layer = session.layers()[l];
@@ -354,6 +356,7 @@ absl::Status SessionStore::Demote(SessionCache& session) {
   session.manifest_extras_.clear();
   session.layers_.clear();
   session.charge_.reset();
+  session.shared_charge_.reset();
   session.demoted_ = std::make_unique<TierSession>(*std::move(image));
   demotions_.fetch_add(1);
   return absl::OkStatus();
@@ -451,6 +454,7 @@ absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl:
   if (!status.ok()) {
     session.layers_.clear();
     session.charge_.reset();
+    session.shared_charge_.reset();
     return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " could not be read back from the ",
                                                     tier_->name(), " tier: ", status.message()));
   }
@@ -481,8 +485,13 @@ void SessionStore::ForgetPartialRecords(SessionCache& session) {
 }
 
 absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
+  if (n <= session.config().sink_tokens && session.shared_charge_.use_count() > 1) {
+    // Its sink pages and transforms will be its own from now on.
+    TURBOKV_ASSIGN_OR_RETURN(session.shared_charge_, pool_.Charge(SessionSharedMetadataBytes(session.config())));
+  }
   std::vector<std::shared_ptr<TierRecord>> held = tier_ != nullptr ? HoldRecords(session) : decltype(held)();
   for (LayerCache& layer : session.layers()) layer.Truncate(n);
+  prefix_index_.Truncate(session.id(), static_cast<size_t>(std::max<int64_t>(n, 0) / options_.page_tokens));
   if (tier_ == nullptr) return absl::OkStatus();
   ForgetPartialRecords(session);
   const absl::Status manifest = WriteTierManifest(session);
@@ -680,6 +689,9 @@ absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bo
   auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
   session->Touch(now);
   session->manifest_ = image.manifest;
+  std::vector<int64_t> tokens;
+  for (const TierLayer& layer : image.layers) tokens.push_back(layer.tokens);
+  PrefixIndex::Holding holding = HoldingOf(*session, std::move(image.named), tokens);
   session->demoted_ = std::make_unique<TierSession>(std::move(image));
   absl::Status inserted;
   {
@@ -688,6 +700,7 @@ absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bo
       return absl::AlreadyExistsError("its snapshot holds it whole");
     }
     inserted = Insert(session);
+    if (inserted.ok()) prefix_index_.Set(session->id(), std::move(holding));
   }
   if (!inserted.ok()) *kept_on_tier = tier_->LetGo(std::move(*session->demoted_));
   return inserted;

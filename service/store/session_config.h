@@ -17,6 +17,10 @@ constexpr int kMaxHeads = 1024;  // kv heads, and query heads
 // Sink tokens a layer may keep apart, and how many it does by default.
 constexpr int kMaxSinkTokens = 64;
 constexpr int kDefaultSinkTokens = 4;
+// Blocks named for reuse by content (PrefixIndex): bytes of a block's hash,
+// and hashes in one message.
+constexpr size_t kMaxBlockHashBytes = 64;
+constexpr int kMaxNamedBlocks = 1 << 16;
 
 // How a layer's keys are stored before their codec (KeyTransform).
 enum class KeyTransformMode : uint8_t { kNone = 1, kCenter = 2, kCenterScale = 3 };

@@ -20,6 +20,7 @@
 #include "service/backend/cpu_backend.h"
 #include "service/error_side.h"
 #include "service/log.h"
+#include "service/status_macros.h"
 #include "service/store/snapshot.h"
 #include "kernels/rotation.h"
 
@@ -85,15 +86,19 @@ size_t SessionCache::fp16_bytes() const {
 }
 
 size_t SessionMetadataBytes(const SessionConfig& config) {
-  // The session object and its codecs (sign vectors, codebooks; a pair
-  // for the keys and values of every layer, and one more for each pair the
-  // ranges of layer_codecs add), then per layer its LayerCache and
-  // allocator overhead.
-  // Each layer's sink page and transform count at their largest.
-  return sizeof(SessionCache) + kCodecMetadataBytes * (1 + config.layer_codecs.size()) +
+  // The session object, then per layer its LayerCache and allocator
+  // overhead; and the shared part.
+  return sizeof(SessionCache) + static_cast<size_t>(config.layers) * kLayerMetadataBytes +
+         SessionSharedMetadataBytes(config);
+}
+
+size_t SessionSharedMetadataBytes(const SessionConfig& config) {
+  // Its codecs (sign vectors, codebooks; a pair for the keys and values of
+  // every layer, and one more for each pair the ranges of layer_codecs add),
+  // and each layer's sink page and transform at their largest.
+  return kCodecMetadataBytes * (1 + config.layer_codecs.size()) +
          static_cast<size_t>(config.layers) *
-             (kLayerMetadataBytes + LayerExtrasBytes(config.kv_heads, config.head_dim, config.sink_tokens,
-                                                     config.sink_codec));
+             LayerExtrasBytes(config.kv_heads, config.head_dim, config.sink_tokens, config.sink_codec);
 }
 
 SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier)
@@ -147,9 +152,13 @@ absl::Status SessionStore::Materialize(SessionCache& session) {
     if (!made.ok()) return made.status();
     sink_codec = *std::move(made);
   }
-  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config));
+  const size_t shared = SessionSharedMetadataBytes(config);
+  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config) - shared);
   if (!charge.ok()) return charge.status();
+  absl::StatusOr<std::shared_ptr<const void>> shared_charge = pool_.Charge(shared);
+  if (!shared_charge.ok()) return shared_charge.status();
   session.charge_ = *std::move(charge);
+  session.shared_charge_ = *std::move(shared_charge);
   session.layers_.reserve(config.layers);
   for (int l = 0; l < config.layers; ++l) {
     const auto& [keys, values] = layer_codecs[static_cast<size_t>(l)];
@@ -221,14 +230,29 @@ absl::Status SessionStore::Delete(const std::string& id, const std::string& tena
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(SessionCache& source, int64_t prefix,
                                                             absl::Time now) {
+  PrefixIndex::Holding holding = prefix_index_.Get(source.id());
+  holding.hashes.resize(std::min(holding.hashes.size(), static_cast<size_t>(prefix / options_.page_tokens)));
+  return ForkAs(source, prefix, source.config(), std::move(holding), now);
+}
+
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::ForkAs(SessionCache& source, int64_t prefix,
+                                                              const SessionConfig& config,
+                                                              PrefixIndex::Holding holding, absl::Time now) {
   // The fork shares the source's records on the tier as it shares its
   // pages: every sealed page gets one first (best effort: what is not on
   // the tier yet is the fork's unsealed tail there).
   if (tier_ != nullptr) WriteThrough(source, true).IgnoreError();
-  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(source.config()));
+  const size_t shared = SessionSharedMetadataBytes(config);
+  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config) - shared);
   if (!charge.ok()) return charge.status();
-  auto fork = std::make_shared<SessionCache>(NewSessionId(), source.tenant(), source.config(), now);
+  // Past the sink tokens the fork shares the source's codecs, sink pages and
+  // transforms; with fewer, it makes its own.
+  absl::StatusOr<std::shared_ptr<const void>> shared_charge =
+      prefix > config.sink_tokens ? source.shared_charge_ : pool_.Charge(shared);
+  if (!shared_charge.ok()) return shared_charge.status();
+  auto fork = std::make_shared<SessionCache>(NewSessionId(), source.tenant(), config, now);
   fork->charge_ = *std::move(charge);
+  fork->shared_charge_ = *std::move(shared_charge);
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
   fork->errors_ = source.errors_;
@@ -243,7 +267,101 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(SessionCache& s
     Drop(fork.get());
     return inserted;
   }
+  prefix_index_.Set(fork->id(), std::move(holding));
   return fork;
+}
+
+PrefixIndex::Holding SessionStore::HoldingOf(const SessionCache& session, NamedBlocks named,
+                                             absl::Span<const int64_t> tokens) const {
+  PrefixIndex::Holding holding;
+  holding.scope = PrefixScope(session.tenant(), session.config());
+  holding.seed = session.config().rotation_seed;
+  holding.reuse_from_tokens = named.reuse_from_tokens;
+  holding.hashes = std::move(named.hashes);
+  for (int64_t layer : tokens) {
+    holding.hashes.resize(std::min(holding.hashes.size(), static_cast<size_t>(layer / options_.page_tokens)));
+  }
+  return holding;
+}
+
+absl::StatusOr<PrefixIndex::Holding> SessionStore::NameBlocks(SessionCache& session, int64_t first_block,
+                                                              absl::Span<const std::string> hashes) {
+  const int64_t page_tokens = options_.page_tokens;
+  PrefixIndex::Holding holding = prefix_index_.Get(session.id());
+  const auto named = static_cast<int64_t>(holding.hashes.size());
+  if (first_block < 0 || first_block > named) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "first_block = ", first_block, ": the session has ", named,
+        " named blocks; blocks are named in order, from block 0"));
+  }
+  const int64_t end = first_block + static_cast<int64_t>(hashes.size());
+  for (size_t l = 0; l < session.layers().size(); ++l) {
+    const int64_t tokens = session.layers()[l].tokens();
+    if (tokens < end * page_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat("block ", end - 1, " ends at token ", end * page_tokens,
+                                                        " but layer ", l, " holds ", tokens,
+                                                        " tokens: only full blocks (", page_tokens,
+                                                        " tokens in every layer) are named"));
+    }
+  }
+  for (int64_t i = first_block; i < std::min(end, named); ++i) {
+    if (holding.hashes[static_cast<size_t>(i)] != hashes[static_cast<size_t>(i - first_block)]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", i, " is named already with another hash (truncate the session to name it again)"));
+    }
+  }
+  if (end <= named) return holding;
+  if (named == 0) {
+    int64_t reuse_from_tokens = 0;
+    for (const LayerCache& layer : session.layers()) reuse_from_tokens = std::max(reuse_from_tokens, layer.transform_end());
+    holding = HoldingOf(session, NamedBlocks{reuse_from_tokens, {}}, {});
+  }
+  for (int64_t i = named; i < end; ++i) holding.hashes.push_back(hashes[static_cast<size_t>(i - first_block)]);
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A session removed from the map meanwhile holds nothing any more.
+  auto it = sessions_.find(session.id());
+  if (it != sessions_.end() && it->second.get() == &session) prefix_index_.Set(session.id(), holding);
+  return holding;
+}
+
+absl::StatusOr<SessionStore::Attached> SessionStore::Attach(const SessionConfig& config, bool seed_given,
+                                                            const std::string& tenant,
+                                                            absl::Span<const std::string> hashes, absl::Time now) {
+  const int64_t page_tokens = options_.page_tokens;
+  hashes = hashes.subspan(0, static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(hashes.size()),
+                                                                   config.max_tokens / page_tokens)));
+  const std::string scope = PrefixScope(tenant, config);
+  for (const PrefixIndex::Match& match :
+       prefix_index_.Find(scope, seed_given ? &config.rotation_seed : nullptr, hashes, page_tokens)) {
+    std::shared_ptr<SessionCache> source;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = sessions_.find(match.session_id);
+      if (it == sessions_.end() || it->second->tenant() != tenant) continue;
+      source = it->second;
+    }
+    std::lock_guard<std::mutex> lock(source->mutex());
+    if (source->gone()) continue;
+    // A truncation since the lookup may have cut what it holds.
+    PrefixIndex::Holding holding = prefix_index_.Get(source->id());
+    if (holding.hashes.size() < match.blocks ||
+        !std::equal(hashes.begin(), hashes.begin() + static_cast<std::ptrdiff_t>(match.blocks), holding.hashes.begin())) {
+      continue;
+    }
+    if (!source->resident()) {
+      const SessionCache* held[] = {source.get()};
+      TURBOKV_RETURN_IF_ERROR(Promote(*source, held));
+    }
+    SessionConfig attached = config;
+    attached.rotation_seed = source->config().rotation_seed;
+    const int64_t tokens = static_cast<int64_t>(match.blocks) * page_tokens;
+    holding.hashes.resize(match.blocks);
+    TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session,
+                             ForkAs(*source, tokens, attached, std::move(holding), now));
+    return Attached{std::move(session), tokens};
+  }
+  TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, Create(config, tenant, now));
+  return Attached{std::move(session), 0};
 }
 
 std::vector<std::shared_ptr<SessionCache>> SessionStore::List() const {
@@ -317,7 +435,9 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots(absl::Time deadline, 
       for (const LayerCache& layer : session->layers()) frozen.push_back(layer.Fork(layer.tokens()));
     }
     const std::string file = dir + "/" + session->id() + kSnapshotSuffix;
-    absl::StatusOr<uint32_t> crc = WriteSnapshot(dir, *session, frozen, options_.page_tokens, backend());
+    PrefixIndex::Holding holding = prefix_index_.Get(session->id());
+    absl::StatusOr<uint32_t> crc = WriteSnapshot(dir, *session, frozen, NamedBlocks{holding.reuse_from_tokens, std::move(holding.hashes)},
+                                                 options_.page_tokens, backend());
     if (!crc.ok()) {
       // The file on disk, if any, holds an older state: set aside (kept
       // for an operator), so that no start serves it as the session.
@@ -389,9 +509,11 @@ absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
   for (const std::string& name : names) {
     const std::string id = name.substr(0, name.size() - std::strlen(kSnapshotSuffix));
     uint32_t crc = 0;
+    NamedBlocks named;
     absl::StatusOr<std::shared_ptr<SessionCache>> loaded =
         ReadSnapshot(dir + "/" + name, options_.page_tokens, [&](const SnapshotHeader& header) -> absl::StatusOr<std::shared_ptr<SessionCache>> {
           if (header.id != id) return absl::DataLossError(absl::StrCat("the file holds session ", header.id));
+          named = header.named;
           return Build(header.id, header.tenant, header.config, header.created);
         }, &crc);
     absl::Status status = loaded.status();
@@ -403,8 +525,12 @@ absl::StatusOr<SnapshotReport> SessionStore::LoadSnapshots(absl::Time now) {
       }
     }
     if (status.ok()) {
+      std::vector<int64_t> tokens;
+      for (const LayerCache& layer : (*loaded)->layers()) tokens.push_back(layer.tokens());
+      PrefixIndex::Holding holding = HoldingOf(**loaded, std::move(named), tokens);
       std::lock_guard<std::mutex> lock(mutex_);
       status = Insert(*loaded);
+      if (status.ok()) prefix_index_.Set(id, std::move(holding));
     }
     if (!status.ok()) {
       report.failed.emplace_back(id, status);
@@ -476,12 +602,14 @@ void SessionStore::Erase(const std::string& id) {
   auto count = tenant_sessions_.find(it->second->tenant());
   if (count != tenant_sessions_.end() && --count->second == 0) tenant_sessions_.erase(count);
   sessions_.erase(it);
+  prefix_index_.Remove(id);
 }
 
 void SessionStore::Drop(SessionCache* session) {
   session->gone_ = true;
   session->layers_.clear();
   session->charge_.reset();
+  session->shared_charge_.reset();
   if (tier_ != nullptr && session->on_tier()) tier_->PutTombstone(session->id(), session->tenant());
   session->manifest_.reset();
   session->demoted_.reset();
@@ -532,7 +660,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   const size_t needed = used > budget - bytes ? used - (budget - bytes) : 0;
   size_t freeable = 0;
   bool busy = false;  // a session was skipped for being in a call
-  std::unordered_map<const Page*, long> victim_refs;
+  std::unordered_map<const void*, long> victim_refs;  // pages' and shared charges' holders among the victims
   std::vector<std::unique_lock<std::mutex>> victim_locks;
   std::vector<SessionCache*> victims;
   for (const std::shared_ptr<SessionCache>& candidate : candidates) {
@@ -545,7 +673,9 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
       continue;
     }
     if (candidate->gone() || !candidate->resident()) continue;
-    freeable += SessionMetadataBytes(candidate->config());
+    const size_t shared = SessionSharedMetadataBytes(candidate->config());
+    freeable += SessionMetadataBytes(candidate->config()) - shared;
+    if (++victim_refs[candidate->shared_charge_.get()] == candidate->shared_charge_.use_count()) freeable += shared;
     for (const LayerCache& layer : candidate->layers()) {
       for (const std::shared_ptr<Page>& page : layer.pages()) {
         if (++victim_refs[page.get()] == page.use_count()) freeable += page->bytes;

@@ -23,6 +23,7 @@
 #include "service/backend/backend.h"
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
+#include "service/store/prefix_index.h"
 #include "service/store/session_config.h"
 #include "service/store/session_id.h"
 #include "service/store/tiers/tier.h"
@@ -105,9 +106,13 @@ struct StoreOptions {
   absl::Duration promotion_patience = absl::Seconds(5);
 };
 
-// What a session's metadata (its object, layer tables and codecs) costs in
-// memory outside its pages: charged to the budget like pages.
+// What a session's metadata (its object, layer tables and codecs, and each
+// layer's sink page and transform) costs in memory outside its pages:
+// charged to the budget like pages.
 size_t SessionMetadataBytes(const SessionConfig& config);
+// The part of it that forks share, as they share pages: the codecs and each
+// layer's sink page and transform (SessionCache's shared charge).
+size_t SessionSharedMetadataBytes(const SessionConfig& config);
 
 struct SnapshotReport {
   int64_t sessions = 0;  // written, or loaded
@@ -186,7 +191,10 @@ class SessionCache {
   bool gone_ = false;
   std::vector<LayerCache> layers_;
   std::vector<LayerErrors> errors_;  // per layer
-  std::shared_ptr<const void> charge_;  // SessionMetadataBytes held in the budget
+  // SessionMetadataBytes held in the budget: its own part, and the part
+  // its forks share (SessionSharedMetadataBytes), held by each of them.
+  std::shared_ptr<const void> charge_;
+  std::shared_ptr<const void> shared_charge_;
   std::unique_ptr<TierSession> demoted_;  // its state on the tier while demoted
   std::shared_ptr<TierRecord> manifest_;  // its latest manifest on the tier
   // Per layer: the LayerCache::extras_version() of its latest manifest (a
@@ -245,8 +253,30 @@ class SessionStore {
   absl::Status Delete(const std::string& id, const std::string& tenant);
 
   // A new session of the same tenant holding the first `prefix` tokens of
-  // every layer of `source` (whose mutex the caller holds), sharing its pages.
+  // every layer of `source` (whose mutex the caller holds), sharing its pages
+  // and the named blocks among them.
   absl::StatusOr<std::shared_ptr<SessionCache>> Fork(SessionCache& source, int64_t prefix, absl::Time now);
+
+  // Names blocks [first_block, first_block + hashes.size()) of the session
+  // (under its mutex, resident) for reuse by content (PrefixIndex): blocks
+  // are named in order, each full in every layer; naming a block again with
+  // its hash changes nothing. FAILED_PRECONDITION otherwise. Returns what the
+  // session holds now.
+  absl::StatusOr<PrefixIndex::Holding> NameBlocks(SessionCache& session, int64_t first_block,
+                                                  absl::Span<const std::string> hashes);
+  // A new session of `tenant` with `config` that starts with the longest
+  // prefix of the blocks named `hashes` that a session of the same tenant
+  // and storage holds (PrefixIndex::Find; the rotation seed too when
+  // seed_given, else the new session takes the holder's), its pages shared
+  // as Fork shares them; an empty session when none does. A demoted holder
+  // is promoted first.
+  struct Attached {
+    std::shared_ptr<SessionCache> session;
+    int64_t tokens = 0;  // of the prefix, per layer
+  };
+  absl::StatusOr<Attached> Attach(const SessionConfig& config, bool seed_given, const std::string& tenant,
+                                  absl::Span<const std::string> hashes, absl::Time now);
+  const PrefixIndex& prefix_index() const { return prefix_index_; }
 
   std::vector<std::shared_ptr<SessionCache>> List() const;
 
@@ -377,8 +407,17 @@ class SessionStore {
   void CountTakeover(TakeoverResult result) const {
     if (options_.on_takeover) options_.on_takeover(result);
   }
-  // Under mutex_: removes the session from the map and its tenant's count.
+  // Under mutex_: removes the session from the map, its tenant's count and
+  // the prefix index.
   void Erase(const std::string& id);
+  // What a session loaded with `named` blocks and layers of `tokens` holds
+  // (blocks past its shortest layer are not).
+  PrefixIndex::Holding HoldingOf(const SessionCache& session, NamedBlocks named,
+                                 absl::Span<const int64_t> tokens) const;
+  // Fork with the new session's config (storage the same as the source's)
+  // and its named blocks.
+  absl::StatusOr<std::shared_ptr<SessionCache>> ForkAs(SessionCache& source, int64_t prefix, const SessionConfig& config,
+                                                       PrefixIndex::Holding holding, absl::Time now);
   // Under the session's mutex: empties it, returns its bytes to the pool
   // and (with a tier) writes its tombstone.
   void Drop(SessionCache* session);
@@ -420,6 +459,7 @@ class SessionStore {
   std::unique_ptr<Backend> own_backend_;  // when options_.backend is null
   PagePool pool_;
   std::unique_ptr<Tier> tier_;
+  PrefixIndex prefix_index_;  // its entries change under mutex_ (after the sessions' map)
   std::mutex records_mutex_;  // guards Page::record
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<SessionCache>> sessions_;

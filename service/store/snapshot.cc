@@ -25,9 +25,12 @@ namespace {
 constexpr char kMagic[8] = {'T', 'K', 'V', 'S', 'N', 'A', 'P', '\n'};
 // 2: the session header holds per-layer codecs and the preset; 3: it holds
 // the key transform, value centering and sink tokens, and each layer's
-// transform and sink page follow the token counts. Files of versions 1 and
-// 2 are still read.
-constexpr uint32_t kVersion = 3;
+// transform and sink page follow the token counts; 4: the blocks the session
+// named for reuse follow them. Files of versions 1 to 3 are still read, and
+// a session without named blocks is written as version 3 (a turbokvd of
+// before reads it).
+constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersionUnnamed = 3;
 constexpr char kManifestMagic[] = "turbokv snapshot manifest 1";
 
 absl::Status Errno(absl::string_view what, const std::string& path) {
@@ -145,6 +148,7 @@ absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tok
       return read;
     }
   }
+  if (version >= 4) TURBOKV_RETURN_IF_ERROR(GetNamedBlocks(header, "the snapshot", &s.named));
   if (header.short_read() || header.left() != 0) return absl::DataLossError("the snapshot header is malformed");
   for (int64_t tokens : s.tokens) {
     if (tokens < 0 || tokens > s.config.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
@@ -155,13 +159,15 @@ absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tok
 }  // namespace
 
 absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCache& session,
-                                       const std::vector<LayerCache>& layers, int page_tokens, Backend& backend) {
+                                       const std::vector<LayerCache>& layers, const NamedBlocks& named,
+                                       int page_tokens, Backend& backend) {
   std::string header;
   PutSessionHeader(&header, SessionHeader{session.id(), session.tenant(), session.config(), session.created(), page_tokens});
   for (const LayerCache& layer : layers) Put<int64_t>(&header, layer.tokens());
   for (const LayerCache& layer : layers) PutLayerExtras(&header, layer.Extras());
+  if (!named.hashes.empty()) PutNamedBlocks(&header, named);
   std::string start(kMagic, sizeof(kMagic));
-  Put<uint32_t>(&start, kVersion);
+  Put<uint32_t>(&start, named.hashes.empty() ? kVersionUnnamed : kVersion);
   Put<uint32_t>(&start, static_cast<uint32_t>(header.size()));
   start += header;
   uint32_t crc = 0;

@@ -32,15 +32,18 @@ constexpr char kStaleSuffix[] = ".stale";
 struct SnapshotHeader : SessionHeader {
   std::vector<int64_t> tokens;      // per layer
   std::vector<LayerExtras> extras;  // per layer (empty ones before version 3)
+  NamedBlocks named;                // none before version 4
 };
 
 // Writes the snapshot of `session` with `layers` (its layers, or a frozen
 // copy of them: see LayerCache::Fork; their pages read through `backend`)
+// and the blocks it named
 // to dir/<id>.tkvs through a temp file, fsync and rename, then fsyncs the
 // directory: a crash leaves the old file or the new one, whole. Returns the
 // CRC stored in it.
 absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCache& session,
-                                       const std::vector<LayerCache>& layers, int page_tokens, Backend& backend);
+                                       const std::vector<LayerCache>& layers, const NamedBlocks& named,
+                                       int page_tokens, Backend& backend);
 
 // Reads the snapshot at `path`: checks the header against the limits
 // CreateSession enforces and the file's size, calls make(header) for the

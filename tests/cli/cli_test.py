@@ -207,6 +207,26 @@ class CliTest(unittest.TestCase):
         prefetched = self.json("prefetch", session)
         self.assertEqual(prefetched, {"results": [{"session_id": session, "code": "OK", "message": ""}]})
 
+    def test_blocks_named_by_token_ids_start_a_later_session(self):
+        session = self.session()
+        self.json("append-random", session, "--tokens=150", "--chunk=64")
+        tokens = os.path.join(self.tmp.name, "tokens.txt")
+        with open(tokens, "w") as f:
+            f.write(" ".join(str(1000 + i) for i in range(150)))
+        named = self.json("name-blocks", session, f"--tokens={tokens}", "--salt=model-a")
+        self.assertEqual((named["named_blocks"], named["reusable_from_blocks"], named["block_tokens"]), (2, 1, 64))
+        shape = ("--layers=2", "--kv-heads=2", "--q-heads=4", "--head-dim=128")
+        started = self.json("create", *shape, f"--prefix-tokens={tokens}", "--salt=model-a")
+        self.assertEqual(started["prefix_tokens"], 128)
+        self.assertEqual(self.json("get", started["session_id"])["layer_tokens"], [128, 128])
+        other = self.json("create", *shape, f"--prefix-tokens={tokens}", "--salt=model-b")
+        self.assertEqual(other["prefix_tokens"], 0)
+        with open(tokens, "w") as f:
+            f.write("1, 2, x")
+        out = self.run_cli("create", *shape, f"--prefix-tokens={tokens}")
+        self.assertEqual(out.returncode, 2, out.stderr)  # INVALID_ARGUMENT
+        self.assertIn("'x' is not a token id", out.stderr)
+
     def test_version_and_the_target_from_the_environment(self):
         out = subprocess.run([CLI, "--version"], capture_output=True, text=True, timeout=30)
         self.assertEqual(out.returncode, 0, out.stderr)

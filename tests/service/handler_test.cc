@@ -538,14 +538,14 @@ TEST_P(HandlerTest, ForkSharesPagesAndDivergesAfterAppends) {
   fork_request.set_prefix_tokens(150);
   auto fork = handler_->ForkSession(fork_request);
   ASSERT_TRUE(fork.ok()) << fork.status();
-  EXPECT_EQ(store_->pool().used_bytes(), before + Meta(kLayers, kKv, kDim));  // no page copied
+  EXPECT_EQ(store_->pool().used_bytes(), before + ForkMeta(kLayers, kKv, kDim));  // no page copied
   EXPECT_EQ(fork->session().layer_tokens(2), 150);
 
   // Both append their own token 150 (the source's was already stored; the
   // fork writes a different one into a copy of the shared page).
   ASSERT_TRUE(Append(fork->session_id(), 0, 150, 10, 99).ok());
   const size_t page = 16 * kKv * 100;
-  EXPECT_LE(store_->pool().used_bytes(), before + Meta(kLayers, kKv, kDim) + page);  // one copied page
+  EXPECT_LE(store_->pool().used_bytes(), before + ForkMeta(kLayers, kKv, kDim) + page);  // one copied page
   v1::ReadKvRequest read;
   read.set_session_id(fork->session_id());
   read.add_layers(0);
@@ -602,7 +602,8 @@ TEST_P(HandlerTest, StatsCountSharedPagesOnce) {
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->sessions(), 2);
   EXPECT_EQ(stats->tokens(), 2 * kLayers * 64);
-  const size_t used = kLayers * 4 * 3200 + 2 * Meta(kLayers, kKv, kDim);  // pages once, and each session's metadata
+  // Pages once, each session's metadata, and what the fork shares of it once.
+  const size_t used = kLayers * 4 * 3200 + Meta(kLayers, kKv, kDim) + ForkMeta(kLayers, kKv, kDim);
   EXPECT_EQ(stats->bytes_used(), used);
   EXPECT_EQ(stats->fp16_bytes(), 2 * kLayers * 64 * kKv * kDim * 4);
   EXPECT_NEAR(stats->compression_ratio(), 2.0 * kLayers * 64 * kKv * kDim * 4 / used, 1e-9);

@@ -44,13 +44,20 @@ class HandlerFixture : public ::testing::Test {
   }
   // What a session of this shape costs the budget besides its pages (with
   // the default sink tokens).
-  static size_t Meta(int layers, int kv_heads, int head_dim) {
+  static size_t Meta(int layers, int kv_heads, int head_dim) { return SessionMetadataBytes(Shape(layers, kv_heads, head_dim)); }
+  // What a fork past the sink tokens adds: its codecs, sink pages and
+  // transforms are its source's.
+  static size_t ForkMeta(int layers, int kv_heads, int head_dim) {
+    const SessionConfig config = Shape(layers, kv_heads, head_dim);
+    return SessionMetadataBytes(config) - SessionSharedMetadataBytes(config);
+  }
+  static SessionConfig Shape(int layers, int kv_heads, int head_dim) {
     SessionConfig config;
     config.layers = layers;
     config.kv_heads = kv_heads;
     config.head_dim = head_dim;
     config.sink_tokens = kDefaultSinkTokens;
-    return SessionMetadataBytes(config);
+    return config;
   }
 
   ThreadPool pool_{2};

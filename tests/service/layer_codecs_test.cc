@@ -341,12 +341,12 @@ TEST_P(LayerCodecsTest, SnapshotsOfVersionsOneAndTwoStillLoad) {
     EXPECT_EQ(Attend(id, 1, q, n - 1).result().output().data(), before) << version;
   }
 
-  write(4, file);
+  write(5, file);
   Reopen(/*spill=*/false);
   auto loaded = store_->LoadSnapshots(absl::Now());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ASSERT_EQ(loaded->failed.size(), 1u);
-  EXPECT_THAT(std::string(loaded->failed[0].second.message()), HasSubstr("snapshot format version 4, this turbokvd reads 1 to 3"));
+  EXPECT_THAT(std::string(loaded->failed[0].second.message()), HasSubstr("snapshot format version 5, this turbokvd reads 1 to 4"));
 }
 
 TEST_P(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {

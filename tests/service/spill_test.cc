@@ -169,6 +169,42 @@ TEST_P(SpillTest, DemotionDropsMemoryAndPromotionBringsItBackBitExact) {
   EXPECT_EQ(LayerTokens(**session), (std::vector<int64_t>{210, 210}));
 }
 
+TEST_P(SpillTest, NamedBlocksOutliveADemotionAndARestart) {
+  const std::string dir = FreshDir("named");
+  const std::vector<std::string> hashes = {"block 0", "block 1", "block 2"};
+  std::vector<float> prefix;
+  {
+    Store s = OpenStore(dir);
+    auto storer = s.store->Create(Config(), "tenant", absl::Now());
+    ASSERT_TRUE(storer.ok());
+    Append(*s.store, **storer, 2 * kPage, 1);
+    Append(*s.store, **storer, 10, 2);
+    {
+      std::lock_guard<std::mutex> lock((*storer)->mutex());
+      ASSERT_TRUE(s.store->NameBlocks(**storer, 0, absl::MakeConstSpan(hashes).subspan(0, 2)).ok());
+      ASSERT_TRUE(s.store->Demote(**storer).ok());
+    }
+    // The demoted holder is promoted for the attach.
+    auto attached = s.store->Attach(Config(), true, "tenant", hashes, absl::Now());
+    ASSERT_TRUE(attached.ok()) << attached.status();
+    EXPECT_EQ(attached->tokens, 2 * kPage);
+    prefix = Contents(*s.store, *attached->session);
+    EXPECT_EQ(prefix.size(), 2u * kLayers * 2 * kPage * kHeads * kDim);
+    ASSERT_TRUE(s.store->FlushTier(absl::Now() + absl::Seconds(30)).ok());
+  }
+  Store s = OpenStore(dir);
+  EXPECT_EQ(s.store->prefix_index().blocks(), 2u);
+  // Another tenant's or another seed's lookup finds nothing.
+  EXPECT_EQ(s.store->Attach(Config(), true, "another", hashes, absl::Now())->tokens, 0);
+  SessionConfig seeded = Config();
+  seeded.rotation_seed = 8;
+  EXPECT_EQ(s.store->Attach(seeded, true, "tenant", hashes, absl::Now())->tokens, 0);
+  auto attached = s.store->Attach(Config(), true, "tenant", hashes, absl::Now());
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_EQ(attached->tokens, 2 * kPage);
+  EXPECT_EQ(Contents(*s.store, *attached->session), prefix);
+}
+
 TEST_P(SpillTest, ARestartFindsEverySealedPageAndAFlushedTail) {
   const std::string dir = FreshDir("restart");
   std::string kept, flushed, forked, truncated, deleted;

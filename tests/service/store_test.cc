@@ -1,3 +1,6 @@
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -223,7 +226,7 @@ TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
   Tokens data(100, 1);
   ASSERT_TRUE((*session)->layers()[1].Append(0, 100, data.key(0), data.value(0)).ok());
   const std::string dir = ::testing::TempDir();
-  auto written = WriteSnapshot(dir, **session, (*session)->layers(), kPage, store.backend());
+  auto written = WriteSnapshot(dir, **session, (*session)->layers(), NamedBlocks(), kPage, store.backend());
   ASSERT_TRUE(written.ok()) << written.status();
   const std::string path = dir + "/" + (*session)->id() + kSnapshotSuffix;
   const std::string bytes = ReadAll(path);
@@ -278,6 +281,55 @@ TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
   auto refused = ReadSnapshot(damaged, kPage, [&](const SnapshotHeader& h) { made = true; return make(h); }, &crc);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
   EXPECT_FALSE(made);
+}
+
+TEST(SnapshotTest, NamedBlocksComeBackAndOnlyThenIsTheNewVersionWritten) {
+  StoreOptions options;
+  options.page_tokens = kPage;
+  options.snapshot_dir = ::testing::TempDir() + "named-" + std::to_string(getpid());
+  mkdir(options.snapshot_dir.c_str(), 0755);
+  SessionConfig config;
+  config.layers = 2;
+  config.kv_heads = kHeads;
+  config.q_heads = kHeads;
+  config.head_dim = kDim;
+  config.rotation_seed = 7;
+  config.max_tokens = 1000;
+  std::string named_id, plain_id;
+  {
+    SessionStore store(options);
+    auto named = store.Create(config, "tenant", absl::Now());
+    auto plain = store.Create(config, "tenant", absl::Now());
+    ASSERT_TRUE(named.ok() && plain.ok());
+    named_id = (*named)->id();
+    plain_id = (*plain)->id();
+    Tokens data(kPage + 3, 1);
+    for (LayerCache& layer : (*named)->layers()) {
+      ASSERT_TRUE(layer.Append(0, kPage, data.key(0), data.value(0)).ok());  // the transform's chunk
+      ASSERT_TRUE(layer.Append(kPage, 3, data.key(kPage), data.value(kPage)).ok());
+    }
+    const std::string hash = "first block";
+    ASSERT_TRUE(store.NameBlocks(**named, 0, absl::MakeConstSpan(&hash, 1)).ok());
+    auto saved = store.SaveSnapshots();
+    ASSERT_TRUE(saved.ok() && saved->failed.empty());
+  }
+  auto version = [&](const std::string& id) {
+    const std::string bytes = ReadAll(options.snapshot_dir + "/" + id + kSnapshotSuffix);
+    uint32_t v = 0;
+    std::memcpy(&v, bytes.data() + 8, 4);
+    return v;
+  };
+  EXPECT_EQ(version(named_id), 4u);
+  EXPECT_EQ(version(plain_id), 3u);  // what a turbokvd of before reads
+  SessionStore store(options);
+  auto loaded = store.LoadSnapshots(absl::Now());
+  ASSERT_TRUE(loaded.ok() && loaded->failed.empty());
+  EXPECT_EQ(store.prefix_index().named(named_id), 1u);
+  EXPECT_EQ(store.prefix_index().named(plain_id), 0u);
+  const std::string hash = "first block";
+  auto attached = store.Attach(config, true, "tenant", absl::MakeConstSpan(&hash, 1), absl::Now());
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_EQ(attached->tokens, kPage);
 }
 
 }  // namespace

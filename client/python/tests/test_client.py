@@ -112,6 +112,42 @@ class ClientTest(DaemonTestCase):
         fork.delete()
         s.delete()
 
+    def test_a_named_prefix_starts_a_later_session_bit_identical(self):
+        ids = list(range(5000, 5000 + 150))
+        keys = self.rng.standard_normal((LAYERS, 150, KV, D), dtype=np.float32)
+        storer = self.session()
+        block = storer.block_tokens
+        self.assertEqual(block, self.client.stats().block_tokens)
+        storer.append(None, 0, keys[:, :block], keys[:, :block])  # the prefix's first chunk: one block
+        storer.append(None, block, keys[:, block:], keys[:, block:])
+        hashes = turbokv.block_hashes(ids, block, salt="model")
+        self.assertEqual(len(hashes), 150 // block)
+        # The documented chain, computed here on its own.
+        import hashlib
+        previous = hashlib.sha256(b"model").digest()
+        previous = hashlib.sha256(previous + np.asarray(ids[:block], "<i4").tobytes()).digest()
+        self.assertEqual(hashes[0], previous)
+        named = storer.name_blocks(0, hashes)
+        self.assertEqual((named.named_blocks, named.reusable_from_blocks), (len(hashes), 1))
+        started = self.client.create_session(LAYERS, KV, Q, D, key_codec="turbo3", value_codec="turbo3",
+                                             prefix_blocks=turbokv.block_hashes(ids + [1, 2, 3], block, "model"))
+        prefix = len(hashes) * block
+        self.assertEqual(started.prefix_tokens, prefix)
+        for layer in range(LAYERS):
+            for a, b in zip(started.read_kv(layer), storer.read_kv(layer, 0, prefix)):
+                np.testing.assert_array_equal(a, b)
+        other = self.client.create_session(LAYERS, KV, Q, D, key_codec="turbo3", value_codec="turbo3",
+                                           prefix_blocks=turbokv.block_hashes(ids, block, "another model"))
+        self.assertEqual(other.prefix_tokens, 0)
+        with self.assertRaises(turbokv.FailedPrecondition):
+            storer.name_blocks(0, [b"another"])
+        with self.assertRaises(ValueError):
+            storer.name_blocks(0, [b""])
+        with self.assertRaises(ValueError):
+            turbokv.block_hashes([1, -2], block)
+        for s in (storer, started, other):
+            s.delete()
+
     def test_merge_of_two_halves_equals_the_whole(self):
         s = self.session("f16")
         keys = self.rng.standard_normal((200, KV, D), dtype=np.float32)

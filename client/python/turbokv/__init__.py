@@ -29,7 +29,9 @@ of use, and create_session(..., pinned=True) keeps one in memory.
 
 __version__ = "0.1.0"
 
-from turbokv._common import KEY_TRANSFORMS, PRESETS, AttentionResult, DecodeResult, RetryPolicy, merge_attention  # noqa: E402
+from turbokv._common import (  # noqa: E402
+    KEY_TRANSFORMS, PRESETS, AttentionResult, DecodeResult, RetryPolicy, block_hashes, merge_attention,
+)
 from turbokv.client import Client, DecodeStream, Session  # noqa: E402
 from turbokv.errors import (  # noqa: E402
     BudgetExceeded, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError,
@@ -39,7 +41,7 @@ from turbokv.v1.turbokv_pb2 import RESIDENCY_DISK, RESIDENCY_MEMORY, RESIDENCY_M
 
 __all__ = [
     "__version__", "Client", "Session", "DecodeStream", "AttentionResult", "DecodeResult", "RetryPolicy",
-    "merge_attention", "TurbokvError", "SessionNotFound", "BudgetExceeded", "InvalidArgument", "FailedPrecondition",
+    "merge_attention", "block_hashes", "TurbokvError", "SessionNotFound", "BudgetExceeded", "InvalidArgument", "FailedPrecondition",
     "Unavailable", "DeadlineExceeded", "PermissionDenied", "Unauthenticated", "ServiceError",
     "RESIDENCY_MEMORY", "RESIDENCY_DISK", "RESIDENCY_MEMORY_AND_DISK", "PRESETS", "KEY_TRANSFORMS",
 ]

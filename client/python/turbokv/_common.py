@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import hashlib
 import os
 import random
 import time
@@ -237,6 +238,11 @@ class SessionBase:
         self.config = config
         # Leaving a `with` block deletes the session unless this is True.
         self.keep = False
+        # Tokens per layer it started with (create_session's prefix_blocks;
+        # 0 for a handle from Client.session or fork), and the daemon's
+        # block size (0 when not known: such a handle).
+        self.prefix_tokens = 0
+        self.block_tokens = 0
         self.layers = config.shape.layers
         self.kv_heads = config.shape.kv_heads
         self.q_heads = config.shape.q_heads
@@ -358,13 +364,43 @@ class SessionBase:
         return xp.stack(keys), xp.stack(values)
 
 
+def block_hashes(token_ids: Iterable[int], block_tokens: int, salt: Union[str, bytes] = b"") -> List[bytes]:
+    """The chained hashes naming the full blocks of `token_ids`, as
+    Session.name_blocks and create_session(prefix_blocks=) take them (the
+    C++ client's BlockHashes computes the same): hash i = SHA-256(hash i-1 +
+    block i's ids as little-endian int32), hash -1 = SHA-256(salt). A salt
+    (e.g. the model's name and revision) keeps equal ids of different models
+    apart. block_tokens: the daemon's (Session.block_tokens, Client.stats())."""
+    block = _tensors.index(block_tokens, "block_tokens", 1)
+    ids = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
+    if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= 1 << 31):
+        raise ValueError("token_ids: expected a sequence of token ids in [0, 2**31)")
+    ids = ids.astype("<i4")
+    previous = hashlib.sha256(salt.encode() if isinstance(salt, str) else bytes(salt)).digest()
+    hashes = []
+    for start in range(0, ids.size - block + 1, block):
+        previous = hashlib.sha256(previous + ids[start:start + block].tobytes()).digest()
+        hashes.append(previous)
+    return hashes
+
+
+def hash_list(hashes: Optional[Sequence[bytes]], name: str) -> List[bytes]:
+    """Block hashes as a request takes them: bytes of 1 to 64."""
+    out = []
+    for i, h in enumerate(hashes or ()):
+        if not isinstance(h, (bytes, bytearray)) or not 1 <= len(h) <= 64:
+            raise ValueError(f"{name}[{i}]: expected bytes of length 1 to 64 (block_hashes())")
+        out.append(bytes(h))
+    return out
+
+
 def create_request(layers: int, kv_heads: int, q_heads: int, head_dim: int, key_codec: Optional[str],
                    value_codec: Optional[str], rotation_seed: Optional[int], max_tokens: int,
                    idle_ttl: Optional[float], pinned: bool, preset: Optional[str] = None,
                    layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
                    key_transform: Optional[str] = None, center_values: bool = False,
-                   sink_tokens: Optional[int] = None, sink_codec: Optional[str] = None
-                   ) -> pb.CreateSessionRequest:
+                   sink_tokens: Optional[int] = None, sink_codec: Optional[str] = None,
+                   prefix_blocks: Optional[Sequence[bytes]] = None) -> pb.CreateSessionRequest:
     shape = pb.ModelShape(layers=_tensors.index(layers, "layers", 1), kv_heads=_tensors.index(kv_heads, "kv_heads", 1),
                           q_heads=_tensors.index(q_heads, "q_heads", 1), head_dim=_tensors.index(head_dim, "head_dim", 1))
 
@@ -408,7 +444,14 @@ def create_request(layers: int, kv_heads: int, q_heads: int, head_dim: int, key_
     if idle_ttl is not None:
         seconds = _tensors.number(idle_ttl, "idle_ttl")
         config.idle_ttl.CopyFrom(duration_pb2.Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9)))
-    return pb.CreateSessionRequest(config=config)
+    return pb.CreateSessionRequest(config=config, prefix_blocks=hash_list(prefix_blocks, "prefix_blocks"))
+
+
+def started(session: SessionBase, response: pb.CreateSessionResponse) -> SessionBase:
+    """A new session with what its CreateSession response says of its start."""
+    session.prefix_tokens = response.prefix_tokens
+    session.block_tokens = response.block_tokens
+    return session
 
 
 class DecodeBase:

@@ -120,6 +120,15 @@ class Session(_common.SessionBase):
             timeout, idempotent=False)
         return Session(self._client, response.session_id, response.session.config)
 
+    async def name_blocks(self, first_block: int, hashes: Sequence[bytes], *,
+                    timeout: Optional[float] = None) -> pb.NameBlocksResponse:
+        """As turbokv.Session.name_blocks."""
+        request = pb.NameBlocksRequest(session_id=self.id, first_block=_tensors.index(first_block, "first_block"),
+                                       block_hashes=_common.hash_list(hashes, "hashes"))
+        return await self._client._invoke(
+            lambda deadline: self._client._stub.NameBlocks(request, timeout=deadline, metadata=self._client._metadata),
+            timeout, idempotent=True)
+
     async def truncate(self, tokens: int, *, timeout: Optional[float] = None) -> pb.SessionInfo:
         """As turbokv.Session.truncate."""
         request = pb.TruncateSessionRequest(session_id=self.id, tokens=_tensors.index(tokens, "tokens"))
@@ -271,15 +280,16 @@ class Client:
                              layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
                              key_transform: Optional[str] = None, center_values: bool = False,
                              sink_tokens: Optional[int] = None, sink_codec: Optional[str] = None,
+                             prefix_blocks: Optional[Sequence[bytes]] = None,
                              timeout: Optional[float] = None) -> Session:
         """As turbokv.Client.create_session."""
         request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
                                          max_tokens, idle_ttl, pinned, preset, layer_codecs,
-                                         key_transform, center_values, sink_tokens, sink_codec)
+                                         key_transform, center_values, sink_tokens, sink_codec, prefix_blocks)
         response = await self._invoke(
             lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
             timeout, idempotent=False)
-        return Session(self, response.session_id, response.config)
+        return _common.started(Session(self, response.session_id, response.config), response)
 
     async def session(self, session_id: str, *, timeout: Optional[float] = None) -> Session:
         """As turbokv.Client.session."""

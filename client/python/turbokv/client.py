@@ -117,6 +117,22 @@ class Session(_common.SessionBase):
             timeout, idempotent=False)
         return Session(self._client, response.session_id, response.session.config)
 
+    def name_blocks(self, first_block: int, hashes: Sequence[bytes], *,
+                    timeout: Optional[float] = None) -> pb.NameBlocksResponse:
+        """Names blocks first_block, first_block + 1, ... (each full in every
+        layer) by their hashes (turbokv.block_hashes over the session's token
+        ids) so that later sessions of this tenant can start with them
+        (Client.create_session(prefix_blocks=)). Blocks are named in order; a
+        block named again must get the same hash (FailedPrecondition
+        otherwise). Returns named_blocks and reusable_from_blocks: a shorter
+        prefix is not reused, its pages depending on tokens past it (append a
+        shared prefix as its own first chunk)."""
+        request = pb.NameBlocksRequest(session_id=self.id, first_block=_tensors.index(first_block, "first_block"),
+                                       block_hashes=_common.hash_list(hashes, "hashes"))
+        return self._client._invoke(
+            lambda deadline: self._client._stub.NameBlocks(request, timeout=deadline, metadata=self._client._metadata),
+            timeout, idempotent=True)
+
     def truncate(self, tokens: int, *, timeout: Optional[float] = None) -> pb.SessionInfo:
         """Every layer keeps its first `tokens` tokens; returns the session's info."""
         request = pb.TruncateSessionRequest(session_id=self.id, tokens=_tensors.index(tokens, "tokens"))
@@ -302,6 +318,7 @@ class Client:
                        layer_codecs: Optional[Sequence[Tuple[int, int, Optional[str], Optional[str]]]] = None,
                        key_transform: Optional[str] = None, center_values: bool = False,
                        sink_tokens: Optional[int] = None, sink_codec: Optional[str] = None,
+                       prefix_blocks: Optional[Sequence[bytes]] = None,
                        timeout: Optional[float] = None) -> Session:
         """A new session of the model shape. Codecs: f16, q8_0, q4_0, turbo2,
         turbo3, turbo4, or a preset (turbokv.PRESETS: k8v4, k4v4, k4v3, k3v4,
@@ -315,14 +332,18 @@ class Client:
         "center_scale"; None: the daemon's default, center_scale);
         center_values: values centered too; sink_tokens: the first tokens of
         every layer kept apart in sink_codec ("f16" or "q8_0"; None: the
-        daemon's default, 4 in f16)."""
+        daemon's default, 4 in f16). prefix_blocks: the hashes of its first
+        blocks (turbokv.block_hashes): it starts with the longest prefix of
+        them that a session of this tenant and storage named
+        (Session.name_blocks), sharing its pages; session.prefix_tokens says
+        how many tokens per layer it got."""
         request = _common.create_request(layers, kv_heads, q_heads, head_dim, key_codec, value_codec, rotation_seed,
                                          max_tokens, idle_ttl, pinned, preset, layer_codecs,
-                                         key_transform, center_values, sink_tokens, sink_codec)
+                                         key_transform, center_values, sink_tokens, sink_codec, prefix_blocks)
         response = self._invoke(
             lambda deadline: self._stub.CreateSession(request, timeout=deadline, metadata=self._metadata),
             timeout, idempotent=False)
-        return Session(self, response.session_id, response.config)
+        return _common.started(Session(self, response.session_id, response.config), response)
 
     def session(self, session_id: str, *, timeout: Optional[float] = None) -> Session:
         """A handle on an existing session (SessionNotFound when there is none)."""

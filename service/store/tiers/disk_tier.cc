@@ -30,10 +30,13 @@ constexpr char kMagic[4] = {'T', 'K', 'V', 'R'};
 // 3: it holds the key transform, value centering and sink tokens, and each
 // layer's entry its transform and sink page; 4: a page names the shared
 // tier's copy of it and a manifest the session's epoch there (a stacked
-// daemon's). Records of versions 1 to 3 are still read, and a record
-// that holds neither is written as version 3 (a turbokvd of before reads it).
-constexpr uint16_t kVersion = 4;
+// daemon's); 5: a manifest also lists the blocks its session named for
+// reuse. Records of versions 1 to 4 are still read, and each record is
+// written in the oldest version that holds what it has (a turbokvd of before
+// reads it).
+constexpr uint16_t kVersion = 5;
 constexpr uint16_t kVersionWithoutRedis = 3;
+constexpr uint16_t kVersionShared = 4;
 constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kFrameBytes = 24;  // magic, version, type, 0, lsn, header bytes, payload bytes
 constexpr size_t kCrcBytes = 4;
@@ -267,7 +270,7 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
       if (type == kPage) {
         page = PageInfo{lsn, session, header.Get<int32_t>(), header.Get<int32_t>(), header.Get<int32_t>(),
                         static_cast<CodecKind>(header.Get<uint8_t>()), static_cast<CodecKind>(header.Get<uint8_t>()),
-                        header.Get<uint64_t>(), tenant, version >= 4 ? header.GetString() : ""};
+                        header.Get<uint64_t>(), tenant, version >= kVersionShared ? header.GetString() : ""};
       }
       auto record = std::make_shared<Record>(this, lsn, bytes, page.shared_name);
       record->segment = segment.get();
@@ -336,7 +339,10 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
       }
       session.layers.push_back(std::move(layer));
     }
-    if (manifest.version >= 4) session.shared_epoch = in.Get<int64_t>();
+    if (manifest.version >= kVersionShared) session.shared_epoch = in.Get<int64_t>();
+    if (!malformed && manifest.version >= kVersion) {
+      malformed = !GetNamedBlocks(in, "its manifest on disk", &session.named).ok();
+    }
     if (malformed || in.short_read()) {
       damaged[id] = "its manifest on disk is malformed";
       continue;
@@ -412,8 +418,8 @@ absl::StatusOr<std::shared_ptr<TierRecord>> DiskTier::PutPage(const PageKey& key
   Put<uint8_t>(&header, static_cast<uint8_t>(key.key_codec));
   Put<uint8_t>(&header, static_cast<uint8_t>(key.value_codec));
   Put<uint64_t>(&header, key.rotation_seed);
-  const uint16_t version = key.shared_name.empty() ? kVersionWithoutRedis : kVersion;
-  if (version >= 4) PutString(&header, key.shared_name);
+  const uint16_t version = key.shared_name.empty() ? kVersionWithoutRedis : kVersionShared;
+  if (version >= kVersionShared) PutString(&header, key.shared_name);
   const size_t bytes = kFrameBytes + header.size() + page.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   if (static_cast<size_t>(live_bytes_ + queued_bytes_) + bytes > options_.budget_bytes) {
@@ -446,8 +452,11 @@ std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
     for (const auto& page : layer.pages) Put<uint64_t>(&header, page->lsn());
     PutLayerExtras(&header, layer.extras);
   }
-  const uint16_t version = session.shared_epoch == 0 ? kVersionWithoutRedis : kVersion;
-  if (version >= 4) Put<int64_t>(&header, session.shared_epoch);
+  const uint16_t version = !session.named.hashes.empty() ? kVersion
+                           : session.shared_epoch == 0 ? kVersionWithoutRedis
+                                                       : kVersionShared;
+  if (version >= kVersionShared) Put<int64_t>(&header, session.shared_epoch);
+  if (version >= kVersion) PutNamedBlocks(&header, session.named);
   const size_t bytes = kFrameBytes + header.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   auto record = std::make_shared<Record>(this, next_lsn_, bytes);

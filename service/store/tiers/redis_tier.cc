@@ -25,8 +25,11 @@ constexpr char kPageMagic[4] = {'T', 'K', 'V', 'P'};
 constexpr char kManifestMagic[4] = {'T', 'K', 'V', 'M'};
 // 2: a manifest's session header holds the key transform, value centering
 // and sink tokens, and each layer's entry its transform and sink page;
-// manifests of version 1 are still read (pages are unchanged).
-constexpr uint16_t kVersion = 2;
+// manifests of version 1 are still read (pages are unchanged); 3: it also
+// lists the blocks the session named for reuse (written only then, so that
+// a turbokvd of before reads the others).
+constexpr uint16_t kVersion = 3;
+constexpr uint16_t kVersionUnnamed = 2;
 constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kEpochOffset = 8;         // in a page and in a manifest: after magic, version, 0
 constexpr size_t kPageHeaderBytes = 48;    // magic .. payload CRC
@@ -602,7 +605,8 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
   std::shared_ptr<SessionState> state = StateOf(session.header.id, session.header.tenant);
   state->layers = std::max(state->layers, static_cast<int>(session.layers.size()));
   std::string value(kManifestMagic, sizeof(kManifestMagic));
-  Put<uint16_t>(&value, kVersion);
+  const bool named = !session.named.hashes.empty();
+  Put<uint16_t>(&value, named ? kVersion : kVersionUnnamed);
   Put<uint16_t>(&value, 0);
   Put<int64_t>(&value, 0);  // the epoch, when sent
   PutSessionHeader(&value, session.header);
@@ -633,6 +637,7 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
     }
     PutLayerExtras(&value, layer.extras);
   }
+  if (named) PutNamedBlocks(&value, session.named);
   for (auto it = state->copies.begin(); it != state->copies.end();) {
     it = it->second.expired() ? state->copies.erase(it) : std::next(it);
   }
@@ -1449,6 +1454,9 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
     } else if (!tail.first.empty()) {
       superseded.push_back(std::move(tail.first));
     }
+  }
+  if (version >= 3 && !GetNamedBlocks(in, "the Redis manifest", &session.named).ok()) {
+    return damaged("holds malformed named blocks");
   }
   if (in.short_read()) return damaged("is cut short");
   // Every page the session is said to have is there (PEXPIRE answers 0 for

@@ -101,6 +101,7 @@ struct TierSession {
   // written under when a shared tier is above it (StackedTier), 0 when none
   // is.
   int64_t shared_epoch = 0;
+  NamedBlocks named;  // the blocks it named for reuse
 };
 
 // What a tier held at start.

@@ -44,6 +44,11 @@ class KvCacheServiceStub(object):
                 request_serializer=turbokv_dot_v1_dot_turbokv__pb2.ForkSessionRequest.SerializeToString,
                 response_deserializer=turbokv_dot_v1_dot_turbokv__pb2.ForkSessionResponse.FromString,
                 )
+        self.NameBlocks = channel.unary_unary(
+                '/turbokv.v1.KvCacheService/NameBlocks',
+                request_serializer=turbokv_dot_v1_dot_turbokv__pb2.NameBlocksRequest.SerializeToString,
+                response_deserializer=turbokv_dot_v1_dot_turbokv__pb2.NameBlocksResponse.FromString,
+                )
         self.Append = channel.stream_stream(
                 '/turbokv.v1.KvCacheService/Append',
                 request_serializer=turbokv_dot_v1_dot_turbokv__pb2.AppendRequest.SerializeToString,
@@ -120,6 +125,12 @@ class KvCacheServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ForkSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NameBlocks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +225,11 @@ def add_KvCacheServiceServicer_to_server(servicer, server):
                     servicer.ForkSession,
                     request_deserializer=turbokv_dot_v1_dot_turbokv__pb2.ForkSessionRequest.FromString,
                     response_serializer=turbokv_dot_v1_dot_turbokv__pb2.ForkSessionResponse.SerializeToString,
+            ),
+            'NameBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.NameBlocks,
+                    request_deserializer=turbokv_dot_v1_dot_turbokv__pb2.NameBlocksRequest.FromString,
+                    response_serializer=turbokv_dot_v1_dot_turbokv__pb2.NameBlocksResponse.SerializeToString,
             ),
             'Append': grpc.stream_stream_rpc_method_handler(
                     servicer.Append,
@@ -364,6 +380,23 @@ class KvCacheService(object):
         return grpc.experimental.unary_unary(request, target, '/turbokv.v1.KvCacheService/ForkSession',
             turbokv_dot_v1_dot_turbokv__pb2.ForkSessionRequest.SerializeToString,
             turbokv_dot_v1_dot_turbokv__pb2.ForkSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def NameBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/turbokv.v1.KvCacheService/NameBlocks',
+            turbokv_dot_v1_dot_turbokv__pb2.NameBlocksRequest.SerializeToString,
+            turbokv_dot_v1_dot_turbokv__pb2.NameBlocksResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
