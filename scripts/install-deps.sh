@@ -15,6 +15,7 @@ packages=(
   libabsl-dev libhwy-dev libgtest-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc openssl libssl-dev
   prometheus-cpp-dev prometheus clang-14 libclang-rt-14-dev libhiredis-dev redis-server
+  libzmq3-dev python3-zmq python3-msgpack
   python3-grpcio python3-protobuf python3-numpy python3-yaml python3-pip python3-venv python3-torch python3-jsonschema
 )
 if [ "${1:-}" = "--real-model" ]; then

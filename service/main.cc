@@ -107,6 +107,18 @@ Flags (--name=value or --name value):
                            (default 127.0.0.1:9464)
   --health-listen=HOST:PORT     a listener serving only grpc.health.v1, for
                            Kubernetes probes (default none)
+  --kv-events-endpoint=ADDR  publish KV events for routers on a ZeroMQ PUB
+                           socket bound here, e.g. tcp://127.0.0.1:5557: the
+                           blocks named for reuse, stored and removed, per
+                           medium (memory, disk, redis), in vLLM's format
+                           (docs/OPERATIONS.md "KV events") (default none)
+  --kv-events-replay-endpoint=ADDR  a ZeroMQ ROUTER socket bound here answers
+                           replay requests (from a sequence number; older
+                           than the last --kv-events-buffer batches: a
+                           snapshot of what is held) (default none)
+  --kv-events-topic=TOPIC  the first frame of every event message (default
+                           kv-events)
+  --kv-events-buffer=N     batches kept for replay (default 10000)
   --snapshot-dir=DIR       load sessions from DIR at start, write them there on
                            SIGTERM and on the Snapshot call (default none)
   --auth-tokens-file=PATH  lines "TOKEN TENANT": calls need "authorization:
@@ -201,6 +213,17 @@ int main(int argc, char** argv) {
       options.max_message_bytes = static_cast<int>(*bytes);
     } else if (name == "max-tokens") {
       if (!absl::SimpleAtoi(value, &options.max_tokens) || options.max_tokens < 1) return Fail(flag + ": expected a count >= 1");
+    } else if (name == "kv-events-endpoint") {
+      options.kv_events.endpoint = value;
+    } else if (name == "kv-events-replay-endpoint") {
+      options.kv_events.replay_endpoint = value;
+    } else if (name == "kv-events-topic") {
+      options.kv_events.topic = value;
+    } else if (name == "kv-events-buffer") {
+      if (!absl::SimpleAtoi(value, &options.kv_events.buffer_batches) || options.kv_events.buffer_batches < 1 ||
+          options.kv_events.buffer_batches > (size_t{1} << 24)) {
+        return Fail(flag + ": expected a count in [1, 16777216]");
+      }
     } else if (name == "snapshot-dir") {
       options.snapshot_dir = value;
     } else if (name == "spill-dir") {

@@ -260,6 +260,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   store.high_watermark = options.high_watermark;
   store.low_watermark = options.low_watermark;
   store.on_takeover = [metrics = server->metrics_.get()](TakeoverResult result) { metrics->CountTakeover(result); };
+  if (!options.kv_events.endpoint.empty()) {
+    KvEventsOptions kv_events = options.kv_events;
+    kv_events.block_tokens = options.page_tokens;
+    absl::StatusOr<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(kv_events);
+    if (!publisher.ok()) return publisher.status();
+    server->kv_events_ = *std::move(publisher);
+    store.on_block_events = [publisher = server->kv_events_.get()](std::vector<BlockEvent> events) {
+      publisher->Publish(events);
+    };
+  }
   std::unique_ptr<Tier> tier;
   if (!options.redis_url.empty() && !options.snapshot_dir.empty()) {
     return absl::InvalidArgumentError(
@@ -319,6 +329,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                            : std::make_unique<StackedTier>(*std::move(opened), std::move(tier));
   }
   server->store_ = std::make_unique<SessionStore>(store, std::move(tier));
+  if (server->kv_events_ != nullptr) {
+    server->kv_events_->SetSnapshot(
+        [index = &server->store_->prefix_index()](const std::function<void(std::vector<BlockEvent>)>& fill) {
+          index->Snapshot(fill);
+        });
+  }
   HandlerOptions handler;
   handler.kernel_pool = server->kernel_pool_.get();
   handler.max_tokens = options.max_tokens;

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "service/kv_events.h"
 #include "service/store/session_store.h"
 
 namespace grpc {
@@ -52,6 +53,9 @@ struct ServerOptions {
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are checked (and gauges refreshed)
   // host:port of the Prometheus endpoint (/metrics); port 0 picks one; empty: none.
   std::string metrics_listen = "127.0.0.1:9464";
+  // KV events (empty endpoint: none): the blocks held for reuse, per medium,
+  // as vLLM's KV events over ZeroMQ (service/kv_events.h).
+  KvEventsOptions kv_events;
   // Sessions are loaded from here at start and written here on Shutdown and
   // on the Snapshot call (empty: in memory only).
   std::string snapshot_dir;
@@ -169,6 +173,7 @@ class Server {
   std::string metrics_endpoint_;
   std::unique_ptr<ThreadPool> kernel_pool_;
   std::unique_ptr<Backend> backend_;
+  std::unique_ptr<KvEventPublisher> kv_events_;  // the store's index publishes through it: it goes after
   std::unique_ptr<SessionStore> store_;
   const RedisTier* redis_tier_ = nullptr;  // with --redis-url: in store_'s tier
   std::unique_ptr<Handler> handler_;

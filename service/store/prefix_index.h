@@ -16,10 +16,16 @@
 // An entry lives as long as a session holds it: the session's removal
 // (delete, eviction, expiry, another daemon's claim) and truncation drop it.
 // A demoted session still holds its blocks (an attach promotes it).
+//
+// Each holding is in one medium: "memory" while its session is resident,
+// else the tier it was demoted to. The index says when a block hash comes to
+// be held in a medium (by any session of any scope) and when the last holder
+// there lets go: the events a router consumes (service/kv_events.h).
 // Thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -30,15 +36,34 @@
 
 namespace turbokv {
 
+// A change in the blocks held in a medium, as routers' KV events name them.
+struct BlockEvent {
+  enum Kind { kStored, kRemoved, kCleared } kind = kStored;
+  std::string medium;
+  // kStored: consecutive blocks of one chain, `parent` the hash of the
+  // block before the first (has_parent false for block 0); kRemoved: any.
+  std::vector<std::string> hashes;
+  std::string parent;
+  bool has_parent = false;
+};
+// Receives each call's events, in order, under the index's lock: it must
+// not call back into the index.
+using BlockEventSink = std::function<void(std::vector<BlockEvent>)>;
+
+constexpr char kMemoryMedium[] = "memory";
+
 // The scope of a session's blocks: its tenant and the storage its config
 // decides, without the rotation seed.
 std::string PrefixScope(const std::string& tenant, const SessionConfig& config);
 
 class PrefixIndex {
  public:
+  explicit PrefixIndex(BlockEventSink sink = nullptr) : sink_(std::move(sink)) {}
+
   // What a session holds: blocks 0 .. hashes.size() - 1.
   struct Holding {
     std::string scope;
+    std::string medium = kMemoryMedium;
     uint64_t seed = 0;
     std::vector<std::string> hashes;
     // A prefix of this session can be reused only when it reaches this many
@@ -60,6 +85,11 @@ class PrefixIndex {
   // Keeps the first `blocks` blocks session `id` holds.
   void Truncate(const std::string& id, size_t blocks);
   void Remove(const std::string& id) { Truncate(id, 0); }
+  // Moves what session `id` holds to `medium`.
+  void Move(const std::string& id, const std::string& medium);
+  // Calls fill(events) under the index's lock with the blocks held now, as
+  // events that build them from nothing (a cleared state first).
+  void Snapshot(const std::function<void(std::vector<BlockEvent>)>& fill) const;
 
   // The sessions of `scope` (and `seed`, when given) holding a prefix of
   // `hashes` that they may share, longest first; each session once.
@@ -71,13 +101,21 @@ class PrefixIndex {
 
  private:
   static std::string Key(const std::string& scope, size_t block, const std::string& hash);
-  // Under mutex_: adds / removes `id` as a holder of its blocks [from, to).
-  void Link(const std::string& id, const Holding& holding, size_t from, size_t to);
-  void Unlink(const std::string& id, const Holding& holding, size_t from, size_t to);
+  // Under mutex_: adds / removes `id` as a holder of its blocks [from, to),
+  // adding the events of the blocks that come to be held in the holding's
+  // medium or stop being.
+  void Link(const std::string& id, const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events);
+  void Unlink(const std::string& id, const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events);
+  void Emit(std::vector<BlockEvent> events) const {
+    if (sink_ != nullptr && !events.empty()) sink_(std::move(events));
+  }
 
+  const BlockEventSink sink_;
   mutable std::mutex mutex_;
   std::unordered_map<std::string, Holding> holdings_;                // by session id
   std::unordered_map<std::string, std::vector<std::string>> holders_;  // by Key(): session ids
+  // Holdings of each hash in each medium (medium, NUL, hash), over scopes.
+  std::unordered_map<std::string, int> held_;
 };
 
 }  // namespace turbokv

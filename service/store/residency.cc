@@ -359,6 +359,7 @@ absl::Status SessionStore::Demote(SessionCache& session) {
   session.shared_charge_.reset();
   session.demoted_ = std::make_unique<TierSession>(*std::move(image));
   demotions_.fetch_add(1);
+  prefix_index_.Move(session.id(), tier_->name());
   return absl::OkStatus();
 }
 
@@ -472,6 +473,7 @@ absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl:
   session.demoted_.reset();
   NoteManifestExtras(session);  // what was loaded is what its manifest held
   promotions_.fetch_add(1);
+  prefix_index_.Move(session.id(), kMemoryMedium);
   return absl::OkStatus();
 }
 
@@ -692,6 +694,7 @@ absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bo
   std::vector<int64_t> tokens;
   for (const TierLayer& layer : image.layers) tokens.push_back(layer.tokens);
   PrefixIndex::Holding holding = HoldingOf(*session, std::move(image.named), tokens);
+  holding.medium = tier_->name();
   session->demoted_ = std::make_unique<TierSession>(std::move(image));
   absl::Status inserted;
   {

@@ -105,7 +105,8 @@ SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> ti
     : options_(options),
       own_backend_(options.backend == nullptr ? std::make_unique<CpuBackend>() : nullptr),
       pool_(options.backend != nullptr ? options.backend : own_backend_.get(), options.budget_bytes),
-      tier_(std::move(tier)) {}
+      tier_(std::move(tier)),
+      prefix_index_(options.on_block_events) {}
 
 SessionStore::~SessionStore() {
   // The sessions' records are still theirs on the tier: going away here
@@ -242,13 +243,16 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::ForkAs(SessionCache&
   // pages: every sealed page gets one first (best effort: what is not on
   // the tier yet is the fork's unsealed tail there).
   if (tier_ != nullptr) WriteThrough(source, true).IgnoreError();
-  const size_t shared = SessionSharedMetadataBytes(config);
-  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(SessionMetadataBytes(config) - shared);
-  if (!charge.ok()) return charge.status();
   // Past the sink tokens the fork shares the source's codecs, sink pages and
   // transforms; with fewer, it makes its own.
-  absl::StatusOr<std::shared_ptr<const void>> shared_charge =
-      prefix > config.sink_tokens ? source.shared_charge_ : pool_.Charge(shared);
+  const bool shares = prefix > config.sink_tokens;
+  const size_t shared = SessionSharedMetadataBytes(config);
+  const size_t own = SessionMetadataBytes(config) - shared;
+  const SessionCache* held[] = {&source};
+  TURBOKV_RETURN_IF_ERROR(MakeRoom(own + (shares ? 0 : shared), held));
+  absl::StatusOr<std::shared_ptr<const void>> charge = pool_.Charge(own);
+  if (!charge.ok()) return charge.status();
+  absl::StatusOr<std::shared_ptr<const void>> shared_charge = shares ? source.shared_charge_ : pool_.Charge(shared);
   if (!shared_charge.ok()) return shared_charge.status();
   auto fork = std::make_shared<SessionCache>(NewSessionId(), source.tenant(), config, now);
   fork->charge_ = *std::move(charge);
@@ -267,6 +271,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::ForkAs(SessionCache&
     Drop(fork.get());
     return inserted;
   }
+  holding.medium = kMemoryMedium;  // whatever the source's was when it was read
   prefix_index_.Set(fork->id(), std::move(holding));
   return fork;
 }

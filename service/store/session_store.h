@@ -101,6 +101,9 @@ struct StoreOptions {
   // A shared tier: called as each call naming a session this daemon did not
   // hold ends its claim, before the call is answered (metrics count them).
   std::function<void(TakeoverResult)> on_takeover;
+  // Told of the changes in the blocks held for reuse, per medium
+  // (PrefixIndex): the daemon's KV events. Null: none.
+  BlockEventSink on_block_events;
   // A promotion whose room is held by sessions in calls waits this long for
   // them (in line with the other promotions) before RESOURCE_EXHAUSTED.
   absl::Duration promotion_patience = absl::Seconds(5);

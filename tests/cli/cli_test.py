@@ -221,6 +221,12 @@ class CliTest(unittest.TestCase):
         self.assertEqual(self.json("get", started["session_id"])["layer_tokens"], [128, 128])
         other = self.json("create", *shape, f"--prefix-tokens={tokens}", "--salt=model-b")
         self.assertEqual(other["prefix_tokens"], 0)
+        # The Python client's hashes of the same ids are the C++ client's.
+        import turbokv
+        with turbokv.Client(self.target) as client:
+            python = client.create_session(2, 2, 4, 128, prefix_blocks=turbokv.block_hashes(
+                [1000 + i for i in range(150)], 64, salt="model-a"))
+            self.assertEqual(python.prefix_tokens, 128)
         with open(tokens, "w") as f:
             f.write("1, 2, x")
         out = self.run_cli("create", *shape, f"--prefix-tokens={tokens}")

@@ -300,6 +300,47 @@ TEST_P(PrefixTest, NamingChecksOrderFullnessAndHashes) {
   expect(handler_->CreateSession(request).status(), absl::StatusCode::kInvalidArgument, "prefix_blocks[1] is 0 bytes");
 }
 
+// Events as text: "+medium:h1,h2<parent" for BlockStored, "-medium:h1,h2"
+// for BlockRemoved, "clear".
+std::vector<std::string> Text(const std::vector<BlockEvent>& events) {
+  std::vector<std::string> out;
+  for (const BlockEvent& e : events) {
+    std::string line = e.kind == BlockEvent::kCleared ? "clear" : (e.kind == BlockEvent::kStored ? "+" : "-") + e.medium + ":";
+    for (size_t i = 0; i < e.hashes.size(); ++i) line += (i > 0 ? "," : "") + e.hashes[i];
+    if (e.has_parent) line += "<" + e.parent;
+    out.push_back(line);
+  }
+  return out;
+}
+
+TEST(PrefixIndexTest, ItTellsWhenAHashComesToBeHeldInAMediumAndWhenItStops) {
+  std::vector<std::vector<std::string>> batches;
+  PrefixIndex index([&](std::vector<BlockEvent> events) { batches.push_back(Text(events)); });
+  auto holding = [](std::string scope, std::vector<std::string> hashes) {
+    PrefixIndex::Holding h;
+    h.scope = std::move(scope);
+    h.hashes = std::move(hashes);
+    return h;
+  };
+  index.Set("a", holding("alice", {"x", "y", "z"}));
+  index.Set("b", holding("bob", {"x", "q"}));  // another tenant's x: held once in memory
+  index.Set("a", holding("alice", {"x", "y", "z", "w"}));  // one block more: only it is new
+  index.Move("a", "disk");
+  index.Truncate("b", 1);
+  index.Remove("b");
+  index.Truncate("a", 2);
+  using V = std::vector<std::string>;
+  EXPECT_EQ(batches, (std::vector<V>{V{"+memory:x,y,z"}, V{"+memory:q<x"}, V{"+memory:w<z"},
+                                     V{"-memory:y,z,w", "+disk:x,y,z,w"}, V{"-memory:q"}, V{"-memory:x"},
+                                     V{"-disk:z,w"}}));
+  std::vector<std::string> snapshot;
+  index.Snapshot([&](std::vector<BlockEvent> events) { snapshot = Text(events); });
+  ASSERT_EQ(snapshot.size(), 2u);
+  EXPECT_EQ(snapshot[0], "clear");
+  EXPECT_TRUE(snapshot[1] == "+disk:x,y" || snapshot[1] == "+disk:y,x") << snapshot[1];
+  EXPECT_EQ(index.blocks(), 2u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, PrefixTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
 }  // namespace

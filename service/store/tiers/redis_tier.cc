@@ -558,7 +558,7 @@ void RedisTier::Enqueue(Job job) {
 
 absl::StatusOr<std::shared_ptr<TierRecord>> RedisTier::PutPage(const PageKey& key, absl::string_view page, bool force) {
   std::string value(kPageMagic, sizeof(kPageMagic));
-  Put<uint16_t>(&value, kVersion);
+  Put<uint16_t>(&value, kVersionUnnamed);  // pages are the same in every version
   Put<uint16_t>(&value, 0);
   Put<int64_t>(&value, 0);  // the epoch, when sent
   Put<int32_t>(&value, key.layer);

@@ -1,0 +1,262 @@
+#include "service/kv_events.h"
+
+#include <zmq.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "service/log.h"
+
+namespace turbokv {
+namespace {
+
+// msgpack, the few types the events use (big-endian lengths and numbers).
+class Msgpack {
+ public:
+  void Array(size_t n) { Header(n, 0x90, 15, 0xdc, 0xdd); }
+  void Str(const std::string& s) {
+    if (s.size() <= 31) {
+      out_.push_back(static_cast<char>(0xa0 | s.size()));
+    } else {
+      Header(s.size(), 0, 0, 0xda, 0xdb, 0xd9);
+    }
+    out_ += s;
+  }
+  void Bin(const std::string& b) {
+    Header(b.size(), 0, 0, 0xc5, 0xc6, 0xc4);
+    out_ += b;
+  }
+  void Nil() { out_.push_back(static_cast<char>(0xc0)); }
+  void Int(int64_t v) {
+    if (v >= 0 && v <= 127) {
+      out_.push_back(static_cast<char>(v));
+      return;
+    }
+    out_.push_back(static_cast<char>(0xd3));
+    BigEndian(static_cast<uint64_t>(v), 8);
+  }
+  void Double(double v) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, 8);
+    out_.push_back(static_cast<char>(0xcb));
+    BigEndian(bits, 8);
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  void BigEndian(uint64_t v, int bytes) {
+    for (int i = bytes - 1; i >= 0; --i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  }
+  // A length: a fixed form up to `fixed_max` (when fixed_max > 0), else 8-
+  // (when one8 is set), 16- or 32-bit forms.
+  void Header(size_t n, uint8_t fixed, size_t fixed_max, uint8_t one16, uint8_t one32, uint8_t one8 = 0) {
+    if (fixed_max > 0 && n <= fixed_max) {
+      out_.push_back(static_cast<char>(fixed | n));
+    } else if (one8 != 0 && n <= 0xff) {
+      out_.push_back(static_cast<char>(one8));
+      BigEndian(n, 1);
+    } else if (n <= 0xffff) {
+      out_.push_back(static_cast<char>(one16));
+      BigEndian(n, 2);
+    } else {
+      out_.push_back(static_cast<char>(one32));
+      BigEndian(n, 4);
+    }
+  }
+
+  std::string out_;
+};
+
+std::string SeqBytes(int64_t seq) {
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((static_cast<uint64_t>(seq) >> (8 * (7 - i))) & 0xff);
+  return bytes;
+}
+
+// Sends frames as one message; false when the socket refuses it.
+bool SendFrames(void* socket, const std::vector<const std::string*>& frames) {
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const int flags = (i + 1 < frames.size() ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT;
+    if (zmq_send(socket, frames[i]->data(), frames[i]->size(), flags) < 0) return false;
+  }
+  return true;
+}
+
+double Now() { return absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()); }
+
+}  // namespace
+
+std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events, int block_tokens) {
+  Msgpack m;
+  m.Array(2);
+  m.Double(ts);
+  m.Array(events.size());
+  for (const BlockEvent& event : events) {
+    switch (event.kind) {
+      case BlockEvent::kStored:
+        m.Array(8);
+        m.Str("BlockStored");
+        m.Array(event.hashes.size());
+        for (const std::string& hash : event.hashes) m.Bin(hash);
+        if (event.has_parent) {
+          m.Bin(event.parent);
+        } else {
+          m.Nil();
+        }
+        m.Array(0);  // token ids: the daemon never sees them
+        m.Int(block_tokens);
+        m.Nil();  // lora_id
+        m.Str(event.medium);
+        m.Nil();  // lora_name
+        break;
+      case BlockEvent::kRemoved:
+        m.Array(3);
+        m.Str("BlockRemoved");
+        m.Array(event.hashes.size());
+        for (const std::string& hash : event.hashes) m.Bin(hash);
+        m.Str(event.medium);
+        break;
+      case BlockEvent::kCleared:
+        m.Array(1);
+        m.Str("AllBlocksCleared");
+        break;
+    }
+  }
+  return m.Take();
+}
+
+absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(const KvEventsOptions& options) {
+  std::unique_ptr<KvEventPublisher> publisher(new KvEventPublisher(options));
+  publisher->context_ = zmq_ctx_new();
+  if (publisher->context_ == nullptr) return absl::InternalError("cannot make a ZeroMQ context");
+  const int linger_ms = 1000;
+  const int hwm = static_cast<int>(std::min<size_t>(options.buffer_batches + 16, 1 << 30));
+  auto open = [&](int type, const std::string& endpoint, const char* flag) -> absl::StatusOr<void*> {
+    void* socket = zmq_socket(publisher->context_, type);
+    if (socket == nullptr) return absl::InternalError(absl::StrCat("cannot make a ZeroMQ socket: ", zmq_strerror(errno)));
+    zmq_setsockopt(socket, ZMQ_LINGER, &linger_ms, sizeof(linger_ms));
+    zmq_setsockopt(socket, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    if (zmq_bind(socket, endpoint.c_str()) != 0) {
+      const std::string why = zmq_strerror(errno);
+      zmq_close(socket);
+      return absl::InvalidArgumentError(absl::StrCat(flag, "=", endpoint, ": cannot bind: ", why));
+    }
+    return socket;
+  };
+  absl::StatusOr<void*> pub = open(ZMQ_PUB, options.endpoint, "--kv-events-endpoint");
+  if (!pub.ok()) return pub.status();
+  publisher->pub_ = *pub;
+  if (!options.replay_endpoint.empty()) {
+    absl::StatusOr<void*> replay = open(ZMQ_ROUTER, options.replay_endpoint, "--kv-events-replay-endpoint");
+    if (!replay.ok()) return replay.status();
+    publisher->replay_ = *replay;
+  }
+  BlockEvent cleared;
+  cleared.kind = BlockEvent::kCleared;
+  publisher->Publish({cleared});
+  publisher->thread_ = std::thread([p = publisher.get()] { p->Run(); });
+  return publisher;
+}
+
+KvEventPublisher::~KvEventPublisher() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+  if (pub_ != nullptr) zmq_close(pub_);
+  if (replay_ != nullptr) zmq_close(replay_);
+  if (context_ != nullptr) zmq_ctx_term(context_);
+}
+
+void KvEventPublisher::Publish(const std::vector<BlockEvent>& events) {
+  std::string batch = EncodeKvEventBatch(Now(), events, options_.block_tokens);
+  std::lock_guard<std::mutex> lock(mutex_);
+  queued_.emplace_back(next_seq_.fetch_add(1), std::move(batch));
+}
+
+void KvEventPublisher::SetSnapshot(SnapshotFn snapshot) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  snapshot_ = std::move(snapshot);
+}
+
+void KvEventPublisher::Run() {
+  while (!stop_.load()) {
+    zmq_pollitem_t items[1] = {{replay_, 0, ZMQ_POLLIN, 0}};
+    // Batches wait at most this long; replay requests wake it at once.
+    zmq_poll(items, replay_ != nullptr ? 1 : 0, 5);
+    SendQueued();
+    if (replay_ != nullptr && (items[0].revents & ZMQ_POLLIN) != 0) ServeReplay();
+  }
+  SendQueued();
+}
+
+void KvEventPublisher::SendQueued() {
+  std::deque<std::pair<uint64_t, std::string>> batches;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    batches.swap(queued_);
+  }
+  for (auto& [seq, batch] : batches) {
+    const std::string seq_bytes = SeqBytes(static_cast<int64_t>(seq));
+    // A subscriber too slow for the send queue misses batches: the gap in
+    // the numbers tells it to ask for a replay.
+    SendFrames(pub_, {&options_.topic, &seq_bytes, &batch});
+    kept_.emplace_back(seq, std::move(batch));
+    if (kept_.size() > options_.buffer_batches) kept_.pop_front();
+  }
+}
+
+void KvEventPublisher::ServeReplay() {
+  std::vector<std::string> frames;
+  for (;;) {
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    if (zmq_msg_recv(&part, replay_, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&part);
+      return;
+    }
+    frames.emplace_back(static_cast<const char*>(zmq_msg_data(&part)), zmq_msg_size(&part));
+    const bool more = zmq_msg_more(&part) != 0;
+    zmq_msg_close(&part);
+    if (!more) break;
+  }
+  // [identity, empty, start]
+  if (frames.size() != 3 || !frames[1].empty() || frames[2].size() != 8) {
+    Logf(LogLevel::kWarning, "kv events: a replay request of %zu frames is not [empty, 8-byte start]: ignored",
+         frames.size() > 0 ? frames.size() - 1 : 0);
+    return;
+  }
+  uint64_t start = 0;
+  for (char c : frames[2]) start = (start << 8) | static_cast<uint8_t>(c);
+  const std::string empty;
+  auto reply = [&](uint64_t seq, const std::string& batch) {
+    const std::string seq_bytes = SeqBytes(static_cast<int64_t>(seq));
+    return SendFrames(replay_, {&frames[0], &empty, &seq_bytes, &batch});
+  };
+  SendQueued();
+  uint64_t from = start;
+  SnapshotFn snapshot;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    snapshot = snapshot_;
+  }
+  if ((kept_.empty() || start < kept_.front().first) && snapshot != nullptr) {
+    uint64_t seq = 0;
+    std::string batch;
+    snapshot([&](std::vector<BlockEvent> events) {
+      // Under the index's lock: no batch is numbered meanwhile.
+      seq = next_seq_.load() - 1;
+      batch = EncodeKvEventBatch(Now(), events, options_.block_tokens);
+    });
+    if (!reply(seq, batch)) return;
+    SendQueued();
+    from = seq + 1;
+  }
+  for (const auto& [seq, batch] : kept_) {
+    if (seq >= from && !reply(seq, batch)) return;
+  }
+  const std::string end = SeqBytes(-1);
+  SendFrames(replay_, {&frames[0], &empty, &end, &empty});
+}
+
+}  // namespace turbokv

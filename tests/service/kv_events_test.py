@@ -1,0 +1,256 @@
+"""turbokvd's KV events, read as a router would: a subscriber written with
+Debian's python3-zmq and python3-msgpack, decoding the documented schema
+(docs/OPERATIONS.md "KV events"), rebuilds the blocks held per medium while
+10,000 random stores, deletes, truncations and prefetches run against the
+real binary, under a memory budget that demotes sessions to its disk tier and
+a disk budget that drops the oldest. The rebuilt set must equal what the
+sessions hold (ListSessions' residency and the blocks the test named), with
+sequence numbers gap-free once replays filled what the subscriber missed; a
+late subscriber's replay from 0 (older than the batches kept: a snapshot)
+must rebuild the same. Needs $TURBOKVD and the turbokv package on the path."""
+
+import os
+import random
+import subprocess
+import tempfile
+import threading
+import time
+import unittest
+
+import msgpack
+import numpy as np
+import zmq
+
+import turbokv
+
+BLOCK = 64
+MEDIUM = {turbokv.RESIDENCY_MEMORY: "memory", turbokv.RESIDENCY_MEMORY_AND_DISK: "memory",
+          turbokv.RESIDENCY_DISK: "disk"}
+
+
+class Reconstruction:
+    """The blocks held per medium, rebuilt from batches applied in order."""
+
+    def __init__(self):
+        self.media = {}
+        self.seqs = []
+
+    def apply(self, seq, payload):
+        ts, events = msgpack.unpackb(payload, raw=False)
+        assert isinstance(ts, float)
+        for event in events:
+            kind = event[0]
+            if kind == "BlockStored":
+                _, hashes, parent, token_ids, block_size, lora_id, medium, lora_name = event
+                assert parent is None or isinstance(parent, bytes)
+                assert (token_ids, block_size, lora_id, lora_name) == ([], BLOCK, None, None)
+                self.media.setdefault(medium, set()).update(hashes)
+            elif kind == "BlockRemoved":
+                _, hashes, medium = event
+                held = self.media.setdefault(medium, set())
+                missing = set(hashes) - held
+                assert not missing, f"BlockRemoved of {len(missing)} blocks not held in {medium}"
+                held.difference_update(hashes)
+            elif kind == "AllBlocksCleared":
+                assert event == ["AllBlocksCleared"]
+                self.media.clear()
+            else:
+                raise AssertionError(f"unknown event {kind!r}")
+        self.seqs.append(seq)
+
+    def held(self):
+        return {medium: blocks for medium, blocks in self.media.items() if blocks}
+
+
+def replay(context, endpoint, start):
+    """(seq, payload) batches from `start` on, through a DEALER socket."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    batches = []
+    try:
+        while True:
+            if not dealer.poll(10000):
+                raise AssertionError("the replay did not end within 10 s")
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            seq = int.from_bytes(seq, "big", signed=True)
+            if seq == -1:
+                assert payload == b""
+                return batches
+            batches.append((seq, payload))
+    finally:
+        dealer.close(linger=0)
+
+
+class Subscriber(threading.Thread):
+    """Applies every batch in order; a gap is filled by a replay first."""
+
+    def __init__(self, context, endpoint, replay_endpoint):
+        super().__init__(daemon=True)
+        self.context, self.replay_endpoint = context, replay_endpoint
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        self.sub.connect(endpoint)
+        self.state = Reconstruction()
+        self.last = -1
+        self.replays = 0
+        self.last_message = time.monotonic()
+        self.stopping = threading.Event()
+        self.error = None
+
+    def run(self):
+        try:
+            while not self.stopping.is_set():
+                if not self.sub.poll(50):
+                    continue
+                topic, seq, payload = self.sub.recv_multipart()
+                assert topic == b"kv-events"
+                seq = int.from_bytes(seq, "big")
+                self.last_message = time.monotonic()
+                if seq <= self.last:
+                    continue  # a replay already brought it
+                if seq > self.last + 1:
+                    self.replays += 1
+                    for replayed, batch in replay(self.context, self.replay_endpoint, self.last + 1):
+                        if replayed > self.last and replayed < seq:
+                            self.state.apply(replayed, batch)
+                            self.last = replayed
+                self.state.apply(seq, payload)
+                self.last = seq
+        except Exception as e:  # reported by the test
+            self.error = e
+        finally:
+            self.sub.close(linger=0)
+
+
+class KvEventsTest(unittest.TestCase):
+    def test_a_subscriber_rebuilds_the_blocks_held_per_medium(self):
+        rng = random.Random(7)
+        with tempfile.TemporaryDirectory(prefix="turbokv-events-") as tmp:
+            target = f"unix://{tmp}/turbokv.sock"
+            events, replay_at = f"ipc://{tmp}/events", f"ipc://{tmp}/replay"
+            log = open(os.path.join(tmp, "turbokvd.log"), "w")
+            daemon = subprocess.Popen(
+                [os.environ["TURBOKVD"], f"--listen={target}", "--device=cpu", "--threads=1", "--metrics-listen=",
+                 "--memory-budget=160KiB", "--eviction=lru", f"--spill-dir={tmp}/spill", "--spill-budget=160KiB",
+                 "--session-ttl=0", f"--kv-events-endpoint={events}", f"--kv-events-replay-endpoint={replay_at}",
+                 "--kv-events-buffer=500"], stderr=log)
+            context = zmq.Context()
+            subscriber = Subscriber(context, events, replay_at)
+            subscriber.start()
+            try:
+                client = turbokv.Client(target)
+                client.wait_until_ready(30)
+                self.run_workload(client, rng, subscriber, tmp)
+            finally:
+                subscriber.stopping.set()
+                subscriber.join(10)
+                daemon.terminate()
+                daemon.wait(60)
+                log.close()
+                context.term()
+
+    def run_workload(self, client, rng, subscriber, tmp):
+        # Documents: chains of block hashes that sessions share prefixes of.
+        chains = [turbokv.block_hashes(range(1000 * c, 1000 * c + 12 * BLOCK), BLOCK, salt="events")
+                  for c in range(6)]
+        held = {}  # session id -> the hashes it holds
+        ops = {"store": 0, "delete": 0, "truncate": 0, "prefetch": 0, "gone": 0, "refused": 0}
+        # 10,000 random operations on about 70 sessions (more than memory
+        # holds), then stores only until the disk is full and the background
+        # pass drops the oldest sessions on it.
+        for i in range(12000):
+            if i < 10000:
+                weights = [5, 2, 1, 2] if len(held) < 70 else [2, 5, 1, 2]
+                op = rng.choices(["store", "delete", "truncate", "prefetch"], weights)[0] if held else "store"
+            elif client.stats().evictions > 0:
+                break
+            else:
+                op = "store"
+            sid = None
+            try:
+                if op == "store":
+                    chain = rng.choice(chains)[:rng.randint(1, 6)]
+                    s = client.create_session(1, 1, 1, 64, key_codec="turbo2", value_codec="turbo2",
+                                              key_transform="none", sink_tokens=0, prefix_blocks=chain)
+                    sid = s.id
+                    held[sid] = chain[:s.prefix_tokens // BLOCK]
+                    start = s.prefix_tokens
+                    n = len(chain) * BLOCK - start
+                    if n:
+                        data = np.ones((n, 1, 64), np.float32)
+                        s.append(0, start, data, data)
+                    s.name_blocks(0, chain)
+                    held[sid] = list(chain)
+                elif op == "delete":
+                    sid = rng.choice(list(held))
+                    del held[sid]
+                    client.delete_session(sid)
+                elif op == "truncate":
+                    sid = rng.choice(list(held))
+                    blocks = rng.randint(0, len(held[sid]))
+                    client.session(sid).truncate(blocks * BLOCK + rng.randint(0, BLOCK - 1))
+                    held[sid] = held[sid][:blocks]
+                else:
+                    client.prefetch([rng.choice(list(held))])
+            except turbokv.SessionNotFound:
+                # Dropped from the full disk tier meanwhile: gone with its blocks.
+                held.pop(sid, None)
+                ops["gone"] += 1
+                continue
+            except turbokv.BudgetExceeded:
+                # Memory and disk both full until the background pass drops
+                # some: the call changed nothing (a store may have started
+                # its session: it holds what it got).
+                ops["refused"] += 1
+                time.sleep(0.05)
+                continue
+            ops[op] += 1
+
+        # Quiet: no batch for a while, and the sessions' state stable.
+        def expected():
+            want = {}
+            live = set()
+            for info in client.list_sessions():
+                live.add(info.session_id)
+                blocks = held.get(info.session_id, [])
+                if blocks:
+                    want.setdefault(MEDIUM[info.residency], set()).update(blocks)
+            return want, live
+
+        deadline = time.monotonic() + 60
+        while True:
+            want, live = expected()
+            time.sleep(0.5)
+            if time.monotonic() - subscriber.last_message > 0.4 and expected()[0] == want:
+                break
+            self.assertLess(time.monotonic(), deadline, "the daemon did not settle")
+        self.assertIsNone(subscriber.error)
+        for sid in set(held) - live:
+            held.pop(sid)  # dropped (disk full) without a call naming it
+        want, _ = expected()
+        self.assertGreater(len(want.get("disk", ())), 0, "no session was demoted: the budget is too large")
+        self.assertEqual(subscriber.state.held(), want)
+        self.assertEqual(subscriber.state.seqs, list(range(len(subscriber.state.seqs))))
+        self.assertGreater(len(subscriber.state.seqs), 5000)
+        stats = client.stats()
+        self.assertGreater(stats.demotions, 0)
+        self.assertGreater(stats.evictions, 0)  # sessions dropped from the full disk
+
+        # A late subscriber: its replay from 0 begins with a snapshot.
+        late = Reconstruction()
+        batches = replay(subscriber.context, subscriber.replay_endpoint, 0)
+        self.assertGreater(batches[0][0], 0)  # numbered as the last batch it includes
+        self.assertEqual(msgpack.unpackb(batches[0][1])[1][0], ["AllBlocksCleared"])
+        for seq, batch in batches:
+            late.apply(seq, batch)
+        self.assertEqual(late.held(), want)
+        self.assertEqual(batches[-1][0], subscriber.state.seqs[-1])
+        print(f"ops {ops}, batches {len(subscriber.state.seqs)}, replays {subscriber.replays}, "
+              f"demotions {stats.demotions}, evictions {stats.evictions}, "
+              f"blocks held {({m: len(b) for m, b in want.items()})}")
+
+
+if __name__ == "__main__":
+    unittest.main()
