@@ -1,6 +1,6 @@
 // Reuse by content without a network: a session started from named blocks
 // is bit-identical to one that appended the same vectors (ReadKv, Attend,
-// Step), holds no copy of them, is found only in its tenant and storage, and
+// Step, Decode), holds no copy of them, is found only in its tenant and storage, and
 // the index lives as long as a session holds the blocks.
 #include <string>
 #include <vector>
@@ -164,6 +164,27 @@ TEST_P(PrefixTest, AnAttachedPrefixIsBitIdenticalToAppendingItAndCopiesNoPage) {
   EXPECT_EQ(ReadAll(attached), ReadAll(appended));
   EXPECT_EQ(AttendAll(attached, 4 * kBlock + 19), AttendAll(appended, 4 * kBlock + 19));
   EXPECT_EQ(Step(attached, 4 * kBlock + 20), Step(appended, 4 * kBlock + 20));
+  // And in one Decode message, the same token and query for both.
+  for (int l = 0; l < kLayers; ++l) {
+    v1::DecodeRequest decode;
+    decode.set_layer(l);
+    for (const std::string& id : {attached, appended}) {
+      decode.add_session_ids(id);
+      decode.add_positions(4 * kBlock + 21);
+    }
+    const auto q = GaussianVectors(kQ, kDim, 70 + l), k = GaussianVectors(kKv, kDim, 75 + l);
+    std::vector<float> queries = q, keys = k;
+    queries.insert(queries.end(), q.begin(), q.end());
+    keys.insert(keys.end(), k.begin(), k.end());
+    *decode.mutable_queries() = MakeTensor(queries, {2, kQ, kDim});
+    *decode.mutable_keys() = MakeTensor(keys, {2, kKv, kDim});
+    *decode.mutable_values() = MakeTensor(keys, {2, kKv, kDim});
+    auto decoded = handler_->Decode(decode);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    ASSERT_EQ(decoded->failed(), 0);
+    const auto out = TensorFloats(decoded->output());
+    EXPECT_TRUE(std::equal(out.begin(), out.begin() + kQ * kDim, out.begin() + kQ * kDim)) << l;
+  }
   // The storer's own tokens past the prefix are not the attached session's.
   EXPECT_NE(ReadAll(storer), ReadAll(attached));
 

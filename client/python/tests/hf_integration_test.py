@@ -67,6 +67,30 @@ class TransformersIntegrationTest(unittest.TestCase):
             span = float(eager_logits.max() - eager_logits.min())
             self.assertLess(float((logits - eager_logits).abs().max()), 1e-3 * span, name)
 
+    def test_a_prompt_starts_from_the_blocks_an_earlier_generation_stored(self):
+        for name, model in self.models.items():
+            ids = prompt(model.config.vocab_size, 200, 5)
+            mask = torch.ones_like(ids)
+            with tt.TurbokvCache(self.client, model.config, token_ids=ids, salt=name) as first:
+                self.assertEqual(first.prefix_tokens, 0)
+                tokens, logits = hf_generate.generate(model, ids, mask, 8, first)
+                named = [s.info().named_blocks for s in first.sessions]
+                # The same prompt again, and one that shares its first 130 tokens:
+                # the model runs on what is left of each.
+                with tt.TurbokvCache(self.client, model.config, token_ids=ids, salt=name) as again:
+                    self.assertEqual(again.prefix_tokens, 192, name)  # 3 blocks of 64: one token left to run
+                    reused_tokens, reused_logits = hf_generate.generate(model, ids, mask, 8, again)
+                other = torch.cat([ids[:, :130], prompt(model.config.vocab_size, 70, 6)], dim=1)
+                with tt.TurbokvCache(self.client, model.config, token_ids=other, salt=name) as shared:
+                    self.assertEqual(shared.prefix_tokens, 128, name)
+                    hf_generate.generate(model, other, mask, 4, shared)
+                with tt.TurbokvCache(self.client, model.config, token_ids=ids, salt="another model") as salted:
+                    self.assertEqual(salted.prefix_tokens, 0, name)
+            self.assertEqual(named, [3], name)
+            self.assertTrue(torch.equal(reused_tokens, tokens), name)
+            span = float(logits.max() - logits.min())
+            self.assertLess(float((reused_logits - logits).abs().max()), 1e-3 * span, name)
+
     def test_turbo4_and_the_default_preset_stay_close(self):
         for name, model in self.models.items():
             ids = prompt(model.config.vocab_size, 64, 3)

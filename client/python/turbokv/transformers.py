@@ -20,6 +20,17 @@ positions; a decoding step of the whole batch is one Decode message per
 layer. Keys arrive after RoPE, as the model computed them; GQA, the model's
 softmax scale, sliding-window layers and logit softcapping are passed on.
 
+**Shared prefixes.** Given the prompt's token ids (``token_ids=``, one row
+per sequence, no padding) and a ``salt`` naming the model, the cache starts
+each session with the longest prefix of its prompt that an earlier session
+of the tenant stored (docs/API.md "Reusing prefixes"), and reports that
+length to transformers, so that ``generate`` runs the model on the rest of
+the prompt only (a plain forward call must then be given the rest itself:
+``ids[:, cache.get_seq_length():]``). Once the prompt is stored, its full
+blocks are named for later caches. The first Append of a layer is then one
+block (the key transform is fitted on it), so that every prefix from one
+block on can be reused.
+
 transformers calls the cache's ``update`` with each layer's new keys and
 values and then the attention function with them; the cache only counts
 tokens (the model's masks need the lengths) and the attention function
@@ -41,6 +52,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from turbokv._common import block_hashes
 from turbokv.client import Client, DecodeStream, Session
 
 ATTN_IMPLEMENTATION = "turbokv"
@@ -124,7 +136,8 @@ class TurbokvCache(Cache):
     Client.create_session. Use it for one generation (or one forward pass
     and its continuation); close() deletes its sessions unless keep=True."""
 
-    def __init__(self, client: Client, config: Any, *, keep: bool = False, **session_options: Any) -> None:
+    def __init__(self, client: Client, config: Any, *, keep: bool = False, token_ids: Any = None,
+                 salt: str = "", **session_options: Any) -> None:
         _check_transformers_version()
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.client = client
@@ -138,7 +151,38 @@ class TurbokvCache(Cache):
         # Per sequence, per layer: tokens stored in its session.
         self._stored: Optional[np.ndarray] = None
         self._stream: Optional[DecodeStream] = None
+        # With token_ids: per sequence, the hashes of its prompt's full blocks,
+        # named once the prompt is stored.
+        self._hashes: Optional[List[List[bytes]]] = None
+        self._prompt = 0
+        self._block = 0
+        self.prefix_tokens = 0
+        """Tokens of the prompt every sequence started with (token_ids=), from earlier sessions."""
         super().__init__(layers=[TurbokvLayer() for _ in range(self.num_layers)])
+        if token_ids is not None:
+            self._start_from_prefixes(token_ids, salt)
+
+    def _start_from_prefixes(self, token_ids: Any, salt: str) -> None:
+        rows = token_ids.tolist() if hasattr(token_ids, "tolist") else [list(row) for row in token_ids]
+        if not rows or any(len(row) != len(rows[0]) for row in rows) or not rows[0]:
+            raise ValueError("token_ids: one row of the prompt's token ids per sequence, all of one length, "
+                             "without padding")
+        self._block = self.client.stats().block_tokens
+        self._prompt = len(rows[0])
+        self._hashes = [block_hashes(row, self._block, salt) for row in rows]
+        for hashes in self._hashes:
+            self.sessions.append(self.client.create_session(
+                self.num_layers, self.kv_heads, self.q_heads, self.head_dim, prefix_blocks=hashes,
+                **self.session_options))
+        # One length for the batch, and at least one token left for the model.
+        start = min(min(s.prefix_tokens for s in self.sessions), (self._prompt - 1) // self._block * self._block)
+        for session in self.sessions:
+            if session.prefix_tokens > start:
+                session.truncate(start)
+        self._stored = np.full((len(rows), self.num_layers), start, dtype=np.int64)
+        for layer in self.layers:
+            layer.length = start
+        self.prefix_tokens = start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -200,6 +244,9 @@ class TurbokvCache(Cache):
         mask = np.ones((batch, n), dtype=bool) if real is None else real.cpu().numpy().astype(bool)
         out = torch.zeros((batch, n, q_heads, d), dtype=torch.float32)
         stored = self._stored[:, layer]
+        # With token_ids, a layer's first Append is one block: the key
+        # transform is fitted on it, and every prefix from there is reusable.
+        first = self._block if self._hashes is not None else _CHUNK
         if n == 1 and mask.all():
             # A decoding step of every sequence: one Decode message.
             result = self._decode_stream().step(layer, sessions, k[:, 0], v[:, 0], q[:, 0],
@@ -216,15 +263,22 @@ class TurbokvCache(Cache):
                 ki, vi, qi = k[i, rows], v[i, rows], q[i, rows]
                 # Messages of at most _CHUNK tokens; a layer's first carries
                 # its queries (it fits the layer's key transform).
+                bounds = [0] + list(range(first if start == 0 else 0, rows.numel(), _CHUNK)) + [rows.numel()]
                 session.append_stream(
-                    (layer, start + c, ki[c:c + _CHUNK], vi[c:c + _CHUNK],
-                     qi[c:c + _CHUNK] if start + c == 0 else None)
-                    for c in range(0, rows.numel(), _CHUNK))
+                    (layer, start + c, ki[c:e], vi[c:e], qi[c:e] if start + c == 0 else None)
+                    for c, e in zip(bounds, bounds[1:]) if e > c)
                 for c in range(0, rows.numel(), _QUERIES):
                     positions = list(range(start + c, start + min(rows.numel(), c + _QUERIES)))
                     result = session.attend(layer, qi[c:c + _QUERIES], positions, **options)
                     out[i, rows[c:c + _QUERIES]] = result.output.float()
                 stored[i] += rows.numel()
+        if self._hashes is not None and layer == self.num_layers - 1 and int(self._stored.min()) >= self._prompt:
+            # The prompt is in every layer: its full blocks are named for
+            # later sessions (once).
+            for session, hashes in zip(sessions, self._hashes):
+                if hashes:
+                    session.name_blocks(0, hashes)
+            self._hashes = None
         return out.to(query.device, query.dtype)
 
 
