@@ -160,9 +160,13 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(const 
   return publisher;
 }
 
-KvEventPublisher::~KvEventPublisher() {
+void KvEventPublisher::Stop() {
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
+}
+
+KvEventPublisher::~KvEventPublisher() {
+  Stop();
   if (pub_ != nullptr) zmq_close(pub_);
   if (replay_ != nullptr) zmq_close(replay_);
   if (context_ != nullptr) zmq_ctx_term(context_);

@@ -56,7 +56,11 @@ class KvEventPublisher {
   // Binds the sockets (INVALID_ARGUMENT naming the endpoint that fails) and
   // queues the first batch, AllBlocksCleared.
   static absl::StatusOr<std::unique_ptr<KvEventPublisher>> Start(const KvEventsOptions& options);
-  ~KvEventPublisher();  // sends what is queued, then closes
+  ~KvEventPublisher();  // Stop, then closes the sockets
+  // Sends what is queued and stops the thread: no replay is answered, and
+  // the snapshot function is not called, from then on (batches published
+  // later are dropped).
+  void Stop();
   KvEventPublisher(const KvEventPublisher&) = delete;
   KvEventPublisher& operator=(const KvEventPublisher&) = delete;
 

@@ -317,6 +317,9 @@ int main(int argc, char** argv) {
     }
   }
   if (!listen.empty()) options.listen = listen;
+  if (!options.kv_events.replay_endpoint.empty() && options.kv_events.endpoint.empty()) {
+    return Fail("--kv-events-replay-endpoint needs --kv-events-endpoint: it replays what that socket publishes");
+  }
   if (!redis_password_file.empty()) {
     std::optional<std::string> text = turbokv::ReadTextFile(redis_password_file);
     if (!text.has_value()) return Fail(absl::StrCat("--redis-password-file ", redis_password_file, ": cannot read it"));

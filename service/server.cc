@@ -596,6 +596,8 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
       }
     }
   }
+  // The events of the drain are sent; a replay no longer reads the store.
+  if (kv_events_ != nullptr) kv_events_->Stop();
   // Last: stopping the metrics endpoint takes about 2 s (its threads poll).
   metrics_page_.reset();
   return status;

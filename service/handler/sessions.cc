@@ -199,7 +199,9 @@ absl::StatusOr<v1::NameBlocksResponse> Handler::NameBlocks(const v1::NameBlocksR
   const int page_tokens = store_->options().page_tokens;
   v1::NameBlocksResponse response;
   response.set_named_blocks(static_cast<int64_t>(holding.hashes.size()));
-  response.set_reusable_from_blocks(std::max<int64_t>(1, (holding.reuse_from_tokens + page_tokens - 1) / page_tokens));
+  response.set_reusable_from_blocks(holding.reuse_from_tokens == kNeverReused
+                                        ? -1
+                                        : std::max<int64_t>(1, (holding.reuse_from_tokens + page_tokens - 1) / page_tokens));
   response.set_block_tokens(page_tokens);
   return response;
 }

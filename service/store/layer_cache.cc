@@ -262,6 +262,7 @@ void LayerCache::Truncate(int64_t n) {
     sinks_ = std::make_shared<const std::string>(std::move(sinks));
   }
   bool changed = tokens_ < storage_.sink_tokens;
+  if (transform_fixed_ && tokens_ < transform_end_) transform_end_ = kNeverReused;
   if (tokens_ <= storage_.sink_tokens && transform_fixed_) {
     transform_fixed_ = false;
     transform_ = nullptr;

@@ -125,9 +125,9 @@ class LayerCache {
   // Whether tokens past the sinks are stored through a fitted transform.
   bool transformed() const { return transform_ != nullptr; }
   // The end of the chunk the transform was fitted on (0 while none is
-  // fixed): the pages before it depend on every token up to it. Not kept by
-  // snapshots and tiers: a layer loaded with a fixed transform says its
-  // length at load.
+  // fixed): the pages before it depend on every token up to it;
+  // kNeverReused once cut back before it. Not kept by snapshots and tiers: a
+  // layer loaded with a fixed transform says its length at load.
   int64_t transform_end() const { return transform_end_; }
   // Bumped whenever Extras() changes: a tier's manifest must hold the
   // current one before a page that depends on it.

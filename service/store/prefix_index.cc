@@ -118,10 +118,12 @@ void PrefixIndex::Set(const std::string& id, Holding holding) {
   Emit(std::move(events));
 }
 
-void PrefixIndex::Truncate(const std::string& id, size_t blocks) {
+void PrefixIndex::Truncate(const std::string& id, size_t blocks, int64_t tokens) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = holdings_.find(id);
-  if (it == holdings_.end() || it->second.hashes.size() <= blocks) return;
+  if (it == holdings_.end()) return;
+  if (tokens < it->second.reuse_from_tokens) it->second.reuse_from_tokens = kNeverReused;
+  if (it->second.hashes.size() <= blocks) return;
   std::vector<BlockEvent> events;
   Unlink(id, it->second, blocks, it->second.hashes.size(), &events);
   if (blocks == 0) {

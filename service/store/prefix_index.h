@@ -82,9 +82,11 @@ class PrefixIndex {
   size_t named(const std::string& id) const;
   // Replaces what session `id` holds.
   void Set(const std::string& id, Holding holding);
-  // Keeps the first `blocks` blocks session `id` holds.
-  void Truncate(const std::string& id, size_t blocks);
-  void Remove(const std::string& id) { Truncate(id, 0); }
+  // Keeps the first `blocks` blocks session `id` holds, the session cut at
+  // `tokens` (past them: nothing changes): cut within the chunk its
+  // transforms were fitted on, it is never reused from then on.
+  void Truncate(const std::string& id, size_t blocks, int64_t tokens);
+  void Remove(const std::string& id) { Truncate(id, 0, 0); }
   // Moves what session `id` holds to `medium`.
   void Move(const std::string& id, const std::string& medium);
   // Calls fill(events) under the index's lock with the blocks held now, as

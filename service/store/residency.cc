@@ -47,11 +47,13 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
   auto session = std::make_shared<SessionCache>(id, tenant, config, image->header.created);
   session->Touch(now);
   session->manifest_ = image->manifest;
+  PrefixIndex::Holding holding = DemotedHolding(*session, *image);
   session->demoted_ = std::make_unique<TierSession>(*std::move(image));
   absl::Status inserted;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inserted = Insert(session);
+    if (inserted.ok()) prefix_index_.Set(id, std::move(holding));
   }
   if (!inserted.ok()) {
     tier_->LetGo(std::move(*session->demoted_));  // its pages stay on the tier
@@ -489,11 +491,14 @@ void SessionStore::ForgetPartialRecords(SessionCache& session) {
 absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
   if (n <= session.config().sink_tokens && session.shared_charge_.use_count() > 1) {
     // Its sink pages and transforms will be its own from now on.
-    TURBOKV_ASSIGN_OR_RETURN(session.shared_charge_, pool_.Charge(SessionSharedMetadataBytes(session.config())));
+    const size_t shared = SessionSharedMetadataBytes(session.config());
+    const SessionCache* held[] = {&session};
+    TURBOKV_RETURN_IF_ERROR(MakeRoom(shared, held));
+    TURBOKV_ASSIGN_OR_RETURN(session.shared_charge_, pool_.Charge(shared));
   }
   std::vector<std::shared_ptr<TierRecord>> held = tier_ != nullptr ? HoldRecords(session) : decltype(held)();
   for (LayerCache& layer : session.layers()) layer.Truncate(n);
-  prefix_index_.Truncate(session.id(), static_cast<size_t>(std::max<int64_t>(n, 0) / options_.page_tokens));
+  prefix_index_.Truncate(session.id(), static_cast<size_t>(std::max<int64_t>(n, 0) / options_.page_tokens), n);
   if (tier_ == nullptr) return absl::OkStatus();
   ForgetPartialRecords(session);
   const absl::Status manifest = WriteTierManifest(session);
@@ -684,6 +689,14 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
   return first_error;
 }
 
+PrefixIndex::Holding SessionStore::DemotedHolding(const SessionCache& session, const TierSession& image) const {
+  std::vector<int64_t> tokens;
+  for (const TierLayer& layer : image.layers) tokens.push_back(layer.tokens);
+  PrefixIndex::Holding holding = HoldingOf(session, image.named, tokens);
+  holding.medium = tier_->name();
+  return holding;
+}
+
 absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bool* kept_on_tier) {
   *kept_on_tier = false;
   SessionConfig config = image.header.config;
@@ -691,10 +704,7 @@ absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bo
   auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
   session->Touch(now);
   session->manifest_ = image.manifest;
-  std::vector<int64_t> tokens;
-  for (const TierLayer& layer : image.layers) tokens.push_back(layer.tokens);
-  PrefixIndex::Holding holding = HoldingOf(*session, std::move(image.named), tokens);
-  holding.medium = tier_->name();
+  PrefixIndex::Holding holding = DemotedHolding(*session, image);
   session->demoted_ = std::make_unique<TierSession>(std::move(image));
   absl::Status inserted;
   {

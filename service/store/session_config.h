@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,11 @@ constexpr int kDefaultSinkTokens = 4;
 // and hashes in one message.
 constexpr size_t kMaxBlockHashBytes = 64;
 constexpr int kMaxNamedBlocks = 1 << 16;
+// A session's reuse_from_tokens (and a layer's transform end) once it was
+// cut back within the chunk its transforms were fitted on: its later tokens
+// follow others than those the transforms saw, and no prefix of it is
+// reused.
+constexpr int64_t kNeverReused = std::numeric_limits<int64_t>::max();
 
 // How a layer's keys are stored before their codec (KeyTransform).
 enum class KeyTransformMode : uint8_t { kNone = 1, kCenter = 2, kCenterScale = 3 };

@@ -233,6 +233,9 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Fork(SessionCache& s
                                                             absl::Time now) {
   PrefixIndex::Holding holding = prefix_index_.Get(source.id());
   holding.hashes.resize(std::min(holding.hashes.size(), static_cast<size_t>(prefix / options_.page_tokens)));
+  // Cut within the chunk its transforms were fitted on, the fork's later
+  // tokens follow others than those the transforms saw.
+  if (prefix < holding.reuse_from_tokens) holding.reuse_from_tokens = kNeverReused;
   return ForkAs(source, prefix, source.config(), std::move(holding), now);
 }
 
@@ -322,10 +325,15 @@ absl::StatusOr<PrefixIndex::Holding> SessionStore::NameBlocks(SessionCache& sess
     holding = HoldingOf(session, NamedBlocks{reuse_from_tokens, {}}, {});
   }
   for (int64_t i = named; i < end; ++i) holding.hashes.push_back(hashes[static_cast<size_t>(i - first_block)]);
-  std::lock_guard<std::mutex> lock(mutex_);
-  // A session removed from the map meanwhile holds nothing any more.
-  auto it = sessions_.find(session.id());
-  if (it != sessions_.end() && it->second.get() == &session) prefix_index_.Set(session.id(), holding);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // A session removed from the map meanwhile holds nothing any more.
+    auto it = sessions_.find(session.id());
+    if (it != sessions_.end() && it->second.get() == &session) prefix_index_.Set(session.id(), holding);
+  }
+  // The names reach the tier with a manifest (best effort: else with the
+  // next one, at the latest the drain's).
+  if (tier_ != nullptr) WriteTierManifest(session).IgnoreError();
   return holding;
 }
 
@@ -353,17 +361,21 @@ absl::StatusOr<SessionStore::Attached> SessionStore::Attach(const SessionConfig&
         !std::equal(hashes.begin(), hashes.begin() + static_cast<std::ptrdiff_t>(match.blocks), holding.hashes.begin())) {
       continue;
     }
-    if (!source->resident()) {
-      const SessionCache* held[] = {source.get()};
-      TURBOKV_RETURN_IF_ERROR(Promote(*source, held));
+    // A holder that cannot be read back or given room is passed over: the
+    // next one, or a session of its own.
+    const SessionCache* held[] = {source.get()};
+    if (absl::Status promoted = Promote(*source, held); !promoted.ok()) {
+      Logf(LogLevel::kWarning, "session %s not used for a prefix: %s", ShowId(source->id()).c_str(),
+           std::string(promoted.message()).c_str());
+      continue;
     }
     SessionConfig attached = config;
     attached.rotation_seed = source->config().rotation_seed;
     const int64_t tokens = static_cast<int64_t>(match.blocks) * page_tokens;
     holding.hashes.resize(match.blocks);
-    TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session,
-                             ForkAs(*source, tokens, attached, std::move(holding), now));
-    return Attached{std::move(session), tokens};
+    absl::StatusOr<std::shared_ptr<SessionCache>> session = ForkAs(*source, tokens, attached, std::move(holding), now);
+    if (session.ok()) return Attached{*std::move(session), tokens};
+    if (!absl::IsResourceExhausted(session.status())) return session.status();
   }
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<SessionCache> session, Create(config, tenant, now));
   return Attached{std::move(session), 0};
@@ -428,6 +440,7 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots(absl::Time deadline, 
       continue;
     }
     std::vector<LayerCache> frozen;
+    PrefixIndex::Holding holding;
     {
       std::lock_guard<std::mutex> lock(session->mutex());
       if (session->gone()) continue;
@@ -438,9 +451,9 @@ absl::StatusOr<SnapshotReport> SessionStore::SaveSnapshots(absl::Time deadline, 
       }
       frozen.reserve(session->layers().size());
       for (const LayerCache& layer : session->layers()) frozen.push_back(layer.Fork(layer.tokens()));
+      holding = prefix_index_.Get(session->id());  // the names of these pages
     }
     const std::string file = dir + "/" + session->id() + kSnapshotSuffix;
-    PrefixIndex::Holding holding = prefix_index_.Get(session->id());
     absl::StatusOr<uint32_t> crc = WriteSnapshot(dir, *session, frozen, NamedBlocks{holding.reuse_from_tokens, std::move(holding.hashes)},
                                                  options_.page_tokens, backend());
     if (!crc.ok()) {
@@ -665,7 +678,8 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   const size_t needed = used > budget - bytes ? used - (budget - bytes) : 0;
   size_t freeable = 0;
   bool busy = false;  // a session was skipped for being in a call
-  std::unordered_map<const void*, long> victim_refs;  // pages' and shared charges' holders among the victims
+  std::unordered_map<const Page*, long> victim_refs;  // holders of each page among the victims
+  std::map<std::weak_ptr<const void>, long, std::owner_less<std::weak_ptr<const void>>> victim_charges;
   std::vector<std::unique_lock<std::mutex>> victim_locks;
   std::vector<SessionCache*> victims;
   for (const std::shared_ptr<SessionCache>& candidate : candidates) {
@@ -680,7 +694,8 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     if (candidate->gone() || !candidate->resident()) continue;
     const size_t shared = SessionSharedMetadataBytes(candidate->config());
     freeable += SessionMetadataBytes(candidate->config()) - shared;
-    if (++victim_refs[candidate->shared_charge_.get()] == candidate->shared_charge_.use_count()) freeable += shared;
+    // Charges all point at the pool: told apart by their owners.
+    if (++victim_charges[candidate->shared_charge_] == candidate->shared_charge_.use_count()) freeable += shared;
     for (const LayerCache& layer : candidate->layers()) {
       for (const std::shared_ptr<Page>& page : layer.pages()) {
         if (++victim_refs[page.get()] == page.use_count()) freeable += page->bytes;

@@ -417,6 +417,8 @@ class SessionStore {
   // (blocks past its shortest layer are not).
   PrefixIndex::Holding HoldingOf(const SessionCache& session, NamedBlocks named,
                                  absl::Span<const int64_t> tokens) const;
+  // What a session the tier holds (`image`, demoted) holds.
+  PrefixIndex::Holding DemotedHolding(const SessionCache& session, const TierSession& image) const;
   // Fork with the new session's config (storage the same as the source's)
   // and its named blocks.
   absl::StatusOr<std::shared_ptr<SessionCache>> ForkAs(SessionCache& source, int64_t prefix, const SessionConfig& config,

@@ -347,9 +347,9 @@ TEST(PrefixIndexTest, ItTellsWhenAHashComesToBeHeldInAMediumAndWhenItStops) {
   index.Set("b", holding("bob", {"x", "q"}));  // another tenant's x: held once in memory
   index.Set("a", holding("alice", {"x", "y", "z", "w"}));  // one block more: only it is new
   index.Move("a", "disk");
-  index.Truncate("b", 1);
+  index.Truncate("b", 1, 64);
   index.Remove("b");
-  index.Truncate("a", 2);
+  index.Truncate("a", 2, 128);
   using V = std::vector<std::string>;
   EXPECT_EQ(batches, (std::vector<V>{V{"+memory:x,y,z"}, V{"+memory:q<x"}, V{"+memory:w<z"},
                                      V{"-memory:y,z,w", "+disk:x,y,z,w"}, V{"-memory:q"}, V{"-memory:x"},

@@ -423,6 +423,46 @@ TEST(RedisTierTest, ForksAndTruncatedSessionsCarryOverAndAForkOutlivesItsSource)
   EXPECT_TRUE(Observe(*fork) == reference.Of({{&first, 150}, {&second, 260}}, 200));
 }
 
+TEST(RedisTierTest, NamedBlocksComeBackWithASessionTakenOverAndStayNamed) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis;
+  const Sequence first(11);
+  std::vector<int32_t> ids(256);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+  std::string id;
+  std::vector<std::string> hashes;
+  {
+    Daemon a(Flags("a", redis));
+    auto client = Connected("a", a);
+    auto session = client->CreateSession(Shape());
+    ASSERT_TRUE(session.ok());
+    id = session->id();
+    hashes = BlockHashes(ids, session->block_tokens());
+    ASSERT_EQ(Appended(first.Append(*session, 0, 64)), 64);  // the transform's chunk: one block
+    ASSERT_EQ(Appended(first.Append(*session, 64, 200)), 264);
+    auto named = session->NameBlocks(0, hashes);
+    ASSERT_TRUE(named.ok()) << named.status();
+    ASSERT_EQ(named->named_blocks(), 4);
+    EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  }
+  // Two more daemons in turn: each takes the session over (a call names
+  // it), finds its names, and hands it over with them.
+  for (const char* name : {"b", "c"}) {
+    Daemon d(Flags(name, redis));
+    auto client = Connected(name, d);
+    auto info = client->GetSession(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->named_blocks(), 4) << name;
+    SessionOptions options = Shape();
+    options.prefix_blocks = hashes;
+    auto attached = client->CreateSession(options);
+    ASSERT_TRUE(attached.ok()) << attached.status();
+    EXPECT_EQ(attached->prefix_tokens(), 256) << name;
+    ASSERT_TRUE(attached->Delete().ok());
+    EXPECT_EQ(d.Stop(SIGTERM), 0) << d.Log();
+  }
+}
+
 TEST(RedisTierTest, TwoDaemonsRacingForASessionOneWinsTheOtherIsRefused) {
   SKIP_WITHOUT_REDIS();
   RedisServer redis;

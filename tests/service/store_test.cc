@@ -332,5 +332,31 @@ TEST(SnapshotTest, NamedBlocksComeBackAndOnlyThenIsTheNewVersionWritten) {
   EXPECT_EQ(attached->tokens, kPage);
 }
 
+TEST(StoreTest, EvictionCountsEachSessionsSharedMetadataOnItsOwn) {
+  SessionConfig config;
+  config.layers = 2;
+  config.kv_heads = kHeads;
+  config.q_heads = kHeads;
+  config.head_dim = kDim;
+  config.rotation_seed = 7;
+  config.max_tokens = 1000;
+  config.sink_tokens = 4;
+  const size_t meta = SessionMetadataBytes(config), shared = SessionSharedMetadataBytes(config);
+  ASSERT_GT(shared, 0u);
+  StoreOptions options;
+  options.page_tokens = kPage;
+  options.eviction = EvictionPolicy::kLru;
+  options.budget_bytes = 2 * meta;
+  SessionStore store(options);
+  ASSERT_TRUE(store.Create(config, "tenant", absl::Now()).ok());
+  ASSERT_TRUE(store.Create(config, "tenant", absl::Now()).ok());
+  // Room that only both sessions' whole metadata frees, the shared parts
+  // of each counted.
+  const absl::Status room = store.MakeRoom(2 * meta - shared / 2, {});
+  EXPECT_TRUE(room.ok()) << room;
+  EXPECT_EQ(store.pool().used_bytes(), 0u);
+  EXPECT_EQ(store.session_count(), 0u);
+}
+
 }  // namespace
 }  // namespace turbokv

@@ -69,24 +69,28 @@ class TransformersIntegrationTest(unittest.TestCase):
 
     def test_a_prompt_starts_from_the_blocks_an_earlier_generation_stored(self):
         for name, model in self.models.items():
-            ids = prompt(model.config.vocab_size, 200, 5)
+            vocab = model.config.vocab_size
+            ids = prompt(vocab, 700, 5)  # its first Append: 512 tokens, the key transform's
             mask = torch.ones_like(ids)
             with tt.TurbokvCache(self.client, model.config, token_ids=ids, salt=name) as first:
                 self.assertEqual(first.prefix_tokens, 0)
                 tokens, logits = hf_generate.generate(model, ids, mask, 8, first)
                 named = [s.info().named_blocks for s in first.sessions]
-                # The same prompt again, and one that shares its first 130 tokens:
-                # the model runs on what is left of each.
+                # The same prompt again: the model runs on what the stored
+                # blocks leave (700 - 640 tokens), with the same result.
                 with tt.TurbokvCache(self.client, model.config, token_ids=ids, salt=name) as again:
-                    self.assertEqual(again.prefix_tokens, 192, name)  # 3 blocks of 64: one token left to run
+                    self.assertEqual(again.prefix_tokens, 640, name)
                     reused_tokens, reused_logits = hf_generate.generate(model, ids, mask, 8, again)
-                other = torch.cat([ids[:, :130], prompt(model.config.vocab_size, 70, 6)], dim=1)
-                with tt.TurbokvCache(self.client, model.config, token_ids=other, salt=name) as shared:
-                    self.assertEqual(shared.prefix_tokens, 128, name)
-                    hf_generate.generate(model, other, mask, 4, shared)
+                # A prompt sharing its first 600 tokens starts with 9 blocks;
+                # one sharing 300, fewer than the first Append's, with none.
+                for shared, start in ((600, 576), (300, 0)):
+                    other = torch.cat([ids[:, :shared], prompt(vocab, 100, 6)], dim=1)
+                    with tt.TurbokvCache(self.client, model.config, token_ids=other, salt=name) as cache:
+                        self.assertEqual(cache.prefix_tokens, start, (name, shared))
+                        hf_generate.generate(model, other, torch.ones_like(other), 2, cache)
                 with tt.TurbokvCache(self.client, model.config, token_ids=ids, salt="another model") as salted:
                     self.assertEqual(salted.prefix_tokens, 0, name)
-            self.assertEqual(named, [3], name)
+            self.assertEqual(named, [10], name)
             self.assertTrue(torch.equal(reused_tokens, tokens), name)
             span = float(logits.max() - logits.min())
             self.assertLess(float((reused_logits - logits).abs().max()), 1e-3 * span, name)

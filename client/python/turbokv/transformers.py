@@ -27,9 +27,12 @@ of the tenant stored (docs/API.md "Reusing prefixes"), and reports that
 length to transformers, so that ``generate`` runs the model on the rest of
 the prompt only (a plain forward call must then be given the rest itself:
 ``ids[:, cache.get_seq_length():]``). Once the prompt is stored, its full
-blocks are named for later caches. The first Append of a layer is then one
-block (the key transform is fitted on it), so that every prefix from one
-block on can be reused.
+blocks are named for later caches. The first Append of a layer then ends
+on a block boundary, at 512 tokens (or the prompt's last full block before
+them): the key transform is fitted on it, so every prefix from there on can
+be reused. Fitting it on fewer tokens costs quality (one block of 64 instead
+of 512 nearly doubled the KL divergence of Qwen2.5-Coder-0.5B: docs/API.md
+"Reusing prefixes").
 
 transformers calls the cache's ``update`` with each layer's new keys and
 values and then the attention function with them; the cache only counts
@@ -85,6 +88,7 @@ def _check_transformers_version() -> None:
 
 
 _CHUNK = 1024    # tokens per Append message of a prefill
+_FIT = 512       # tokens of the first Append of a prefill whose blocks are named (token_ids=)
 _QUERIES = 256   # queries per Attend message
 
 # The cache whose update() ran last in this thread: the attention function
@@ -156,6 +160,7 @@ class TurbokvCache(Cache):
         self._hashes: Optional[List[List[bytes]]] = None
         self._prompt = 0
         self._block = 0
+        self._first = _CHUNK
         self.prefix_tokens = 0
         """Tokens of the prompt every sequence started with (token_ids=), from earlier sessions."""
         super().__init__(layers=[TurbokvLayer() for _ in range(self.num_layers)])
@@ -169,6 +174,7 @@ class TurbokvCache(Cache):
                              "without padding")
         self._block = self.client.stats().block_tokens
         self._prompt = len(rows[0])
+        self._first = max(self._block, min(_FIT // self._block, self._prompt // self._block) * self._block)
         self._hashes = [block_hashes(row, self._block, salt) for row in rows]
         for hashes in self._hashes:
             self.sessions.append(self.client.create_session(
@@ -244,9 +250,10 @@ class TurbokvCache(Cache):
         mask = np.ones((batch, n), dtype=bool) if real is None else real.cpu().numpy().astype(bool)
         out = torch.zeros((batch, n, q_heads, d), dtype=torch.float32)
         stored = self._stored[:, layer]
-        # With token_ids, a layer's first Append is one block: the key
-        # transform is fitted on it, and every prefix from there is reusable.
-        first = self._block if self._hashes is not None else _CHUNK
+        # With token_ids, a layer's first Append ends on a block boundary: the
+        # key transform is fitted on it, and every prefix from there is
+        # reusable.
+        first = self._first
         if n == 1 and mask.all():
             # A decoding step of every sequence: one Decode message.
             result = self._decode_stream().step(layer, sessions, k[:, 0], v[:, 0], q[:, 0],
