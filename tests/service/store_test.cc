@@ -283,11 +283,8 @@ TEST(SnapshotTest, RoundTripsAndRefusesDamageWithDataLoss) {
   EXPECT_FALSE(made);
 }
 
-TEST(SnapshotTest, NamedBlocksComeBackAndOnlyThenIsTheNewVersionWritten) {
-  StoreOptions options;
-  options.page_tokens = kPage;
-  options.snapshot_dir = ::testing::TempDir() + "named-" + std::to_string(getpid());
-  mkdir(options.snapshot_dir.c_str(), 0755);
+// A session of two layers of kHeads heads.
+SessionConfig TwoLayers() {
   SessionConfig config;
   config.layers = 2;
   config.kv_heads = kHeads;
@@ -295,6 +292,15 @@ TEST(SnapshotTest, NamedBlocksComeBackAndOnlyThenIsTheNewVersionWritten) {
   config.head_dim = kDim;
   config.rotation_seed = 7;
   config.max_tokens = 1000;
+  return config;
+}
+
+TEST(SnapshotTest, NamedBlocksComeBackAndOnlyThenIsTheNewVersionWritten) {
+  StoreOptions options;
+  options.page_tokens = kPage;
+  options.snapshot_dir = ::testing::TempDir() + "named-" + std::to_string(getpid());
+  mkdir(options.snapshot_dir.c_str(), 0755);
+  const SessionConfig config = TwoLayers();
   std::string named_id, plain_id;
   {
     SessionStore store(options);
@@ -333,13 +339,7 @@ TEST(SnapshotTest, NamedBlocksComeBackAndOnlyThenIsTheNewVersionWritten) {
 }
 
 TEST(StoreTest, EvictionCountsEachSessionsSharedMetadataOnItsOwn) {
-  SessionConfig config;
-  config.layers = 2;
-  config.kv_heads = kHeads;
-  config.q_heads = kHeads;
-  config.head_dim = kDim;
-  config.rotation_seed = 7;
-  config.max_tokens = 1000;
+  SessionConfig config = TwoLayers();
   config.sink_tokens = 4;
   const size_t meta = SessionMetadataBytes(config), shared = SessionSharedMetadataBytes(config);
   ASSERT_GT(shared, 0u);
