@@ -27,6 +27,8 @@ RUNS = {
                         "decode_speedup_over_unary"),
     "quality_small": (["quality", "--layers", "8", "--kv-heads", "1", "--q-heads", "2", "--head-dim", "64",
                        "--tokens", "256", "--queries", "1", "--sample-layers", "1"], "bits_per_value"),
+    "prefix_small": (["prefix", "--sessions", "3", "--tokens", "256", "--layers", "2", "--kv-heads", "2",
+                      "--q-heads", "4"], "memory_ratio"),
 }
 
 
