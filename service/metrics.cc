@@ -172,6 +172,22 @@ Metrics::Metrics(std::string device, const std::vector<std::string>& tiers) : de
                            .Help("Queries answered by Attend, Step and Decode")
                            .Register(r)
                            .Add({});
+  auto& lookups = BuildCounter()
+                      .Name("turbokv_prefix_lookups_total")
+                      .Help("CreateSession calls with prefix_blocks, by whether a stored prefix was found")
+                      .Register(r);
+  prefix_lookups_[0] = &lookups.Add({{"result", "miss"}});
+  prefix_lookups_[1] = &lookups.Add({{"result", "hit"}});
+  prefix_reused_tokens_ = &BuildCounter()
+                               .Name("turbokv_prefix_reused_tokens_total")
+                               .Help("Tokens per layer that new sessions started with from stored prefixes")
+                               .Register(r)
+                               .Add({});
+  prefix_blocks_ = &BuildGauge()
+                        .Name("turbokv_prefix_blocks")
+                        .Help("Distinct blocks named for reuse that some session holds")
+                        .Register(r)
+                        .Add({});
   auto& kernel = BuildHistogram()
                      .Name("turbokv_kernel_duration_seconds")
                      .Help("Time in the compute kernels per call, by operation and device")
@@ -385,6 +401,11 @@ void Metrics::CallEnded(absl::string_view method) {
 
 void Metrics::AddAppendedTokens(int64_t tokens) { appended_tokens_->Increment(static_cast<double>(tokens)); }
 
+void Metrics::CountPrefixLookup(int64_t tokens) {
+  prefix_lookups_[tokens > 0 ? 1 : 0]->Increment();
+  prefix_reused_tokens_->Increment(static_cast<double>(tokens));
+}
+
 void Metrics::AddAttendedQueries(int64_t queries) { attended_queries_->Increment(static_cast<double>(queries)); }
 
 void Metrics::ObserveKernel(KernelOp op, double seconds) {
@@ -440,6 +461,7 @@ void Advance(prometheus::Counter* counter, int64_t total, int64_t* seen) {
 }  // namespace
 
 void Metrics::SetStore(const StoreSnapshot& s) {
+  prefix_blocks_->Set(static_cast<double>(s.named_blocks));
   for (auto it = tenants_.begin(); it != tenants_.end();) {
     if (s.tenants.count(it->first) == 0) {
       tenant_sessions_->Remove(it->second.first);

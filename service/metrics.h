@@ -59,6 +59,9 @@ class Metrics {
   void CallEnded(absl::string_view method);
   void AddAppendedTokens(int64_t tokens);
   void AddAttendedQueries(int64_t queries);
+  // A CreateSession with prefix_blocks: the tokens per layer it started
+  // with (0: no stored prefix found).
+  void CountPrefixLookup(int64_t tokens);
   void ObserveKernel(KernelOp op, double seconds);
   // One Decode message of `items` sessions, and each item of one that failed.
   void ObserveDecodeBatch(int64_t items);
@@ -101,6 +104,9 @@ class Metrics {
   std::map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> tenants_;
   prometheus::Counter* appended_tokens_;
   prometheus::Counter* attended_queries_;
+  prometheus::Counter* prefix_lookups_[2] = {};  // miss, hit
+  prometheus::Counter* prefix_reused_tokens_;
+  prometheus::Gauge* prefix_blocks_;
   prometheus::Histogram* kernel_duration_[3] = {};  // by KernelOp
   prometheus::Histogram* decode_batch_size_;
   // The canonical codes, OK (0) to UNAUTHENTICATED (16); index 0 unused.

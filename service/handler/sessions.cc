@@ -182,6 +182,7 @@ absl::StatusOr<v1::CreateSessionResponse> Handler::CreateSession(const v1::Creat
                              store_->Attach(config, proto.has_rotation_seed(), tenant, prefix, absl::Now()));
     response.set_session_id(attached.session->id());
     response.set_prefix_tokens(attached.tokens);
+    if (options_.metrics != nullptr) options_.metrics->CountPrefixLookup(attached.tokens);
     config.rotation_seed = attached.session->config().rotation_seed;
   }
   ConfigToProto(config, response.mutable_config());
@@ -307,7 +308,7 @@ absl::StatusOr<v1::StatsResponse> Handler::Stats(const v1::StatsRequest&, const 
   response.set_spill_bytes(snapshot.tier.live_bytes);
   response.set_spill_budget_bytes(snapshot.tier.budget_bytes);
   response.set_block_tokens(store_->options().page_tokens);
-  response.set_named_blocks(static_cast<int64_t>(store_->prefix_index().blocks()));
+  response.set_named_blocks(snapshot.named_blocks);
   return response;
 }
 

@@ -413,6 +413,7 @@ StoreSnapshot SessionStore::Snapshot() const {
   snapshot.demotions = demotions_.load();
   snapshot.promotions = promotions_.load();
   snapshot.disk_drops = disk_drops_.load();
+  snapshot.named_blocks = static_cast<int64_t>(prefix_index_.blocks());
   if (tier_ != nullptr) snapshot.tier_health = tier_->Health();
   snapshot.bytes_used = static_cast<int64_t>(pool_.used_bytes());
   snapshot.budget_bytes = static_cast<int64_t>(pool_.budget_bytes());

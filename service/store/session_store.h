@@ -57,6 +57,7 @@ struct StoreSnapshot {
   int64_t demotions = 0;          // since start
   int64_t promotions = 0;
   int64_t disk_drops = 0;         // sessions dropped because the spill budget was full
+  int64_t named_blocks = 0;       // distinct blocks named for reuse (PrefixIndex::blocks)
   TierStats tier;                 // the tier's (a stack's: the one whose budget drops sessions)
   std::vector<TierStats> tier_parts;  // each tier of Tier::Parts(), top first
   absl::Status tier_health;       // a shared tier: why it does not answer

@@ -459,6 +459,12 @@ TEST(RedisTierTest, NamedBlocksComeBackWithASessionTakenOverAndStayNamed) {
     ASSERT_TRUE(attached.ok()) << attached.status();
     EXPECT_EQ(attached->prefix_tokens(), 256) << name;
     ASSERT_TRUE(attached->Delete().ok());
+    options.prefix_blocks = {"not stored"};
+    ASSERT_TRUE(client->CreateSession(options).ok());
+    const std::string metrics = Scrape(d.MetricsAddress());
+    EXPECT_EQ(Sample(metrics, "turbokv_prefix_lookups_total{result=\"hit\"}"), 1) << name;
+    EXPECT_EQ(Sample(metrics, "turbokv_prefix_lookups_total{result=\"miss\"}"), 1) << name;
+    EXPECT_EQ(Sample(metrics, "turbokv_prefix_reused_tokens_total"), 256) << name;
     EXPECT_EQ(d.Stop(SIGTERM), 0) << d.Log();
   }
 }
