@@ -16,6 +16,7 @@ namespace {
 class Msgpack {
  public:
   void Array(size_t n) { Header(n, 0x90, 15, 0xdc, 0xdd); }
+  void Map(size_t n) { Header(n, 0x80, 15, 0xde, 0xdf); }
   void Str(const std::string& s) {
     if (s.size() <= 31) {
       out_.push_back(static_cast<char>(0xa0 | s.size()));
@@ -90,36 +91,48 @@ double Now() { return absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()); }
 
 std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events, int block_tokens) {
   Msgpack m;
-  m.Array(2);
+  m.Array(2);  // ts, events (no data-parallel rank)
   m.Double(ts);
   m.Array(events.size());
   for (const BlockEvent& event : events) {
     switch (event.kind) {
       case BlockEvent::kStored:
-        m.Array(8);
+        m.Map(8);
+        m.Str("type");
         m.Str("BlockStored");
+        m.Str("block_hashes");
         m.Array(event.hashes.size());
         for (const std::string& hash : event.hashes) m.Bin(hash);
+        m.Str("parent_block_hash");
         if (event.has_parent) {
           m.Bin(event.parent);
         } else {
           m.Nil();
         }
-        m.Array(0);  // token ids: the daemon never sees them
+        m.Str("token_ids");
+        m.Array(0);  // the daemon never sees them
+        m.Str("block_size");
         m.Int(block_tokens);
-        m.Nil();  // lora_id
+        m.Str("lora_id");
+        m.Nil();
+        m.Str("medium");
         m.Str(event.medium);
-        m.Nil();  // lora_name
+        m.Str("lora_name");
+        m.Nil();
         break;
       case BlockEvent::kRemoved:
-        m.Array(3);
+        m.Map(3);
+        m.Str("type");
         m.Str("BlockRemoved");
+        m.Str("block_hashes");
         m.Array(event.hashes.size());
         for (const std::string& hash : event.hashes) m.Bin(hash);
+        m.Str("medium");
         m.Str(event.medium);
         break;
       case BlockEvent::kCleared:
-        m.Array(1);
+        m.Map(1);
+        m.Str("type");
         m.Str("AllBlocksCleared");
         break;
     }

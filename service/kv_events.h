@@ -4,13 +4,15 @@
 //
 //   PUB socket, each message three frames: the topic, the sequence number
 //   (8 bytes, big-endian, from 0, one per batch), and the batch in msgpack:
-//   [ts, [event, ...]], each event an array whose first element names it:
-//     ["BlockStored", [hash, ...], parent_hash | nil, [], block_size, nil, medium, nil]
-//     ["BlockRemoved", [hash, ...], medium]
-//     ["AllBlocksCleared"]
+//   [ts, [event, ...]], each event a map tagged by its "type", as vLLM
+//   encodes them since its events became maps (vLLM PR 42892, vLLM 0.26):
+//     {type: "BlockStored", block_hashes: [hash, ...], parent_block_hash:
+//      hash | nil, token_ids: [], block_size, lora_id: nil, medium,
+//      lora_name: nil}
+//     {type: "BlockRemoved", block_hashes: [hash, ...], medium}
+//     {type: "AllBlocksCleared"}
 //   hashes as the clients named the blocks (msgpack bin); token_ids empty
-//   (the daemon never sees tokens); lora_id and lora_name nil; medium
-//   "memory", "disk" or "redis".
+//   (the daemon never sees tokens); medium "memory", "disk" or "redis".
 //
 //   Replay (optional): a ROUTER socket; a request [empty, start seq (8
 //   bytes, big-endian)] (what a REQ socket sends) is answered with

@@ -39,24 +39,31 @@ class Reconstruction:
         ts, events = msgpack.unpackb(payload, raw=False)
         assert isinstance(ts, float)
         for event in events:
-            kind = event[0]
+            kind = event["type"]
             if kind == "BlockStored":
-                _, hashes, parent, token_ids, block_size, lora_id, medium, lora_name = event
+                self.check_fields(event, {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                          "lora_id", "medium", "lora_name"})
+                parent = event["parent_block_hash"]
                 assert parent is None or isinstance(parent, bytes)
-                assert (token_ids, block_size, lora_id, lora_name) == ([], BLOCK, None, None)
-                self.media.setdefault(medium, set()).update(hashes)
+                assert (event["token_ids"], event["block_size"], event["lora_id"], event["lora_name"]) == \
+                    ([], BLOCK, None, None)
+                self.media.setdefault(event["medium"], set()).update(event["block_hashes"])
             elif kind == "BlockRemoved":
-                _, hashes, medium = event
-                held = self.media.setdefault(medium, set())
-                missing = set(hashes) - held
-                assert not missing, f"BlockRemoved of {len(missing)} blocks not held in {medium}"
-                held.difference_update(hashes)
+                self.check_fields(event, {"type", "block_hashes", "medium"})
+                held = self.media.setdefault(event["medium"], set())
+                missing = set(event["block_hashes"]) - held
+                assert not missing, f"BlockRemoved of {len(missing)} blocks not held in {event['medium']}"
+                held.difference_update(event["block_hashes"])
             elif kind == "AllBlocksCleared":
-                assert event == ["AllBlocksCleared"]
+                self.check_fields(event, {"type"})
                 self.media.clear()
             else:
                 raise AssertionError(f"unknown event {kind!r}")
         self.seqs.append(seq)
+
+    @staticmethod
+    def check_fields(event, names):
+        assert set(event) == names, f"{event['type']} has fields {sorted(event)}, the schema {sorted(names)}"
 
     def held(self):
         return {medium: blocks for medium, blocks in self.media.items() if blocks}
@@ -242,7 +249,7 @@ class KvEventsTest(unittest.TestCase):
         late = Reconstruction()
         batches = replay(subscriber.context, subscriber.replay_endpoint, 0)
         self.assertGreater(batches[0][0], 0)  # numbered as the last batch it includes
-        self.assertEqual(msgpack.unpackb(batches[0][1])[1][0], ["AllBlocksCleared"])
+        self.assertEqual(msgpack.unpackb(batches[0][1])[1][0], {"type": "AllBlocksCleared"})
         for seq, batch in batches:
             late.apply(seq, batch)
         self.assertEqual(late.held(), want)
