@@ -124,6 +124,7 @@ def every_option_values():
                      "env": [{"name": "MALLOC_ARENA_MAX", "value": "4"}]})
     turbokvd["image"]["tag"] = "0.1.1"
     turbokvd["snapshot"]["persistence"].update({"enabled": True, "storageClassName": "fast-ssd"})
+    turbokvd["kvEvents"].update({"enabled": True, "topic": "kv@$(POD_IP)@demo-model"})
     values["podMonitor"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
     values["test"]["image"].update({"repository": "mirror.example.com/grpc-health-probe", "pullPolicy": "Always"})
     values["prometheusRule"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
@@ -834,6 +835,12 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(worker["securityContext"]["runAsUser"], 1000)
         self.assertEqual(sidecar["image"], "ghcr.io/turbokv/turbokvd:0.1.1")
         self.assertEqual(sidecar["args"][-1], "--max-sessions=2000")
+        # KV events on the pod's address, their ports named for a router to dial.
+        for flag in ("--kv-events-endpoint=tcp://$(POD_IP):5557", "--kv-events-replay-endpoint=tcp://$(POD_IP):5558",
+                     "--kv-events-topic=kv@$(POD_IP)@demo-model"):
+            self.assertIn(flag, sidecar["args"])
+        self.assertLessEqual({"kv-events": 5557, "kv-replay": 5558}.items(),
+                             {p["name"]: p["containerPort"] for p in sidecar["ports"]}.items())
         self.assertIn("--threads=6", sidecar["args"])
         self.assertIn({"name": "MALLOC_ARENA_MAX", "value": "4"}, sidecar["env"])
         self.assertEqual(sidecar["resources"]["limits"]["nvidia.com/gpu"], 1)
