@@ -358,7 +358,9 @@ absl::StatusOr<Session> Session::Fork(int64_t prefix_tokens) const {
   absl::StatusOr<v1::ForkSessionResponse> response =
       Call(&v1::KvCacheService::Stub::ForkSession, *stub_, *options_, request);
   if (!response.ok()) return response.status();
-  return Session(stub_, response->session_id(), response->session().config(), options_);
+  Session fork(stub_, response->session_id(), response->session().config(), options_);
+  fork.block_tokens_ = response->session().block_tokens();
+  return fork;
 }
 
 absl::StatusOr<v1::NameBlocksResponse> Session::NameBlocks(int64_t first_block,
@@ -509,7 +511,9 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
 absl::StatusOr<Session> Client::OpenSession(const std::string& id) const {
   absl::StatusOr<v1::SessionInfo> info = GetSession(id);
   if (!info.ok()) return info.status();
-  return Session(stub_, id, info->config(), options_);
+  Session session(stub_, id, info->config(), options_);
+  session.block_tokens_ = info->block_tokens();
+  return session;
 }
 
 absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& id) const {

@@ -218,7 +218,8 @@ class Session {
   // The effective configuration, as the daemon returned it.
   const v1::SessionConfig& config() const { return config_; }
   // Tokens per layer it started with (SessionOptions::prefix_blocks; 0 for
-  // a handle from OpenSession or Fork), and the daemon's block size.
+  // a handle from OpenSession or Fork), and the daemon's block size (also
+  // Client::Stats().block_tokens()).
   int64_t prefix_tokens() const { return prefix_tokens_; }
   int block_tokens() const { return block_tokens_; }
 

@@ -134,6 +134,7 @@ v1::SessionInfo Handler::Info(const SessionCache& session) const {
   info.set_bits_per_value(BitsPerValue(config));
   info.set_transformed_layers(session.transformed_layers());
   info.set_named_blocks(static_cast<int64_t>(store_->prefix_index().named(session.id())));
+  info.set_block_tokens(store_->options().page_tokens);
   EncodeStats all;
   for (const SessionCache::LayerErrors& layer : session.errors()) {
     info.add_key_errors(layer.keys.mean_error());

@@ -127,6 +127,8 @@ class ClientTest(DaemonTestCase):
         previous = hashlib.sha256(b"model").digest()
         previous = hashlib.sha256(previous + np.asarray(ids[:block], "<i4").tobytes()).digest()
         self.assertEqual(hashes[0], previous)
+        self.assertEqual(self.client.session(storer.id).block_tokens, block)  # a handle knows it too
+        self.assertEqual(storer.fork(block).block_tokens, block)
         named = storer.name_blocks(0, hashes)
         self.assertEqual((named.named_blocks, named.reusable_from_blocks), (len(hashes), 1))
         started = self.client.create_session(LAYERS, KV, Q, D, key_codec="turbo3", value_codec="turbo3",

@@ -240,7 +240,7 @@ class SessionBase:
         self.keep = False
         # Tokens per layer it started with (create_session's prefix_blocks;
         # 0 for a handle from Client.session or fork), and the daemon's
-        # block size (0 when not known: such a handle).
+        # block size (also Client.stats().block_tokens).
         self.prefix_tokens = 0
         self.block_tokens = 0
         self.layers = config.shape.layers

@@ -118,7 +118,9 @@ class Session(_common.SessionBase):
         response = await self._client._invoke(
             lambda deadline: self._client._stub.ForkSession(request, timeout=deadline, metadata=self._client._metadata),
             timeout, idempotent=False)
-        return Session(self._client, response.session_id, response.session.config)
+        fork = Session(self._client, response.session_id, response.session.config)
+        fork.block_tokens = response.session.block_tokens
+        return fork
 
     async def name_blocks(self, first_block: int, hashes: Sequence[bytes], *,
                     timeout: Optional[float] = None) -> pb.NameBlocksResponse:
@@ -293,7 +295,10 @@ class Client:
 
     async def session(self, session_id: str, *, timeout: Optional[float] = None) -> Session:
         """As turbokv.Client.session."""
-        return Session(self, session_id, (await self.get_session(session_id, timeout=timeout)).config)
+        info = await self.get_session(session_id, timeout=timeout)
+        session = Session(self, session_id, info.config)
+        session.block_tokens = info.block_tokens
+        return session
 
     async def get_session(self, session_id: str, *, timeout: Optional[float] = None) -> pb.SessionInfo:
         request = pb.GetSessionRequest(session_id=_common.session_ids([session_id], "session_id")[0])

@@ -115,7 +115,9 @@ class Session(_common.SessionBase):
         response = self._client._invoke(
             lambda deadline: self._client._stub.ForkSession(request, timeout=deadline, metadata=self._client._metadata),
             timeout, idempotent=False)
-        return Session(self._client, response.session_id, response.session.config)
+        fork = Session(self._client, response.session_id, response.session.config)
+        fork.block_tokens = response.session.block_tokens
+        return fork
 
     def name_blocks(self, first_block: int, hashes: Sequence[bytes], *,
                     timeout: Optional[float] = None) -> pb.NameBlocksResponse:
@@ -347,7 +349,10 @@ class Client:
 
     def session(self, session_id: str, *, timeout: Optional[float] = None) -> Session:
         """A handle on an existing session (SessionNotFound when there is none)."""
-        return Session(self, session_id, self.get_session(session_id, timeout=timeout).config)
+        info = self.get_session(session_id, timeout=timeout)
+        session = Session(self, session_id, info.config)
+        session.block_tokens = info.block_tokens
+        return session
 
     def get_session(self, session_id: str, *, timeout: Optional[float] = None) -> pb.SessionInfo:
         """A session's info: layer_tokens, bytes_used, fp16_bytes, residency, config, age, idle."""

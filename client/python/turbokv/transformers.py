@@ -22,8 +22,10 @@ softmax scale, sliding-window layers and logit softcapping are passed on.
 
 **Shared prefixes.** Given the prompt's token ids (``token_ids=``, one row
 per sequence, no padding) and a ``salt`` naming the model, the cache starts
-each session with the longest prefix of its prompt that an earlier session
-of the tenant stored (docs/API.md "Reusing prefixes"), and reports that
+each session with the longest prefix of its prompt that a session of the
+tenant still holds (docs/API.md "Reusing prefixes"; blocks go with their
+last holder, so give the cache whose prompt later ones share keep=True, or
+keep it open), and reports that
 length to transformers, so that ``generate`` runs the model on the rest of
 the prompt only (a plain forward call must then be given the rest itself:
 ``ids[:, cache.get_seq_length():]``). Once the prompt is stored, its full
