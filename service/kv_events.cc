@@ -94,15 +94,19 @@ std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events,
   m.Array(2);  // ts, events (no data-parallel rank)
   m.Double(ts);
   m.Array(events.size());
+  // An event's map of `fields` entries, its type and its hashes first.
+  const auto start_event = [&m](size_t fields, const char* type, const BlockEvent& event) {
+    m.Map(fields);
+    m.Str("type");
+    m.Str(type);
+    m.Str("block_hashes");
+    m.Array(event.hashes.size());
+    for (const std::string& hash : event.hashes) m.Bin(hash);
+  };
   for (const BlockEvent& event : events) {
     switch (event.kind) {
       case BlockEvent::kStored:
-        m.Map(8);
-        m.Str("type");
-        m.Str("BlockStored");
-        m.Str("block_hashes");
-        m.Array(event.hashes.size());
-        for (const std::string& hash : event.hashes) m.Bin(hash);
+        start_event(8, "BlockStored", event);
         m.Str("parent_block_hash");
         if (event.has_parent) {
           m.Bin(event.parent);
@@ -121,12 +125,7 @@ std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events,
         m.Nil();
         break;
       case BlockEvent::kRemoved:
-        m.Map(3);
-        m.Str("type");
-        m.Str("BlockRemoved");
-        m.Str("block_hashes");
-        m.Array(event.hashes.size());
-        for (const std::string& hash : event.hashes) m.Bin(hash);
+        start_event(3, "BlockRemoved", event);
         m.Str("medium");
         m.Str(event.medium);
         break;
