@@ -1012,9 +1012,9 @@ class DeployTest(unittest.TestCase):
                 self.assertEqual(yaml.safe_load(default), node)
                 self.assertGreater(len(meaning.strip()), 10)
         # The images: turbokvd's is built from deploy/docker/Dockerfile, and
-        # its GPU path has not run on a GPU.
+        # its GPU path has not run in a pod.
         self.assertIn("deploy/docker/Dockerfile", readme)
-        self.assertIn("never run on a GPU", readme)
+        self.assertIn("untested on Kubernetes", readme)
 
     def test_chart_with_redis_deploy(self):
         objects, notes = rendered_objects(redis_deploy_values(), api_versions=MONITORING_APIS)
