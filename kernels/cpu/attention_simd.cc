@@ -452,14 +452,21 @@ struct IntPath {
     value_table = CentroidTable16(setup.value_table, value_bits, kValueCentroidScale);
     q.resize(static_cast<size_t>(task.rows) * dim);
     q_scale.resize(static_cast<size_t>(task.rows) * blocks);
+    // 16 values a vector (block_values is 64 or 128); the largest |q| is
+    // exact in any order, and the conversion rounds to nearest even as
+    // lrint does.
     for (int r = 0; r < task.rows; ++r) {
       for (int b = 0; b < blocks; ++b) {
         const float* src = task.q + static_cast<size_t>(r) * dim + b * block_values;
-        float max = 0.0f;
-        for (int i = 0; i < block_values; ++i) max = std::max(max, std::fabs(src[i]));
-        const float to_int = max > 0.0f ? kQueryMax / max : 0.0f;
+        __m512 largest = _mm512_setzero_ps();
+        for (int i = 0; i < block_values; i += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
+        const float max = _mm512_reduce_max_ps(largest);
+        const __m512 to_int = _mm512_set1_ps(max > 0.0f ? kQueryMax / max : 0.0f);
         int16_t* dst = q.data() + static_cast<size_t>(r) * dim + b * block_values;
-        for (int i = 0; i < block_values; ++i) dst[i] = static_cast<int16_t>(std::lrint(src[i] * to_int));
+        for (int i = 0; i < block_values; i += 16) {
+          const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), to_int));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtsepi32_epi16(rounded));
+        }
         q_scale[r * blocks + b] = max > 0.0f ? max / kQueryMax / kKeyCentroidScale : 0.0f;
       }
     }

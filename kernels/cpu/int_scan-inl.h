@@ -441,7 +441,7 @@ struct IntScan {
 };
 
 struct IntWorkspace {
-  Scratch<int16_t> q, keys, decoded, pairs, weights;
+  Scratch<int16_t> q, rounded, keys, decoded, pairs, weights;
   Scratch<float> q_unit, key_scales, partial, value_scales;
   Scratch<int32_t> partial_int;
 };
@@ -457,22 +457,36 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
     const float q_max = key->bits != 0 ? kQueryTurboMax : kQueryByteMax;
     q = w.q.Get(static_cast<size_t>(rows) * dim);
     q_unit = w.q_unit.Get(static_cast<size_t>(rows) * blocks);
+    int16_t* rounded = w.rounded.Get(bv);
+    const IntDF df;
+    const hn::Rebind<int16_t, IntDF> d16half;
+    const size_t nf = hn::Lanes(df);  // bv (32, 64 or 128) is a multiple
     for (int r = 0; r < rows; ++r) {
       const float* src = task.q + static_cast<size_t>(r) * dim;
       for (int b = 0; b < blocks; ++b) {
-        float largest = 0.0f;
-        double l1 = 0.0;
-        for (int i = b * bv; i < (b + 1) * bv; ++i) {
-          largest = std::max(largest, std::fabs(src[i]));
-          l1 += std::fabs(src[i]);
+        const float* block = src + b * bv;
+        auto largest_lanes = hn::Zero(df), l1_lanes = hn::Zero(df);
+        for (size_t i = 0; i < static_cast<size_t>(bv); i += nf) {
+          const auto magnitude = hn::Abs(hn::LoadU(df, block + i));
+          largest_lanes = hn::Max(largest_lanes, magnitude);
+          l1_lanes = hn::Add(l1_lanes, magnitude);
         }
-        // Also sum |q| <= (2^31 - 1) / max_int, so that no sum of the block's
-        // products, over any lanes, can overflow.
-        const float to_int =
-            largest > 0.0f ? std::min(q_max / largest, static_cast<float>(2147483647.0 / key->max_int / l1)) : 0.0f;
-        for (int p = b * bv; p < (b + 1) * bv; ++p) {
-          q[static_cast<size_t>(r) * dim + p] = static_cast<int16_t>(std::lrint(src[key->order[p]] * to_int));
+        const float largest = hn::GetLane(hn::MaxOfLanes(df, largest_lanes));
+        // Also the block's sum of |rounded q| times max_int within 2^31 - 1, so
+        // that no sum of its products, over any lanes, can overflow: rounding
+        // adds at most 1/2 a value, and the float sum of |q| is taken 2^-16
+        // larger than it is (its rounding is far below that).
+        const double l1 = static_cast<double>(hn::GetLane(hn::SumOfLanes(df, l1_lanes))) * (1.0 + 0x1p-16);
+        const double sum_max = 2147483647.0 / key->max_int - 0.5 * bv;
+        const float to_int = largest > 0.0f ? std::min(q_max / largest, static_cast<float>(sum_max / l1)) : 0.0f;
+        const auto scale = hn::Set(df, to_int);
+        for (size_t i = 0; i < static_cast<size_t>(bv); i += nf) {
+          hn::StoreU(hn::DemoteTo(d16half, hn::NearestInt(hn::Mul(hn::LoadU(df, block + i), scale))), d16half,
+                     rounded + i);
         }
+        int16_t* dst = q + static_cast<size_t>(r) * dim + b * bv;
+        const int* order = key->order.data() + b * bv;
+        for (int p = 0; p < bv; ++p) dst[p] = rounded[order[p] - b * bv];
         q_unit[static_cast<size_t>(r) * blocks + b] = largest > 0.0f ? key->unit / to_int : 0.0f;
       }
     }
