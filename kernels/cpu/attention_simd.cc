@@ -429,6 +429,13 @@ HWY_INLINE __m512 ReduceLanes16(const __m512i* v) {
   return _mm512_permutexvar_ps(order, z);
 }
 
+// Buffers kept per thread across scan tasks (see Scratch).
+struct IntPathWorkspace {
+  Scratch<int16_t> q, values;
+  Scratch<float> q_scale;
+  Scratch<int32_t> pair_weights;
+};
+
 struct IntPath {
   int dim = 0;
   int block_values = 0;
@@ -436,10 +443,10 @@ struct IntPath {
   int key_bits = 0;
   int value_bits = 0;
   __m512i key_table, value_table;
-  std::vector<int16_t> q;         // [rows][dim]
-  std::vector<float> q_scale;     // [rows][blocks]: float score per integer unit
-  std::vector<int16_t> values;    // [kScanTile][block_values]: one block of the tile's values, decoded
-  std::vector<int32_t> pair_weights;  // [rows][kScanTile / 2]
+  int16_t* q = nullptr;              // [rows][dim]
+  float* q_scale = nullptr;          // [rows][blocks]: float score per integer unit
+  int16_t* values = nullptr;         // [kScanTile][block_values]: one block of the tile's values, decoded
+  int32_t* pair_weights = nullptr;   // [rows][kScanTile / 2]
 
   IntPath(const ScanTask& task, const ScanSetup& setup) {
     const PagedKvCache& c = *task.cache;
@@ -450,8 +457,11 @@ struct IntPath {
     value_bits = TurboBits(c.value_layout.kind);
     key_table = CentroidTable16(setup.key_table, key_bits, kKeyCentroidScale);
     value_table = CentroidTable16(setup.value_table, value_bits, kValueCentroidScale);
-    q.resize(static_cast<size_t>(task.rows) * dim);
-    q_scale.resize(static_cast<size_t>(task.rows) * blocks);
+    thread_local IntPathWorkspace w;
+    q = w.q.Get(static_cast<size_t>(task.rows) * dim);
+    q_scale = w.q_scale.Get(static_cast<size_t>(task.rows) * blocks);
+    values = w.values.Get(static_cast<size_t>(kScanTile) * block_values);
+    pair_weights = w.pair_weights.Get(static_cast<size_t>(task.rows) * (kScanTile / 2));
     // 16 values a vector (block_values is 64 or 128); the largest |q| is
     // exact in any order, and the conversion rounds to nearest even as
     // lrint does.
@@ -462,7 +472,7 @@ struct IntPath {
         for (int i = 0; i < block_values; i += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
         const float max = _mm512_reduce_max_ps(largest);
         const __m512 to_int = _mm512_set1_ps(max > 0.0f ? kQueryMax / max : 0.0f);
-        int16_t* dst = q.data() + static_cast<size_t>(r) * dim + b * block_values;
+        int16_t* dst = q + static_cast<size_t>(r) * dim + b * block_values;
         for (int i = 0; i < block_values; i += 16) {
           const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), to_int));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtsepi32_epi16(rounded));
@@ -470,8 +480,6 @@ struct IntPath {
         q_scale[r * blocks + b] = max > 0.0f ? max / kQueryMax / kKeyCentroidScale : 0.0f;
       }
     }
-    values.resize(static_cast<size_t>(kScanTile) * block_values);
-    pair_weights.resize(static_cast<size_t>(task.rows) * (kScanTile / 2));
   }
 };
 
@@ -493,7 +501,7 @@ void ScoreTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* 
     // Rows in groups of four share each decoded key block.
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int rows = std::min(4, task.rows - r0);
-      const int16_t* q = ip.q.data() + static_cast<size_t>(r0) * ip.dim + b * kB;
+      const int16_t* q = ip.q + static_cast<size_t>(r0) * ip.dim + b * kB;
       for (int j = 0; j < n; ++j) {
         __m512i cent[kB / 32];
         BlockCentroids16<kB, kBits>(first + j * record_bytes, ip.key_table, cent);
@@ -568,7 +576,7 @@ void AccumulateTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, co
       scales[j] = TurboDecodeFactor(block, kB);
       __m512i cent[kB / 32];
       BlockCentroids16<kB, kBits>(block, ip.value_table, cent);
-      int16_t* dst = ip.values.data() + static_cast<size_t>(j) * kB;
+      int16_t* dst = ip.values + static_cast<size_t>(j) * kB;
       for (int k = 0; k < kB / 32; ++k) _mm512_storeu_si512(dst + 32 * k, cent[k]);
     }
     // With n odd the last pair's second slot holds stale values; its weight is 0.
@@ -586,20 +594,20 @@ void AccumulateTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, co
         }
         const float m = _mm512_reduce_max_ps(max);
         const __m512 to_int = _mm512_set1_ps(m > 0.0f ? kWeightMax / m : 0.0f);
-        int16_t* pw = reinterpret_cast<int16_t*>(ip.pair_weights.data() + static_cast<size_t>(r0 + r) * (kScanTile / 2));
+        int16_t* pw = reinterpret_cast<int16_t*>(ip.pair_weights + static_cast<size_t>(r0 + r) * (kScanTile / 2));
         for (int h = 0; h < kScanTile / 16; ++h) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + 16 * h),
                               _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(scaled[h], to_int))));
         }
         unit[r] = m / kWeightMax / kValueCentroidScale;
       }
-      const int32_t* pw = ip.pair_weights.data() + static_cast<size_t>(r0) * (kScanTile / 2);
+      const int32_t* pw = ip.pair_weights + static_cast<size_t>(r0) * (kScanTile / 2);
       float* out = state->acc.data() + static_cast<size_t>(r0) * dim;
       switch (rows) {
-        case 4: AccumulateRowsVnni<kB, 4>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        case 3: AccumulateRowsVnni<kB, 3>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        case 2: AccumulateRowsVnni<kB, 2>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
-        default: AccumulateRowsVnni<kB, 1>(ip.values.data(), pairs, pw, unit, dim, b, out); break;
+        case 4: AccumulateRowsVnni<kB, 4>(ip.values, pairs, pw, unit, dim, b, out); break;
+        case 3: AccumulateRowsVnni<kB, 3>(ip.values, pairs, pw, unit, dim, b, out); break;
+        case 2: AccumulateRowsVnni<kB, 2>(ip.values, pairs, pw, unit, dim, b, out); break;
+        default: AccumulateRowsVnni<kB, 1>(ip.values, pairs, pw, unit, dim, b, out); break;
       }
     }
   }
