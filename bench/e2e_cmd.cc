@@ -41,8 +41,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // --batch B: (a) Decode stream, (b) B x L unary Steps, (c) the kernels alone,
-// (d) the handler's Decode in process (no gRPC, no client), one whole decode
-// step (every layer) of each in turn.
+// (d) the handler's Decode in process (no gRPC, no client), (e) the Decode
+// stream with its tensors in the messages (a client without shared memory),
+// one whole decode step (every layer) of each in turn.
 int RunBatch(const Shape& shape, long long batch, long long steps, Client& client, Server& server,
              const SessionOptions& session_options, bool json) {
   const size_t token_values = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
@@ -77,33 +78,41 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
     for (float& x : values) x = normal(rng);
     for (float& x : queries) x = normal(rng);
   };
+  ClientOptions in_messages;
+  in_messages.shared_memory_bytes = 0;
+  const std::unique_ptr<Client> bytes_client = Client::Connect(server.endpoints()[0], in_messages);
   std::unique_ptr<DecodeStream> decode = client.OpenDecodeStream();
-  std::vector<double> decode_us, unary_us, kernel_us, handler_us;  // per layer-step
+  std::unique_ptr<DecodeStream> decode_bytes = bytes_client->OpenDecodeStream();
+  std::vector<double> decode_us, unary_us, kernel_us, handler_us, bytes_us;  // per layer-step
   int64_t position = shape.tokens;
   for (long long step = 0; step < steps; ++step) {
     // (a) one Decode message per layer, each answered before the next (the
-    // next layer's query depends on this one's output).
-    for (long long l = 0; l < shape.layers; ++l, draw()) {
-      DecodeBatch message;
-      message.layer = static_cast<int>(l);
-      message.session_ids = ids;
-      message.positions.assign(batch, position);
-      message.q_heads = static_cast<int>(shape.q_heads);
-      message.kv_heads = static_cast<int>(shape.kv_heads);
-      message.head_dim = static_cast<int>(shape.head_dim);
-      message.queries = TensorData::F32(queries);
-      message.keys = TensorData::F32(keys);
-      message.values = TensorData::F32(values);
-      const auto start = Clock::now();
-      absl::StatusOr<DecodeResult> result = decode->Step(message);
-      decode_us.push_back(Micros(start));
-      if (!result.ok() || result->failed != 0) {
-        std::fprintf(stderr, "turbokv-bench e2e: decode: %s\n",
-                     std::string(result.ok() ? result->status[0].message() : result.status().message()).c_str());
-        return 1;
+    // next layer's query depends on this one's output); (e) the same through
+    // the client that sends its tensors in the messages.
+    for (DecodeStream* stream : {decode.get(), decode_bytes.get()}) {
+      std::vector<double>& took = stream == decode.get() ? decode_us : bytes_us;
+      for (long long l = 0; l < shape.layers; ++l, draw()) {
+        DecodeBatch message;
+        message.layer = static_cast<int>(l);
+        message.session_ids = ids;
+        message.positions.assign(batch, position);
+        message.q_heads = static_cast<int>(shape.q_heads);
+        message.kv_heads = static_cast<int>(shape.kv_heads);
+        message.head_dim = static_cast<int>(shape.head_dim);
+        message.queries = TensorData::F32(queries);
+        message.keys = TensorData::F32(keys);
+        message.values = TensorData::F32(values);
+        const auto start = Clock::now();
+        absl::StatusOr<DecodeResult> result = stream->Step(message);
+        took.push_back(Micros(start));
+        if (!result.ok() || result->failed != 0) {
+          std::fprintf(stderr, "turbokv-bench e2e: decode: %s\n",
+                       std::string(result.ok() ? result->status[0].message() : result.status().message()).c_str());
+          return 1;
+        }
       }
+      ++position;
     }
-    ++position;
     // (b) the same work as B x L unary Step calls from one thread.
     for (long long l = 0; l < shape.layers; ++l, draw()) {
       const auto start = Clock::now();
@@ -162,8 +171,7 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
       if (!status.ok()) return 1;
     }
   }
-  const absl::Status closed = decode->Finish();
-  if (!closed.ok()) return 1;
+  if (!decode->Finish().ok() || !decode_bytes->Finish().ok()) return 1;
   auto mean = [](const std::vector<double>& v) {
     double sum = 0;
     for (double x : v) sum += x;
@@ -172,7 +180,8 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
   // Tokens per second: B tokens per whole step of L layer-steps.
   auto tokens_per_s = [&](const std::vector<double>& v) { return batch * 1e6 / (mean(v) * shape.layers); };
   const double decode_p50 = Percentile(decode_us, 0.5), unary_p50 = Percentile(unary_us, 0.5),
-               kernel_p50 = Percentile(kernel_us, 0.5), handler_p50 = Percentile(handler_us, 0.5);
+               kernel_p50 = Percentile(kernel_us, 0.5), handler_p50 = Percentile(handler_us, 0.5),
+               bytes_p50 = Percentile(bytes_us, 0.5);
   const double speedup = unary_p50 / decode_p50;
   const double overhead = (decode_p50 - kernel_p50) / decode_p50;
   if (json) {
@@ -183,12 +192,13 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
         "\"unary_layer_step_p50_us\": %.1f, \"unary_layer_step_p99_us\": %.1f, \"unary_tokens_per_s\": %.1f, "
         "\"kernel_layer_step_p50_us\": %.1f, \"kernel_layer_step_p99_us\": %.1f, \"kernel_tokens_per_s\": %.1f, "
         "\"handler_layer_step_p50_us\": %.1f, \"handler_layer_step_p99_us\": %.1f, "
+        "\"decode_in_messages_layer_step_p50_us\": %.1f, \"decode_in_messages_layer_step_p99_us\": %.1f, "
         "\"decode_speedup_over_unary\": %.2f, \"service_overhead\": %.3f}\n",
         batch, shape.tokens, shape.layers, shape.kv_heads, shape.q_heads, shape.head_dim,
         v1::Codec_Name(session_options.key_codec).c_str(), shape.threads, steps, prefill_seconds, decode_p50,
         Percentile(decode_us, 0.99), tokens_per_s(decode_us), unary_p50, Percentile(unary_us, 0.99),
         tokens_per_s(unary_us), kernel_p50, Percentile(kernel_us, 0.99), tokens_per_s(kernel_us), handler_p50,
-        Percentile(handler_us, 0.99), speedup, overhead);
+        Percentile(handler_us, 0.99), bytes_p50, Percentile(bytes_us, 0.99), speedup, overhead);
     return 0;
   }
   std::printf("turbokvd over a unix socket: %lld sessions x %lld tokens, %lld layers, %s keys and values, %lld kv heads, "
@@ -205,10 +215,14 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
               Percentile(kernel_us, 0.99), tokens_per_s(kernel_us));
   std::printf("| (d) the handler's Decode in process, same messages | %.0f us | %.0f us | %.0f |\n", handler_p50,
               Percentile(handler_us, 0.99), tokens_per_s(handler_us));
+  std::printf("| (e) the Decode stream with its tensors in the messages | %.0f us | %.0f us | %.0f |\n", bytes_p50,
+              Percentile(bytes_us, 0.99), tokens_per_s(bytes_us));
   std::printf("\n(a) is %.1fx faster than (b); service overhead ((a) - (c)) / (a) = %.0f%%, of which the handler "
               "((d) - (c)) %.0f%% and transport and client ((a) - (d)) %.0f%%\n",
               speedup, 100 * overhead, 100 * (handler_p50 - kernel_p50) / decode_p50,
               100 * (decode_p50 - handler_p50) / decode_p50);
+  std::printf("(a), tensors through shared memory, takes %.2fx the time of (e), tensors in the messages\n",
+              decode_p50 / bytes_p50);
   return 0;
 }
 

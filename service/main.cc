@@ -107,6 +107,13 @@ Flags (--name=value or --name value):
                            (default 127.0.0.1:9464)
   --health-listen=HOST:PORT     a listener serving only grpc.health.v1, for
                            Kubernetes probes (default none)
+  --shared-memory-socket=PATH  co-located clients hand the daemon shared
+                           memory here (a sealed memfd) and their tensors
+                           travel through it (docs/API.md "Shared memory");
+                           empty = none (default: the first unix --listen
+                           path with .shm appended)
+  --shared-memory-max-bytes=SIZE  the largest region one client may hand
+                           over (default 1GiB)
   --kv-events-endpoint=ADDR  publish KV events for routers on a ZeroMQ PUB
                            socket bound here, e.g. tcp://127.0.0.1:5557: the
                            blocks named for reuse, stored and removed, per
@@ -292,6 +299,15 @@ int main(int argc, char** argv) {
       options.tls_client_ca = value;
     } else if (name == "health-listen") {
       options.health_listen = value;
+    } else if (name == "shared-memory-socket") {
+      options.shared_memory_socket = value;
+    } else if (name == "shared-memory-max-bytes") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok() || *bytes == 0) {
+        return Fail(absl::StrCat("--shared-memory-max-bytes: ",
+                                 bytes.ok() ? "must be more than 0" : bytes.status().message()));
+      }
+      options.shared_memory_max_bytes = *bytes;
     } else if (name == "metrics-listen") {
       options.metrics_listen = value;
     } else if (name == "shutdown-deadline") {
@@ -404,6 +420,9 @@ int main(int argc, char** argv) {
     Logf(LogLevel::kInfo, "no metrics (--metrics-listen is empty)");
   } else {
     Logf(LogLevel::kInfo, "metrics on %s", (*server)->metrics_endpoint());
+  }
+  if ((*server)->shared_memory() != nullptr) {
+    Logf(LogLevel::kInfo, "shared memory for co-located clients on %s", (*server)->shared_memory()->socket_path());
   }
   if ((*server)->health_endpoint().empty()) {
     Logf(LogLevel::kInfo, "no health-only listener (--health-listen): probes use the listeners above");

@@ -237,6 +237,12 @@ Metrics::Metrics(std::string device, const std::vector<std::string>& tiers) : de
                                 "--tenant-max-inflight-bytes bounds each tenant's")
                           .Register(r)
                           .Add({});
+  shared_memory_regions_ = &BuildGauge()
+                                .Name("turbokv_shared_memory_regions")
+                                .Help("Shared-memory regions co-located clients have registered (one a client "
+                                      "connected over a unix socket that uses them)")
+                                .Register(r)
+                                .Add({});
   tokens_ = &BuildGauge()
                  .Name("turbokv_tokens_stored")
                  .Help("Tokens stored, summed over sessions and layers")
@@ -430,6 +436,8 @@ void Metrics::SetRestored(const SnapshotReport& report) {
 void Metrics::SetQueued(int64_t work) { queued_->Set(static_cast<double>(work)); }
 
 void Metrics::SetInFlightBytes(int64_t bytes) { in_flight_bytes_->Set(static_cast<double>(bytes)); }
+
+void Metrics::SetSharedMemoryRegions(size_t regions) { shared_memory_regions_->Set(static_cast<double>(regions)); }
 
 void Metrics::ObservePromotion(double seconds) { promotion_duration_->Observe(seconds); }
 

@@ -74,6 +74,7 @@ class Metrics {
   void SetQueued(int64_t work);
   // Requests and replies in flight (KvCacheService::in_flight_bytes).
   void SetInFlightBytes(int64_t bytes);
+  void SetSharedMemoryRegions(size_t regions);
   // A demoted session brought back into memory by a call.
   void ObservePromotion(double seconds);
   // How a claim from the shared tier ended (StoreOptions::on_takeover).
@@ -115,6 +116,7 @@ class Metrics {
   prometheus::Gauge* restored_[3] = {};  // verified, unverified, failed
   prometheus::Gauge* queued_;
   prometheus::Gauge* in_flight_bytes_;
+  prometheus::Gauge* shared_memory_regions_;
   prometheus::Gauge* sessions_;
   prometheus::Gauge* tokens_;
   prometheus::Gauge* bytes_used_;

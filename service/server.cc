@@ -343,6 +343,26 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   handler.device = server->device_;
   handler.metrics = server->metrics_.get();
   if (server->authenticator_ != nullptr) handler.snapshot_tenant = options.admin_tenant;
+  std::string shared_memory_socket = options.shared_memory_socket;
+  if (shared_memory_socket == "auto") {
+    auto unix_listener = std::find_if(options.listen.begin(), options.listen.end(),
+                                      [](const std::string& a) { return absl::StartsWith(a, "unix:"); });
+    shared_memory_socket = unix_listener == options.listen.end() ? "" : UnixSocketPath(*unix_listener) + ".shm";
+  }
+  if (!shared_memory_socket.empty()) {
+    SharedMemoryOptions shared;
+    shared.socket_path = shared_memory_socket;
+    shared.max_region_bytes = options.shared_memory_max_bytes;
+    if (server->authenticator_ != nullptr) {
+      shared.tenant_of = [authenticator = server->authenticator_.get()](absl::string_view token) {
+        const std::string authorization = absl::StrCat("Bearer ", token);
+        const absl::string_view value(authorization);
+        return authenticator->Authenticate(&value);
+      };
+    }
+    server->shared_memory_ = std::make_unique<SharedMemory>(shared);
+    handler.shared_memory = server->shared_memory_.get();
+  }
   server->handler_ = std::make_unique<Handler>(server->store_.get(), handler);
   server->executor_ = std::make_unique<Executor>(workers, std::max(1, workers / 2));
   ServiceLimits limits;
@@ -427,6 +447,12 @@ absl::Status Server::Start() {
     }
   }
   if (server_ == nullptr) return absl::UnavailableError("the gRPC server did not start");
+  if (shared_memory_ != nullptr) {
+    const mode_t umask_shared = umask(0117);  // 0660, as the gRPC sockets
+    const absl::Status started = shared_memory_->Start();
+    umask(umask_shared);
+    if (!started.ok()) return started;
+  }
   if (!options_.health_listen.empty()) {
     grpc::ServerBuilder health;
     int port = 0;
@@ -528,6 +554,7 @@ void Server::ExpireLoop() {
     metrics_->SetStore(store_->Snapshot());
     metrics_->SetQueued(static_cast<int64_t>(executor_->queued()));
     metrics_->SetInFlightBytes(service_->in_flight_bytes());
+    if (shared_memory_ != nullptr) metrics_->SetSharedMemoryRegions(shared_memory_->regions());
     lock.lock();
   }
 }
@@ -560,6 +587,7 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
   if (health_server_ != nullptr) health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
   if (executor_ != nullptr) executor_->Shutdown();
   if (server_ != nullptr) server_->Wait();
+  if (shared_memory_ != nullptr) shared_memory_->Stop();  // no call runs any more
   if (expiry_thread_.joinable()) expiry_thread_.join();
   absl::Status status;
   if (store_ != nullptr && store_->tier() != nullptr) {

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "service/dataplane/shared_memory.h"
 #include "service/kv_events.h"
 #include "service/store/session_store.h"
 
@@ -107,6 +108,11 @@ struct ServerOptions {
   // host:port serving only grpc.health.v1 (for Kubernetes probes, while the
   // API stays on a unix socket); port 0 picks one; empty: none.
   std::string health_listen;
+  // The unix socket co-located clients hand their shared memory to
+  // (docs/API.md, "Shared memory"). "auto": the first unix listener's path
+  // with ".shm" appended (none without a unix listener); empty: none.
+  std::string shared_memory_socket = "auto";
+  size_t shared_memory_max_bytes = size_t{1} << 30;  // the largest region one client may register
 };
 
 // Sends gRPC core's own log lines (its errors: a listener that fails, a
@@ -142,6 +148,8 @@ class Server {
 
   // The listeners as bound, with the OS-chosen TCP ports filled in.
   const std::vector<std::string>& endpoints() const { return endpoints_; }
+  // The shared-memory socket's path, or nullptr when there is none.
+  const SharedMemory* shared_memory() const { return shared_memory_.get(); }
   // The health-only listener as bound, or empty.
   const std::string& health_endpoint() const { return health_endpoint_; }
   // http://host:port/metrics as bound, or empty.
@@ -176,6 +184,7 @@ class Server {
   std::unique_ptr<KvEventPublisher> kv_events_;  // the store's index publishes through it: it goes after
   std::unique_ptr<SessionStore> store_;
   const RedisTier* redis_tier_ = nullptr;  // with --redis-url: in store_'s tier
+  std::unique_ptr<SharedMemory> shared_memory_;  // the handler reads its regions: it goes after
   std::unique_ptr<Handler> handler_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<KvCacheService> service_;

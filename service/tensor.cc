@@ -53,6 +53,12 @@ size_t DTypeSize(int dtype) {
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
                                                   absl::Span<const int64_t> shape,
                                                   absl::string_view field, bool check_finite) {
+  return TensorToFloats(tensor, tensor.data(), "data", shape, field, check_finite);
+}
+
+absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor, absl::string_view bytes,
+                                                  absl::string_view where, absl::Span<const int64_t> shape,
+                                                  absl::string_view field, bool check_finite) {
   const size_t value_bytes = DTypeSize(tensor.dtype());
   if (value_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16 (got ", tensor.dtype(), ")"));
@@ -66,19 +72,19 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
   size_t count = 1;
   bool too_large = false;
   for (int64_t d : shape) {
-    if (d < 0 || (d > 0 && count > tensor.data().size() / static_cast<size_t>(d))) {
+    if (d < 0 || (d > 0 && count > bytes.size() / static_cast<size_t>(d))) {
       too_large = true;
       break;
     }
     count *= static_cast<size_t>(d);
   }
-  if (too_large || tensor.data().size() != count * value_bytes) {
+  if (too_large || bytes.size() != count * value_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ".data holds ", tensor.data().size(), " bytes, shape ", ShapeString(shape), " of ",
+        field, ".", where, " holds ", bytes.size(), " bytes, shape ", ShapeString(shape), " of ",
         v1::DType_Name(tensor.dtype()), " needs ", too_large ? "more" : absl::StrCat(count * value_bytes)));
   }
   std::vector<float> values(count);
-  const char* data = tensor.data().data();
+  const char* data = bytes.data();
   switch (tensor.dtype()) {
     case v1::DTYPE_F32: std::memcpy(values.data(), data, count * 4); break;
     case v1::DTYPE_F16: {
@@ -90,7 +96,7 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
       for (size_t i = 0; i < count; ++i) values[i] = BitsToFloat(uint32_t{Load16(data + 2 * i)} << 16);
       break;
   }
-  if (check_finite) TURBOKV_RETURN_IF_ERROR(CheckFinite(values, absl::StrCat(field, ".data")));
+  if (check_finite) TURBOKV_RETURN_IF_ERROR(CheckFinite(values, absl::StrCat(field, ".", where)));
   return values;
 }
 
@@ -113,16 +119,24 @@ void FloatsToTensor(absl::Span<const float> values, absl::Span<const int64_t> sh
   tensor->set_dtype(dtype);
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
   std::string* data = tensor->mutable_data();
-  const size_t n = values.size();
   if (dtype == v1::DTYPE_F32) {
-    data->assign(reinterpret_cast<const char*>(values.data()), n * 4);
+    data->assign(reinterpret_cast<const char*>(values.data()), values.size() * 4);
     return;
   }
-  data->resize(n * 2);
+  data->resize(values.size() * 2);
+  FloatsToBytes(values, dtype, data->data());
+}
+
+void FloatsToBytes(absl::Span<const float> values, v1::DType dtype, char* out) {
+  const size_t n = values.size();
+  if (dtype == v1::DTYPE_F32) {
+    std::memcpy(out, values.data(), n * 4);
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     const uint16_t bits =
         dtype == v1::DTYPE_F16 ? FloatToHalfBits(values[i]) : FloatToBf16Bits(values[i]);
-    std::memcpy(&(*data)[2 * i], &bits, 2);
+    std::memcpy(out + 2 * i, &bits, 2);
   }
 }
 

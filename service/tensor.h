@@ -22,6 +22,12 @@ size_t DTypeSize(int dtype);
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor,
                                                   absl::Span<const int64_t> shape,
                                                   absl::string_view field, bool check_finite = true);
+// The same with the values' bytes given apart (a slice of shared memory,
+// copied before they are checked), `where` naming them in errors
+// ("shared").
+absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor, absl::string_view bytes,
+                                                  absl::string_view where, absl::Span<const int64_t> shape,
+                                                  absl::string_view field, bool check_finite = true);
 
 // INVALID_ARGUMENT naming `what` and the first value that is Inf or NaN.
 absl::Status CheckFinite(absl::Span<const float> values, absl::string_view what);
@@ -30,5 +36,7 @@ absl::Status CheckFinite(absl::Span<const float> values, absl::string_view what)
 // even, bf16 round to nearest even).
 void FloatsToTensor(absl::Span<const float> values, absl::Span<const int64_t> shape, v1::DType dtype,
                     v1::Tensor* tensor);
+// The values as dtype into out (values.size() * DTypeSize(dtype) bytes).
+void FloatsToBytes(absl::Span<const float> values, v1::DType dtype, char* out);
 
 }  // namespace turbokv

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/util/time_util.h"
@@ -46,8 +47,52 @@ absl::StatusOr<Response> Call(grpc::Status (v1::KvCacheService::Stub::*method)(g
 // The tensor message for data holding `rows` rows of `row` values: its shape
 // is `prefix` followed by [rows][...row shape]. INVALID_ARGUMENT when the
 // count is not a whole number of rows.
+// Where a call's tensors go in its shared block: each at the next 64-byte
+// boundary, then the results (output_to) in the rest.
+class Placement {
+ public:
+  explicit Placement(const SharedBlock* block) : block_(block) {}
+  bool active() const { return block_ != nullptr; }
+  void Put(const TensorData& data, v1::Tensor* tensor) {
+    const size_t bytes = data.count * ValueBytes(data.dtype);
+    std::memcpy(block_->data() + used_, data.data, bytes);
+    v1::SharedSlice* slice = tensor->mutable_shared();
+    slice->set_region(block_->region_id());
+    slice->set_offset(block_->offset() + used_);
+    slice->set_length(bytes);
+    used_ += SharedAligned(bytes);
+  }
+  void Results(v1::SharedSlice* slice) const {
+    slice->set_region(block_->region_id());
+    slice->set_offset(block_->offset() + used_);
+    slice->set_length(block_->size() - used_);
+  }
+
+ private:
+  const SharedBlock* block_;
+  size_t used_ = 0;
+};
+
+// A call's block: room for its tensors and for `results` f32 result values
+// in `result_tensors` tensors; null (send bytes) when there is no channel
+// or no room.
+std::unique_ptr<SharedBlock> BlockFor(SharedChannel* shared, std::initializer_list<const TensorData*> tensors,
+                                      size_t result_values, size_t result_tensors) {
+  if (shared == nullptr) return nullptr;
+  size_t bytes = 0;
+  for (const TensorData* t : tensors) bytes += SharedAligned(t->count * ValueBytes(t->dtype));
+  bytes += SharedAligned(result_values * 4) + 64 * result_tensors;
+  return shared->Allocate(bytes);
+}
+
+// The daemon no longer holds the region of a call's block (it restarted):
+// register a new one next time, and send this call's tensors as bytes.
+bool RegionLost(const absl::Status& status, const SharedBlock* block) {
+  return block != nullptr && absl::IsNotFound(status) && absl::StrContains(status.message(), "shared-memory region");
+}
+
 absl::Status ToTensor(const TensorData& data, std::vector<int64_t> prefix, std::vector<int64_t> row,
-                      absl::string_view what, v1::Tensor* tensor) {
+                      absl::string_view what, v1::Tensor* tensor, Placement* placement = nullptr) {
   int64_t row_values = 1;
   for (int64_t d : prefix) row_values *= d;
   for (int64_t d : row) row_values *= d;
@@ -59,20 +104,39 @@ absl::Status ToTensor(const TensorData& data, std::vector<int64_t> prefix, std::
   prefix.push_back(static_cast<int64_t>(data.count / row_values));
   prefix.insert(prefix.end(), row.begin(), row.end());
   tensor->mutable_shape()->Assign(prefix.begin(), prefix.end());
-  tensor->set_data(static_cast<const char*>(data.data), data.count * ValueBytes(data.dtype));
+  if (placement != nullptr && placement->active()) {
+    placement->Put(data, tensor);
+  } else {
+    tensor->set_data(static_cast<const char*>(data.data), data.count * ValueBytes(data.dtype));
+  }
   return absl::OkStatus();
 }
 
-std::vector<float> Floats(const v1::Tensor& tensor) {
-  std::vector<float> values(tensor.data().size() / 4);
-  std::memcpy(values.data(), tensor.data().data(), values.size() * 4);
+// An f32 result tensor's values, from the message or from the call's block.
+absl::StatusOr<std::vector<float>> Floats(const v1::Tensor& tensor, const SharedBlock* block = nullptr) {
+  absl::string_view bytes = tensor.data();
+  if (tensor.has_shared()) {
+    const v1::SharedSlice& slice = tensor.shared();
+    if (block == nullptr || slice.region() != block->region_id() || slice.offset() < block->offset() ||
+        slice.length() > block->size() || slice.offset() - block->offset() > block->size() - slice.length()) {
+      return absl::InternalError("the daemon answered with a result outside the shared memory the call gave it");
+    }
+    bytes = absl::string_view(reinterpret_cast<const char*>(block->data()) + (slice.offset() - block->offset()),
+                              slice.length());
+  }
+  std::vector<float> values(bytes.size() / 4);
+  std::memcpy(values.data(), bytes.data(), values.size() * 4);
   return values;
 }
 
-Attention FromResult(const v1::AttentionResult& result) {
+absl::StatusOr<Attention> FromResult(const v1::AttentionResult& result, const SharedBlock* block) {
   Attention attention;
-  attention.output = Floats(result.output());
-  attention.lse = Floats(result.lse());
+  absl::StatusOr<std::vector<float>> output = Floats(result.output(), block);
+  if (!output.ok()) return output.status();
+  absl::StatusOr<std::vector<float>> lse = Floats(result.lse(), block);
+  if (!lse.ok()) return lse.status();
+  attention.output = *std::move(output);
+  attention.lse = *std::move(lse);
   attention.top_k_tokens.assign(result.top_k_tokens().begin(), result.top_k_tokens().end());
   attention.top_k_logits.assign(result.top_k_logits().begin(), result.top_k_logits().end());
   return attention;
@@ -80,7 +144,7 @@ Attention FromResult(const v1::AttentionResult& result) {
 
 absl::Status FillAppend(const std::string& id, const v1::SessionConfig& config, int layer, int64_t start,
                         const TensorData& keys, const TensorData& values, const TensorData& queries,
-                        v1::AppendRequest* request) {
+                        Placement* placement, v1::AppendRequest* request) {
   request->set_session_id(id);
   request->set_start(start);
   std::vector<int64_t> prefix;
@@ -91,12 +155,12 @@ absl::Status FillAppend(const std::string& id, const v1::SessionConfig& config, 
     request->set_layer(layer);
   }
   const std::vector<int64_t> row = {config.shape().kv_heads(), config.shape().head_dim()};
-  absl::Status status = ToTensor(keys, prefix, row, "keys", request->mutable_keys());
+  absl::Status status = ToTensor(keys, prefix, row, "keys", request->mutable_keys(), placement);
   if (!status.ok()) return status;
-  status = ToTensor(values, prefix, row, "values", request->mutable_values());
+  status = ToTensor(values, prefix, row, "values", request->mutable_values(), placement);
   if (!status.ok() || queries.count == 0) return status;
   return ToTensor(queries, prefix, {config.shape().q_heads(), config.shape().head_dim()}, "queries",
-                  request->mutable_queries());
+                  request->mutable_queries(), placement);
 }
 
 }  // namespace
@@ -108,8 +172,8 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 AppendStream::AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config,
-                           const ClientOptions& options)
-    : session_id_(std::move(session_id)), config_(config) {
+                           const ClientOptions& options, std::shared_ptr<SharedChannel> shared)
+    : session_id_(std::move(session_id)), config_(config), shared_(std::move(shared)) {
   Prepare(&context_, options, /*with_deadline=*/false);
   stream_ = stub->Append(&context_);
   reader_ = std::thread([this] {
@@ -132,13 +196,21 @@ AppendStream::~AppendStream() {
 absl::Status AppendStream::Write(int layer, int64_t start, const TensorData& keys, const TensorData& values,
                                  const TensorData& queries) {
   if (finished_) return absl::FailedPreconditionError("the append stream is finished");
+  // The chunks the daemon has acknowledged are done with their blocks.
+  for (const int64_t acknowledged = acknowledged_.load(); blocks_released_ < acknowledged && !blocks_.empty();
+       ++blocks_released_) {
+    blocks_.pop_front();
+  }
+  std::unique_ptr<SharedBlock> block = BlockFor(shared_.get(), {&keys, &values, &queries}, 0, 0);
+  Placement placement(block.get());
   v1::AppendRequest request;
-  absl::Status status = FillAppend(session_id_, config_, layer, start, keys, values, queries, &request);
+  absl::Status status = FillAppend(session_id_, config_, layer, start, keys, values, queries, &placement, &request);
   if (!status.ok()) return status;
   if (broken_ || !stream_->Write(request)) {
     broken_ = true;
     return absl::FailedPreconditionError("the append stream has failed: Finish() says why");
   }
+  blocks_.push_back(std::move(block));
   return absl::OkStatus();
 }
 
@@ -152,7 +224,9 @@ absl::StatusOr<v1::AppendResponse> AppendStream::Finish() {
   return last_;
 }
 
-DecodeStream::DecodeStream(v1::KvCacheService::Stub* stub, const ClientOptions& options) {
+DecodeStream::DecodeStream(v1::KvCacheService::Stub* stub, const ClientOptions& options,
+                           std::shared_ptr<SharedChannel> shared)
+    : shared_(std::move(shared)) {
   Prepare(&context_, options, /*with_deadline=*/false);
   stream_ = stub->Decode(&context_);
   reader_ = std::thread([this] {
@@ -189,8 +263,12 @@ absl::Status DecodeStream::Write(const DecodeBatch& batch) {
   // the prefix from the count, which must then be B (or k).
   const std::vector<int64_t> prefix = batch.k > 1 ? std::vector<int64_t>{items} : std::vector<int64_t>{};
   const int64_t derived = batch.k > 1 ? batch.k : items;
+  const size_t rows = static_cast<size_t>(items) * std::max(batch.k, 1) * std::max(batch.q_heads, 0);
+  std::unique_ptr<SharedBlock> block = BlockFor(shared_.get(), {&batch.queries, &batch.keys, &batch.values},
+                                                rows * std::max(batch.head_dim, 0) + rows, 2);
+  Placement placement(block.get());
   auto shaped = [&](const TensorData& data, int heads, absl::string_view what, v1::Tensor* tensor) {
-    absl::Status status = ToTensor(data, prefix, {heads, batch.head_dim}, what, tensor);
+    absl::Status status = ToTensor(data, prefix, {heads, batch.head_dim}, what, tensor, &placement);
     if (status.ok() && tensor->shape(static_cast<int>(prefix.size())) != derived) {
       status = absl::InvalidArgumentError(absl::StrCat(what, " holds ", data.count, " values, expected ",
                                                        items * (batch.k > 1 ? batch.k : 1) * heads * batch.head_dim,
@@ -204,6 +282,7 @@ absl::Status DecodeStream::Write(const DecodeBatch& batch) {
     if (status.ok()) status = shaped(batch.values, batch.kv_heads, "values", request.mutable_values());
   }
   if (!status.ok()) return status;
+  if (block != nullptr) placement.Results(request.mutable_output_to());
   *request.mutable_options() = batch.options;
   if (broken_ || !stream_->Write(request)) {
     broken_ = true;
@@ -211,11 +290,13 @@ absl::Status DecodeStream::Write(const DecodeBatch& batch) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   ++pending_;
+  blocks_.push_back(std::move(block));
   return absl::OkStatus();
 }
 
 absl::StatusOr<DecodeResult> DecodeStream::Read() {
   v1::DecodeResponse response;
+  std::unique_ptr<SharedBlock> block;
   {
     std::unique_lock<std::mutex> lock(mutex_);
     if (pending_ == 0) return absl::FailedPreconditionError("no batch written whose result is not read");
@@ -227,14 +308,20 @@ absl::StatusOr<DecodeResult> DecodeStream::Read() {
     }
     response = std::move(responses_.front());
     responses_.pop_front();
+    block = std::move(blocks_.front());
+    blocks_.pop_front();
     --pending_;
   }
   DecodeResult result;
   result.batch = response.status_size();
   const int64_t lse_dims = response.lse().shape_size();
   result.k = lse_dims == 3 ? static_cast<int>(response.lse().shape(1)) : 1;
-  result.output = Floats(response.output());
-  result.lse = Floats(response.lse());
+  absl::StatusOr<std::vector<float>> output = Floats(response.output(), block.get());
+  if (!output.ok()) return output.status();
+  absl::StatusOr<std::vector<float>> lse = Floats(response.lse(), block.get());
+  if (!lse.ok()) return lse.status();
+  result.output = *std::move(output);
+  result.lse = *std::move(lse);
   result.tokens.assign(response.tokens().begin(), response.tokens().end());
   result.status = ItemStatuses(response.status());
   result.top_k_tokens.assign(response.top_k_tokens().begin(), response.top_k_tokens().end());
@@ -262,11 +349,11 @@ absl::Status DecodeStream::Finish() {
 }
 
 std::unique_ptr<DecodeStream> Client::OpenDecodeStream() const {
-  return std::unique_ptr<DecodeStream>(new DecodeStream(stub_.get(), *options_));
+  return std::unique_ptr<DecodeStream>(new DecodeStream(stub_.get(), *options_, shared_));
 }
 
 std::unique_ptr<AppendStream> Session::OpenAppendStream() const {
-  return std::unique_ptr<AppendStream>(new AppendStream(stub_.get(), id_, config_, *options_));
+  return std::unique_ptr<AppendStream>(new AppendStream(stub_.get(), id_, config_, *options_, shared_));
 }
 
 absl::StatusOr<int64_t> Session::Append(int layer, int64_t start, const TensorData& keys, const TensorData& values,
@@ -292,40 +379,62 @@ absl::StatusOr<int64_t> Session::AppendAllLayers(int64_t start, const TensorData
 
 absl::StatusOr<Attention> Session::Attend(int layer, const TensorData& queries, absl::Span<const int64_t> positions,
                                           const v1::AttentionOptions& options) const {
-  v1::AttendRequest request;
-  request.set_session_id(id_);
-  request.set_layer(layer);
-  absl::Status status =
-      ToTensor(queries, {}, {config_.shape().q_heads(), config_.shape().head_dim()}, "queries", request.mutable_queries());
-  if (!status.ok()) return status;
-  request.mutable_positions()->Assign(positions.begin(), positions.end());
-  *request.mutable_options() = options;
-  grpc::ClientContext context;
-  Prepare(&context, *options_);
-  auto stream = stub_->Attend(&context);
-  v1::AttendResponse response;
-  const bool exchanged = stream->Write(request) && stream->WritesDone() && stream->Read(&response);
-  status = FromGrpcStatus(stream->Finish());
-  if (!status.ok()) return status;
-  if (!exchanged) return absl::UnavailableError("the Attend stream ended without a response");
-  return FromResult(response.result());
+  const int64_t q = config_.shape().q_heads(), d = config_.shape().head_dim();
+  std::unique_ptr<SharedBlock> block = BlockFor(shared_.get(), {&queries}, queries.count + queries.count / d, 2);
+  for (;;) {
+    v1::AttendRequest request;
+    request.set_session_id(id_);
+    request.set_layer(layer);
+    Placement placement(block.get());
+    absl::Status status = ToTensor(queries, {}, {q, d}, "queries", request.mutable_queries(), &placement);
+    if (!status.ok()) return status;
+    if (block != nullptr) placement.Results(request.mutable_output_to());
+    request.mutable_positions()->Assign(positions.begin(), positions.end());
+    *request.mutable_options() = options;
+    grpc::ClientContext context;
+    Prepare(&context, *options_);
+    auto stream = stub_->Attend(&context);
+    v1::AttendResponse response;
+    const bool exchanged = stream->Write(request) && stream->WritesDone() && stream->Read(&response);
+    status = FromGrpcStatus(stream->Finish());
+    if (RegionLost(status, block.get())) {
+      shared_->Forget();
+      block.reset();
+      continue;
+    }
+    if (!status.ok()) return status;
+    if (!exchanged) return absl::UnavailableError("the Attend stream ended without a response");
+    return FromResult(response.result(), block.get());
+  }
 }
 
 absl::StatusOr<StepResult> Session::Step(int layer, int64_t position, const TensorData& key, const TensorData& value,
                                          const TensorData& query, const v1::AttentionOptions& options) const {
-  v1::StepRequest request;
-  request.set_session_id(id_);
-  request.set_layer(layer);
-  request.set_position(position);
   const int64_t kv = config_.shape().kv_heads(), q = config_.shape().q_heads(), d = config_.shape().head_dim();
-  absl::Status status = ToTensor(key, {}, {kv, d}, "key", request.mutable_key());
-  if (status.ok()) status = ToTensor(value, {}, {kv, d}, "value", request.mutable_value());
-  if (status.ok()) status = ToTensor(query, {}, {q, d}, "query", request.mutable_query());
-  if (!status.ok()) return status;
-  *request.mutable_options() = options;
-  absl::StatusOr<v1::StepResponse> response = Call(&v1::KvCacheService::Stub::Step, *stub_, *options_, request);
-  if (!response.ok()) return response.status();
-  return StepResult{response->tokens(), FromResult(response->result())};
+  std::unique_ptr<SharedBlock> block = BlockFor(shared_.get(), {&key, &value, &query}, q * d + q, 2);
+  for (;;) {
+    v1::StepRequest request;
+    request.set_session_id(id_);
+    request.set_layer(layer);
+    request.set_position(position);
+    Placement placement(block.get());
+    absl::Status status = ToTensor(key, {}, {kv, d}, "key", request.mutable_key(), &placement);
+    if (status.ok()) status = ToTensor(value, {}, {kv, d}, "value", request.mutable_value(), &placement);
+    if (status.ok()) status = ToTensor(query, {}, {q, d}, "query", request.mutable_query(), &placement);
+    if (!status.ok()) return status;
+    if (block != nullptr) placement.Results(request.mutable_output_to());
+    *request.mutable_options() = options;
+    absl::StatusOr<v1::StepResponse> response = Call(&v1::KvCacheService::Stub::Step, *stub_, *options_, request);
+    if (RegionLost(response.status(), block.get())) {
+      shared_->Forget();
+      block.reset();
+      continue;
+    }
+    if (!response.ok()) return response.status();
+    absl::StatusOr<Attention> attention = FromResult(response->result(), block.get());
+    if (!attention.ok()) return attention.status();
+    return StepResult{response->tokens(), *std::move(attention)};
+  }
 }
 
 absl::StatusOr<KvData> Session::ReadKv(int layer, int64_t start, int64_t end) const {
@@ -341,9 +450,14 @@ absl::StatusOr<KvData> Session::ReadKv(int layer, int64_t start, int64_t end) co
   KvData data;
   v1::ReadKvResponse response;
   while (reader->Read(&response)) {
-    const std::vector<float> keys = Floats(response.keys()), values = Floats(response.values());
-    data.keys.insert(data.keys.end(), keys.begin(), keys.end());
-    data.values.insert(data.values.end(), values.begin(), values.end());
+    absl::StatusOr<std::vector<float>> keys = Floats(response.keys()), values = Floats(response.values());
+    if (!keys.ok() || !values.ok()) {
+      context.TryCancel();
+      reader->Finish().IgnoreError();
+      return keys.ok() ? values.status() : keys.status();
+    }
+    data.keys.insert(data.keys.end(), keys->begin(), keys->end());
+    data.values.insert(data.values.end(), values->begin(), values->end());
     data.tokens += response.keys().shape(0);
   }
   absl::Status status = FromGrpcStatus(reader->Finish());
@@ -358,7 +472,7 @@ absl::StatusOr<Session> Session::Fork(int64_t prefix_tokens) const {
   absl::StatusOr<v1::ForkSessionResponse> response =
       Call(&v1::KvCacheService::Stub::ForkSession, *stub_, *options_, request);
   if (!response.ok()) return response.status();
-  Session fork(stub_, response->session_id(), response->session().config(), options_);
+  Session fork(stub_, response->session_id(), response->session().config(), options_, shared_);
   fork.block_tokens_ = response->session().block_tokens();
   return fork;
 }
@@ -434,6 +548,7 @@ std::unique_ptr<Client> Client::Connect(const std::string& target, const ClientO
   client->channel_ = grpc::CreateCustomChannel(target, credentials, arguments);
   client->stub_ = v1::KvCacheService::NewStub(client->channel_);
   client->health_ = grpc::health::v1::Health::NewStub(client->channel_);
+  client->shared_ = SharedChannel::For(target, options.shared_memory_bytes, options.auth_token);
   return client;
 }
 
@@ -502,7 +617,7 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
   absl::StatusOr<v1::CreateSessionResponse> response =
       Call(&v1::KvCacheService::Stub::CreateSession, *stub_, *options_, request);
   if (!response.ok()) return response.status();
-  Session session(stub_, response->session_id(), response->config(), options_);
+  Session session(stub_, response->session_id(), response->config(), options_, shared_);
   session.prefix_tokens_ = response->prefix_tokens();
   session.block_tokens_ = response->block_tokens();
   return session;
@@ -511,7 +626,7 @@ absl::StatusOr<Session> Client::CreateSession(const SessionOptions& options) con
 absl::StatusOr<Session> Client::OpenSession(const std::string& id) const {
   absl::StatusOr<v1::SessionInfo> info = GetSession(id);
   if (!info.ok()) return info.status();
-  Session session(stub_, id, info->config(), options_);
+  Session session(stub_, id, info->config(), options_, shared_);
   session.block_tokens_ = info->block_tokens();
   return session;
 }

@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/cpp/shared_memory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "turbokv/v1/turbokv.grpc.pb.h"
@@ -109,6 +110,12 @@ struct ClientOptions {
   std::string tls_root_certs;
   std::string tls_client_cert;
   std::string tls_client_key;
+  // Over a unix socket, tensors travel through a shared-memory region of
+  // this many bytes (docs/API.md, "Shared memory"), registered with the
+  // daemon on first use; a call whose tensors do not fit, or a daemon that
+  // serves no shared memory, sends them in the message. 0: always in the
+  // message.
+  size_t shared_memory_bytes = size_t{64} << 20;
 };
 
 // A pipelined Append stream: Write sends chunks without waiting for their
@@ -133,7 +140,7 @@ class AppendStream {
  private:
   friend class Session;
   AppendStream(v1::KvCacheService::Stub* stub, std::string session_id, const v1::SessionConfig& config,
-               const ClientOptions& options);
+               const ClientOptions& options, std::shared_ptr<SharedChannel> shared);
 
   std::string session_id_;
   v1::SessionConfig config_;
@@ -144,6 +151,11 @@ class AppendStream {
   v1::AppendResponse last_;  // written by the reader thread, read after join
   bool finished_ = false;
   bool broken_ = false;
+  std::shared_ptr<SharedChannel> shared_;
+  // The shared blocks of the chunks written and not yet acknowledged, in
+  // order (null: sent as bytes); blocks_released_ were dropped before them.
+  std::deque<std::unique_ptr<SharedBlock>> blocks_;
+  int64_t blocks_released_ = 0;
 };
 
 // One message of a Decode stream: one layer's step for a batch of B
@@ -197,7 +209,7 @@ class DecodeStream {
 
  private:
   friend class Client;
-  DecodeStream(v1::KvCacheService::Stub* stub, const ClientOptions& options);
+  DecodeStream(v1::KvCacheService::Stub* stub, const ClientOptions& options, std::shared_ptr<SharedChannel> shared);
 
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
@@ -205,6 +217,8 @@ class DecodeStream {
   std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<v1::DecodeResponse> responses_;  // read, not yet returned
+  std::shared_ptr<SharedChannel> shared_;
+  std::deque<std::unique_ptr<SharedBlock>> blocks_;  // of the batches written and not yet read (null: none)
   bool reader_done_ = false;
   int64_t pending_ = 0;  // written, not yet returned
   absl::Status finish_status_;  // the stream's status once the reader is done and Finish ran
@@ -252,13 +266,18 @@ class Session {
  private:
   friend class Client;
   Session(std::shared_ptr<v1::KvCacheService::Stub> stub, std::string id, v1::SessionConfig config,
-          std::shared_ptr<const ClientOptions> options)
-      : stub_(std::move(stub)), id_(std::move(id)), config_(std::move(config)), options_(std::move(options)) {}
+          std::shared_ptr<const ClientOptions> options, std::shared_ptr<SharedChannel> shared)
+      : stub_(std::move(stub)),
+        id_(std::move(id)),
+        config_(std::move(config)),
+        options_(std::move(options)),
+        shared_(std::move(shared)) {}
 
   std::shared_ptr<v1::KvCacheService::Stub> stub_;
   std::string id_;
   v1::SessionConfig config_;
   std::shared_ptr<const ClientOptions> options_;
+  std::shared_ptr<SharedChannel> shared_;  // null: tensors in the messages
   int64_t prefix_tokens_ = 0;
   int block_tokens_ = 0;
 };
@@ -299,6 +318,7 @@ class Client {
   std::shared_ptr<v1::KvCacheService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   std::shared_ptr<const ClientOptions> options_;
+  std::shared_ptr<SharedChannel> shared_;
 };
 
 }  // namespace turbokv

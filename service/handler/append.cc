@@ -172,13 +172,13 @@ absl::StatusOr<v1::AppendResponse> Handler::Append(const v1::AppendRequest& requ
   }
   std::vector<int64_t> shape = {n, config.kv_heads, config.head_dim};
   if (rank == 4) shape.insert(shape.begin(), config.layers);
-  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> keys, TensorToFloats(request.keys(), shape, "keys"));
-  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> values, TensorToFloats(request.values(), shape, "values"));
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> keys, InputFloats(options_.shared_memory, tenant, request.keys(), shape, "keys"));
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> values, InputFloats(options_.shared_memory, tenant, request.values(), shape, "values"));
   std::vector<float> queries;
   if (request.has_queries()) {
     std::vector<int64_t> query_shape = shape;
     query_shape[rank - 2] = config.q_heads;
-    TURBOKV_ASSIGN_OR_RETURN(queries, TensorToFloats(request.queries(), query_shape, "queries"));
+    TURBOKV_ASSIGN_OR_RETURN(queries, InputFloats(options_.shared_memory, tenant, request.queries(), query_shape, "queries"));
   }
 
   TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk, StoreChunk(session, layers, request.start(), n, keys.data(),

@@ -58,9 +58,18 @@ absl::Status Handler::RunBatch(const std::vector<AttentionProblem>& problems, co
   return absl::OkStatus();
 }
 
+template <typename Request>
+absl::StatusOr<ResultSink> Handler::OpenResultSink(const Request& request, const std::string& tenant, int64_t n,
+                                                   int q_heads, int head_dim) const {
+  const size_t rows = static_cast<size_t>(n) * q_heads;
+  const size_t bytes[] = {SharedResultBytes(rows * head_dim, v1::DTYPE_F32), SharedResultBytes(rows, v1::DTYPE_F32)};
+  return ResultSink::Open(options_.shared_memory, tenant, request.has_output_to() ? &request.output_to() : nullptr,
+                          bytes);
+}
+
 absl::Status Handler::RunAttention(const LayerCache& layer, const AttentionParams& params, int64_t n,
                                    const std::vector<float>& queries, const std::vector<int64_t>& positions,
-                                   v1::AttentionResult* result) {
+                                   ResultSink& sink, v1::AttentionResult* result) {
   const int dim = layer.head_dim();
   std::vector<float> out(static_cast<size_t>(n) * params.q_heads * dim);
   std::vector<float> lse(static_cast<size_t>(n) * params.q_heads);
@@ -71,8 +80,8 @@ absl::Status Handler::RunAttention(const LayerCache& layer, const AttentionParam
                                top ? top_logits.data() : nullptr};
   TURBOKV_RETURN_IF_ERROR(
       RunBatch({layer.Attention({n, queries.data(), positions.data()}, output)}, params, n));
-  FloatsToTensor(out, {n, params.q_heads, dim}, v1::DTYPE_F32, result->mutable_output());
-  FloatsToTensor(lse, {n, params.q_heads}, v1::DTYPE_F32, result->mutable_lse());
+  sink.Put(out, {n, params.q_heads, dim}, v1::DTYPE_F32, result->mutable_output());
+  sink.Put(lse, {n, params.q_heads}, v1::DTYPE_F32, result->mutable_lse());
   result->mutable_top_k_tokens()->Assign(top_tokens.begin(), top_tokens.end());
   result->mutable_top_k_logits()->Assign(top_logits.begin(), top_logits.end());
   return absl::OkStatus();
@@ -95,8 +104,9 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
   }
   TURBOKV_RETURN_IF_ERROR(CheckResultSize(n, config.q_heads, config.head_dim, params, options_.max_message_bytes));
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> queries,
-                           TensorToFloats(request.queries(), {n, config.q_heads, config.head_dim}, "queries"));
+                           InputFloats(options_.shared_memory, tenant, request.queries(), {n, config.q_heads, config.head_dim}, "queries"));
   TURBOKV_RETURN_IF_ERROR(CheckScoresFinite(params, queries, config.head_dim, "queries"));
+  TURBOKV_ASSIGN_OR_RETURN(ResultSink sink, OpenResultSink(request, tenant, n, config.q_heads, config.head_dim));
   const LayerCache& layer = session->layers()[request.layer()];
   if (layer.tokens() == 0) {
     return absl::FailedPreconditionError(absl::StrCat("layer ", request.layer(), " holds no tokens yet"));
@@ -117,7 +127,7 @@ absl::StatusOr<v1::AttendResponse> Handler::Attend(const v1::AttendRequest& requ
     }
   }
   v1::AttendResponse response;
-  TURBOKV_RETURN_IF_ERROR(RunAttention(layer, params, n, queries, positions, response.mutable_result()));
+  TURBOKV_RETURN_IF_ERROR(RunAttention(layer, params, n, queries, positions, sink, response.mutable_result()));
   session->Touch(absl::Now());
   return response;
 }
@@ -138,11 +148,12 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   }
   TURBOKV_RETURN_IF_ERROR(CheckResultSize(1, config.q_heads, config.head_dim, params, options_.max_message_bytes));
   const std::vector<int64_t> kv_shape = {1, config.kv_heads, config.head_dim};
-  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> key, TensorToFloats(request.key(), kv_shape, "key"));
-  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> value, TensorToFloats(request.value(), kv_shape, "value"));
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> key, InputFloats(options_.shared_memory, tenant, request.key(), kv_shape, "key"));
+  TURBOKV_ASSIGN_OR_RETURN(std::vector<float> value, InputFloats(options_.shared_memory, tenant, request.value(), kv_shape, "value"));
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> query,
-                           TensorToFloats(request.query(), {1, config.q_heads, config.head_dim}, "query"));
+                           InputFloats(options_.shared_memory, tenant, request.query(), {1, config.q_heads, config.head_dim}, "query"));
   TURBOKV_RETURN_IF_ERROR(CheckScoresFinite(params, query, config.head_dim, "query"));
+  TURBOKV_ASSIGN_OR_RETURN(ResultSink sink, OpenResultSink(request, tenant, 1, config.q_heads, config.head_dim));
 
   TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk,
                            StoreChunk(*session, {request.layer()}, request.position(), 1, key.data(), value.data(),
@@ -150,7 +161,8 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   LayerCache& layer = session->layers()[request.layer()];
   v1::StepResponse response;
   response.set_tokens(chunk.after[0]);
-  const absl::Status status = RunAttention(layer, params, 1, query, {request.position()}, response.mutable_result());
+  const absl::Status status =
+      RunAttention(layer, params, 1, query, {request.position()}, sink, response.mutable_result());
   if (!status.ok()) {
     layer.Truncate(chunk.before[0]);  // a failed call changes nothing
     return status;
@@ -300,11 +312,13 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
       CheckResultSize(queries_total, shape.q_heads, shape.head_dim, params, options_.max_message_bytes));
   // Non-finite values fail their own item (below), not the message.
   TURBOKV_ASSIGN_OR_RETURN(std::vector<float> queries,
-                           TensorToFloats(request.queries(), Dims(request.queries()), "queries", false));
+                           InputFloats(options_.shared_memory, tenant, request.queries(), Dims(request.queries()), "queries", false));
+  TURBOKV_ASSIGN_OR_RETURN(ResultSink sink, OpenResultSink(request, tenant, queries_total, shape.q_heads,
+                                                            shape.head_dim));
   std::vector<float> keys, values;
   if (shape.kv_heads != 0) {
-    TURBOKV_ASSIGN_OR_RETURN(keys, TensorToFloats(request.keys(), Dims(request.keys()), "keys", false));
-    TURBOKV_ASSIGN_OR_RETURN(values, TensorToFloats(request.values(), Dims(request.keys()), "values", false));
+    TURBOKV_ASSIGN_OR_RETURN(keys, InputFloats(options_.shared_memory, tenant, request.keys(), Dims(request.keys()), "keys", false));
+    TURBOKV_ASSIGN_OR_RETURN(values, InputFloats(options_.shared_memory, tenant, request.values(), Dims(request.keys()), "values", false));
   }
   const size_t batch = static_cast<size_t>(shape.batch);
   const size_t item_queries = static_cast<size_t>(shape.k) * shape.q_heads * shape.head_dim;
@@ -392,8 +406,8 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   }
 
   v1::DecodeResponse response;
-  FloatsToTensor(out, {shape.batch, shape.k, shape.q_heads, shape.head_dim}, v1::DTYPE_F32, response.mutable_output());
-  FloatsToTensor(lse, {shape.batch, shape.k, shape.q_heads}, v1::DTYPE_F32, response.mutable_lse());
+  sink.Put(out, {shape.batch, shape.k, shape.q_heads, shape.head_dim}, v1::DTYPE_F32, response.mutable_output());
+  sink.Put(lse, {shape.batch, shape.k, shape.q_heads}, v1::DTYPE_F32, response.mutable_lse());
   response.mutable_top_k_tokens()->Assign(top_tokens.begin(), top_tokens.end());
   response.mutable_top_k_logits()->Assign(top_logits.begin(), top_logits.end());
   const absl::Time now = absl::Now();

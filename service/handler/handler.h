@@ -16,6 +16,8 @@
 #include "absl/types/span.h"
 #include "absl/time/time.h"
 #include "kernels/attention.h"
+#include "service/dataplane/shared_memory.h"
+#include "service/dataplane/tensor_io.h"
 #include "service/metrics.h"
 #include "service/store/session_store.h"
 #include "turbokv/v1/turbokv.pb.h"
@@ -41,6 +43,9 @@ struct HandlerOptions {
   // Who may call Snapshot: nullopt, anyone (no authentication: one
   // tenant); else only this tenant (empty: nobody).
   std::optional<std::string> snapshot_tenant;
+  // Regions of co-located clients, for tensors that name them (nullptr:
+  // none; such tensors are refused).
+  const SharedMemory* shared_memory = nullptr;
 };
 
 // A ReadKv call in progress: which layers and range, and how far it got.
@@ -186,10 +191,16 @@ class Handler {
   // The problems as one batch on the backend, timed in the metrics.
   absl::Status RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
                         int64_t queries);
-  // Attention of n queries at `positions` (checked) over one stored layer.
+  // Where the result of n queries (output and lse) goes: the response, or
+  // the request's output_to.
+  template <typename Request>
+  absl::StatusOr<ResultSink> OpenResultSink(const Request& request, const std::string& tenant, int64_t n, int q_heads,
+                                            int head_dim) const;
+  // Attention of n queries at `positions` (checked) over one stored layer,
+  // its output and lse into `sink`.
   absl::Status RunAttention(const LayerCache& layer, const AttentionParams& params, int64_t n,
                             const std::vector<float>& queries, const std::vector<int64_t>& positions,
-                            v1::AttentionResult* result);
+                            ResultSink& sink, v1::AttentionResult* result);
   v1::SessionInfo Info(const SessionCache& session) const;  // session locked
 
   SessionStore* store_;
