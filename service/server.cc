@@ -523,6 +523,7 @@ void Server::ExpireLoop() {
   constexpr size_t kTrimBytes = size_t{8} << 20;
   const auto held = [this] { return store_->pool().used_bytes() + static_cast<size_t>(service_->in_flight_bytes()); };
   size_t used_at_trim = held();
+  size_t released_at_trim = store_->pool().released_bytes();
   std::string last_demotion_error;
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_expiry_.wait_for(lock, absl::ToChronoNanoseconds(options_.expiry_interval),
@@ -545,9 +546,13 @@ void Server::ExpireLoop() {
     last_demotion_error = error;
     backend_->Trim();
     const size_t used = held();
-    if (used + kTrimBytes < used_at_trim) {
+    // Also when pages were freed since the last trim although no pass saw
+    // them held (made and freed between two passes).
+    const size_t released = store_->pool().released_bytes();
+    if (used + kTrimBytes < used_at_trim || released - released_at_trim >= kTrimBytes) {
       malloc_trim(0);
       used_at_trim = used;
+      released_at_trim = released;
     } else {
       used_at_trim = std::max(used_at_trim, used);
     }

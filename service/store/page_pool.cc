@@ -24,6 +24,7 @@ absl::StatusOr<std::shared_ptr<const void>> PagePool::Charge(size_t bytes) {
   if (absl::Status taken = Take(bytes); !taken.ok()) return taken;
   return std::shared_ptr<const void>(static_cast<const void*>(this), [this, bytes](const void*) {
     used_.fetch_sub(bytes, std::memory_order_relaxed);
+    released_.fetch_add(bytes, std::memory_order_relaxed);
   });
 }
 
@@ -37,6 +38,7 @@ absl::StatusOr<std::shared_ptr<Page>> PagePool::Allocate(size_t bytes) {
   return std::shared_ptr<Page>(new Page{*data, bytes, nullptr}, [this](Page* page) {
     backend_->FreePage(page->data, page->bytes);
     used_.fetch_sub(page->bytes, std::memory_order_relaxed);
+    released_.fetch_add(page->bytes, std::memory_order_relaxed);
     delete page;
   });
 }

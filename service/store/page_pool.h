@@ -43,6 +43,9 @@ class PagePool {
   absl::StatusOr<std::shared_ptr<const void>> Charge(size_t bytes);
 
   size_t used_bytes() const { return used_.load(std::memory_order_relaxed); }
+  // Bytes of pages and charges given back since the pool was made: grows
+  // only, so that a reader sampling it now and then misses no release.
+  size_t released_bytes() const { return released_.load(std::memory_order_relaxed); }
   size_t budget_bytes() const { return budget_; }
   Backend& backend() const { return *backend_; }
 
@@ -53,6 +56,7 @@ class PagePool {
   Backend* const backend_;
   const size_t budget_;
   std::atomic<size_t> used_{0};
+  std::atomic<size_t> released_{0};
 };
 
 }  // namespace turbokv
