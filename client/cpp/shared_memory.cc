@@ -118,7 +118,7 @@ std::shared_ptr<SharedRegionMapping> SharedRegionMapping::Register(const std::st
 }
 
 bool SendRegistration(int connection, const std::string& token, int fd) {
-  std::string payload = token;
+  std::string payload = absl::StrCat("turbokv-shm 1\n", token);
   iovec io{payload.data(), payload.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr message{};

@@ -66,8 +66,8 @@ class SharedChannel {
 };
 
 // One registration message on a connection to the daemon's .shm socket:
-// `token` with `fd` attached (SCM_RIGHTS; none when fd < 0). false when it
-// could not be sent.
+// "turbokv-shm 1\n" and `token`, with `fd` attached (SCM_RIGHTS; none when
+// fd < 0). false when it could not be sent.
 bool SendRegistration(int connection, const std::string& token, int fd);
 
 // Rounds up to the 64-byte boundary tensors are placed at.

@@ -14,13 +14,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "service/log.h"
 #include "service/store/session_id.h"
 
 namespace turbokv {
 namespace {
 
-constexpr size_t kMaxTokenBytes = 4096;
+constexpr size_t kMaxMessageBytes = 4096;
 
 void Answer(int connection, const std::string& text) {
   (void)send(connection, text.data(), text.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -125,8 +126,8 @@ void SharedMemory::Loop() {
 }
 
 bool SharedMemory::Register(int connection) {
-  char token[kMaxTokenBytes + 1];
-  iovec payload{token, sizeof(token)};
+  char text[kMaxMessageBytes + 1];
+  iovec payload{text, sizeof(text)};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
   msghdr message{};
   message.msg_iov = &payload;
@@ -152,12 +153,16 @@ bool SharedMemory::Register(int connection) {
     return false;
   };
   if ((message.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
-    return refuse(absl::StrCat("the message must hold a token of at most ", kMaxTokenBytes, " bytes and one fd"));
+    return refuse(absl::StrCat("the message must be at most ", kMaxMessageBytes, " bytes with one fd"));
+  }
+  absl::string_view token(text, static_cast<size_t>(got));
+  if (!absl::ConsumePrefix(&token, kSharedMemoryHello)) {
+    return refuse("the message must start with 'turbokv-shm 1' and a newline, then the bearer token");
   }
   if (fds.size() != 1) return refuse(absl::StrCat("the message must carry one fd (SCM_RIGHTS), not ", fds.size()));
   std::string tenant;
   if (options_.tenant_of) {
-    absl::StatusOr<std::string> who = options_.tenant_of(absl::string_view(token, static_cast<size_t>(got)));
+    absl::StatusOr<std::string> who = options_.tenant_of(token);
     if (!who.ok()) return refuse(std::string(who.status().message()));
     tenant = *std::move(who);
   }

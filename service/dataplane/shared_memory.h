@@ -1,7 +1,8 @@
 // Shared memory for clients on the same machine (docs/API.md, "Shared
 // memory"). A client creates a memfd, seals it against shrinking, and hands
 // it to the daemon over a unix socket of its own (SOCK_SEQPACKET, the fd
-// passed with SCM_RIGHTS, the message holding its bearer token). The daemon
+// passed with SCM_RIGHTS, the message "turbokv-shm 1\n" and its bearer
+// token). The daemon
 // maps it and answers with a region id; the tensors of the client's calls
 // then travel through the region, and the gRPC messages carry only their
 // slices (Tensor.shared, output_to).
@@ -30,6 +31,9 @@
 #include "absl/types/span.h"
 
 namespace turbokv {
+
+// What a registration message starts with (its bearer token follows).
+inline constexpr absl::string_view kSharedMemoryHello = "turbokv-shm 1\n";
 
 struct SharedMemoryOptions {
   std::string socket_path;                    // where clients connect

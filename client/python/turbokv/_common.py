@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 from google.protobuf import duration_pb2
 
-from turbokv import _tensors
+from turbokv import _shm, _tensors
 from turbokv.errors import TurbokvError, error_for
 from turbokv.v1 import turbokv_pb2 as pb
 from turbokv.v1 import turbokv_pb2_grpc as pb_grpc
@@ -195,10 +195,13 @@ def options(softmax_scale: float, softcap: float, window: int, top_k: int) -> pb
                                window=_tensors.index(window, "window"), top_k=_tensors.index(top_k, "top_k"))
 
 
-def result(message: Any, top_k: int, kind: _tensors.Kind, cls: type = AttentionResult, **fields: Any) -> Any:
+def result(message: Any, top_k: int, kind: _tensors.Kind, cls: type = AttentionResult, *,
+           block: Optional[_shm.Block] = None, **fields: Any) -> Any:
     """A pb.AttentionResult (or a pb.DecodeResponse: the same fields, a batch
-    dimension more) as `cls` with arrays of `kind`; fields: cls's others."""
-    out = cls(output=_tensors.decode(message.output, kind), lse=_tensors.decode(message.lse, kind), **fields)
+    dimension more) as `cls` with arrays of `kind`, its tensors read from the
+    message or from the call's shared `block`; fields: cls's others."""
+    out = cls(output=_tensors.decode(message.output, kind, _shm.result_bytes(message.output, block)),
+              lse=_tensors.decode(message.lse, kind, _shm.result_bytes(message.lse, block)), **fields)
     if top_k > 0:
         shape = tuple(out.lse.shape) + (top_k,)
         out.top_k_tokens = _tensors.wrap(np.array(message.top_k_tokens, dtype=np.int64).reshape(shape), kind)
@@ -259,6 +262,29 @@ class SessionBase:
 
     def _layer(self, layer: Any) -> int:
         return _tensors.index(layer, "layer", 0, self.layers)
+
+    def _placed(self, build: Callable[[], Tuple[Any, Any]], fields: Tuple[str, ...],
+                result_values: int) -> Tuple[Any, Any, Optional[_shm.Block]]:
+        """build()'s request and kind, with the request's tensors (and room
+        for result_values f32 results) in the client's shared memory where it
+        has some: the block, or None."""
+        request, kind = build()
+        shared = self._client._shared_memory  # type: ignore[attr-defined]
+        return request, kind, _shm.place(shared, request, fields, result_values, 2 if result_values else 0)
+
+    def _region_lost(self, error: BaseException, block: Optional[_shm.Block]) -> bool:
+        """Whether a call failed only because the daemon no longer holds the
+        region of its block (it restarted): the client registers a new one
+        next time, and the caller makes the call again in the messages."""
+        lost = _shm.region_lost(error, block)
+        if lost:
+            self._client._shared_memory.forget()  # type: ignore[attr-defined]
+        return lost
+
+    def _result_values(self, queries: Any) -> int:
+        """f32 values of the result (output and lse) of queries [n, q_heads, head_dim]."""
+        shape = shape_of(queries)
+        return (shape[0] if shape else 0) * self.q_heads * (self.head_dim + 1)
 
     def _append_request(self, layer: Optional[int], start: int, keys: Any, values: Any,
                         queries: Any = None) -> pb.AppendRequest:
@@ -457,8 +483,9 @@ def started(session: SessionBase, response: pb.CreateSessionResponse) -> Session
 class DecodeBase:
     """What DecodeStream and turbokv.aio.DecodeStream share: the messages and the results in flight."""
 
-    def __init__(self) -> None:
-        self._pending: Deque[Tuple[List[str], int, _tensors.Kind]] = collections.deque()
+    def __init__(self, shared: Optional[_shm.SharedMemory] = None) -> None:
+        self._shared = shared
+        self._pending: Deque[Tuple[List[str], int, _tensors.Kind, Optional[_shm.Block]]] = collections.deque()
         self._error: Optional[TurbokvError] = None
         self._closed = False
 
@@ -477,9 +504,14 @@ class DecodeBase:
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} results of send() are not received yet: receive() them first")
 
+    def _drop_pending(self) -> None:
+        for *_, block in self._pending:
+            _shm.release(block)
+        self._pending.clear()
+
     def _fail(self, error: TurbokvError) -> None:
         self._error = error
-        self._pending.clear()
+        self._drop_pending()
         raise error
 
     def _request(self, layer: int, sessions: Sequence[Any], queries: Any, positions: Any, keys: Any, values: Any,
@@ -522,13 +554,18 @@ class DecodeBase:
             if tuple(request.keys.shape) != tuple(request.values.shape):
                 raise ValueError(f"keys and values must have one shape, got {tuple(request.keys.shape)} and "
                                  f"{tuple(request.values.shape)}")
-        self._pending.append((ids, request.options.top_k, kind))
+        rows = int(np.prod(query_tensor.shape[:-1]))
+        block = _shm.place(self._shared, request, ("queries", "keys", "values"), rows * (query_tensor.shape[-1] + 1), 2)
+        self._pending.append((ids, request.options.top_k, kind, block))
         return request
 
     def _result(self, response: pb.DecodeResponse) -> DecodeResult:
-        ids, top_k, kind = self._pending.popleft()
-        return result(response, top_k, kind, DecodeResult, session_ids=ids,
-                      tokens=np.array(response.tokens, dtype=np.int64), errors=item_errors(response.status))
+        ids, top_k, kind, block = self._pending.popleft()
+        try:
+            return result(response, top_k, kind, DecodeResult, block=block, session_ids=ids,
+                          tokens=np.array(response.tokens, dtype=np.int64), errors=item_errors(response.status))
+        finally:
+            _shm.release(block)
 
 
 def channel_options(max_message_bytes: int) -> List[Tuple[str, int]]:
@@ -568,17 +605,20 @@ class Requests:
 
 
 DEFAULT_TARGET = "unix:///tmp/turbokv.sock"
+# Bytes of shared memory a client connected over a unix socket passes its tensors through (docs/API.md).
+SHARED_MEMORY_BYTES = 64 << 20
 
 
 class Connection:
     """What turbokv.Client and turbokv.aio.Client set up alike: the channel
     (from `channels`, grpc or grpc.aio; target None: $TURBOKV_TARGET when
     set, else DEFAULT_TARGET), the stub, the call metadata, the default
-    deadline and the retry policy."""
+    deadline, the retry policy and, over a unix socket, the shared memory
+    (`shared_memory` bytes, 0: none)."""
 
     def __init__(self, channels: Any, target: Optional[str], max_message_bytes: int, timeout: Optional[float],
                  token: Optional[str], root_certificates: Optional[bytes], private_key: Optional[bytes],
-                 certificate_chain: Optional[bytes], retry: RetryPolicy):
+                 certificate_chain: Optional[bytes], retry: RetryPolicy, shared_memory: int):
         if target is None:
             target = os.environ.get("TURBOKV_TARGET") or DEFAULT_TARGET
         self.target = target
@@ -594,6 +634,7 @@ class Connection:
             self.channel = channels.insecure_channel(target, options=options)
         self.stub = pb_grpc.KvCacheServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.shared = _shm.SharedMemory.for_target(target, _tensors.index(shared_memory, "shared_memory"), token)
 
 
 def timeout_value(timeout: Optional[float], name: str = "timeout") -> Optional[float]:

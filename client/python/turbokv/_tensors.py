@@ -88,18 +88,20 @@ def encode(x: Any, name: str, dims: Sequence[Tuple[str, Optional[int]]]) -> Tupl
     return pb.Tensor(dtype=dtype, shape=list(array.shape), data=array.tobytes()), NUMPY
 
 
-def decode(tensor: pb.Tensor, kind: Kind = NUMPY) -> Any:
-    """A writable copy of tensor's values: a numpy array (bf16 widened to
+def decode(tensor: pb.Tensor, kind: Kind = NUMPY, data: Optional[bytes] = None) -> Any:
+    """A writable copy of tensor's values (its data, or `data` when given:
+    the bytes it names in shared memory): a numpy array (bf16 widened to
     float32), or for a torch Kind a tensor on its device (bf16 kept)."""
     shape = tuple(tensor.shape)
+    raw = tensor.data if data is None else data
     if tensor.dtype == pb.DTYPE_BF16:
-        bits = np.frombuffer(tensor.data, dtype="<u2").reshape(shape)
+        bits = np.frombuffer(raw, dtype="<u2").reshape(shape)
         if kind.torch:
             torch = torch_module()
             return _to_device(torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16), kind)
         array = (bits.astype(np.uint32) << 16).view(np.float32)
     else:
-        array = np.frombuffer(tensor.data, dtype=_NUMPY_OF[tensor.dtype]).reshape(shape).astype(
+        array = np.frombuffer(raw, dtype=_NUMPY_OF[tensor.dtype]).reshape(shape).astype(
             _NUMPY_OF[tensor.dtype].newbyteorder("="))
     return wrap(array, kind)
 

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Itera
 import grpc
 import numpy as np
 
-from turbokv import _common, _tensors
+from turbokv import _common, _shm, _tensors
 from turbokv._common import DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy
 from turbokv.errors import SessionNotFound, TurbokvError, Unavailable, error_for
 from turbokv.v1 import turbokv_pb2 as pb
@@ -58,7 +58,10 @@ class Session(_common.SessionBase):
     async def append(self, layer: Optional[int], start: int, keys: Any, values: Any, *, queries: Any = None,
                      timeout: Optional[float] = None) -> int:
         """As turbokv.Session.append."""
-        return await self._append([self._append_request(layer, start, keys, values, queries)], timeout)
+        async def call(request: pb.AppendRequest, kind: Any, block: Optional[_shm.Block]) -> int:
+            return await self._append([request], timeout)
+        return await self._shared(lambda: (self._append_request(layer, start, keys, values, queries), None),
+                                  ("keys", "values", "queries"), 0, call)
 
     async def append_stream(self, chunks: Union[Iterable[Chunk], AsyncIterable[Chunk]], *,
                             timeout: Optional[float] = None) -> int:
@@ -81,24 +84,44 @@ class Session(_common.SessionBase):
                      softmax_scale: float = 0.0, softcap: float = 0.0, window: int = 0, top_k: int = 0, *,
                      timeout: Optional[float] = None) -> AttentionResult:
         """As turbokv.Session.attend (retried on UNAVAILABLE)."""
-        request, kind = self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k)
-
-        async def attempt(deadline: Optional[float]) -> AttentionResult:
-            async for response in self._client._stub.Attend([request], timeout=deadline,
-                                                            metadata=self._client._metadata):
-                return _common.result(response.result, top_k, kind)
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
-        return await self._client._invoke(attempt, timeout, idempotent=True)
+        async def call(request: pb.AttendRequest, kind: _tensors.Kind,
+                       block: Optional[_shm.Block]) -> AttentionResult:
+            async def attempt(deadline: Optional[float]) -> AttentionResult:
+                async for response in self._client._stub.Attend([request], timeout=deadline,
+                                                                metadata=self._client._metadata):
+                    return _common.result(response.result, top_k, kind, block=block)
+                raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
+            return await self._client._invoke(attempt, timeout, idempotent=True)
+        return await self._shared(
+            lambda: self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k),
+            ("queries",), self._result_values(queries), call)
 
     async def step(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float = 0.0,
                    softcap: float = 0.0, window: int = 0, top_k: int = 0, *,
                    timeout: Optional[float] = None) -> Tuple[int, AttentionResult]:
         """As turbokv.Session.step."""
-        request, kind = self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k)
-        response = await self._client._invoke(
-            lambda deadline: self._client._stub.Step(request, timeout=deadline, metadata=self._client._metadata),
-            timeout, idempotent=False)
-        return response.tokens, _common.result(response.result, top_k, kind)
+        async def call(request: pb.StepRequest, kind: _tensors.Kind,
+                       block: Optional[_shm.Block]) -> Tuple[int, AttentionResult]:
+            response = await self._client._invoke(
+                lambda deadline: self._client._stub.Step(request, timeout=deadline, metadata=self._client._metadata),
+                timeout, idempotent=False)
+            return response.tokens, _common.result(response.result, top_k, kind, block=block)
+        return await self._shared(
+            lambda: self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k),
+            ("key", "value", "query"), self.q_heads * (self.head_dim + 1), call)
+
+    async def _shared(self, build: Callable[[], Tuple[Any, Any]], fields: Tuple[str, ...], result_values: int,
+                      call: Callable[[Any, Any, Optional[_shm.Block]], Awaitable[T]]) -> T:
+        """As turbokv.Session._shared, awaiting call."""
+        request, kind, block = self._placed(build, fields, result_values)
+        try:
+            return await call(request, kind, block)
+        except SessionNotFound as error:
+            if not self._region_lost(error, block):
+                raise
+        finally:
+            _shm.release(block)
+        return await call(*build(), None)
 
     async def read_kv(self, layer: Optional[int], start: int = 0, end: int = 0, dtype: Any = np.float32, *,
                       device: Any = None, timeout: Optional[float] = None) -> Tuple[Array, Array]:
@@ -162,7 +185,7 @@ class DecodeStream(_common.DecodeBase):
     and close() are coroutines; use `async with`. One task at a time."""
 
     def __init__(self, client: "Client", timeout: Optional[float] = None):
-        super().__init__()
+        super().__init__(client._shared_memory)
         self._call = client._stub.Decode(timeout=_common.timeout_value(timeout), metadata=client._metadata)
 
     async def step(self, layer: int, sessions: Sequence[Union[Session, str]], keys: Any, values: Any, queries: Any,
@@ -215,7 +238,7 @@ class DecodeStream(_common.DecodeBase):
         if self._closed:
             return
         self._closed = True
-        self._pending.clear()
+        self._drop_pending()
         try:
             await self._call.done_writing()
             while await self._call.read() is not grpc.aio.EOF:
@@ -239,11 +262,13 @@ class Client:
     def __init__(self, target: Optional[str] = None, max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
                  root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
-                 certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy()):
+                 certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy(),
+                 shared_memory: int = _common.SHARED_MEMORY_BYTES):
         connection = _common.Connection(grpc.aio, target, max_message_bytes, timeout, token, root_certificates,
-                                        private_key, certificate_chain, retry)
+                                        private_key, certificate_chain, retry, shared_memory)
         self._timeout, self._retry = connection.timeout, connection.retry
         self._channel, self._stub, self._metadata = connection.channel, connection.stub, connection.metadata
+        self._shared_memory = connection.shared
 
     async def _invoke(self, attempt: Callable[[Optional[float]], Awaitable[T]], timeout: Optional[float],
                       idempotent: bool) -> T:
@@ -260,6 +285,8 @@ class Client:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._shared_memory is not None:
+            self._shared_memory.close()
 
     async def __aenter__(self) -> "Client":
         return self

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import grpc
 import numpy as np
 
-from turbokv import _common, _tensors
+from turbokv import _common, _shm, _tensors
 from turbokv._common import DEFAULT_TIMEOUT, Array, AttentionResult, DecodeResult, RetryPolicy
 from turbokv.errors import SessionNotFound, TurbokvError, Unavailable, error_for
 from turbokv.v1 import turbokv_pb2 as pb
@@ -41,8 +41,9 @@ class Session(_common.SessionBase):
         acknowledged, not stored again. queries (the chunk's, [n, q_heads,
         head_dim] or [layers, n, q_heads, head_dim]): send them with a layer's
         first chunk, whose keys fit the layer's key transform."""
-        request = self._append_request(layer, start, keys, values, queries)
-        return self._append(iter([request]), timeout)
+        return self._shared(lambda: (self._append_request(layer, start, keys, values, queries), None),
+                            ("keys", "values", "queries"), 0,
+                            lambda request, kind, block: self._append(iter([request]), timeout))
 
     def append_stream(self, chunks: Iterable[Chunk], *, timeout: Optional[float] = None) -> int:
         """Sends (layer, start, keys, values[, queries]) chunks on one Append stream
@@ -71,14 +72,16 @@ class Session(_common.SessionBase):
         softcap > 0: logits become softcap * tanh(logit / softcap); window > 0:
         a query at p sees only tokens (p - window, p]; top_k > 0: also the k
         highest logits per query head. Retried on UNAVAILABLE."""
-        request, kind = self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k)
-
-        def attempt(deadline: Optional[float]) -> AttentionResult:
-            for response in self._client._stub.Attend(iter([request]), timeout=deadline,
-                                                      metadata=self._client._metadata):
-                return _common.result(response.result, top_k, kind)
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
-        return self._client._invoke(attempt, timeout, idempotent=True)
+        def call(request: pb.AttendRequest, kind: _tensors.Kind, block: Optional[_shm.Block]) -> AttentionResult:
+            def attempt(deadline: Optional[float]) -> AttentionResult:
+                for response in self._client._stub.Attend(iter([request]), timeout=deadline,
+                                                          metadata=self._client._metadata):
+                    return _common.result(response.result, top_k, kind, block=block)
+                raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
+            return self._client._invoke(attempt, timeout, idempotent=True)
+        return self._shared(
+            lambda: self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k),
+            ("queries",), self._result_values(queries), call)
 
     def step(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float = 0.0,
              softcap: float = 0.0, window: int = 0, top_k: int = 0, *,
@@ -86,11 +89,31 @@ class Session(_common.SessionBase):
         """Appends one token (key and value [kv_heads, head_dim] or [1, ...])
         at `position` and attends with its query ([q_heads, head_dim] or
         [1, ...]); returns (layer length, result of 1 query)."""
-        request, kind = self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k)
-        response = self._client._invoke(
-            lambda deadline: self._client._stub.Step(request, timeout=deadline, metadata=self._client._metadata),
-            timeout, idempotent=False)
-        return response.tokens, _common.result(response.result, top_k, kind)
+        def call(request: pb.StepRequest, kind: _tensors.Kind,
+                 block: Optional[_shm.Block]) -> Tuple[int, AttentionResult]:
+            response = self._client._invoke(
+                lambda deadline: self._client._stub.Step(request, timeout=deadline, metadata=self._client._metadata),
+                timeout, idempotent=False)
+            return response.tokens, _common.result(response.result, top_k, kind, block=block)
+        return self._shared(
+            lambda: self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k),
+            ("key", "value", "query"), self.q_heads * (self.head_dim + 1), call)
+
+    def _shared(self, build: Callable[[], Tuple[Any, Any]], fields: Tuple[str, ...], result_values: int,
+                call: Callable[[Any, Any, Optional[_shm.Block]], T]) -> T:
+        """call(request, kind, block) with the request's tensors (and room for
+        its results) in the client's shared memory where it has some. A daemon
+        that no longer holds the region (it restarted) applied nothing: the
+        call is made again with the tensors in the message."""
+        request, kind, block = self._placed(build, fields, result_values)
+        try:
+            return call(request, kind, block)
+        except SessionNotFound as error:
+            if not self._region_lost(error, block):
+                raise
+        finally:
+            _shm.release(block)
+        return call(*build(), None)
 
     def read_kv(self, layer: Optional[int], start: int = 0, end: int = 0, dtype: Any = np.float32, *,
                 device: Any = None, timeout: Optional[float] = None) -> Tuple[Array, Array]:
@@ -177,7 +200,7 @@ class DecodeStream(_common.DecodeBase):
     the same order. One thread at a time; close() it (or use `with`)."""
 
     def __init__(self, client: "Client", timeout: Optional[float] = None):
-        super().__init__()
+        super().__init__(client._shared_memory)
         self._requests: "queue.SimpleQueue[Optional[pb.DecodeRequest]]" = queue.SimpleQueue()
         self._responses = client._stub.Decode(iter(self._requests.get, None),
                                               timeout=_common.timeout_value(timeout), metadata=client._metadata)
@@ -243,7 +266,7 @@ class DecodeStream(_common.DecodeBase):
         if self._closed:
             return
         self._closed = True
-        self._pending.clear()
+        self._drop_pending()
         self._requests.put(None)
         try:
             for _ in self._responses:
@@ -270,17 +293,21 @@ class Client:
     token: sent as "authorization: Bearer TOKEN" (turbokvd --auth-tokens-file).
     root_certificates: PEM bytes of the CA that signed turbokvd's certificate,
     for TLS to a TCP listener; private_key and certificate_chain: this
-    client's, for mTLS. Failures raise TurbokvError subclasses by gRPC code
-    (turbokv.errors)."""
+    client's, for mTLS. shared_memory: over a unix socket, the bytes of the
+    shared-memory region tensors travel through (docs/API.md "Shared
+    memory"; 0: always in the messages). Failures raise TurbokvError
+    subclasses by gRPC code (turbokv.errors)."""
 
     def __init__(self, target: Optional[str] = None, max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
                  root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
-                 certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy()):
+                 certificate_chain: Optional[bytes] = None, retry: RetryPolicy = RetryPolicy(),
+                 shared_memory: int = _common.SHARED_MEMORY_BYTES):
         connection = _common.Connection(grpc, target, max_message_bytes, timeout, token, root_certificates,
-                                        private_key, certificate_chain, retry)
+                                        private_key, certificate_chain, retry, shared_memory)
         self._timeout, self._retry = connection.timeout, connection.retry
         self._channel, self._stub, self._metadata = connection.channel, connection.stub, connection.metadata
+        self._shared_memory = connection.shared
 
     def _invoke(self, attempt: Callable[[Optional[float]], T], timeout: Optional[float], idempotent: bool) -> T:
         """Runs attempt(deadline in seconds) until it succeeds, retrying
@@ -298,6 +325,8 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        if self._shared_memory is not None:
+            self._shared_memory.close()
 
     def __enter__(self) -> "Client":
         return self
