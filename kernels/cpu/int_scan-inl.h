@@ -465,20 +465,17 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
       const float* src = task.q + static_cast<size_t>(r) * dim;
       for (int b = 0; b < blocks; ++b) {
         const float* block = src + b * bv;
-        auto largest_lanes = hn::Zero(df), l1_lanes = hn::Zero(df);
+        auto largest_lanes = hn::Zero(df);
+        double l1 = 0.0;  // in order, in double: the same bits as the scalar loop it replaced
         for (size_t i = 0; i < static_cast<size_t>(bv); i += nf) {
-          const auto magnitude = hn::Abs(hn::LoadU(df, block + i));
-          largest_lanes = hn::Max(largest_lanes, magnitude);
-          l1_lanes = hn::Add(l1_lanes, magnitude);
+          largest_lanes = hn::Max(largest_lanes, hn::Abs(hn::LoadU(df, block + i)));
         }
+        for (int i = 0; i < bv; ++i) l1 += std::fabs(block[i]);
         const float largest = hn::GetLane(hn::MaxOfLanes(df, largest_lanes));
-        // Also the block's sum of |rounded q| times max_int within 2^31 - 1, so
-        // that no sum of its products, over any lanes, can overflow: rounding
-        // adds at most 1/2 a value, and the float sum of |q| is taken 2^-16
-        // larger than it is (its rounding is far below that).
-        const double l1 = static_cast<double>(hn::GetLane(hn::SumOfLanes(df, l1_lanes))) * (1.0 + 0x1p-16);
-        const double sum_max = 2147483647.0 / key->max_int - 0.5 * bv;
-        const float to_int = largest > 0.0f ? std::min(q_max / largest, static_cast<float>(sum_max / l1)) : 0.0f;
+        // Also sum |q| <= (2^31 - 1) / max_int, so that no sum of the block's
+        // products, over any lanes, can overflow.
+        const float to_int =
+            largest > 0.0f ? std::min(q_max / largest, static_cast<float>(2147483647.0 / key->max_int / l1)) : 0.0f;
         const auto scale = hn::Set(df, to_int);
         for (size_t i = 0; i < static_cast<size_t>(bv); i += nf) {
           hn::StoreU(hn::DemoteTo(d16half, hn::NearestInt(hn::Mul(hn::LoadU(df, block + i), scale))), d16half,
