@@ -173,7 +173,6 @@ int RunAttend(int argc, char** argv) {
   AttentionParams params;
   params.q_heads = static_cast<int>(q_heads);
   const AttentionQueries queries{n_queries, q.data(), positions.data()};
-  const AttentionOutput output{out.data(), lse.data()};
   const std::string impl = options.Get("impl", "cpu");
 #ifdef TURBOKV_WITH_CUDA
   if (impl == "cuda") {
@@ -181,17 +180,27 @@ int RunAttend(int argc, char** argv) {
   }
 #endif
   if (impl != "cpu") return UsageError("--impl must be cpu or cuda (when built with CUDA)");
-  if (sessions != 1) return UsageError("--sessions is for --impl cuda; the CPU kernel's batches are measured by e2e --batch");
   ThreadPool pool(static_cast<int>(threads));
   AttentionOptions attend_options{AttentionPath::kSimd, &pool};
   attend_options.chunk_tokens = chunk_tokens;
 
+  // `sessions` problems in one call, each the same cache with its own
+  // outputs: a decode step of that many sessions, as a Decode message makes.
+  std::vector<float> batch_out(out.size() * sessions), batch_lse(lse.size() * sessions);
   auto attend = [&](const Cache& cache) {
     return [&] {
-      const absl::Status s = AttendCpu(cache.buffer->descriptor(), params, queries, output, attend_options);
+      std::vector<AttentionProblem> problems;
+      for (long long i = 0; i < sessions; ++i) {
+        problems.push_back(AttentionProblem{cache.buffer->descriptor(), queries,
+                                            {batch_out.data() + i * out.size(), batch_lse.data() + i * lse.size()}});
+      }
+      const absl::Status s =
+          AttendCpu(AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params, attend_options);
       if (!s.ok()) error = std::string(s.message());
     };
   };
+  compressed.bytes *= sessions;
+  f16.bytes *= sessions;
   std::vector<uint64_t> stream((compressed.bytes + 7) / 8, 1);
   uint64_t sink = 0;
   // Compressed, f16 and the streaming read take turns, so machine noise hits
@@ -211,18 +220,19 @@ int RunAttend(int argc, char** argv) {
     std::printf(
         "{\"k_codec\": \"%s\", \"v_codec\": \"%s\", \"tokens\": %lld, \"kv_heads\": %lld, "
         "\"q_heads\": %lld, \"head_dim\": %lld, \"queries\": %lld, \"threads\": %lld, "
-        "\"implementation\": \"simd:%s\", \"us_per_call\": %.6g, \"f16_us_per_call\": %.6g, "
+        "\"sessions\": %lld, \"implementation\": \"simd:%s\", \"us_per_call\": %.6g, \"f16_us_per_call\": %.6g, "
         "\"cache_bytes\": %zu, \"f16_cache_bytes\": %zu, \"cache_gb_per_s\": %.6g, "
         "\"stream_read_gb_per_s\": %.6g, \"speedup_vs_f16\": %.6g, \"fraction_of_stream_read\": %.6g}\n",
         CodecName(*k_codec), CodecName(*v_codec), tokens, kv_heads, q_heads, head_dim, n_queries,
-        threads, ChosenSimdTarget(), us, f16_us, compressed.bytes, f16.bytes, cache_gb_per_s,
+        threads, sessions, ChosenSimdTarget(), us, f16_us, compressed.bytes, f16.bytes, cache_gb_per_s,
         stream_gb_per_s, f16_us / us, cache_gb_per_s / stream_gb_per_s);
     return sink == 42 ? 3 : 0;
   }
   std::printf("attend %s keys, %s values: %lld tokens, %lld kv heads, %lld q heads, d %lld, %lld "
-              "quer%s, %lld thread%s, simd:%s\n",
+              "quer%s, %lld session%s a call, %lld thread%s, simd:%s\n",
               CodecName(*k_codec), CodecName(*v_codec), tokens, kv_heads, q_heads, head_dim, n_queries,
-              n_queries == 1 ? "y" : "ies", threads, threads == 1 ? "" : "s", ChosenSimdTarget());
+              n_queries == 1 ? "y" : "ies", sessions, sessions == 1 ? "" : "s", threads, threads == 1 ? "" : "s",
+              ChosenSimdTarget());
   std::printf("  compressed   %10.1f us/call  %8.1f M tokens/s  %6.1f GB/s of cache (%.1f MB)\n", us,
               tokens * compressed_rate / 1e6, cache_gb_per_s, compressed.bytes / 1e6);
   std::printf("  f16          %10.1f us/call  %8.1f M tokens/s  %6.1f GB/s of cache (%.1f MB)\n", f16_us,

@@ -27,7 +27,7 @@ constexpr char kUsage[] =
     "       turbokv-bench attend --k-codec C --v-codec C --tokens T --kv-heads H --q-heads Q\n"
     "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
     "                            [--impl cpu|cuda] [--target AVX2|SSE4|...] [--chunk-tokens N] [--json]\n"
-    "                            [--sessions S]  (cuda: S sessions' caches attended in one batched call)\n"
+    "                            [--sessions S]  (S sessions' caches attended in one batched call)\n"
     "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
     "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]]\n"
     "                         [--device cpu|cuda:N] [--json]\n"
