@@ -1,6 +1,7 @@
 // IEEE 754 binary16 conversion, identical on host and device.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -20,6 +21,18 @@ TURBOKV_HD uint32_t FloatBits(float f) {
   std::memcpy(&u, &f, sizeof(u));
   return u;
 #endif
+}
+
+// Whether no value of x[0, n) is inf or NaN (the f32 patterns with every
+// exponent bit set): the largest exponent field, a reduction compilers
+// vectorize (a flag and-ed per value is not).
+inline bool AllFinite(const float* x, size_t n) {
+  uint32_t exponent = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t e = FloatBits(x[i]) & 0x7f800000u;
+    exponent = e > exponent ? e : exponent;
+  }
+  return exponent != 0x7f800000u;
 }
 
 TURBOKV_HD float BitsToFloat(uint32_t u) {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/attention.h"
+#include "kernels/half.h"
 
 namespace turbokv {
 namespace {
@@ -60,12 +61,12 @@ absl::Status KeyTransform::Check(int expected_kv_heads, int expected_head_dim) c
     if (!v->empty() && v->size() != size) {
       return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " holds ", v->size(), " values, not ", size));
     }
-    for (float x : *v) {
-      if (!std::isfinite(x)) return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " is not finite"));
+    if (!AllFinite(v->data(), v->size())) {
+      return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " is not finite"));
     }
   }
-  for (float s : key_scale) {
-    if (!(s > 0.0f)) return absl::InvalidArgumentError("key transform: a key scale is not positive");
+  if (!key_scale.empty() && *std::min_element(key_scale.begin(), key_scale.end()) <= 0.0f) {
+    return absl::InvalidArgumentError("key transform: a key scale is not positive");
   }
   return absl::OkStatus();
 }
@@ -128,6 +129,16 @@ KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int 
     for (int c = 0; c < head_dim; ++c) s[c] *= norm;
   }
   return t;
+}
+
+double DotDouble(const float* a, const float* b, int n) {
+  double s[4] = {0, 0, 0, 0};
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int k = 0; k < 4; ++k) s[k] += static_cast<double>(a[i + k]) * b[i + k];
+  }
+  for (; i < n; ++i) s[0] += static_cast<double>(a[i]) * b[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 namespace {
@@ -204,9 +215,7 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
       for (size_t r = 0; r < rows; ++r) {
         const float* q = p.queries.q + r * d;
         const float* m = t->key_mean.data() + static_cast<size_t>(r % q_heads / group) * d;
-        double dot = 0;
-        for (int c = 0; c < d; ++c) dot += static_cast<double>(q[c]) * m[c];
-        prep.offsets[r] = static_cast<float>(scale * dot) +
+        prep.offsets[r] = static_cast<float>(scale * DotDouble(q, m, d)) +
                           (p.queries.logit_offset != nullptr ? p.queries.logit_offset[r] : 0.0f);
       }
       // Without a softcap the offset only shifts every logit of a row: it

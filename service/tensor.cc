@@ -101,11 +101,7 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor, absl
 }
 
 absl::Status CheckFinite(absl::Span<const float> values, absl::string_view what) {
-  // Inf and NaN are the f32 patterns with every exponent bit set; one
-  // branch-free pass finds whether there is any.
-  bool all_finite = true;
-  for (float v : values) all_finite &= (FloatBits(v) & 0x7f800000u) != 0x7f800000u;
-  if (all_finite) return absl::OkStatus();
+  if (AllFinite(values.data(), values.size())) return absl::OkStatus();
   for (size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i])) {
       return absl::InvalidArgumentError(absl::StrCat(what, " value ", i, " is not finite (", values[i], ")"));

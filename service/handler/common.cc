@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/time_util.h"
+#include "kernels/key_transform.h"
 #include "service/error_side.h"
 
 namespace turbokv {
@@ -106,8 +107,8 @@ absl::Status CheckScoresFinite(const AttentionParams& params, absl::Span<const f
   double largest = 0.0;
   size_t largest_row = 0;
   for (size_t row = 0; row * head_dim < queries.size(); ++row) {
-    double sum = 0.0;
-    for (int i = 0; i < head_dim; ++i) sum += static_cast<double>(queries[row * head_dim + i]) * queries[row * head_dim + i];
+    const float* q = queries.data() + row * head_dim;
+    const double sum = DotDouble(q, q, head_dim);
     if (sum > largest) {
       largest = sum;
       largest_row = row;
