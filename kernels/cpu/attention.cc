@@ -3,6 +3,7 @@
 // rotation of the values; plus the scalar scan, the reference the SIMD scan
 // is tested against.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -14,6 +15,7 @@
 #include "kernels/block_math.h"
 #include "kernels/codec.h"
 #include "kernels/codebooks.h"
+#include "kernels/half.h"
 #include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/cpu_codecs.h"
 #include "kernels/cpu/thread_pool.h"
@@ -143,17 +145,15 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
     }
   }
   const size_t values = static_cast<size_t>(queries.n) * params.q_heads * d;
-  for (size_t i = 0; i < values; ++i) {
-    if (!std::isfinite(queries.q[i])) {
-      return Invalid("queries", absl::StrCat("value ", i, " is not finite"));
-    }
+  if (!AllFinite(queries.q, values)) {
+    const size_t i = std::find_if(queries.q, queries.q + values, [](float x) { return !std::isfinite(x); }) - queries.q;
+    return Invalid("queries", absl::StrCat("value ", i, " is not finite"));
   }
-  if (queries.logit_offset != nullptr) {
-    for (size_t i = 0; i < static_cast<size_t>(queries.n) * params.q_heads; ++i) {
-      if (!std::isfinite(queries.logit_offset[i])) {
-        return Invalid("logit_offset", absl::StrCat("value ", i, " is not finite"));
-      }
-    }
+  const size_t rows = static_cast<size_t>(queries.n) * params.q_heads;
+  if (queries.logit_offset != nullptr && !AllFinite(queries.logit_offset, rows)) {
+    const size_t i = std::find_if(queries.logit_offset, queries.logit_offset + rows,
+                                  [](float x) { return !std::isfinite(x); }) - queries.logit_offset;
+    return Invalid("logit_offset", absl::StrCat("value ", i, " is not finite"));
   }
   if (output.out == nullptr || output.lse == nullptr) return Invalid("output", "missing buffers");
   if (params.top_k > 0 && (output.topk_tokens == nullptr || output.topk_logits == nullptr)) {
@@ -191,10 +191,11 @@ struct Pass {
   int64_t chunk = 0;                 // tokens per chunk; chunk c covers [c * chunk, (c + 1) * chunk)
   int64_t first_chunk = 0, chunks = 0;
   int64_t first_item = 0;            // index of its first work item in the batch
-  std::vector<float> q;              // [kv_heads][rows][head_dim], in the key domain
-  std::vector<float> offsets;        // [kv_heads][rows] logit offsets, or empty
-  std::unique_ptr<HadamardRotation> value_rotation;
+  std::unique_ptr<HadamardRotation> key_rotation, value_rotation;
   std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
+  // Per kv head, its chunks not yet scanned: the item that scans the last
+  // one finishes the head.
+  std::unique_ptr<std::atomic<int64_t>[]> unscanned;
 };
 
 // rotation.Forward (inverse: Inverse) of `rows` vectors at x: SIMD, or the
@@ -213,9 +214,8 @@ void Rotate(const HadamardRotation& rotation, AttentionPath path, bool inverse, 
   }
 }
 
-// Visible ranges of the pass's queries, and its queries rotated into the key
-// domain, per kv head.
-void PreparePass(const AttentionParams& params, AttentionPath path, Pass* pass) {
+// The visible ranges of the pass's queries and its rotations.
+void PreparePass(const AttentionParams& params, Pass* pass) {
   const PagedKvCache& cache = *pass->cache;
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
@@ -238,28 +238,33 @@ void PreparePass(const AttentionParams& params, AttentionPath path, Pass* pass) 
   // the pass see: each query's result is then the same, to the bit, alone or
   // batched with others. Tokens before a query's range are masked.
   pass->begin = pass->begin / cache.page_tokens * cache.page_tokens;
-  std::unique_ptr<HadamardRotation> key_rotation;
   if (TurboBits(cache.key_layout.kind) != 0) {
-    key_rotation = std::make_unique<HadamardRotation>(d, cache.key_layout.block_values, cache.key_seed);
+    pass->key_rotation = std::make_unique<HadamardRotation>(d, cache.key_layout.block_values, cache.key_seed);
   }
   if (TurboBits(cache.value_layout.kind) != 0) {
     pass->value_rotation =
         std::make_unique<HadamardRotation>(d, cache.value_layout.block_values, cache.value_seed);
   }
-  const int rows = pass->rows;
-  pass->q.resize(static_cast<size_t>(cache.kv_heads) * rows * d);
-  if (pass->queries.logit_offset != nullptr) pass->offsets.resize(static_cast<size_t>(cache.kv_heads) * rows);
-  for (int h = 0; h < cache.kv_heads; ++h) {
-    for (int r = 0; r < rows; ++r) {
-      const int64_t query = r / group;
-      const int q_head = h * group + r % group;
-      const size_t row = static_cast<size_t>(query) * params.q_heads + q_head;
-      float* dst = pass->q.data() + (static_cast<size_t>(h) * rows + r) * d;
-      std::memcpy(dst, pass->queries.q + row * d, d * sizeof(float));
-      if (!pass->offsets.empty()) pass->offsets[static_cast<size_t>(h) * rows + r] = pass->queries.logit_offset[row];
-    }
+}
+
+// Kv head h's query rows of the pass, rotated into the key domain, into q
+// [rows][head_dim], and their logit offsets into offsets [rows] when the
+// queries have some. Each work item makes its own: a head's rows are few, and
+// the items then need no earlier phase of the pool.
+void HeadQueries(const AttentionParams& params, AttentionPath path, const Pass& pass, int h,
+                 std::vector<float>* q, std::vector<float>* offsets) {
+  const int d = pass.cache->key_layout.head_dim;
+  const int group = params.q_heads / pass.cache->kv_heads;
+  q->resize(static_cast<size_t>(pass.rows) * d);
+  offsets->resize(pass.queries.logit_offset != nullptr ? pass.rows : 0);
+  for (int r = 0; r < pass.rows; ++r) {
+    const int64_t query = r / group;
+    const int q_head = h * group + r % group;
+    const size_t row = static_cast<size_t>(query) * params.q_heads + q_head;
+    std::memcpy(q->data() + static_cast<size_t>(r) * d, pass.queries.q + row * d, d * sizeof(float));
+    if (!offsets->empty()) (*offsets)[r] = pass.queries.logit_offset[row];
   }
-  if (key_rotation) Rotate(*key_rotation, path, /*inverse=*/false, pass->q.data(), int64_t{cache.kv_heads} * rows);
+  if (pass.key_rotation) Rotate(*pass.key_rotation, path, /*inverse=*/false, q->data(), pass.rows);
 }
 
 // Merges kv head h's chunks in order, normalizes, rotates the values back and
@@ -268,8 +273,9 @@ void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, i
   const PagedKvCache& cache = *pass.cache;
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
-  ScanState empty(pass.rows, d, params.top_k);  // a pass whose queries see nothing here
-  ScanState& total = pass.chunks > 0 ? *pass.states[static_cast<size_t>(h) * pass.chunks] : empty;
+  std::unique_ptr<ScanState> empty;  // a pass whose queries see nothing here
+  if (pass.chunks == 0) empty = std::make_unique<ScanState>(pass.rows, d, params.top_k);
+  ScanState& total = pass.chunks > 0 ? *pass.states[static_cast<size_t>(h) * pass.chunks] : *empty;
   for (int64_t c = 1; c < pass.chunks; ++c) MergeState(*pass.states[h * pass.chunks + c], d, &total);
   for (int r = 0; r < pass.rows; ++r) {
     const int64_t query = r / group;
@@ -291,6 +297,8 @@ void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, i
       }
     }
   }
+  // The chunks' states are merged: their memory goes now, not with the batch.
+  for (int64_t c = 0; c < pass.chunks; ++c) pass.states[h * pass.chunks + c].reset();
 }
 
 // fn(i) for i in [0, n), on the pool when there is one.
@@ -335,10 +343,10 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
       passes.push_back(std::move(pass));
     }
   }
-  ForEach(options.pool, static_cast<int64_t>(passes.size()),
-          [&](int64_t i) { PreparePass(params, options.path, &passes[static_cast<size_t>(i)]); });
+  for (Pass& pass : passes) PreparePass(params, &pass);
 
-  // Work items: (pass, kv head, chunk). Chunks sit on a grid fixed by
+  // Work items: (pass, kv head, chunk), all in one call of the pool (each of
+  // its phases costs every thread a wake-up). Chunks sit on a grid fixed by
   // position, so that how a query's tokens are cut (and merged) depends on
   // neither the pool size nor the other queries of the batch.
   int64_t items = 0;
@@ -348,8 +356,13 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
     pass.first_chunk = pass.begin / chunk;
     pass.chunks = pass.end > pass.begin ? (pass.end - 1) / chunk - pass.first_chunk + 1 : 0;
     pass.states.resize(static_cast<size_t>(pass.cache->kv_heads) * pass.chunks);
+    pass.unscanned = std::make_unique<std::atomic<int64_t>[]>(pass.cache->kv_heads);
+    for (int h = 0; h < pass.cache->kv_heads; ++h) pass.unscanned[h].store(pass.chunks, std::memory_order_relaxed);
     pass.first_item = items;
     items += static_cast<int64_t>(pass.cache->kv_heads) * pass.chunks;
+    if (pass.chunks == 0) {  // no item: its outputs are empty
+      for (int h = 0; h < pass.cache->kv_heads; ++h) FinishHead(params, options.path, pass, h);
+    }
   }
   ForEach(options.pool, items, [&](int64_t item) {
     auto next = std::upper_bound(passes.begin(), passes.end(), item,
@@ -357,18 +370,20 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
     Pass& pass = *std::prev(next);
     const int64_t local = item - pass.first_item;
     const int d = pass.cache->key_layout.head_dim;
+    thread_local std::vector<float> q, offsets;
     ScanTask task;
     task.cache = pass.cache;
     task.head = static_cast<int>(local / pass.chunks);
+    HeadQueries(params, options.path, pass, task.head, &q, &offsets);
     const int64_t grid = (pass.first_chunk + local % pass.chunks) * pass.chunk;
     task.begin = std::max(pass.begin, grid);
     task.end = std::min(pass.end, grid + pass.chunk);
     task.rows = pass.rows;
     task.group = params.q_heads / pass.cache->kv_heads;
-    task.q = pass.q.data() + static_cast<size_t>(task.head) * pass.rows * d;
+    task.q = q.data();
     task.first = pass.first.data();
     task.last = pass.last.data();
-    if (!pass.offsets.empty()) task.offset = pass.offsets.data() + static_cast<size_t>(task.head) * pass.rows;
+    if (!offsets.empty()) task.offset = offsets.data();
     task.scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
     task.softcap = params.softcap;
     task.top_k = params.top_k;
@@ -380,16 +395,11 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
       ScanSimd(task, state.get());
     }
     pass.states[local] = std::move(state);
-  });
-
-  // Merge, normalize and rotate back: one task per (pass, kv head).
-  std::vector<std::pair<size_t, int>> finishing;
-  for (size_t i = 0; i < passes.size(); ++i) {
-    for (int h = 0; h < passes[i].cache->kv_heads; ++h) finishing.emplace_back(i, h);
-  }
-  ForEach(options.pool, static_cast<int64_t>(finishing.size()), [&](int64_t i) {
-    FinishHead(params, options.path, passes[finishing[static_cast<size_t>(i)].first],
-               finishing[static_cast<size_t>(i)].second);
+    // The last of the head's chunks to finish merges them (acq_rel: it sees
+    // every other chunk's state).
+    if (pass.unscanned[task.head].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      FinishHead(params, options.path, pass, task.head);
+    }
   });
   return absl::OkStatus();
 }

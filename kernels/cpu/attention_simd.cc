@@ -133,8 +133,10 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
       continue;
     }
     const bool whole = lo == 0 && hi == kScanTile;  // every slot visible: no masks
+    // The vectors past the last visible token are all weight 0: not computed.
+    const int end = static_cast<int>((hi + lanes - 1) / lanes * lanes);
     auto max = hn::Set(d, -INFINITY);
-    for (int j = 0; j < kScanTile; j += lanes) {
+    for (int j = 0; j < end; j += lanes) {
       auto x = hn::MulAdd(hn::Load(d, lr + j), scale, offset);
       // Not inlined: GCC 12 miscompiles Highway's inlined Tanh in this loop on
       // the AVX-512 targets (wrong logits, caught by the softcap tests).
@@ -159,13 +161,14 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
     const auto m = hn::Set(d, m_new);
     const auto floor = hn::Set(d, -100.0f);
     auto sum = hn::Zero(d);
-    for (int j = 0; j < kScanTile; j += lanes) {
+    for (int j = 0; j < end; j += lanes) {
       const auto x = hn::Load(d, lr + j);
       auto p = hn::Exp(d, hn::Max(hn::Sub(x, m), floor));
       if (!whole) p = hn::IfThenElseZero(hn::Gt(x, hn::Set(d, -INFINITY)), p);
       hn::Store(p, d, lr + j);
       sum = hn::Add(sum, p);
     }
+    for (int j = end; j < kScanTile; ++j) lr[j] = 0.0f;
     if (correction != 1.0f) {
       float* acc = state->acc.data() + static_cast<size_t>(r) * dim;
       const auto corr = hn::Set(d, correction);
@@ -515,7 +518,7 @@ void ScoreTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* 
       for (int r = 0; r < rows; ++r) {
         const __m512 unit = _mm512_set1_ps(ip.q_scale[(r0 + r) * blocks + b]);
         float* lr = logits + (r0 + r) * kScanTile;
-        for (int j = 0; j < kScanTile; j += 16) {
+        for (int j = 0; j < n; j += 16) {  // slots past the tile's tokens keep their 0
           const __m512 dot = ReduceLanes16(&acc[r][j]);
           const __m512 contribution = _mm512_mul_ps(_mm512_mul_ps(dot, unit), _mm512_load_ps(scales + j));
           _mm512_storeu_ps(lr + j, _mm512_add_ps(_mm512_loadu_ps(lr + j), contribution));
@@ -586,16 +589,19 @@ void AccumulateTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, co
       for (int r = 0; r < rows; ++r) {
         // Weights times value scales, as int16 pairs: (w_2p, w_2p+1).
         const float* w = weights + (r0 + r) * kScanTile;
+        // Only the vectors that hold the tile's n tokens: the pairs read
+        // stop there.
+        const int vectors = (n + 15) / 16;
         __m512 scaled[kScanTile / 16];
         __m512 max = _mm512_setzero_ps();
-        for (int h = 0; h < kScanTile / 16; ++h) {
+        for (int h = 0; h < vectors; ++h) {
           scaled[h] = _mm512_mul_ps(_mm512_loadu_ps(w + 16 * h), _mm512_load_ps(scales + 16 * h));
           max = _mm512_max_ps(max, scaled[h]);
         }
         const float m = _mm512_reduce_max_ps(max);
         const __m512 to_int = _mm512_set1_ps(m > 0.0f ? kWeightMax / m : 0.0f);
         int16_t* pw = reinterpret_cast<int16_t*>(ip.pair_weights + static_cast<size_t>(r0 + r) * (kScanTile / 2));
-        for (int h = 0; h < kScanTile / 16; ++h) {
+        for (int h = 0; h < vectors; ++h) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + 16 * h),
                               _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(scaled[h], to_int))));
         }
@@ -616,11 +622,17 @@ void AccumulateTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, co
 #pragma GCC pop_options
 #endif  // HWY_TARGET == HWY_AVX3_DL
 
+// Scan's own buffers, kept per thread (see Scratch).
+struct ScanWorkspace {
+  Scratch<float> row, logits, f16_partial;
+};
+
 void Scan(const ScanTask& task, ScanState* state) {
   const PagedKvCache& c = *task.cache;
   const ScanSetup setup(c);
-  auto row_buffer = hwy::AllocateAligned<float>(c.key_layout.head_dim);
-  auto logits = hwy::AllocateAligned<float>(static_cast<size_t>(task.rows) * kScanTile);
+  thread_local ScanWorkspace w;
+  float* const row_buffer = w.row.Get(c.key_layout.head_dim);
+  float* const logits = w.logits.Get(static_cast<size_t>(task.rows) * kScanTile);
   bool vnni = false;
 #if HWY_TARGET == HWY_AVX3_DL
   std::unique_ptr<IntPath> int_path;
@@ -636,8 +648,7 @@ void Scan(const ScanTask& task, ScanState* state) {
   if (!vnni && (int_keys || int_values)) ints = std::make_unique<IntScan>(task, int_keys, int_values);
   const bool f16_keys = c.key_layout.kind == CodecKind::kF16;
   const bool f16_values = c.value_layout.kind == CodecKind::kF16;
-  hwy::AlignedFreeUniquePtr<float[]> f16_partial;
-  if (f16_keys) f16_partial = hwy::AllocateAligned<float>(4 * kScanTile * kL32);
+  float* const f16_partial = f16_keys ? w.f16_partial.Get(4 * kScanTile * kL32) : nullptr;
 #endif
   for (int64_t t0 = task.begin; t0 < task.end;) {
     // A tile never crosses a page.
@@ -647,11 +658,11 @@ void Scan(const ScanTask& task, ScanState* state) {
     if (int_path) {
       IntPath& ip = *int_path;
       DispatchTurbo(ip.block_values, ip.key_bits, [&](auto bv, auto bits) {
-        ScoreTileVnni<bv.value, bits.value>(task, ip, t0, n, logits.get());
+        ScoreTileVnni<bv.value, bits.value>(task, ip, t0, n, logits);
       });
-      SoftmaxTile(task, t0, n, logits.get(), state);
+      SoftmaxTile(task, t0, n, logits, state);
       DispatchTurbo(ip.block_values, ip.value_bits, [&](auto bv, auto bits) {
-        AccumulateTileVnni<bv.value, bits.value>(task, ip, t0, n, logits.get(), state);
+        AccumulateTileVnni<bv.value, bits.value>(task, ip, t0, n, logits, state);
       });
       t0 += n;
       continue;
@@ -659,24 +670,24 @@ void Scan(const ScanTask& task, ScanState* state) {
 #endif
 #if HWY_TARGET != HWY_SCALAR
     if (ints && ints->key) {
-      ScoreTileInt(task, *ints, t0, n, logits.get());
+      ScoreTileInt(task, *ints, t0, n, logits);
     } else if (f16_keys) {
-      ScoreTileF16(task, t0, n, f16_partial.get(), logits.get());
+      ScoreTileF16(task, t0, n, f16_partial, logits);
     } else {
-      ScoreTileFloat(task, setup, t0, n, row_buffer.get(), logits.get());
+      ScoreTileFloat(task, setup, t0, n, row_buffer, logits);
     }
-    SoftmaxTile(task, t0, n, logits.get(), state);
+    SoftmaxTile(task, t0, n, logits, state);
     if (ints && ints->value) {
-      AccumulateTileInt(task, *ints, t0, n, logits.get(), state);
+      AccumulateTileInt(task, *ints, t0, n, logits, state);
     } else if (f16_values) {
-      AccumulateTileF16(task, t0, n, logits.get(), state);
+      AccumulateTileF16(task, t0, n, logits, state);
     } else {
-      AccumulateTileFloat(task, setup, t0, n, logits.get(), row_buffer.get(), state);
+      AccumulateTileFloat(task, setup, t0, n, logits, row_buffer, state);
     }
 #else
-    ScoreTileFloat(task, setup, t0, n, row_buffer.get(), logits.get());
-    SoftmaxTile(task, t0, n, logits.get(), state);
-    AccumulateTileFloat(task, setup, t0, n, logits.get(), row_buffer.get(), state);
+    ScoreTileFloat(task, setup, t0, n, row_buffer, logits);
+    SoftmaxTile(task, t0, n, logits, state);
+    AccumulateTileFloat(task, setup, t0, n, logits, row_buffer, state);
 #endif
     t0 += n;
   }

@@ -48,6 +48,23 @@ namespace turbokv {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// A buffer kept per thread across scan tasks (sized by head_dim and rows
+// only), zero-filled when it grows: tasks are short, and allocating and
+// clearing their buffers each time cost about a tenth of a 256-token task.
+template <class T>
+struct Scratch {
+  hwy::AlignedFreeUniquePtr<T[]> data;
+  size_t size = 0;
+  T* Get(size_t n) {
+    if (n > size) {
+      data = hwy::AllocateAligned<T>(n);
+      std::fill(data.get(), data.get() + n, T());
+      size = n;
+    }
+    return data.get();
+  }
+};
+
 #if HWY_TARGET != HWY_SCALAR
 
 // At most 256 bits: the transposed sums below assume 128-bit blocks and at
@@ -400,23 +417,6 @@ HWY_INLINE hn::Vec<D> SumsOfRows(D d, const hn::TFromD<D>* HWY_RESTRICT p) {
     return hn::Add(hn::ConcatLowerLower(d, w, u), hn::ConcatUpperUpper(d, w, u));
   }
 }
-
-// A buffer kept per thread across scan tasks (sized by head_dim and rows
-// only), zero-filled when it grows: tasks are short, and allocating and
-// clearing their buffers each time cost about a tenth of a 256-token task.
-template <class T>
-struct Scratch {
-  hwy::AlignedFreeUniquePtr<T[]> data;
-  size_t size = 0;
-  T* Get(size_t n) {
-    if (n > size) {
-      data = hwy::AllocateAligned<T>(n);
-      std::fill(data.get(), data.get() + n, T());
-      size = n;
-    }
-    return data.get();
-  }
-};
 
 // Per scan task: both tensors' decoders, the quantized query, and buffers
 // (this thread's).
