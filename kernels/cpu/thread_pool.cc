@@ -76,6 +76,12 @@ void ThreadPool::WorkerLoop() {
       });
       if (stop_) return;
     }
+    // Wake the next worker from here, not all of them from the caller: woken
+    // together while the caller still held its core, two workers were often
+    // queued on one core with the other idle, and a large call ran at half
+    // the pool (a 640 us call of 2 workers took 1,320 us, p50). A worker
+    // woken by a running worker is placed on an idle core.
+    if (job->n - job->next.load() > 1) wake_.notify_one();
     // While it is the only call, run its indices without going back to the
     // lock for each.
     while (RunOne(*job) && active_.load(std::memory_order_relaxed) == 1) {
@@ -99,7 +105,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, 
     jobs_.push_back(job);
     active_.store(jobs_.size(), std::memory_order_relaxed);
   }
-  wake_.notify_all();
+  wake_.notify_one();  // which wakes the next (WorkerLoop)
   while (!large && RunOne(*job)) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
