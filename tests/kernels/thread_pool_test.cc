@@ -3,6 +3,8 @@
 #include "kernels/cpu/thread_pool.h"
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -97,6 +99,31 @@ TEST(ThreadPoolTest, ABackgroundPoolRunsLargeCallsOnItsWorkersAndSmallOnesOnTheC
 #ifdef __linux__
       EXPECT_EQ(low_priority.load(), n) << n;
 #endif
+    }
+  }
+}
+
+// A call wakes one worker and each worker wakes the next while indices are
+// left (so that the woken workers spread over idle cores): every worker a
+// call needs must still be reached. Each index waits until all of them run
+// at once, which only happens if the wake-ups reached every worker, in both
+// kinds of pool, call after call.
+TEST(ThreadPoolTest, EveryWorkerACallNeedsIsWoken) {
+  for (const int64_t background_from : {int64_t{0}, int64_t{1}}) {
+    constexpr int kWorkers = 4;
+    ThreadPool pool(kWorkers, background_from);
+    const int64_t n = pool.size();
+    for (int round = 0; round < 20; ++round) {
+      std::mutex mutex;
+      std::condition_variable all_in;
+      int started = 0;
+      std::atomic<int> met{0};
+      pool.ParallelFor(n, [&](int64_t) {
+        std::unique_lock<std::mutex> lock(mutex);
+        if (++started == n) all_in.notify_all();
+        if (all_in.wait_for(lock, std::chrono::seconds(10), [&] { return started == n; })) ++met;
+      });
+      ASSERT_EQ(met.load(), n) << "background_from " << background_from << ", round " << round;
     }
   }
 }
