@@ -24,25 +24,32 @@ namespace {
 constexpr int64_t kMaxQueriesPerItem = 256;
 
 // The bytes of the attention result of the queries in a tensor of `shape`
-// (its last dimension head_dim, the others query rows), unchecked: a bad
-// shape counts what it says, within reason.
-double QueryResultBytes(const google::protobuf::RepeatedField<int64_t>& shape, int32_t top_k) {
+// (its last dimension head_dim, the others query rows) that travel in the
+// reply, unchecked: a bad shape counts what it says, within reason. With the
+// results in the caller's shared memory (output_to) only the top-k lists do.
+template <typename Request>
+double QueryResultBytes(const Request& request) {
+  const auto& shape = request.queries().shape();
   if (shape.empty()) return 0;
   double rows = 1;
   for (int i = 0; i + 1 < shape.size(); ++i) rows *= static_cast<double>(std::max<int64_t>(shape[i], 0));
-  return std::min(ResultBytes(rows, std::max<int64_t>(shape[shape.size() - 1], 0), std::max(top_k, 0)), 1e15);
+  const int64_t head_dim = std::max<int64_t>(shape[shape.size() - 1], 0);
+  const int32_t top_k = std::max(request.options().top_k(), 0);
+  const double bytes = request.has_output_to() ? ResultBytes(rows, head_dim, top_k) - ResultBytes(rows, head_dim, 0)
+                                               : ResultBytes(rows, head_dim, top_k);
+  return std::min(bytes, 1e15);
 }
 
 }  // namespace
 
 int64_t Handler::ReplyBytes(const v1::AttendRequest& request) {
-  return static_cast<int64_t>(QueryResultBytes(request.queries().shape(), request.options().top_k()));
+  return static_cast<int64_t>(QueryResultBytes(request));
 }
 
 int64_t Handler::ReplyBytes(const v1::DecodeRequest& request) {
   // And each item's length and status (its message at most a line).
   const double items = static_cast<double>(request.session_ids_size()) * 160;
-  return static_cast<int64_t>(QueryResultBytes(request.queries().shape(), request.options().top_k()) + items);
+  return static_cast<int64_t>(QueryResultBytes(request) + items);
 }
 
 absl::Status Handler::RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,

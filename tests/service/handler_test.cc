@@ -806,5 +806,28 @@ TEST_P(HandlerTest, SnapshotIsForTheAdminTenantOnly) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, HandlerTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
+// The reply a call will produce counts against the tenant's in-flight bound
+// from its admission: queries x heads x (4 x head_dim + 4 + 12 x top_k)
+// bytes, and for Decode a line a session. Results that go to the caller's
+// shared memory (output_to) do not travel in the reply: only the top-k
+// lists count.
+TEST(ReplyBytesTest, ResultsInSharedMemoryCountOnlyWhatTravelsInTheReply) {
+  constexpr int64_t kN = 3, kQ = 8, kD = 128, kTopK = 5;
+  for (const bool shared : {false, true}) {
+    v1::AttendRequest attend;
+    for (int64_t dim : {kN, kQ, kD}) attend.mutable_queries()->add_shape(dim);
+    attend.mutable_options()->set_top_k(kTopK);
+    if (shared) attend.mutable_output_to()->set_region("r");
+    const int64_t results = shared ? 0 : kN * kQ * (4 * kD + 4);
+    EXPECT_EQ(Handler::ReplyBytes(attend), results + kN * kQ * 12 * kTopK) << shared;
+
+    v1::DecodeRequest decode;
+    for (int i = 0; i < kN; ++i) decode.add_session_ids("s");
+    for (int64_t dim : {kN, int64_t{1}, kQ, kD}) decode.mutable_queries()->add_shape(dim);
+    if (shared) decode.mutable_output_to()->set_region("r");
+    EXPECT_EQ(Handler::ReplyBytes(decode), results + kN * 160) << shared;
+  }
+}
+
 }  // namespace
 }  // namespace turbokv
