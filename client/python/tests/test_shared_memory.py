@@ -70,6 +70,41 @@ class SharedMemoryTest(DaemonTestCase):
                 for got, expected in zip(shared.read_kv(layer), plain.read_kv(layer)):
                     np.testing.assert_array_equal(got, expected)
 
+    def test_append_streams_pass_their_chunks_through_it_and_give_every_block_back(self):
+        keys, values = self.random(LAYERS, 300, KV, D), self.random(LAYERS, 300, KV, D)
+        chunks = [(layer, start, keys[layer, start:start + 60], values[layer, start:start + 60])
+                  for layer in range(LAYERS) for start in range(0, 300, 60)]
+        sessions = []
+        for client in (self.client, self.bytes_client):
+            s = client.create_session(LAYERS, KV, Q, D, key_codec="turbo4", value_codec="turbo3", rotation_seed=9,
+                                      key_transform="none", sink_tokens=0)
+            self.addCleanup(s.delete)
+            sessions.append(s)
+        sessions[0].append(0, 0, keys[0, :1], values[0, :1])  # registers the region
+        region = region_of(self.client)
+        self.assertIsNotNone(region)
+        taken = []
+        take = region.take
+        region.take = lambda size: taken.append(size) or take(size)
+        self.assertEqual(sessions[0].append_stream(iter(chunks)), 300)
+        self.assertEqual(len(taken), len(chunks), "every chunk took a block")
+        self.assertEqual(region._free, [[0, region.memory.size()]], "a block was not given back")
+        self.assertEqual(sessions[1].append_stream(chunks), 300)
+
+        async def stream_more():
+            async with turbokv.aio.Client(self.daemon.target) as client:
+                s = await client.session(sessions[0].id)
+                more = [(None, 300, self.random(LAYERS, 20, KV, D), self.random(LAYERS, 20, KV, D))]
+                tokens = await s.append_stream(more)
+                self.assertEqual(region_of(client)._free, [[0, region_of(client).memory.size()]])
+                return tokens, more
+        tokens, more = asyncio.run(stream_more())
+        self.assertEqual(tokens, 320)
+        self.assertEqual(sessions[1].append_stream(more), 320)
+        for layer in range(LAYERS):
+            for got, expected in zip(sessions[0].read_kv(layer), sessions[1].read_kv(layer)):
+                np.testing.assert_array_equal(got, expected)
+
     def test_asyncio_gives_the_same_bits(self):
         shared, plain = self.twins(70)
         key, value, query = self.random(KV, D), self.random(KV, D), self.random(Q, D)
@@ -116,30 +151,42 @@ class WithoutSharedMemoryTest(unittest.TestCase):
                                 rng.standard_normal((Q, D)))
         self.assertEqual(tokens, 1)
         self.assertIsNone(region_of(client))
-        self.assertEqual(daemon.stop(), 0)
+
+        def restart(daemon):
+            """The daemon stopped and started again (with shared memory),
+            and a new session on it."""
+            self.assertEqual(daemon.stop(), 0)
+            daemon = Daemon(at=at)
+            self.addCleanup(daemon.stop)
+            serving(client)
+            return daemon, client.create_session(1, KV, Q, D)
+
         # A daemon with shared memory: the client registers on its next call
         # (after its retry interval) or sends bytes meanwhile; both answer.
-        daemon = Daemon(at=at)
-        self.addCleanup(daemon.stop)
-        serving(client)
+        daemon, s = restart(daemon)
         client._shared_memory._retry_after = 0.0
-        s = client.create_session(1, KV, Q, D)
         s.step(0, 0, rng.standard_normal((KV, D)), rng.standard_normal((KV, D)), rng.standard_normal((Q, D)))
         self.assertIsNotNone(region_of(client))
         first = region_of(client).id
         # Restarted under the client: the region is gone there; the call is
         # made again in the messages, and the next registers a new region.
-        self.assertEqual(daemon.stop(), 0)
-        daemon = Daemon(at=at)
-        self.addCleanup(daemon.stop)
-        serving(client)
-        s = client.create_session(1, KV, Q, D)
+        daemon, s = restart(daemon)
         tokens, _ = s.step(0, 0, rng.standard_normal((KV, D)), rng.standard_normal((KV, D)),
                            rng.standard_normal((Q, D)))
         self.assertEqual(tokens, 1)
         s.step(0, 1, rng.standard_normal((KV, D)), rng.standard_normal((KV, D)), rng.standard_normal((Q, D)))
         self.assertIsNotNone(region_of(client))
         self.assertNotEqual(region_of(client).id, first)
+        # An Append stream of a list, the same: sent again in the messages
+        # after a restart, and the next call registers a new region.
+        second = region_of(client).id
+        daemon, s = restart(daemon)
+        kv = rng.standard_normal((1, 8, KV, D)).astype(np.float32)
+        self.assertEqual(s.append_stream([(0, 0, kv[0, :5], kv[0, :5]), (0, 5, kv[0, 5:], kv[0, 5:])]), 8)
+        np.testing.assert_array_equal(s.read_kv(0)[0].shape, (8, KV, D))
+        s.append_stream([(0, 8, kv[0, :1], kv[0, :1])])
+        self.assertIsNotNone(region_of(client))
+        self.assertNotEqual(region_of(client).id, second)
 
 
 if __name__ == "__main__":

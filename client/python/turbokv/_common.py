@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import os
 import random
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -602,6 +603,44 @@ class Requests:
     def raise_error(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+class SharedChunks:
+    """The chunks of one Append stream with their tensors in the client's
+    shared memory where it has room, as Session.append places them. A
+    chunk's block is given back once the daemon acknowledges the chunk
+    (acknowledgements come in order) and every block once the stream ends.
+    When the daemon failed the stream because it no longer holds the region
+    (it restarted), nothing from the first chunk it did not know on was
+    applied, and the next call registers a new region."""
+
+    def __init__(self, session: "SessionBase"):
+        self._session = session
+        self._blocks: Deque[Optional[_shm.Block]] = collections.deque()
+        self._lock = threading.Lock()  # gRPC may build requests on its own thread
+
+    def request(self, chunk: Any) -> pb.AppendRequest:
+        request, _, block = self._session._placed(lambda: (self._session._chunk_request(chunk), None),
+                                                  ("keys", "values", "queries"), 0)
+        with self._lock:
+            self._blocks.append(block)
+        return request
+
+    def acknowledged(self) -> None:
+        with self._lock:
+            block = self._blocks.popleft() if self._blocks else None
+        _shm.release(block)
+
+    def close(self, error: Optional[BaseException] = None) -> bool:
+        """Gives every block back; whether `error` (the stream's) says that
+        the daemon no longer holds the region."""
+        with self._lock:
+            blocks, self._blocks = list(self._blocks), collections.deque()
+        held = next((block for block in blocks if block is not None), None)
+        lost = error is not None and self._session._region_lost(error, held)
+        for block in blocks:
+            _shm.release(block)
+        return lost
 
 
 DEFAULT_TARGET = "unix:///tmp/turbokv.sock"

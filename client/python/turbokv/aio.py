@@ -16,6 +16,7 @@ an async iterable of chunks. Create the client inside the running event loop.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, List, Optional, Sequence, \
     Tuple, TypeVar, Union
 
@@ -66,17 +67,32 @@ class Session(_common.SessionBase):
     async def append_stream(self, chunks: Union[Iterable[Chunk], AsyncIterable[Chunk]], *,
                             timeout: Optional[float] = None) -> int:
         """As turbokv.Session.append_stream; chunks may be an async iterable."""
-        requests = _Requests(chunks, self._chunk_request)
-        tokens = await self._append(requests, timeout)
+        shared = _common.SharedChunks(self)
+        requests = _Requests(chunks, shared.request)
+        try:
+            tokens = await self._append(requests, timeout, shared.acknowledged)
+        except TurbokvError as error:
+            if not (shared.close(error) and isinstance(chunks, collections.abc.Sequence)):
+                raise
+            # The daemon restarted under the client: a sequence of chunks is
+            # sent again in the messages (positions stored are acknowledged,
+            # not stored twice).
+            requests = _Requests(chunks, self._chunk_request)
+            tokens = await self._append(requests, timeout)
+        finally:
+            shared.close()
         requests.raise_error()
         return tokens
 
-    async def _append(self, requests: Any, timeout: Optional[float]) -> int:
+    async def _append(self, requests: Any, timeout: Optional[float],
+                      acknowledged: Optional[Callable[[], None]] = None) -> int:
         async def attempt(deadline: Optional[float]) -> int:
             tokens = 0
             async for response in self._client._stub.Append(requests, timeout=deadline,
                                                             metadata=self._client._metadata):
                 tokens = response.tokens
+                if acknowledged is not None:
+                    acknowledged()
             return tokens
         return await self._client._invoke(attempt, timeout, idempotent=False)
 

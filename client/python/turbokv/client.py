@@ -6,6 +6,7 @@ Arrays go in as numpy arrays or torch tensors and come back the same way
 
 from __future__ import annotations
 
+import collections.abc
 import queue
 import time
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
@@ -50,17 +51,37 @@ class Session(_common.SessionBase):
         without waiting for each acknowledgement; returns the length after the
         last one. The first failing chunk raises (a chunk refused here raises
         its ValueError or TypeError, as does an exception of the chunks'
-        generator); the ones before it stay. timeout covers the whole stream."""
-        requests = _common.Requests(chunks, self._chunk_request)
-        tokens = self._append(iter(requests), timeout)
+        generator); the ones before it stay. timeout covers the whole stream.
+        Chunks go through the client's shared memory where it has room; when
+        the daemon restarted under the client, a sequence of chunks is sent
+        again in the messages, while other iterables raise SessionNotFound
+        (naming the shared-memory region) and the next call registers a new
+        region."""
+        shared = _common.SharedChunks(self)
+        requests = _common.Requests(chunks, shared.request)
+        try:
+            tokens = self._append(iter(requests), timeout, shared.acknowledged)
+        except TurbokvError as error:
+            if not (shared.close(error) and isinstance(chunks, collections.abc.Sequence)):
+                raise
+            # The daemon restarted under the client: a sequence of chunks is
+            # sent again in the messages (positions stored are acknowledged,
+            # not stored twice).
+            requests = _common.Requests(chunks, self._chunk_request)
+            tokens = self._append(iter(requests), timeout)
+        finally:
+            shared.close()
         requests.raise_error()
         return tokens
 
-    def _append(self, requests: Iterator[pb.AppendRequest], timeout: Optional[float]) -> int:
+    def _append(self, requests: Iterator[pb.AppendRequest], timeout: Optional[float],
+                acknowledged: Optional[Callable[[], None]] = None) -> int:
         def attempt(deadline: Optional[float]) -> int:
             tokens = 0
             for response in self._client._stub.Append(requests, timeout=deadline, metadata=self._client._metadata):
                 tokens = response.tokens
+                if acknowledged is not None:
+                    acknowledged()
             return tokens
         return self._client._invoke(attempt, timeout, idempotent=False)
 
