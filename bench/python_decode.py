@@ -82,6 +82,7 @@ def run_python(args, target, token):
     finally:
         for session in sessions:
             session.delete()
+        client.close()
     return percentiles(us)
 
 
