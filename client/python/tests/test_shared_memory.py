@@ -11,6 +11,7 @@ import unittest
 import numpy as np
 
 import turbokv
+import turbokv._common
 import turbokv.aio
 import turbokv.errors
 from daemon import Daemon, DaemonTestCase, socket_target
@@ -104,6 +105,21 @@ class SharedMemoryTest(DaemonTestCase):
         for layer in range(LAYERS):
             for got, expected in zip(sessions[0].read_kv(layer), sessions[1].read_kv(layer)):
                 np.testing.assert_array_equal(got, expected)
+
+    def test_a_chunk_built_after_its_stream_ended_holds_no_block(self):
+        # gRPC may ask for one more request after a stream failed: it is
+        # never sent, so it must not take (and keep) a part of the region.
+        session = self.client.create_session(1, KV, Q, D)
+        self.addCleanup(session.delete)
+        kv = self.random(4, KV, D)
+        session.append(0, 0, kv, kv)  # registers the region
+        region = region_of(self.client)
+        chunks = turbokv._common.SharedChunks(session)
+        self.assertTrue(chunks.request((0, 4, kv, kv)).keys.HasField("shared"))
+        chunks.close()
+        late = chunks.request((0, 8, kv, kv))
+        self.assertFalse(late.keys.HasField("shared"))
+        self.assertEqual(region._free, [[0, region.memory.size()]])
 
     def test_asyncio_gives_the_same_bits(self):
         shared, plain = self.twins(70)

@@ -617,13 +617,21 @@ class SharedChunks:
     def __init__(self, session: "SessionBase"):
         self._session = session
         self._blocks: Deque[Optional[_shm.Block]] = collections.deque()
+        self._closed = False
         self._lock = threading.Lock()  # gRPC may build requests on its own thread
 
     def request(self, chunk: Any) -> pb.AppendRequest:
+        with self._lock:
+            closed = self._closed
+        if closed:  # gRPC asked for one more after the stream ended: it is never sent
+            return self._session._chunk_request(chunk)
         request, _, block = self._session._placed(lambda: (self._session._chunk_request(chunk), None),
                                                   ("keys", "values", "queries"), 0)
         with self._lock:
-            self._blocks.append(block)
+            if not self._closed:
+                self._blocks.append(block)
+                return request
+        _shm.release(block)
         return request
 
     def acknowledged(self) -> None:
@@ -636,6 +644,7 @@ class SharedChunks:
         the daemon no longer holds the region."""
         with self._lock:
             blocks, self._blocks = list(self._blocks), collections.deque()
+            self._closed = True
         held = next((block for block in blocks if block is not None), None)
         lost = error is not None and self._session._region_lost(error, held)
         for block in blocks:
