@@ -1,6 +1,7 @@
 #include "kernels/cpu/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
 
 #ifdef __linux__
 #include <sys/resource.h>
@@ -109,7 +110,11 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, 
   while (!large && RunOne(*job)) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
-  done_.wait(lock, [&] { return job->finished.load() == n; });
+  // A large call's caller runs nothing itself: should its one wake-up go
+  // astray, it wakes another worker now and then rather than wait forever.
+  while (!done_.wait_for(lock, std::chrono::milliseconds(20), [&] { return job->finished.load() == n; })) {
+    wake_.notify_one();
+  }
   jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
   active_.store(jobs_.size(), std::memory_order_relaxed);
 }
