@@ -35,9 +35,10 @@ double QueryResultBytes(const Request& request) {
   for (int i = 0; i + 1 < shape.size(); ++i) rows *= static_cast<double>(std::max<int64_t>(shape[i], 0));
   const int64_t head_dim = std::max<int64_t>(shape[shape.size() - 1], 0);
   const int32_t top_k = std::max(request.options().top_k(), 0);
-  const double bytes = request.has_output_to() ? ResultBytes(rows, head_dim, top_k) - ResultBytes(rows, head_dim, 0)
-                                               : ResultBytes(rows, head_dim, top_k);
-  return std::min(bytes, 1e15);
+  const double per_row = request.has_output_to() ? ResultBytes(1, head_dim, top_k) - ResultBytes(1, head_dim, 0)
+                                                 : ResultBytes(1, head_dim, top_k);
+  const double bytes = rows * per_row;
+  return bytes < 1e15 ? bytes : 1e15;  // and NaN (an overflowed shape times 0) counts as much
 }
 
 }  // namespace
