@@ -58,9 +58,11 @@ def run_python(args, target, token):
     options = {"shared_memory": 0} if args.no_shared_memory else {}
     client = turbokv.Client(target, token=token, **options)
     rng = np.random.default_rng(13)
-    sessions = [client.create_session(args.layers, KV_HEADS, Q_HEADS, HEAD_DIM, key_codec="turbo3",
-                                      value_codec="turbo3") for _ in range(args.batch)]
+    sessions = []
     try:
+        for _ in range(args.batch):
+            sessions.append(client.create_session(args.layers, KV_HEADS, Q_HEADS, HEAD_DIM, key_codec="turbo3",
+                                                  value_codec="turbo3"))
         for start in range(0, args.tokens, PREFILL_CHUNK):
             n = min(PREFILL_CHUNK, args.tokens - start)
             chunk = rng.standard_normal((args.layers, n, KV_HEADS, HEAD_DIM), dtype=np.float32)
@@ -103,7 +105,8 @@ def main():
     work, target, _, daemon = start_daemon(args.turbokvd, "python-decode", {"token": "bench"}, ["--metrics-listen="])
     rounds = []
     try:
-        turbokv.Client(target, token="token").wait_until_ready(20)
+        with turbokv.Client(target, token="token") as ready:
+            ready.wait_until_ready(20)
         for i in range(args.rounds):
             order = ("python", "cli") if i % 2 == 0 else ("cli", "python")
             result = {}
