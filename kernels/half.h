@@ -35,6 +35,15 @@ inline bool AllFinite(const float* x, size_t n) {
   return exponent != 0x7f800000u;
 }
 
+// The index of the first inf or NaN of x[0, n), or n when there is none:
+// the vector pass of AllFinite, then a search only when it found one.
+inline size_t FirstNonFinite(const float* x, size_t n) {
+  if (AllFinite(x, n)) return n;
+  size_t i = 0;
+  while ((FloatBits(x[i]) & 0x7f800000u) != 0x7f800000u) ++i;
+  return i;
+}
+
 TURBOKV_HD float BitsToFloat(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);

@@ -101,13 +101,9 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& tensor, absl
 }
 
 absl::Status CheckFinite(absl::Span<const float> values, absl::string_view what) {
-  if (AllFinite(values.data(), values.size())) return absl::OkStatus();
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (!std::isfinite(values[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(what, " value ", i, " is not finite (", values[i], ")"));
-    }
-  }
-  return absl::OkStatus();
+  const size_t i = FirstNonFinite(values.data(), values.size());
+  if (i == values.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, " value ", i, " is not finite (", values[i], ")"));
 }
 
 void FloatsToTensor(absl::Span<const float> values, absl::Span<const int64_t> shape, v1::DType dtype,

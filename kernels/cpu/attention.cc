@@ -145,15 +145,14 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
     }
   }
   const size_t values = static_cast<size_t>(queries.n) * params.q_heads * d;
-  if (!AllFinite(queries.q, values)) {
-    const size_t i = std::find_if(queries.q, queries.q + values, [](float x) { return !std::isfinite(x); }) - queries.q;
+  if (const size_t i = FirstNonFinite(queries.q, values); i < values) {
     return Invalid("queries", absl::StrCat("value ", i, " is not finite"));
   }
   const size_t rows = static_cast<size_t>(queries.n) * params.q_heads;
-  if (queries.logit_offset != nullptr && !AllFinite(queries.logit_offset, rows)) {
-    const size_t i = std::find_if(queries.logit_offset, queries.logit_offset + rows,
-                                  [](float x) { return !std::isfinite(x); }) - queries.logit_offset;
-    return Invalid("logit_offset", absl::StrCat("value ", i, " is not finite"));
+  if (queries.logit_offset != nullptr) {
+    if (const size_t i = FirstNonFinite(queries.logit_offset, rows); i < rows) {
+      return Invalid("logit_offset", absl::StrCat("value ", i, " is not finite"));
+    }
   }
   if (output.out == nullptr || output.lse == nullptr) return Invalid("output", "missing buffers");
   if (params.top_k > 0 && (output.topk_tokens == nullptr || output.topk_logits == nullptr)) {
