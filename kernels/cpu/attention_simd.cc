@@ -523,22 +523,38 @@ void ScoreTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, float* 
   }
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* first = records + b * c.key_layout.block_bytes;
-    for (int j = 0; j < kScanTile; ++j) scales[j] = j < n ? TurboDecodeFactor(first + j * record_bytes, kB) : 0.0f;
+    {  // the blocks' fp16 scales, 16 tokens a conversion (0 past n)
+      alignas(64) uint16_t bits[kScanTile] = {};
+      for (int j = 0; j < n; ++j) bits[j] = LoadHalfBits(first + j * record_bytes);
+      const __m512 per_value = _mm512_set1_ps(1.0f / static_cast<float>(kB));
+      for (int j = 0; j < kScanTile; j += 16) {
+        const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits + j));
+        _mm512_store_ps(scales + j, _mm512_mul_ps(_mm512_cvtph_ps(h), per_value));
+      }
+    }
     // Rows in groups of four share each decoded key block.
     for (int r0 = 0; r0 < task.rows; r0 += 4) {
       const int rows = std::min(4, task.rows - r0);
       const int16_t* q = ip.q + static_cast<size_t>(r0) * ip.dim + b * kB;
       const bool first_pass = b == 0 && r0 == 0;
-      for (int j = 0; j < n; ++j) {
-        if (first_pass) prefetch.Token(j);
-        __m512i cent[kB / 32];
-        BlockCentroids16<kB, kBits>(first + j * record_bytes, ip.key_table, cent);
-        for (int r = 0; r < rows; ++r) {
-          const int16_t* qr = q + r * ip.dim;
-          __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), cent[0], _mm512_loadu_si512(qr));
-          for (int k = 1; k < kB / 32; ++k) a = _mm512_dpwssd_epi32(a, cent[k], _mm512_loadu_si512(qr + 32 * k));
-          acc[r][j] = a;
+      auto score = [&](auto kRows) {
+        for (int j = 0; j < n; ++j) {
+          if (first_pass) prefetch.Token(j);
+          __m512i cent[kB / 32];
+          BlockCentroids16<kB, kBits>(first + j * record_bytes, ip.key_table, cent);
+          for (int r = 0; r < kRows.value; ++r) {
+            const int16_t* qr = q + r * ip.dim;
+            __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), cent[0], _mm512_loadu_si512(qr));
+            for (int k = 1; k < kB / 32; ++k) a = _mm512_dpwssd_epi32(a, cent[k], _mm512_loadu_si512(qr + 32 * k));
+            acc[r][j] = a;
+          }
         }
+      };
+      switch (rows) {
+        case 4: score(std::integral_constant<int, 4>()); break;
+        case 3: score(std::integral_constant<int, 3>()); break;
+        case 2: score(std::integral_constant<int, 2>()); break;
+        default: score(std::integral_constant<int, 1>()); break;
       }
       for (int r = 0; r < rows; ++r) {
         const __m512 unit = _mm512_set1_ps(ip.q_scale[(r0 + r) * blocks + b]);
