@@ -71,6 +71,25 @@ class SharedMemoryTest(DaemonTestCase):
                 for got, expected in zip(shared.read_kv(layer), plain.read_kv(layer)):
                     np.testing.assert_array_equal(got, expected)
 
+    def test_calls_larger_than_the_region_go_in_the_messages(self):
+        small = turbokv.Client(self.daemon.target, shared_memory=64 * 1024)
+        self.addCleanup(small.close)
+        keys, values = self.random(LAYERS, 300, KV, D), self.random(LAYERS, 300, KV, D)  # 614 KB a tensor
+        sessions = []
+        for client in (small, self.bytes_client):
+            s = client.create_session(LAYERS, KV, Q, D, key_codec="turbo4", value_codec="turbo3", rotation_seed=9)
+            self.addCleanup(s.delete)
+            self.assertEqual(s.append(None, 0, keys, values), 300)
+            sessions.append(s)
+        self.assertIsNotNone(region_of(small), "the small client registered no region")
+        queries = self.random(40, Q, D)  # 160 KB
+        a, b = (s.attend(0, queries) for s in sessions)
+        np.testing.assert_array_equal(a.output, b.output)
+        np.testing.assert_array_equal(a.lse, b.lse)
+        for got, expected in zip(sessions[0].read_kv(None), sessions[1].read_kv(None)):
+            np.testing.assert_array_equal(got, expected)
+        self.assertEqual(region_of(small)._free, [[0, 64 * 1024]], "a block was kept")
+
     def test_append_streams_pass_their_chunks_through_it_and_give_every_block_back(self):
         keys, values = self.random(LAYERS, 300, KV, D), self.random(LAYERS, 300, KV, D)
         chunks = [(layer, start, keys[layer, start:start + 60], values[layer, start:start + 60])

@@ -12,7 +12,7 @@ import os
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -264,14 +264,17 @@ class SessionBase:
     def _layer(self, layer: Any) -> int:
         return _tensors.index(layer, "layer", 0, self.layers)
 
-    def _placed(self, build: Callable[[], Tuple[Any, Any]], fields: Tuple[str, ...],
+    def _placed(self, build: Callable[[Optional[Dict[str, Any]]], Tuple[Any, Any]], fields: Tuple[str, ...],
                 result_values: int) -> Tuple[Any, Any, Optional[_shm.Block]]:
-        """build()'s request and kind, with the request's tensors (and room
-        for result_values f32 results) in the client's shared memory where it
-        has some: the block, or None."""
-        request, kind = build()
+        """build(values_of)'s request and kind, with the request's tensors
+        (and room for result_values f32 results) in the client's shared
+        memory where it has some: the block, or None. build gets a dict for
+        the values of the tensors it leaves without bytes
+        (_tensors.encode_into), or None when they need their bytes."""
         shared = self._client._shared_memory  # type: ignore[attr-defined]
-        return request, kind, _shm.place(shared, request, fields, result_values, 2 if result_values else 0)
+        values_of: Optional[Dict[str, Any]] = {} if shared is not None else None
+        request, kind = build(values_of)
+        return request, kind, _shm.place(shared, request, fields, result_values, 2 if result_values else 0, values_of)
 
     def _region_lost(self, error: BaseException, block: Optional[_shm.Block]) -> bool:
         """Whether a call failed only because the daemon no longer holds the
@@ -288,19 +291,19 @@ class SessionBase:
         return (shape[0] if shape else 0) * self.q_heads * (self.head_dim + 1)
 
     def _append_request(self, layer: Optional[int], start: int, keys: Any, values: Any,
-                        queries: Any = None) -> pb.AppendRequest:
+                        queries: Any = None, values_of: Optional[Dict[str, Any]] = None) -> pb.AppendRequest:
         dims = [("tokens", None), ("kv_heads", self.kv_heads), ("head_dim", self.head_dim)]
         if layer is None:
             dims.insert(0, ("layers", self.layers))
         request = pb.AppendRequest(session_id=self.id, start=_tensors.index(start, "start"))
-        request.keys.CopyFrom(_tensors.encode(keys, "keys", dims)[0])
-        request.values.CopyFrom(_tensors.encode(values, "values", dims)[0])
+        request.keys.CopyFrom(_tensors.encode_into(values_of, keys, "keys", dims)[0])
+        request.values.CopyFrom(_tensors.encode_into(values_of, values, "values", dims)[0])
         if tuple(request.keys.shape) != tuple(request.values.shape):
             raise ValueError(f"keys and values must have one shape, got {tuple(request.keys.shape)} and "
                              f"{tuple(request.values.shape)}")
         if queries is not None:
             query_dims = [d if d[0] != "kv_heads" else ("q_heads", self.q_heads) for d in dims]
-            request.queries.CopyFrom(_tensors.encode(queries, "queries", query_dims)[0])
+            request.queries.CopyFrom(_tensors.encode_into(values_of, queries, "queries", query_dims)[0])
             tokens = len(request.keys.shape) - 3
             if request.queries.shape[tokens] != request.keys.shape[tokens]:
                 raise ValueError(f"queries must have the keys' {request.keys.shape[tokens]} tokens, got "
@@ -311,16 +314,17 @@ class SessionBase:
             request.layer = self._layer(layer)
         return request
 
-    def _chunk_request(self, chunk: Any) -> pb.AppendRequest:
+    def _chunk_request(self, chunk: Any, values_of: Optional[Dict[str, Any]] = None) -> pb.AppendRequest:
         if not isinstance(chunk, tuple) or len(chunk) not in (4, 5):
             raise TypeError("each chunk must be a tuple (layer, start, keys, values) or (layer, start, keys, values, "
                             f"queries), got {type(chunk).__name__}")
-        return self._append_request(*chunk)
+        return self._append_request(*chunk, values_of=values_of)
 
     def _attend_request(self, layer: int, queries: Any, positions: Optional[Any], softmax_scale: float,
-                        softcap: float, window: int, top_k: int) -> Tuple[pb.AttendRequest, _tensors.Kind]:
-        tensor, kind = _tensors.encode(queries, "queries", [("n", None), ("q_heads", self.q_heads),
-                                                            ("head_dim", self.head_dim)])
+                        softcap: float, window: int, top_k: int,
+                        values_of: Optional[Dict[str, Any]] = None) -> Tuple[pb.AttendRequest, _tensors.Kind]:
+        tensor, kind = _tensors.encode_into(values_of, queries, "queries",
+                                            [("n", None), ("q_heads", self.q_heads), ("head_dim", self.head_dim)])
         request = pb.AttendRequest(session_id=self.id, layer=self._layer(layer), queries=tensor,
                                    options=options(softmax_scale, softcap, window, top_k))
         if positions is not None:
@@ -331,14 +335,15 @@ class SessionBase:
         return request, kind
 
     def _step_request(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float,
-                      softcap: float, window: int, top_k: int) -> Tuple[pb.StepRequest, _tensors.Kind]:
+                      softcap: float, window: int, top_k: int,
+                      values_of: Optional[Dict[str, Any]] = None) -> Tuple[pb.StepRequest, _tensors.Kind]:
         def one(x: Any, name: str, heads: Tuple[str, int]) -> Tuple[pb.Tensor, _tensors.Kind]:
             dims = [heads, ("head_dim", self.head_dim)]
             if len(shape_of(x)) == 2:
-                tensor, kind = _tensors.encode(x, name, dims)
+                tensor, kind = _tensors.encode_into(values_of, x, name, dims)
                 tensor.shape.insert(0, 1)
                 return tensor, kind
-            return _tensors.encode(x, name, [("1", 1)] + dims)
+            return _tensors.encode_into(values_of, x, name, [("1", 1)] + dims)
 
         request = pb.StepRequest(session_id=self.id, layer=self._layer(layer),
                                  position=_tensors.index(position, "position"),
@@ -528,7 +533,8 @@ class DecodeBase:
             raise ValueError(f"queries must be [B={b}, q_heads, head_dim] or [B={b}, k, q_heads, head_dim], "
                              f"got shape {shape_of(queries)}")
         dims = [("B", b)] + ([("k", None)] if rank == 4 else []) + [("q_heads", None), ("head_dim", None)]
-        query_tensor, kind = _tensors.encode(queries, "queries", dims)
+        values_of: Dict[str, Any] = {}
+        query_tensor, kind = _tensors.encode_into(values_of, queries, "queries", dims)
         k = query_tensor.shape[1] if rank == 4 else 1
         positions = _tensors.integers(positions, "positions")
         if positions.shape == (b,):
@@ -550,13 +556,14 @@ class DecodeBase:
                 shape = shape_of(x)
                 if len(shape) != rank:
                     raise ValueError(f"{name} must be {expected} like queries {tuple(query_tensor.shape)}, got {shape}")
-            request.keys.CopyFrom(_tensors.encode(keys, "keys", kv_dims)[0])
-            request.values.CopyFrom(_tensors.encode(values, "values", kv_dims)[0])
+            for field, x in (("keys", keys), ("values", values)):
+                getattr(request, field).CopyFrom(_tensors.encode_into(values_of, x, field, kv_dims)[0])
             if tuple(request.keys.shape) != tuple(request.values.shape):
                 raise ValueError(f"keys and values must have one shape, got {tuple(request.keys.shape)} and "
                                  f"{tuple(request.values.shape)}")
         rows = int(np.prod(query_tensor.shape[:-1]))
-        block = _shm.place(self._shared, request, ("queries", "keys", "values"), rows * (query_tensor.shape[-1] + 1), 2)
+        block = _shm.place(self._shared, request, ("queries", "keys", "values"), rows * (query_tensor.shape[-1] + 1), 2,
+                           values_of)
         self._pending.append((ids, request.options.top_k, kind, block))
         return request
 
@@ -625,8 +632,8 @@ class SharedChunks:
             closed = self._closed
         if closed:  # gRPC asked for one more after the stream ended: it is never sent
             return self._session._chunk_request(chunk)
-        request, _, block = self._session._placed(lambda: (self._session._chunk_request(chunk), None),
-                                                  ("keys", "values", "queries"), 0)
+        request, _, block = self._session._placed(
+            lambda values_of: (self._session._chunk_request(chunk, values_of), None), ("keys", "values", "queries"), 0)
         with self._lock:
             if not self._closed:
                 self._blocks.append(block)

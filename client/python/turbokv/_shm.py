@@ -16,7 +16,9 @@ import os
 import socket
 import threading
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
 
 from turbokv.errors import SessionNotFound
 from turbokv.v1 import turbokv_pb2 as pb
@@ -95,24 +97,26 @@ class Block:
         self.region, self.offset, self.size = region, offset, size
         self._used = 0
 
-    def put(self, tensor: pb.Tensor) -> None:
-        """Moves tensor's data into the block: the message carries its slice."""
-        data = tensor.data
+    def put(self, tensor: pb.Tensor, values: Optional[np.ndarray] = None) -> None:
+        """Moves tensor's data (or, for a tensor built without it, `values`,
+        contiguous) into the block: the message carries its slice."""
+        raw = np.frombuffer(tensor.data, dtype=np.uint8) if values is None else values.reshape(-1).view(np.uint8)
         start = self.offset + self._used
-        self.region.memory[start:start + len(data)] = data
+        np.frombuffer(self.region.memory, dtype=np.uint8, count=raw.size, offset=start)[:] = raw
         tensor.ClearField("data")
-        tensor.shared.region, tensor.shared.offset, tensor.shared.length = self.region.id, start, len(data)
-        self._used += aligned(len(data))
+        tensor.shared.region, tensor.shared.offset, tensor.shared.length = self.region.id, start, raw.size
+        self._used += aligned(raw.size)
 
     def results(self, slice_: pb.SharedSlice) -> None:
         slice_.region, slice_.offset, slice_.length = self.region.id, self.offset + self._used, self.size - self._used
 
-    def read(self, slice_: pb.SharedSlice) -> bytes:
-        """The bytes of a result the daemon put in this block."""
+    def read(self, slice_: pb.SharedSlice) -> memoryview:
+        """The bytes of a result the daemon put in this block, not copied:
+        read them before release()."""
         start = slice_.offset - self.offset
         if slice_.region != self.region.id or start < 0 or slice_.length > self.size - start:
             raise RuntimeError("the daemon answered with a result outside the shared memory the call gave it")
-        return self.region.memory[slice_.offset:slice_.offset + slice_.length]
+        return memoryview(self.region.memory)[slice_.offset:slice_.offset + slice_.length]
 
     def release(self) -> None:
         if self.region is not None:
@@ -139,10 +143,10 @@ class SharedMemory:
                 return SharedMemory(target[len(prefix):] + ".shm", size, token or "")
         return None
 
-    def block(self, tensors: Sequence[pb.Tensor], result_values: int = 0, result_tensors: int = 0) -> Optional[Block]:
-        """A block for the tensors' data and result_values f32 results in
-        result_tensors tensors, or None (send bytes)."""
-        size = sum(aligned(len(t.data)) for t in tensors) + aligned(4 * result_values) + ALIGNMENT * result_tensors
+    def block(self, sizes: Sequence[int], result_values: int = 0, result_tensors: int = 0) -> Optional[Block]:
+        """A block for tensors of `sizes` bytes and result_values f32 results
+        in result_tensors tensors, or None (send bytes)."""
+        size = sum(aligned(n) for n in sizes) + aligned(4 * result_values) + ALIGNMENT * result_tensors
         with self._lock:
             if self._region is None and time.monotonic() >= self._retry_after:
                 try:
@@ -170,18 +174,23 @@ class SharedMemory:
 
 
 def place(shared: Optional[SharedMemory], request: Any, fields: Sequence[str], result_values: int = 0,
-          result_tensors: int = 0) -> Optional[Block]:
+          result_tensors: int = 0, values: Optional[Dict[str, np.ndarray]] = None) -> Optional[Block]:
     """Moves the request's tensors named by `fields` (those set) into a block
     of shared memory, with room for its results (output_to); None when there
-    is none to be had (the tensors stay in the message)."""
-    if shared is None:
-        return None
-    tensors = [getattr(request, f) for f in fields if request.HasField(f)]
-    block = shared.block(tensors, result_values, result_tensors)
+    is none to be had (the tensors stay in the message). A field named in
+    `values` is a tensor built without its bytes (_tensors.encode_values):
+    its values go into the block, or into the message when there is none."""
+    values = values or {}
+    tensors = [(getattr(request, f), values.get(f)) for f in fields if request.HasField(f)]
+    sizes = [len(t.data) if v is None else v.nbytes for t, v in tensors]
+    block = shared.block(sizes, result_values, result_tensors) if shared is not None else None
     if block is None:
+        for t, v in tensors:
+            if v is not None:
+                t.data = v.tobytes()
         return None
-    for t in tensors:
-        block.put(t)
+    for t, v in tensors:
+        block.put(t, v)
     if result_tensors:
         block.results(request.output_to)
     return block
@@ -199,7 +208,7 @@ def region_lost(error: BaseException, block: Optional[Block]) -> bool:
     return block is not None and isinstance(error, SessionNotFound) and "shared-memory region" in str(error)
 
 
-def result_bytes(tensor: pb.Tensor, block: Optional[Block]) -> bytes:
+def result_bytes(tensor: pb.Tensor, block: Optional[Block]) -> Any:
     """A result tensor's bytes, from the message or from the call's block."""
     if tensor.HasField("shared"):
         if block is None:

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import operator
 import sys
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,6 +65,16 @@ def encode(x: Any, name: str, dims: Sequence[Tuple[str, Optional[int]]]) -> Tupl
     bfloat16 travel as they are; other floating types as float32. Raises
     TypeError for values that are not floating point and ValueError for a
     shape other than dims."""
+    tensor, values, kind = encode_values(x, name, dims)
+    tensor.data = values.tobytes()
+    return tensor, kind
+
+
+def encode_values(x: Any, name: str, dims: Sequence[Tuple[str, Optional[int]]]) -> Tuple[pb.Tensor, np.ndarray, Kind]:
+    """encode() without the bytes: the tensor's dtype and shape, its values
+    as a contiguous array of the dtype they travel in (bfloat16 as its 16-bit
+    patterns), which shared memory takes without a copy into bytes, and the
+    Kind."""
     if is_torch(x):
         torch = torch_module()
         if not x.is_floating_point():
@@ -75,17 +85,26 @@ def encode(x: Any, name: str, dims: Sequence[Tuple[str, Optional[int]]]) -> Tupl
             t = t.float()
         t = t.cpu().contiguous()
         if t.dtype == torch.bfloat16:
-            return pb.Tensor(dtype=pb.DTYPE_BF16, shape=list(t.shape), data=t.view(torch.int16).numpy().tobytes()), \
-                Kind(x.device)
+            return pb.Tensor(dtype=pb.DTYPE_BF16, shape=list(t.shape)), t.view(torch.int16).numpy(), Kind(x.device)
         dtype = pb.DTYPE_F32 if t.dtype == torch.float32 else pb.DTYPE_F16
-        return pb.Tensor(dtype=dtype, shape=list(t.shape), data=t.numpy().tobytes()), Kind(x.device)
+        return pb.Tensor(dtype=dtype, shape=list(t.shape)), t.numpy(), Kind(x.device)
     array = np.asarray(x)
     if array.dtype.kind != "f":
         raise TypeError(f"{name} must hold floating-point values (float32, float16 or float64), got {array.dtype}")
     check_shape(name, array.shape, dims)
     dtype = _NUMPY_DTYPES.get(np.dtype(array.dtype.type), pb.DTYPE_F32)
     array = np.ascontiguousarray(array, dtype=_NUMPY_OF[dtype])
-    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=array.tobytes()), NUMPY
+    return pb.Tensor(dtype=dtype, shape=list(array.shape)), array, NUMPY
+
+
+def encode_into(values_of: Optional[Dict[str, np.ndarray]], x: Any, name: str,
+                dims: Sequence[Tuple[str, Optional[int]]]) -> Tuple[pb.Tensor, Kind]:
+    """encode(), or, given values_of, the tensor without its bytes and its
+    values in values_of[name], for shared memory to take (_shm.place)."""
+    if values_of is None:
+        return encode(x, name, dims)
+    tensor, values_of[name], kind = encode_values(x, name, dims)
+    return tensor, kind
 
 
 def decode(tensor: pb.Tensor, kind: Kind = NUMPY, data: Optional[bytes] = None) -> Any:

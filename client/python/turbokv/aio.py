@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
-from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, List, Optional, Sequence, \
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, \
     Tuple, TypeVar, Union
 
 import grpc
@@ -61,8 +61,9 @@ class Session(_common.SessionBase):
         """As turbokv.Session.append."""
         async def call(request: pb.AppendRequest, kind: Any, block: Optional[_shm.Block]) -> int:
             return await self._append([request], timeout)
-        return await self._shared(lambda: (self._append_request(layer, start, keys, values, queries), None),
-                                  ("keys", "values", "queries"), 0, call)
+        return await self._shared(
+            lambda values_of: (self._append_request(layer, start, keys, values, queries, values_of), None),
+            ("keys", "values", "queries"), 0, call)
 
     async def append_stream(self, chunks: Union[Iterable[Chunk], AsyncIterable[Chunk]], *,
                             timeout: Optional[float] = None) -> int:
@@ -109,7 +110,8 @@ class Session(_common.SessionBase):
                 raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
             return await self._client._invoke(attempt, timeout, idempotent=True)
         return await self._shared(
-            lambda: self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k),
+            lambda values_of: self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k,
+                                                    values_of),
             ("queries",), self._result_values(queries), call)
 
     async def step(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float = 0.0,
@@ -123,11 +125,12 @@ class Session(_common.SessionBase):
                 timeout, idempotent=False)
             return response.tokens, _common.result(response.result, top_k, kind, block=block)
         return await self._shared(
-            lambda: self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k),
+            lambda values_of: self._step_request(layer, position, key, value, query, softmax_scale, softcap, window,
+                                                  top_k, values_of),
             ("key", "value", "query"), self.q_heads * (self.head_dim + 1), call)
 
-    async def _shared(self, build: Callable[[], Tuple[Any, Any]], fields: Tuple[str, ...], result_values: int,
-                      call: Callable[[Any, Any, Optional[_shm.Block]], Awaitable[T]]) -> T:
+    async def _shared(self, build: Callable[[Optional[Dict[str, Any]]], Tuple[Any, Any]], fields: Tuple[str, ...],
+                      result_values: int, call: Callable[[Any, Any, Optional[_shm.Block]], Awaitable[T]]) -> T:
         """As turbokv.Session._shared, awaiting call."""
         request, kind, block = self._placed(build, fields, result_values)
         try:
@@ -137,7 +140,7 @@ class Session(_common.SessionBase):
                 raise
         finally:
             _shm.release(block)
-        return await call(*build(), None)
+        return await call(*build(None), None)
 
     async def read_kv(self, layer: Optional[int], start: int = 0, end: int = 0, dtype: Any = np.float32, *,
                       device: Any = None, timeout: Optional[float] = None) -> Tuple[Array, Array]:

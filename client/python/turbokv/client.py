@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections.abc
 import queue
 import time
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import grpc
 import numpy as np
@@ -42,9 +42,10 @@ class Session(_common.SessionBase):
         acknowledged, not stored again. queries (the chunk's, [n, q_heads,
         head_dim] or [layers, n, q_heads, head_dim]): send them with a layer's
         first chunk, whose keys fit the layer's key transform."""
-        return self._shared(lambda: (self._append_request(layer, start, keys, values, queries), None),
-                            ("keys", "values", "queries"), 0,
-                            lambda request, kind, block: self._append(iter([request]), timeout))
+        return self._shared(
+            lambda values_of: (self._append_request(layer, start, keys, values, queries, values_of), None),
+            ("keys", "values", "queries"), 0,
+            lambda request, kind, block: self._append(iter([request]), timeout))
 
     def append_stream(self, chunks: Iterable[Chunk], *, timeout: Optional[float] = None) -> int:
         """Sends (layer, start, keys, values[, queries]) chunks on one Append stream
@@ -101,7 +102,8 @@ class Session(_common.SessionBase):
                 raise Unavailable(grpc.StatusCode.UNAVAILABLE, "the Attend stream ended without a response")
             return self._client._invoke(attempt, timeout, idempotent=True)
         return self._shared(
-            lambda: self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k),
+            lambda values_of: self._attend_request(layer, queries, positions, softmax_scale, softcap, window, top_k,
+                                                    values_of),
             ("queries",), self._result_values(queries), call)
 
     def step(self, layer: int, position: int, key: Any, value: Any, query: Any, softmax_scale: float = 0.0,
@@ -117,11 +119,12 @@ class Session(_common.SessionBase):
                 timeout, idempotent=False)
             return response.tokens, _common.result(response.result, top_k, kind, block=block)
         return self._shared(
-            lambda: self._step_request(layer, position, key, value, query, softmax_scale, softcap, window, top_k),
+            lambda values_of: self._step_request(layer, position, key, value, query, softmax_scale, softcap, window,
+                                                  top_k, values_of),
             ("key", "value", "query"), self.q_heads * (self.head_dim + 1), call)
 
-    def _shared(self, build: Callable[[], Tuple[Any, Any]], fields: Tuple[str, ...], result_values: int,
-                call: Callable[[Any, Any, Optional[_shm.Block]], T]) -> T:
+    def _shared(self, build: Callable[[Optional[Dict[str, Any]]], Tuple[Any, Any]], fields: Tuple[str, ...],
+                result_values: int, call: Callable[[Any, Any, Optional[_shm.Block]], T]) -> T:
         """call(request, kind, block) with the request's tensors (and room for
         its results) in the client's shared memory where it has some. A daemon
         that no longer holds the region (it restarted) applied nothing: the
@@ -134,7 +137,7 @@ class Session(_common.SessionBase):
                 raise
         finally:
             _shm.release(block)
-        return call(*build(), None)
+        return call(*build(None), None)
 
     def read_kv(self, layer: Optional[int], start: int = 0, end: int = 0, dtype: Any = np.float32, *,
                 device: Any = None, timeout: Optional[float] = None) -> Tuple[Array, Array]:
