@@ -183,9 +183,10 @@ void SoftmaxTile(const ScanTask& task, int64_t t0, int n, float* logits, ScanSta
 // f16 keys and values, the in-run baseline of the benchmarks: each record is
 // converted once (F16C, or native on Arm) for every row of its GQA group,
 // straight from the page into registers, and the rows' sums stay in
-// registers. Two keys share each load of the query (with one load per
-// multiply-add, loads would bound the scan); 512-bit vectors and four keys
-// at a time measured no faster on AVX-512.
+// registers. Two keys at a time: a GQA group of four rows then has eight
+// independent chains of multiply-adds (enough to keep two FMA pipes busy),
+// and each load of the query serves both keys. 512-bit vectors and four
+// keys at a time measured slower on AVX-512 (Zen 4).
 constexpr int kF16Tokens = 2;
 
 // Raw scores of keys j .. j + kTok - 1 of the tile (records from `keys`)
