@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -208,8 +208,8 @@ def region_lost(error: BaseException, block: Optional[Block]) -> bool:
     return block is not None and isinstance(error, SessionNotFound) and "shared-memory region" in str(error)
 
 
-def result_bytes(tensor: pb.Tensor, block: Optional[Block]) -> Any:
-    """A result tensor's bytes, from the message or from the call's block."""
+def result_bytes(tensor: pb.Tensor, block: Optional[Block]) -> Union[bytes, memoryview]:
+    """A result tensor's bytes, from the message or a view of the call's block."""
     if tensor.HasField("shared"):
         if block is None:
             raise RuntimeError("the daemon answered with a result in shared memory the call did not give it")

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import operator
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -107,9 +107,9 @@ def encode_into(values_of: Optional[Dict[str, np.ndarray]], x: Any, name: str,
     return tensor, kind
 
 
-def decode(tensor: pb.Tensor, kind: Kind = NUMPY, data: Optional[bytes] = None) -> Any:
+def decode(tensor: pb.Tensor, kind: Kind = NUMPY, data: Optional[Union[bytes, memoryview]] = None) -> Any:
     """A writable copy of tensor's values (its data, or `data` when given:
-    the bytes it names in shared memory): a numpy array (bf16 widened to
+    a view of the bytes it names in shared memory): a numpy array (bf16 widened to
     float32), or for a torch Kind a tensor on its device (bf16 kept)."""
     shape = tuple(tensor.shape)
     raw = tensor.data if data is None else data
