@@ -13,6 +13,11 @@ separate client processes:
   once) over 1,024 tokens;
 - then, in each of --rounds rounds, both at once.
 
+With --daemon-cpus (say 1), turbokvd runs on those CPUs and every client
+process on the others: a sidecar with cores of its own (Kubernetes' static
+CPU manager), where without it the clients' processes share the daemon's
+cores.
+
 Sessions are truncated back to 1,024 tokens now and then (outside the timed
 calls), so every round sees the same lengths. Prints B's p50/p99 alone and in
 each round (and their ratio), and A's messages per second alone and in each
@@ -136,6 +141,7 @@ def main():
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
     parser.add_argument("--pause-ms", type=float, default=2.0,
                         help="tenant B's pause between an answer and its next Step (0: back to back)")
+    parser.add_argument("--daemon-cpus", help="comma-separated CPUs for turbokvd alone; the clients get the rest")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--role", choices=("decoder", "stepper"), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -152,8 +158,16 @@ def main():
     if args.turbokvd is None:
         parser.error("--turbokvd is required")
 
+    everything = os.sched_getaffinity(0)
+    daemon_cpus = everything
+    if args.daemon_cpus is not None:
+        daemon_cpus = {int(c) for c in args.daemon_cpus.split(",")}
+        if not daemon_cpus < everything:
+            parser.error(f"--daemon-cpus must be some of CPUs {sorted(everything)}, not all")
+    os.sched_setaffinity(0, daemon_cpus)  # inherited by the daemon's threads
     work, target, _, daemon = start_daemon(args.turbokvd, "fairness", {"a-token": "decoder", "b-token": "stepper"},
                                            ["--metrics-listen="])
+    os.sched_setaffinity(0, everything - daemon_cpus or everything)  # and then by the clients
     try:
         turbokv.Client(target, token="a-token").wait_until_ready(20)
         a_source, b_source = template(target, "a-token"), template(target, "b-token")
@@ -176,6 +190,8 @@ def main():
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        if args.daemon_cpus is not None:
+            print(f"turbokvd on CPUs {sorted(daemon_cpus)}, the clients on {sorted(everything - daemon_cpus)}")
         print(f"tenant B Step alone: p50 {b_alone['p50_us']:.0f} us, p99 {b_alone['p99_us']:.0f} us "
               f"({b_alone['steps']} steps, {args.pause_ms:g} ms apart); tenant A Decode alone: {a_alone:.1f} messages/s "
               f"({ITEMS} sessions x {QUERIES} queries each)")

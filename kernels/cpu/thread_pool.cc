@@ -4,6 +4,7 @@
 #include <chrono>
 
 #ifdef __linux__
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -16,9 +17,16 @@ ThreadPool::ThreadPool(int threads, int64_t background_from) : background_from_(
   for (int i = background ? 0 : 1; i < std::max(threads, 1); ++i) {
     workers_.emplace_back([this, background] {
 #ifdef __linux__
-      // Nice is per thread on Linux. Where raising it fails the pool still
-      // works, at the process's priority.
-      if (background) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+      // The policy is per thread on Linux. SCHED_IDLE, not a nice value:
+      // a thread of the normal class that wakes takes the core from an idle
+      // one at once, where a niced worker may keep it for the rest of its
+      // slice. Where SCHED_IDLE is refused, nice +10; where that fails too,
+      // the pool still works, at the process's priority.
+      if (background) {
+        const pid_t tid = static_cast<pid_t>(syscall(SYS_gettid));
+        const sched_param none{};
+        if (sched_setscheduler(tid, SCHED_IDLE, &none) != 0) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 10);
+      }
 #endif
       WorkerLoop();
     });

@@ -5,8 +5,9 @@
 // call is not queued behind a large one (which keeps its own caller).
 //
 // A daemon's pool is made with `background_from` > 0: its workers run at a
-// lower CPU priority than the rest of the process (nice +10 on Linux, which
-// needs no privilege), and a call of at least `background_from` indices runs
+// lower CPU priority than the rest of the process (SCHED_IDLE on Linux,
+// which needs no privilege: they run when no other thread of the process
+// wants the core), and a call of at least `background_from` indices runs
 // on them alone while its caller waits. A smaller call runs on its caller
 // alone, at the caller's priority: when the cores are busy
 // with large calls, small ones (a Step, a short Decode) and the threads that

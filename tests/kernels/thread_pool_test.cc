@@ -14,9 +14,7 @@
 #include "gtest/gtest.h"
 
 #ifdef __linux__
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include <sched.h>
 #endif
 
 namespace turbokv {
@@ -65,7 +63,7 @@ TEST(ThreadPoolTest, ManyConcurrentCallersEachSeeEveryIndexOnce) {
 }
 
 // A background pool: a call of background_from indices or more runs on the
-// workers alone (the caller only waits), at nice +10 on Linux; a smaller
+// workers alone (the caller only waits), as SCHED_IDLE on Linux; a smaller
 // call runs on its caller alone, but a heavy one (a promotion's layers) is
 // a large call whatever its count.
 TEST(ThreadPoolTest, ABackgroundPoolRunsLargeCallsOnItsWorkersAndSmallOnesOnTheCaller) {
@@ -85,7 +83,7 @@ TEST(ThreadPoolTest, ABackgroundPoolRunsLargeCallsOnItsWorkersAndSmallOnesOnTheC
         [&](int64_t i) {
           ++seen[static_cast<size_t>(i)];
 #ifdef __linux__
-          if (getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))) >= 10) ++low_priority;
+          if (sched_getscheduler(0) == SCHED_IDLE) ++low_priority;
 #endif
           std::lock_guard<std::mutex> lock(mutex);
           threads.insert(std::this_thread::get_id());
