@@ -16,6 +16,8 @@
 #include "service/backend/arena.h"
 #include "service/backend/cpu_backend.h"
 #include "service/device.h"
+#include "tests/kernels/codec_testing.h"
+#include "tests/kernels/layer_testing.h"
 #include "tests/service/backend_testing.h"
 
 namespace turbokv {
@@ -143,6 +145,46 @@ TEST(CpuBackendTest, PagesAreZeroedHostMemoryReadAndWrittenInPlace) {
     EXPECT_EQ(backend.WritePage(*page, bytes, [](uint8_t*, size_t) { return absl::DataLossError("torn"); }).code(),
               absl::StatusCode::kDataLoss);
     backend.FreePage(*page, bytes);
+  }
+}
+
+// A Decode message's appends: a token or a few for each of many sessions.
+// Together they are a large encode, which a daemon's pool (background
+// workers) runs on its workers, and a few chunks run on the caller: either
+// way each layer's pages are those its chunk writes alone.
+TEST(CpuBackendTest, ManySmallChunksWriteWhatEachChunkWritesAlone) {
+  constexpr int kKvHeads = 8, kPage = 16, kDim = 64;
+  ThreadPool pool(2, /*background_from=*/64);
+  CpuBackend backend(&pool);
+  for (const int layers : {3, 40}) {  // 24 and 320 token x kv heads: below and past a large encode
+    std::vector<std::unique_ptr<testing::HostLayer>> batched, alone;
+    std::vector<std::vector<float>> keys, values;
+    std::vector<EncodeChunk> chunks;
+    for (int i = 0; i < layers; ++i) {
+      const int64_t first = 4 + i;  // one new token, on a page of its own or not
+      keys.push_back(testing::GaussianVectors(kKvHeads, kDim, 100 + i));
+      values.push_back(testing::GaussianVectors(kKvHeads, kDim, 200 + i));
+      for (auto* set : {&batched, &alone}) {
+        set->push_back(std::make_unique<testing::HostLayer>(CodecKind::kTurbo3, CodecKind::kTurbo4, kDim, kKvHeads,
+                                                            kPage, first + 1, 7 + i));
+      }
+      for (auto* set : {&batched, &alone}) {
+        EncodeChunk chunk;
+        chunk.key_codec = (*set)[i]->keys.get();
+        chunk.value_codec = (*set)[i]->values.get();
+        chunk.cache = (*set)[i]->cache;
+        chunk.first = first;
+        chunk.keys = keys[i].data();
+        chunk.values = values[i].data();
+        if (set == &alone) {
+          EncodeChunkCpu(chunk, nullptr);
+        } else {
+          chunks.push_back(chunk);
+        }
+      }
+    }
+    ASSERT_TRUE(backend.Encode(chunks).ok());
+    for (int i = 0; i < layers; ++i) EXPECT_EQ(batched[i]->pages, alone[i]->pages) << layers << " layers, layer " << i;
   }
 }
 
