@@ -182,7 +182,6 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
                                const PlainAttention& pages, const PlainAttention& sinks) {
   std::vector<AttentionProblem> plain(batch.problems, batch.problems + batch.count);
   std::vector<AttentionProblem> sink_problems;
-  std::vector<int64_t> sink_owner;
   std::vector<Prepared> prepared(static_cast<size_t>(batch.count));
   const int q_heads = params.q_heads;
   for (int64_t i = 0; i < batch.count; ++i) {
@@ -234,7 +233,6 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
       s.output = {prep.sink_out.data(), prep.sink_lse.data(), params.top_k ? prep.sink_tokens.data() : nullptr,
                   params.top_k ? prep.sink_logits.data() : nullptr};
       sink_problems.push_back(s);
-      sink_owner.push_back(i);
     }
   }
 
