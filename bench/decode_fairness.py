@@ -158,16 +158,21 @@ def main():
     if args.turbokvd is None:
         parser.error("--turbokvd is required")
 
-    everything = os.sched_getaffinity(0)
-    daemon_cpus = everything
+    daemon_cpus = client_cpus = None
     if args.daemon_cpus is not None:
-        daemon_cpus = {int(c) for c in args.daemon_cpus.split(",")}
+        everything = os.sched_getaffinity(0)
+        try:
+            daemon_cpus = {int(c) for c in args.daemon_cpus.split(",")}
+        except ValueError:
+            parser.error(f"--daemon-cpus {args.daemon_cpus!r}: expected CPU numbers separated by commas, e.g. 1 or 2,3")
         if not daemon_cpus < everything:
-            parser.error(f"--daemon-cpus must be some of CPUs {sorted(everything)}, not all")
-    os.sched_setaffinity(0, daemon_cpus)  # inherited by the daemon's threads
+            parser.error(f"--daemon-cpus must be some, not all, of CPUs {sorted(everything)}")
+        client_cpus = everything - daemon_cpus
+        os.sched_setaffinity(0, daemon_cpus)  # the daemon's threads inherit it
     work, target, _, daemon = start_daemon(args.turbokvd, "fairness", {"a-token": "decoder", "b-token": "stepper"},
                                            ["--metrics-listen="])
-    os.sched_setaffinity(0, everything - daemon_cpus or everything)  # and then by the clients
+    if client_cpus is not None:
+        os.sched_setaffinity(0, client_cpus)  # and the client processes this
     try:
         turbokv.Client(target, token="a-token").wait_until_ready(20)
         a_source, b_source = template(target, "a-token"), template(target, "b-token")
@@ -186,12 +191,13 @@ def main():
         daemon.send_signal(signal.SIGTERM)
         code = daemon.wait(timeout=120)
         work.cleanup()
-    result = {"b_alone": b_alone, "a_alone_messages_per_s": a_alone, "rounds": rounds, "daemon_exit": code}
+    result = {"daemon_cpus": sorted(daemon_cpus) if daemon_cpus else None, "b_alone": b_alone,
+              "a_alone_messages_per_s": a_alone, "rounds": rounds, "daemon_exit": code}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        if args.daemon_cpus is not None:
-            print(f"turbokvd on CPUs {sorted(daemon_cpus)}, the clients on {sorted(everything - daemon_cpus)}")
+        if daemon_cpus is not None:
+            print(f"turbokvd on CPUs {sorted(daemon_cpus)}, the clients on {sorted(client_cpus)}")
         print(f"tenant B Step alone: p50 {b_alone['p50_us']:.0f} us, p99 {b_alone['p99_us']:.0f} us "
               f"({b_alone['steps']} steps, {args.pause_ms:g} ms apart); tenant A Decode alone: {a_alone:.1f} messages/s "
               f"({ITEMS} sessions x {QUERIES} queries each)")

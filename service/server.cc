@@ -216,8 +216,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     threads_why = absl::StrCat("--threads=0: ", cores.why);
   }
   // Kernel calls of 64 indices or more (a kv head's span of 256-1,024
-  // tokens each: a Step past 8K tokens of 8 kv heads, a Decode batch) run
-  // on the pool's background workers; smaller ones on their caller first.
+  // tokens each: a Step past 8K tokens of 8 kv heads, a Decode batch), a
+  // promotion's layers and encodes of 256 token x kv heads or more in many
+  // chunks (a Decode message's appends) run on the pool's background
+  // workers; smaller ones on their caller.
   server->kernel_pool_ = std::make_unique<ThreadPool>(threads, /*background_from=*/64);
   // Enough workers that cheap calls are not queued behind kernels; one
   // tenant holds at most half of them. On a GPU, up to four calls run on

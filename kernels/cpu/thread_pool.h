@@ -6,8 +6,9 @@
 //
 // A daemon's pool is made with `background_from` > 0: its workers run at a
 // lower CPU priority than the rest of the process (SCHED_IDLE on Linux,
-// which needs no privilege: they run when no thread of the normal class
-// wants the core), and a call of at least `background_from` indices runs
+// which needs no privilege: they run when no thread of the normal class in
+// their scheduling group, a cgroup or session, wants the core; nice +10
+// where SCHED_IDLE is refused), and a call of at least `background_from` indices runs
 // on them alone while its caller waits. A smaller call runs on its caller
 // alone, at the caller's priority: when the cores are busy
 // with large calls, small ones (a Step, a short Decode) and the threads that

@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -148,15 +151,41 @@ TEST(CpuBackendTest, PagesAreZeroedHostMemoryReadAndWrittenInPlace) {
   }
 }
 
+// A codec that encodes with another and notes the threads it encodes on.
+class WatchedCodec : public Codec {
+ public:
+  struct Threads {
+    std::mutex mutex;
+    std::set<std::thread::id> ids;
+  };
+  WatchedCodec(const Codec& inner, Threads* threads)
+      : Codec(inner.spec(), inner.layout()), inner_(inner), threads_(threads) {}
+  void Encode(size_t n, const float* x, uint8_t* codes, EncodeStats* stats) const override {
+    {
+      std::lock_guard<std::mutex> lock(threads_->mutex);
+      threads_->ids.insert(std::this_thread::get_id());
+    }
+    inner_.Encode(n, x, codes, stats);
+  }
+  void Decode(size_t n, const uint8_t* codes, float* x) const override { inner_.Decode(n, codes, x); }
+  std::string implementation() const override { return inner_.implementation(); }
+
+ private:
+  const Codec& inner_;
+  Threads* threads_;
+};
+
 // A Decode message's appends: a token or a few for each of many sessions.
-// Together they are a large encode, which a daemon's pool (background
-// workers) runs on its workers, and a few chunks run on the caller: either
-// way each layer's pages are those its chunk writes alone.
-TEST(CpuBackendTest, ManySmallChunksWriteWhatEachChunkWritesAlone) {
+// Together they are a large encode, which a daemon's pool runs on its
+// background workers while the caller waits; a few chunks run on the
+// caller. Either way each layer's pages are those its chunk writes alone.
+TEST(CpuBackendTest, ManySmallChunksEncodeOnTheWorkersAndWriteWhatEachChunkWritesAlone) {
   constexpr int kKvHeads = 8, kPage = 16, kDim = 64;
   ThreadPool pool(2, /*background_from=*/64);
   CpuBackend backend(&pool);
   for (const int layers : {3, 40}) {  // 24 and 320 token x kv heads: below and past a large encode
+    WatchedCodec::Threads threads;
+    std::vector<std::unique_ptr<WatchedCodec>> watched;
     std::vector<std::unique_ptr<testing::HostLayer>> batched, alone;
     std::vector<std::vector<float>> keys, values;
     std::vector<EncodeChunk> chunks;
@@ -179,12 +208,21 @@ TEST(CpuBackendTest, ManySmallChunksWriteWhatEachChunkWritesAlone) {
         if (set == &alone) {
           EncodeChunkCpu(chunk, nullptr);
         } else {
+          watched.push_back(std::make_unique<WatchedCodec>(*chunk.key_codec, &threads));
+          chunk.key_codec = watched.back().get();
+          watched.push_back(std::make_unique<WatchedCodec>(*chunk.value_codec, &threads));
+          chunk.value_codec = watched.back().get();
           chunks.push_back(chunk);
         }
       }
     }
     ASSERT_TRUE(backend.Encode(chunks).ok());
     for (int i = 0; i < layers; ++i) EXPECT_EQ(batched[i]->pages, alone[i]->pages) << layers << " layers, layer " << i;
+    if (layers == 3) {
+      EXPECT_EQ(threads.ids, std::set<std::thread::id>{std::this_thread::get_id()});
+    } else {
+      EXPECT_EQ(threads.ids.count(std::this_thread::get_id()), 0u);
+    }
   }
 }
 
