@@ -8,8 +8,8 @@
 // lower CPU priority than the rest of the process (SCHED_IDLE on Linux,
 // which needs no privilege: they run when no thread of the normal class in
 // their scheduling group, a cgroup or session, wants the core; nice +10
-// where SCHED_IDLE is refused), and a call of at least `background_from` indices runs
-// on them alone while its caller waits. A smaller call runs on its caller
+// where SCHED_IDLE is refused), and a call of at least `background_from`
+// indices runs on them alone while its caller waits. A smaller call runs on its caller
 // alone, at the caller's priority: when the cores are busy
 // with large calls, small ones (a Step, a short Decode) and the threads that
 // take requests and send replies get a core first, and at most `threads`

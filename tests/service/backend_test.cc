@@ -196,8 +196,6 @@ TEST(CpuBackendTest, ManySmallChunksEncodeOnTheWorkersAndWriteWhatEachChunkWrite
       for (auto* set : {&batched, &alone}) {
         set->push_back(std::make_unique<testing::HostLayer>(CodecKind::kTurbo3, CodecKind::kTurbo4, kDim, kKvHeads,
                                                             kPage, first + 1, 7 + i));
-      }
-      for (auto* set : {&batched, &alone}) {
         EncodeChunk chunk;
         chunk.key_codec = (*set)[i]->keys.get();
         chunk.value_codec = (*set)[i]->values.get();
