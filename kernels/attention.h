@@ -161,7 +161,8 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
 // (INVALID_ARGUMENT naming the problem and field, nothing computed), then the
 // work items of all problems (kv head x token chunk) run as one parallel job.
 // Problems with a transform or sinks go through AttendTransformed, their
-// sinks in the same job.
+// sinks in the same job. On the SIMD path a problem whose cache qualifies for
+// AttendFewCpu (a layer's sinks) is one work item of that job, attended by it.
 absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
                        const AttentionOptions& options = {});
 
@@ -179,6 +180,20 @@ using PlainAttention = std::function<absl::Status(const AttentionBatch&, const A
 // match their cache.
 absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParams& params,
                                const PlainAttention& pages, const PlainAttention& sinks);
+
+// The most tokens AttendFewCpu takes (a layer's sinks hold at most 64).
+constexpr int64_t kMaxFewTokens = 64;
+
+// Whether AttendFewCpu takes this cache: at most kMaxFewTokens tokens, in
+// codecs that are not rotated (f16, q8_0, q4_0).
+bool FewTokensApply(const PagedKvCache& cache);
+
+// Attention over such a cache on the calling thread: AttendCpu's results up
+// to float rounding, without the scan's work items and chunk states, which
+// cost more than the arithmetic over a few tokens (a layer's 4 sinks, for
+// every session of a Decode batch). The problem is checked by the caller
+// (CheckAttention).
+void AttendFewCpu(const AttentionProblem& problem, const AttentionParams& params);
 
 // A batch of one.
 inline absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,

@@ -28,11 +28,6 @@ absl::Status Invalid(absl::string_view field, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
 }
 
-// Higher logit first; the earlier token among equal logits.
-bool Ranks(const TopEntry& a, const TopEntry& b) {
-  return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
-}
-
 // Decodes one record into the domain the kernel works in (turbo: rotated).
 void DecodeRow(const CodecLayout& layout, const float* centroids, const uint8_t* in, float* out) {
   for (int b = 0; b < layout.blocks; ++b) {
@@ -323,10 +318,16 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
     }
   }
 
-  // Every problem cut into passes of at most kQueriesPerPass queries.
+  // Every problem cut into passes of at most kQueriesPerPass queries, but
+  // those AttendFewCpu takes on the SIMD path: one work item each.
   std::vector<Pass> passes;
+  std::vector<const AttentionProblem*> few;
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
+    if (options.path == AttentionPath::kSimd && FewTokensApply(p.cache)) {
+      few.push_back(&p);
+      continue;
+    }
     const size_t d = p.cache.key_layout.head_dim;
     const size_t q_heads = params.q_heads;
     const size_t k = params.top_k;
@@ -363,7 +364,13 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
       for (int h = 0; h < pass.cache->kv_heads; ++h) FinishHead(params, options.path, pass, h);
     }
   }
+  const int64_t scan_items = items;
+  items += static_cast<int64_t>(few.size());
   ForEach(options.pool, items, [&](int64_t item) {
+    if (item >= scan_items) {
+      AttendFewCpu(*few[static_cast<size_t>(item - scan_items)], params);
+      return;
+    }
     auto next = std::upper_bound(passes.begin(), passes.end(), item,
                                  [](int64_t i, const Pass& p) { return i < p.first_item; });
     Pass& pass = *std::prev(next);
@@ -416,6 +423,11 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
   return AttendTransformed(
       batch, params, [&](const AttentionBatch& b, const AttentionParams& p) { return AttendPlainCpu(b, p, options); },
       nullptr);
+}
+
+bool FewTokensApply(const PagedKvCache& cache) {
+  return cache.tokens <= kMaxFewTokens && TurboBits(cache.key_layout.kind) == 0 &&
+         TurboBits(cache.value_layout.kind) == 0;
 }
 
 void MergeAttention(size_t count, int head_dim, float* out_a, float* lse_a, const float* out_b,

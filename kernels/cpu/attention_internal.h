@@ -19,6 +19,11 @@ struct TopEntry {
   int64_t token;
 };
 
+// Higher logit first; the earlier token among equal logits.
+inline bool Ranks(const TopEntry& a, const TopEntry& b) {
+  return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
+}
+
 // Keeps the k largest logits of one query head in a min-heap.
 class TopK {
  public:

@@ -21,6 +21,7 @@ namespace turbokv {
 namespace {
 
 using ::turbokv::testing::DecodedThroughCodec;
+using ::turbokv::testing::GaussianVectors;
 using ::turbokv::testing::ReferenceAttention;
 using ::turbokv::testing::ReferenceResult;
 using ::turbokv::testing::RelativeL2;
@@ -333,6 +334,96 @@ TEST(TransformedAttentionTest, MismatchedSinksOrTransformAreRefused) {
   status = AttendCpu(AttentionBatch{&p, 1}, s.params);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(status.message()).find("key transform"), std::string::npos) << status;
+}
+
+// AttendFewCpu, which attends the sinks (any cache it takes, on AttendCpu's
+// SIMD path), against the scan (AttendCpu's scalar path) on the same small
+// cache: every plain codec, 1 to 64 tokens, queries that see all, some or
+// none of them, window, softcap, logit offsets and top-k, on every SIMD
+// target.
+TEST(TransformedAttentionTest, FewTokensEqualTheScanOnEveryTarget) {
+  struct Case {
+    CodecKind k, v;
+    int d;
+    int64_t tokens;
+  };
+  const Case cases[] = {{CodecKind::kF16, CodecKind::kF16, 128, 4},
+                        {CodecKind::kF16, CodecKind::kF16, 64, 1},
+                        {CodecKind::kQ8_0, CodecKind::kQ8_0, 128, 64},
+                        {CodecKind::kQ4_0, CodecKind::kF16, 64, 13}};
+  constexpr int kKvHeads = 2, kGroup = 3;
+  int tested = 0;
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    for (const Case& c : cases) {
+      const CodecSpec key_spec{c.k, c.d, 0}, value_spec{c.v, c.d, 0};
+      auto cache = *PagedCacheBuffer::Create(key_spec, value_spec, kKvHeads, static_cast<int>(c.tokens));
+      const std::vector<float> keys = GaussianVectors(c.tokens * kKvHeads, c.d, 11);
+      const std::vector<float> values = GaussianVectors(c.tokens * kKvHeads, c.d, 12);
+      cache->Append(c.tokens, keys.data(), values.data());
+      const std::vector<int64_t> positions = {c.tokens - 1, 0, c.tokens / 2, c.tokens + 50};
+      const int64_t n = static_cast<int64_t>(positions.size());
+      const size_t rows = static_cast<size_t>(n) * kKvHeads * kGroup;
+      std::vector<float> q = GaussianVectors(rows, c.d, 13);
+      for (float& x : q) x *= 2.0f;
+      std::vector<float> offsets(rows);
+      for (size_t r = 0; r < rows; ++r) offsets[r] = 0.25f * static_cast<float>(r % 5) - 0.5f;
+      for (int variant = 0; variant < 3; ++variant) {
+        AttentionParams params;
+        params.q_heads = kKvHeads * kGroup;
+        if (variant == 1) {
+          params.softcap = 5.0f;
+          params.window = 3;
+          params.top_k = 3;
+        }
+        if (variant == 2) {
+          params.softmax_scale = 0.3f;
+          params.top_k = 70;  // more than the cache holds: padded
+        }
+        const float* offset = variant == 1 ? offsets.data() : nullptr;
+        Result few, simd, scan;
+        for (Result* r : {&few, &simd, &scan}) {
+          r->out.assign(rows * c.d, std::nanf(""));
+          r->lse.assign(rows, std::nanf(""));
+          r->top_tokens.assign(rows * params.top_k, -7);
+          r->top_logits.assign(rows * params.top_k, std::nanf(""));
+        }
+        AttentionProblem p;
+        p.cache = cache->descriptor();
+        p.queries = {n, q.data(), positions.data(), offset};
+        p.output = {few.out.data(), few.lse.data(), few.top_tokens.data(), few.top_logits.data()};
+        ASSERT_TRUE(FewTokensApply(p.cache));
+        AttendFewCpu(p, params);
+        p.output = {simd.out.data(), simd.lse.data(), simd.top_tokens.data(), simd.top_logits.data()};
+        ASSERT_TRUE(AttendCpu(AttentionBatch{&p, 1}, params).ok());
+        p.output = {scan.out.data(), scan.lse.data(), scan.top_tokens.data(), scan.top_logits.data()};
+        ASSERT_TRUE(AttendCpu(AttentionBatch{&p, 1}, params, {AttentionPath::kScalar}).ok());
+        const std::string what = std::string(hwy::TargetName(target)) + " " + CodecName(c.k) + "/" +
+                                 CodecName(c.v) + " d=" + std::to_string(c.d) + " tokens=" +
+                                 std::to_string(c.tokens) + " variant " + std::to_string(variant);
+        // Equal where -inf (nothing seen, padding), else within float rounding.
+        const auto expect_near = [&](const std::vector<float>& got, const std::vector<float>& want) {
+          for (size_t i = 0; i < want.size(); ++i) {
+            if (std::isinf(want[i])) {
+              EXPECT_EQ(got[i], want[i]) << what << " at " << i;
+            } else {
+              EXPECT_NEAR(got[i], want[i], 1e-5f * std::max(1.0f, std::fabs(want[i]))) << what << " at " << i;
+            }
+          }
+        };
+        EXPECT_EQ(simd.out, few.out) << what << ": the SIMD path is AttendFewCpu here";
+        EXPECT_EQ(simd.top_tokens, few.top_tokens) << what;
+        EXPECT_LT(RelativeL2(few.out, scan.out), 2e-6) << what;
+        expect_near(few.lse, scan.lse);
+        EXPECT_EQ(few.top_tokens, scan.top_tokens) << what;
+        expect_near(few.top_logits, scan.top_logits);
+      }
+    }
+    ++tested;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
 }
 
 // A device runs the pages and the CPU the sinks (PlainAttention callbacks):
