@@ -40,7 +40,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// --batch B: (a) Decode stream, (b) B x L unary Steps, (c) the kernels alone,
+// --batch B: (a) Decode stream, (b) B x L unary Steps, (c) the attention backend alone,
 // (d) the handler's Decode in process (no gRPC, no client), (e) the Decode
 // stream with its tensors in the messages (a client without shared memory),
 // one whole decode step (every layer) of each in turn.
@@ -148,8 +148,9 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
       }
     }
     ++position;
-    // (c) the kernels alone: each layer's attention for the B sessions as one
-    // batch, in process, on as many threads.
+    // (c) the attention backend alone: each layer's attention for the B
+    // sessions as one batch, in process, on as many threads; each problem as
+    // the handler builds it (pages, key transform and sink tokens).
     std::vector<float> out(batch * q_values), lse(batch * shape.q_heads);
     std::vector<int64_t> last(batch);
     for (long long l = 0; l < shape.layers; ++l) {
@@ -157,10 +158,10 @@ int RunBatch(const Shape& shape, long long batch, long long steps, Client& clien
       std::vector<AttentionProblem> problems;
       for (long long i = 0; i < batch; ++i) {
         locks.emplace_back(stored[i]->mutex());
-        const PagedKvCache cache = stored[i]->layers()[l].Descriptor();
-        last[i] = cache.tokens - 1;
-        problems.push_back(AttentionProblem{cache, {1, queries.data() + i * q_values, &last[i]},
-                                            {out.data() + i * q_values, lse.data() + i * shape.q_heads}});
+        const LayerCache& layer = stored[i]->layers()[l];
+        last[i] = layer.Descriptor().tokens - 1;
+        problems.push_back(layer.Attention({1, queries.data() + i * q_values, &last[i]},
+                                           {out.data() + i * q_values, lse.data() + i * shape.q_heads}));
       }
       AttentionParams params;
       params.q_heads = static_cast<int>(shape.q_heads);
