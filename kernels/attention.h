@@ -122,7 +122,8 @@ struct AttentionOptions {
   // integers (int16 x int16 -> int32 multiply-adds, on every SIMD target;
   // AVX-512 VNNI for turbo keys and values where the CPU has it), within about
   // 1e-4 relative of the float scan. false forces the float scan, the
-  // reference of the tests.
+  // reference of the tests. (Caches AttendFewCpu takes are attended in
+  // floats either way.)
   bool integer_dot_products = true;
 };
 
@@ -162,7 +163,8 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
 // work items of all problems (kv head x token chunk) run as one parallel job.
 // Problems with a transform or sinks go through AttendTransformed, their
 // sinks in the same job. On the SIMD path a problem whose cache qualifies for
-// AttendFewCpu (a layer's sinks) is one work item of that job, attended by it.
+// AttendFewCpu (a layer's sinks) is attended by it, one work item per kv head
+// and pass of queries.
 absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
                        const AttentionOptions& options = {});
 
@@ -188,12 +190,14 @@ constexpr int64_t kMaxFewTokens = 64;
 // codecs that are not rotated (f16, q8_0, q4_0).
 bool FewTokensApply(const PagedKvCache& cache);
 
-// Attention over such a cache on the calling thread: AttendCpu's results up
-// to float rounding, without the scan's work items and chunk states, which
-// cost more than the arithmetic over a few tokens (a layer's 4 sinks, for
-// every session of a Decode batch). The problem is checked by the caller
-// (CheckAttention).
-void AttendFewCpu(const AttentionProblem& problem, const AttentionParams& params);
+// Attention over such a cache on the calling thread, for kv head `head` and
+// queries [first_query, first_query + queries) of the problem: AttendCpu's
+// results for those rows up to float rounding, without the scan's chunk
+// states and set-up, which cost more than the arithmetic over a few tokens
+// (a layer's 4 sinks, for every session of a Decode batch). The problem is
+// checked by the caller (CheckAttention).
+void AttendFewCpu(const AttentionProblem& problem, const AttentionParams& params, int head, int64_t first_query,
+                  int64_t queries);
 
 // A batch of one.
 inline absl::Status AttendCpu(const PagedKvCache& cache, const AttentionParams& params,

@@ -318,14 +318,24 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
     }
   }
 
-  // Every problem cut into passes of at most kQueriesPerPass queries, but
-  // those AttendFewCpu takes on the SIMD path: one work item each.
+  // Every problem cut into passes of at most kQueriesPerPass queries. Those
+  // AttendFewCpu takes on the SIMD path are attended by it: a work item per
+  // kv head and pass, numbered before the scan's.
+  struct FewItem {
+    const AttentionProblem* problem;
+    int head;
+    int64_t first_query, queries;
+  };
+  std::vector<FewItem> few;
   std::vector<Pass> passes;
-  std::vector<const AttentionProblem*> few;
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
     if (options.path == AttentionPath::kSimd && FewTokensApply(p.cache)) {
-      few.push_back(&p);
+      for (int64_t first = 0; first < p.queries.n; first += kQueriesPerPass) {
+        for (int h = 0; h < p.cache.kv_heads; ++h) {
+          few.push_back({&p, h, first, std::min(kQueriesPerPass, p.queries.n - first)});
+        }
+      }
       continue;
     }
     const size_t d = p.cache.key_layout.head_dim;
@@ -349,7 +359,7 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
   // its phases costs every thread a wake-up). Chunks sit on a grid fixed by
   // position, so that how a query's tokens are cut (and merged) depends on
   // neither the pool size nor the other queries of the batch.
-  int64_t items = 0;
+  int64_t items = static_cast<int64_t>(few.size());
   for (Pass& pass : passes) {
     const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : DefaultChunkTokens(*pass.cache);
     pass.chunk = chunk;
@@ -364,11 +374,10 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
       for (int h = 0; h < pass.cache->kv_heads; ++h) FinishHead(params, options.path, pass, h);
     }
   }
-  const int64_t scan_items = items;
-  items += static_cast<int64_t>(few.size());
   ForEach(options.pool, items, [&](int64_t item) {
-    if (item >= scan_items) {
-      AttendFewCpu(*few[static_cast<size_t>(item - scan_items)], params);
+    if (item < static_cast<int64_t>(few.size())) {
+      const FewItem& f = few[static_cast<size_t>(item)];
+      AttendFewCpu(*f.problem, params, f.head, f.first_query, f.queries);
       return;
     }
     auto next = std::upper_bound(passes.begin(), passes.end(), item,

@@ -739,13 +739,14 @@ void Scan(const ScanTask& task, ScanState* state) {
   (void)vnni;
 }
 
-// AttendFewCpu: every token's key and value decoded once per kv head, then
-// each row's logits, softmax and weighted sum in one pass over them.
+// AttendFewCpu: the head's visible tokens' keys and values decoded once,
+// then each row's logits, softmax and weighted sum in one pass over them.
 struct FewWorkspace {
   Scratch<float> keys, values, logits, weights;
 };
 
-void AttendFew(const AttentionProblem& p, const AttentionParams& params) {
+void AttendFew(const AttentionProblem& p, const AttentionParams& params, int h, int64_t first_query,
+               int64_t queries) {
   const PagedKvCache& c = p.cache;
   const int dim = c.key_layout.head_dim;
   const int group = params.q_heads / c.kv_heads;
@@ -759,57 +760,55 @@ void AttendFew(const AttentionProblem& p, const AttentionParams& params) {
   float* const logits = w.logits.Get(kMaxFewTokens);
   float* const weights = w.weights.Get(kMaxFewTokens);
   std::vector<TopEntry> top;
-  for (int h = 0; h < c.kv_heads; ++h) {
-    for (int t = 0; t < tokens; ++t) {
-      DecodeRowSimd(c.key_layout, nullptr, c.key_record(h, t), keys + static_cast<size_t>(t) * dim);
-      DecodeRowSimd(c.value_layout, nullptr, c.value_record(h, t), values + static_cast<size_t>(t) * dim);
-    }
-    for (int64_t i = 0; i < p.queries.n; ++i) {
-      const int64_t position = p.queries.positions[i];
-      const int64_t first = std::max<int64_t>(c.first_token, params.window > 0 ? position - params.window + 1 : 0);
-      const int64_t last = std::min<int64_t>(position, tokens - 1);
-      const int count = static_cast<int>(std::max<int64_t>(last - first + 1, 0));
-      for (int g = 0; g < group; ++g) {
-        const size_t o = static_cast<size_t>(i) * params.q_heads + h * group + g;
-        const float* q = p.queries.q + o * dim;
-        float* out = p.output.out + o * dim;
-        const float offset = p.queries.logit_offset != nullptr ? p.queries.logit_offset[o] : 0.0f;
-        float m = -INFINITY;
+  for (int64_t t = c.first_token; t < tokens; ++t) {
+    DecodeRowSimd(c.key_layout, nullptr, c.key_record(h, t), keys + static_cast<size_t>(t) * dim);
+    DecodeRowSimd(c.value_layout, nullptr, c.value_record(h, t), values + static_cast<size_t>(t) * dim);
+  }
+  for (int64_t i = first_query; i < first_query + queries; ++i) {
+    const int64_t position = p.queries.positions[i];
+    const int64_t first = std::max<int64_t>(c.first_token, params.window > 0 ? position - params.window + 1 : 0);
+    const int64_t last = std::min<int64_t>(position, tokens - 1);
+    const int count = static_cast<int>(std::max<int64_t>(last - first + 1, 0));
+    for (int g = 0; g < group; ++g) {
+      const size_t o = static_cast<size_t>(i) * params.q_heads + h * group + g;
+      const float* q = p.queries.q + o * dim;
+      float* out = p.output.out + o * dim;
+      const float offset = p.queries.logit_offset != nullptr ? p.queries.logit_offset[o] : 0.0f;
+      float m = -INFINITY;
+      for (int j = 0; j < count; ++j) {
+        const float* k = keys + static_cast<size_t>(first + j) * dim;
+        auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
+        for (int x = 0; x < dim; x += 2 * lanes) {
+          acc0 = hn::MulAdd(hn::LoadU(d, q + x), hn::Load(d, k + x), acc0);
+          acc1 = hn::MulAdd(hn::LoadU(d, q + x + lanes), hn::Load(d, k + x + lanes), acc1);
+        }
+        logits[j] = Logit(hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1))), scale, offset, params.softcap);
+        m = std::max(m, logits[j]);
+      }
+      auto sum = hn::Zero(d);
+      for (int j = 0; j < count; j += lanes) {
+        const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, logits + j), hn::Set(d, m)));
+        const auto kept = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(count - j)), e);
+        hn::StoreU(kept, d, weights + j);
+        sum = hn::Add(sum, kept);
+      }
+      const float l = hn::GetLane(hn::SumOfLanes(d, sum));
+      for (int x = 0; x < dim; x += lanes) {
+        auto acc = hn::Zero(d);
         for (int j = 0; j < count; ++j) {
-          const float* k = keys + static_cast<size_t>(first + j) * dim;
-          auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
-          for (int x = 0; x < dim; x += 2 * lanes) {
-            acc0 = hn::MulAdd(hn::LoadU(d, q + x), hn::Load(d, k + x), acc0);
-            acc1 = hn::MulAdd(hn::LoadU(d, q + x + lanes), hn::Load(d, k + x + lanes), acc1);
-          }
-          logits[j] = Logit(hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1))), scale, offset, params.softcap);
-          m = std::max(m, logits[j]);
+          acc = hn::MulAdd(hn::Set(d, weights[j]), hn::Load(d, values + static_cast<size_t>(first + j) * dim + x), acc);
         }
-        auto sum = hn::Zero(d);
-        for (int j = 0; j < count; j += lanes) {
-          const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, logits + j), hn::Set(d, m)));
-          const auto kept = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(count - j)), e);
-          hn::StoreU(kept, d, weights + j);
-          sum = hn::Add(sum, kept);
-        }
-        const float l = hn::GetLane(hn::SumOfLanes(d, sum));
-        for (int x = 0; x < dim; x += lanes) {
-          auto acc = hn::Zero(d);
-          for (int j = 0; j < count; ++j) {
-            acc = hn::MulAdd(hn::Set(d, weights[j]), hn::Load(d, values + static_cast<size_t>(first + j) * dim + x), acc);
-          }
-          hn::StoreU(hn::Mul(acc, hn::Set(d, count > 0 ? 1.0f / l : 0.0f)), d, out + x);
-        }
-        p.output.lse[o] = count > 0 ? m + std::log(l) : -INFINITY;
-        if (params.top_k == 0) continue;
-        top.clear();
-        for (int j = 0; j < count; ++j) top.push_back({logits[j], first + j});
-        std::sort(top.begin(), top.end(), Ranks);
-        for (int k = 0; k < params.top_k; ++k) {
-          const bool have = k < static_cast<int>(top.size());
-          p.output.topk_tokens[o * params.top_k + k] = have ? top[k].token : -1;
-          p.output.topk_logits[o * params.top_k + k] = have ? top[k].logit : -INFINITY;
-        }
+        hn::StoreU(hn::Mul(acc, hn::Set(d, count > 0 ? 1.0f / l : 0.0f)), d, out + x);
+      }
+      p.output.lse[o] = count > 0 ? m + std::log(l) : -INFINITY;
+      if (params.top_k == 0) continue;
+      top.clear();
+      for (int j = 0; j < count; ++j) top.push_back({logits[j], first + j});
+      std::sort(top.begin(), top.end(), Ranks);
+      for (int k = 0; k < params.top_k; ++k) {
+        const bool have = k < static_cast<int>(top.size());
+        p.output.topk_tokens[o * params.top_k + k] = have ? top[k].token : -1;
+        p.output.topk_logits[o * params.top_k + k] = have ? top[k].logit : -INFINITY;
       }
     }
   }
@@ -827,8 +826,9 @@ HWY_EXPORT(AttendFew);
 
 void ScanSimd(const ScanTask& task, ScanState* state) { HWY_DYNAMIC_DISPATCH(Scan)(task, state); }
 
-void AttendFewCpu(const AttentionProblem& problem, const AttentionParams& params) {
-  HWY_DYNAMIC_DISPATCH(AttendFew)(problem, params);
+void AttendFewCpu(const AttentionProblem& problem, const AttentionParams& params, int head, int64_t first_query,
+                  int64_t queries) {
+  HWY_DYNAMIC_DISPATCH(AttendFew)(problem, params, head, first_query, queries);
 }
 
 }  // namespace turbokv

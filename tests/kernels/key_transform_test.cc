@@ -339,18 +339,18 @@ TEST(TransformedAttentionTest, MismatchedSinksOrTransformAreRefused) {
 // AttendFewCpu, which attends the sinks (any cache it takes, on AttendCpu's
 // SIMD path), against the scan (AttendCpu's scalar path) on the same small
 // cache: every plain codec, 1 to 64 tokens, queries that see all, some or
-// none of them, window, softcap, logit offsets and top-k, on every SIMD
-// target.
-TEST(TransformedAttentionTest, FewTokensEqualTheScanOnEveryTarget) {
+// none of them, tokens before first_token, more queries than a pass takes,
+// window, softcap, logit offsets and top-k, on every SIMD target.
+TEST(AttendFewTest, EqualsTheScanOnEveryTarget) {
   struct Case {
     CodecKind k, v;
     int d;
-    int64_t tokens;
+    int64_t tokens, first_token, extra_queries;
   };
-  const Case cases[] = {{CodecKind::kF16, CodecKind::kF16, 128, 4},
-                        {CodecKind::kF16, CodecKind::kF16, 64, 1},
-                        {CodecKind::kQ8_0, CodecKind::kQ8_0, 128, 64},
-                        {CodecKind::kQ4_0, CodecKind::kF16, 64, 13}};
+  const Case cases[] = {{CodecKind::kF16, CodecKind::kF16, 128, 4, 0, 0},
+                        {CodecKind::kF16, CodecKind::kF16, 64, 1, 0, 0},
+                        {CodecKind::kQ8_0, CodecKind::kQ8_0, 128, 64, 0, 36},
+                        {CodecKind::kQ4_0, CodecKind::kF16, 64, 13, 2, 0}};
   constexpr int kKvHeads = 2, kGroup = 3;
   int tested = 0;
   for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
@@ -362,7 +362,8 @@ TEST(TransformedAttentionTest, FewTokensEqualTheScanOnEveryTarget) {
       const std::vector<float> keys = GaussianVectors(c.tokens * kKvHeads, c.d, 11);
       const std::vector<float> values = GaussianVectors(c.tokens * kKvHeads, c.d, 12);
       cache->Append(c.tokens, keys.data(), values.data());
-      const std::vector<int64_t> positions = {c.tokens - 1, 0, c.tokens / 2, c.tokens + 50};
+      std::vector<int64_t> positions = {c.tokens - 1, 0, c.tokens / 2, c.tokens + 50};
+      for (int64_t e = 0; e < c.extra_queries; ++e) positions.push_back(e % (c.tokens + 3));
       const int64_t n = static_cast<int64_t>(positions.size());
       const size_t rows = static_cast<size_t>(n) * kKvHeads * kGroup;
       std::vector<float> q = GaussianVectors(rows, c.d, 13);
@@ -391,10 +392,11 @@ TEST(TransformedAttentionTest, FewTokensEqualTheScanOnEveryTarget) {
         }
         AttentionProblem p;
         p.cache = cache->descriptor();
+        p.cache.first_token = c.first_token;
         p.queries = {n, q.data(), positions.data(), offset};
         p.output = {few.out.data(), few.lse.data(), few.top_tokens.data(), few.top_logits.data()};
         ASSERT_TRUE(FewTokensApply(p.cache));
-        AttendFewCpu(p, params);
+        for (int h = 0; h < kKvHeads; ++h) AttendFewCpu(p, params, h, 0, n);
         p.output = {simd.out.data(), simd.lse.data(), simd.top_tokens.data(), simd.top_logits.data()};
         ASSERT_TRUE(AttendCpu(AttentionBatch{&p, 1}, params).ok());
         p.output = {scan.out.data(), scan.lse.data(), scan.top_tokens.data(), scan.top_logits.data()};
