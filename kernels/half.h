@@ -23,26 +23,10 @@ TURBOKV_HD uint32_t FloatBits(float f) {
 #endif
 }
 
-// Whether no value of x[0, n) is inf or NaN (the f32 patterns with every
-// exponent bit set): the largest exponent field, a reduction compilers
-// vectorize (a flag and-ed per value is not).
-inline bool AllFinite(const float* x, size_t n) {
-  uint32_t exponent = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t e = FloatBits(x[i]) & 0x7f800000u;
-    exponent = e > exponent ? e : exponent;
-  }
-  return exponent != 0x7f800000u;
-}
-
-// The index of the first inf or NaN of x[0, n), or n when there is none:
-// the vector pass of AllFinite, then a search only when it found one.
-inline size_t FirstNonFinite(const float* x, size_t n) {
-  if (AllFinite(x, n)) return n;
-  size_t i = 0;
-  while ((FloatBits(x[i]) & 0x7f800000u) != 0x7f800000u) ++i;
-  return i;
-}
+// The index of the first inf or NaN of x[0, n) (the f32 patterns with every
+// exponent bit set), or n when there is none: SIMD on every target
+// (kernels/cpu/simd_codec.cc), since every request's tensors pass through it.
+size_t FirstNonFinite(const float* x, size_t n);
 
 TURBOKV_HD float BitsToFloat(uint32_t u) {
 #if defined(__CUDA_ARCH__)

@@ -61,7 +61,7 @@ absl::Status KeyTransform::Check(int expected_kv_heads, int expected_head_dim) c
     if (!v->empty() && v->size() != size) {
       return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " holds ", v->size(), " values, not ", size));
     }
-    if (!AllFinite(v->data(), v->size())) {
+    if (FirstNonFinite(v->data(), v->size()) < v->size()) {
       return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " is not finite"));
     }
   }
@@ -129,16 +129,6 @@ KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int 
     for (int c = 0; c < head_dim; ++c) s[c] *= norm;
   }
   return t;
-}
-
-double DotDouble(const float* a, const float* b, int n) {
-  double s[4] = {0, 0, 0, 0};
-  int i = 0;
-  for (; i + 4 <= n; i += 4) {
-    for (int k = 0; k < 4; ++k) s[k] += static_cast<double>(a[i + k]) * b[i + k];
-  }
-  for (; i < n; ++i) s[0] += static_cast<double>(a[i]) * b[i];
-  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 namespace {

@@ -67,8 +67,9 @@ struct KeyTransform {
 KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int kv_heads, int head_dim,
                              const float* keys, const float* values, int q_heads, const float* queries);
 
-// sum a[i] * b[i] over [0, n), in double: four partial sums (added in a fixed
-// order) so that the products do not wait on one another.
+// sum a[i] * b[i] over [0, n), in double: SIMD on every target, two vectors
+// of partial sums (kernels/cpu/simd_codec.cc). Every query row of a request
+// passes through it (its norm, its key mean's logit offset).
 double DotDouble(const float* a, const float* b, int n);
 
 }  // namespace turbokv

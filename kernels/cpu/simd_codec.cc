@@ -260,6 +260,46 @@ void DecodeF16(size_t count, const uint8_t* HWY_RESTRICT codes, float* HWY_RESTR
   DecodeF16Values(count, codes, x);
 }
 
+double DotDoubleT(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, int n) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const int lanes = static_cast<int>(hn::Lanes(dd));
+  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd);
+  int i = 0;
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    s0 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(df, a + i)), hn::PromoteTo(dd, hn::LoadU(df, b + i)), s0);
+    s1 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(df, a + i + lanes)), hn::PromoteTo(dd, hn::LoadU(df, b + i + lanes)),
+                    s1);
+  }
+  double sum = hn::GetLane(hn::SumOfLanes(dd, hn::Add(s0, s1)));
+  for (; i < n; ++i) sum += static_cast<double>(a[i]) * b[i];
+  return sum;
+}
+
+// |x| + 2^23, as integers, carries into the sign bit exactly when the
+// exponent field is all ones (inf, NaN): or-ed over whole vectors, then the
+// values searched one at a time only when one is there.
+size_t FirstNonFiniteT(const float* HWY_RESTRICT x, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::RebindToSigned<decltype(df)> di;
+  const size_t lanes = hn::Lanes(df);
+  const auto magnitude = hn::Set(du, 0x7fffffffu);
+  const auto carry = hn::Set(du, 0x00800000u);
+  auto any = hn::Zero(du);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    any = hn::Or(any, hn::Add(hn::And(hn::BitCast(du, hn::LoadU(df, x + i)), magnitude), carry));
+  }
+  const auto non_finite = [&](size_t k) { return (FloatBits(x[k]) & 0x7f800000u) == 0x7f800000u; };
+  bool found = !hn::AllFalse(di, hn::Lt(hn::BitCast(di, any), hn::Zero(di)));
+  for (; i < n && !found; ++i) found = non_finite(i);
+  if (!found) return n;
+  size_t first = 0;
+  while (!non_finite(first)) ++first;
+  return first;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace turbokv
 HWY_AFTER_NAMESPACE();
@@ -272,6 +312,7 @@ HWY_AFTER_NAMESPACE();
 #include "absl/strings/str_cat.h"
 #include "hwy/targets.h"
 #include "kernels/cpu/cpu_codecs.h"
+#include "kernels/key_transform.h"
 
 namespace turbokv {
 
@@ -280,6 +321,12 @@ HWY_EXPORT(DecodeTurbo);
 HWY_EXPORT(EncodeF16);
 HWY_EXPORT(RotateRows);
 HWY_EXPORT(DecodeF16);
+HWY_EXPORT(FirstNonFiniteT);
+HWY_EXPORT(DotDoubleT);
+
+double DotDouble(const float* a, const float* b, int n) { return HWY_DYNAMIC_DISPATCH(DotDoubleT)(a, b, n); }
+
+size_t FirstNonFinite(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(FirstNonFiniteT)(x, n); }
 
 const char* ChosenSimdTarget() {
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;

@@ -3,8 +3,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
+#include "hwy/targets.h"
 
 namespace turbokv {
 namespace {
@@ -54,6 +57,42 @@ TEST(HalfTest, TinyValuesAndSignedZero) {
 TEST(HalfTest, NanStaysNan) {
   const uint16_t h = FloatToHalfBits(std::numeric_limits<float>::quiet_NaN());
   EXPECT_TRUE(std::isnan(HalfBitsToFloat(h)));
+}
+
+// FirstNonFinite on every SIMD target: lengths around the vector widths,
+// every kind of non-finite value in the vector part and in the tail, the
+// first of two, and the largest finite values and denormals (which are
+// finite).
+TEST(FiniteTest, FirstNonFiniteOnEveryTarget) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float specials[] = {inf, -inf, std::nanf(""), -std::nanf("")};
+  int tested = 0;
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    const std::string name = hwy::TargetName(target);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{15}, size_t{16}, size_t{17}, size_t{33}, size_t{4099}}) {
+      std::vector<float> x(n);
+      for (size_t i = 0; i < n; ++i) {
+        const float edge[] = {std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                              std::numeric_limits<float>::denorm_min(), -0.0f, 1.5f};
+        x[i] = edge[i % 5];
+      }
+      EXPECT_EQ(FirstNonFinite(x.data(), n), n) << name << " n=" << n;
+      for (size_t at : {size_t{0}, n / 2, n - 1}) {
+        if (n == 0) break;
+        for (float special : specials) {
+          std::vector<float> y = x;
+          y[at] = special;
+          if (at + 1 < n) y[n - 1] = inf;  // a later one does not count
+          EXPECT_EQ(FirstNonFinite(y.data(), n), at) << name << " n=" << n << " at " << at << " " << special;
+        }
+      }
+    }
+    ++tested;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
 }
 
 }  // namespace

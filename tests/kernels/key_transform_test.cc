@@ -202,6 +202,30 @@ TEST(KeyTransformTest, ScalesAreNormalizedAndFollowTheQueries) {
   EXPECT_LT(aware.key_scale[5] / plain.key_scale[5], 0.5);
 }
 
+// DotDouble on every SIMD target against a long double sum: lengths around
+// the vector widths, and terms that cancel (where float sums would not do).
+TEST(KeyTransformTest, DotDoubleOnEveryTarget) {
+  int tested = 0;
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    for (int n : {0, 1, 7, 16, 33, 128, 576, 1001}) {
+      std::vector<float> a = GaussianVectors(1, std::max(n, 1), 5 + n), b = GaussianVectors(1, std::max(n, 1), 6 + n);
+      for (int i = 0; i < n; ++i) a[i] += i % 2 ? 300.0f : -300.0f;  // a large shared part, cancelling
+      long double exact = 0, magnitude = 0;
+      for (int i = 0; i < n; ++i) {
+        exact += static_cast<long double>(a[i]) * b[i];
+        magnitude += std::fabs(static_cast<long double>(a[i]) * b[i]);
+      }
+      EXPECT_NEAR(DotDouble(a.data(), b.data(), n), static_cast<double>(exact), 1e-14 * static_cast<double>(magnitude))
+          << hwy::TargetName(target) << " n=" << n;
+    }
+    ++tested;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
+}
+
 TEST(KeyTransformTest, CheckNamesWhatDoesNotMatch) {
   const std::vector<float> keys = SharedComponentVectors(64, 2, 64, 300.0f, 9);
   KeyTransform t = FitKeyTransform(kEverything, 64, 2, 64, keys.data(), keys.data(), 2, nullptr);
