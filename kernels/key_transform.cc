@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -140,7 +141,7 @@ bool RanksBefore(float logit_a, int64_t token_a, float logit_b, int64_t token_b)
 
 // What AttendTransformed keeps for one problem with a transform or sinks.
 struct Prepared {
-  std::vector<float> q;        // [n][q_heads][head_dim] scaled queries, or empty
+  std::unique_ptr<float[]> q;  // [n][q_heads][head_dim] scaled queries, or none
   std::vector<float> offsets;  // [n][q_heads] logit offsets of the key means, or empty
   bool offsets_in_kernel = false;
   // The sinks' results, merged into the problem's after.
@@ -192,12 +193,16 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
     const KeyTransform* t = p.transform;
     if (t != nullptr && !t->key_scale.empty()) {
-      prep.q.assign(p.queries.q, p.queries.q + rows * d);
+      // Written once, not copied and then scaled: a Decode batch scales
+      // every session's queries on the caller's thread.
+      prep.q.reset(new float[rows * d]);
       for (size_t r = 0; r < rows; ++r) {
         const float* s = t->key_scale.data() + static_cast<size_t>(r % q_heads / group) * d;
-        for (int c = 0; c < d; ++c) prep.q[r * d + c] *= s[c];
+        const float* q = p.queries.q + r * d;
+        float* scaled = prep.q.get() + r * d;
+        for (int c = 0; c < d; ++c) scaled[c] = q[c] * s[c];
       }
-      out.queries.q = prep.q.data();
+      out.queries.q = prep.q.get();
     }
     if (t != nullptr && !t->key_mean.empty()) {
       prep.offsets.resize(rows);

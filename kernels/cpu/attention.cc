@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -185,7 +187,7 @@ struct Pass {
   int64_t chunk = 0;                 // tokens per chunk; chunk c covers [c * chunk, (c + 1) * chunk)
   int64_t first_chunk = 0, chunks = 0;
   int64_t first_item = 0;            // index of its first work item in the batch
-  std::unique_ptr<HadamardRotation> key_rotation, value_rotation;
+  std::shared_ptr<const HadamardRotation> key_rotation, value_rotation;
   std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
   // Per kv head, its chunks not yet scanned: the item that scans the last
   // one finishes the head.
@@ -206,6 +208,20 @@ void Rotate(const HadamardRotation& rotation, AttentionPath path, bool inverse, 
       inverse ? rotation.Inverse(block, v) : rotation.Forward(block, v);
     }
   }
+}
+
+// A rotation, kept by the calling thread for its later calls: a Decode batch
+// needs the same two per session for every layer, and each is 128 SplitMix64
+// draws. At most kCachedRotations are kept (the cache is emptied past them).
+constexpr size_t kCachedRotations = 1024;
+std::shared_ptr<const HadamardRotation> CachedRotation(int head_dim, int block_values, uint64_t seed) {
+  thread_local std::map<std::tuple<int, int, uint64_t>, std::shared_ptr<const HadamardRotation>> cache;
+  const std::tuple<int, int, uint64_t> key{head_dim, block_values, seed};
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  if (cache.size() >= kCachedRotations) cache.clear();
+  auto rotation = std::make_shared<const HadamardRotation>(head_dim, block_values, seed);
+  cache.emplace(key, rotation);
+  return rotation;
 }
 
 // The visible ranges of the pass's queries and its rotations.
@@ -233,11 +249,10 @@ void PreparePass(const AttentionParams& params, Pass* pass) {
   // batched with others. Tokens before a query's range are masked.
   pass->begin = pass->begin / cache.page_tokens * cache.page_tokens;
   if (TurboBits(cache.key_layout.kind) != 0) {
-    pass->key_rotation = std::make_unique<HadamardRotation>(d, cache.key_layout.block_values, cache.key_seed);
+    pass->key_rotation = CachedRotation(d, cache.key_layout.block_values, cache.key_seed);
   }
   if (TurboBits(cache.value_layout.kind) != 0) {
-    pass->value_rotation =
-        std::make_unique<HadamardRotation>(d, cache.value_layout.block_values, cache.value_seed);
+    pass->value_rotation = CachedRotation(d, cache.value_layout.block_values, cache.value_seed);
   }
 }
 
