@@ -82,20 +82,30 @@ uint8_t* Writable(const PagedKvCache& cache, int64_t token) {
 }
 
 // Encodes one run: keys and values of its head gathered from the chunk's
-// [tokens][kv_heads][head_dim] input.
+// [tokens][kv_heads][head_dim] input into buffers kept per thread, or read
+// where they are when the run is one token (a Decode message's appends).
 void EncodeRun(const EncodeChunk& chunk, const Run& run, EncodeStats* key_errors, EncodeStats* value_errors) {
   const PagedKvCache& c = chunk.cache;
   const size_t dim = static_cast<size_t>(c.key_layout.head_dim);
-  std::vector<float> keys(static_cast<size_t>(run.length) * dim), values(keys.size());
-  for (int64_t j = 0; j < run.length; ++j) {
-    const size_t src = (static_cast<size_t>(run.token - chunk.first + j) * c.kv_heads + run.head) * dim;
-    std::memcpy(&keys[j * dim], chunk.keys + src, dim * sizeof(float));
-    std::memcpy(&values[j * dim], chunk.values + src, dim * sizeof(float));
+  const size_t first = (static_cast<size_t>(run.token - chunk.first) * c.kv_heads + run.head) * dim;
+  const float* keys = chunk.keys + first;
+  const float* values = chunk.values + first;
+  if (run.length > 1) {
+    thread_local std::vector<float> key_rows, value_rows;
+    key_rows.resize(static_cast<size_t>(run.length) * dim);
+    value_rows.resize(key_rows.size());
+    for (int64_t j = 0; j < run.length; ++j) {
+      const size_t src = first + static_cast<size_t>(j) * c.kv_heads * dim;
+      std::memcpy(&key_rows[j * dim], chunk.keys + src, dim * sizeof(float));
+      std::memcpy(&value_rows[j * dim], chunk.values + src, dim * sizeof(float));
+    }
+    keys = key_rows.data();
+    values = value_rows.data();
   }
   uint8_t* page = Writable(c, run.token);
   const int64_t slot = run.token % c.page_tokens;
-  chunk.key_codec->Encode(run.length, keys.data(), page + c.key_offset(run.head, slot), key_errors);
-  chunk.value_codec->Encode(run.length, values.data(), page + c.value_offset(run.head, slot), value_errors);
+  chunk.key_codec->Encode(run.length, keys, page + c.key_offset(run.head, slot), key_errors);
+  chunk.value_codec->Encode(run.length, values, page + c.value_offset(run.head, slot), value_errors);
 }
 
 }  // namespace
