@@ -122,8 +122,8 @@ struct AttentionOptions {
   // integers (int16 x int16 -> int32 multiply-adds, on every SIMD target;
   // AVX-512 VNNI for turbo keys and values where the CPU has it), within about
   // 1e-4 relative of the float scan. false forces the float scan, the
-  // reference of the tests. (Caches AttendFewCpu takes are attended in
-  // floats either way.)
+  // reference of the tests. (Problems marked few_tokens, a layer's sinks,
+  // are attended in floats either way.)
   bool integer_dot_products = true;
 };
 
@@ -143,6 +143,11 @@ struct AttentionProblem {
   // Tokens [0, cache.first_token) in host memory, their own codecs and one
   // page (sinks.tokens of them, never transformed); tokens 0: none.
   PagedKvCache sinks = {};
+  // Set by AttendTransformed on the problem it makes of a layer's sinks when
+  // FewTokensApply: AttendCpu's SIMD path attends it with AttendFewCpu. Not
+  // chosen by the cache's length alone, which would make a query's result
+  // depend on tokens past it (a 40-token fork against its 70-token source).
+  bool few_tokens = false;
 };
 
 // Problems [count] sharing one AttentionParams (q_heads, scale, softcap,
@@ -162,9 +167,9 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
 // (INVALID_ARGUMENT naming the problem and field, nothing computed), then the
 // work items of all problems (kv head x token chunk) run as one parallel job.
 // Problems with a transform or sinks go through AttendTransformed, their
-// sinks in the same job. On the SIMD path a problem whose cache qualifies for
-// AttendFewCpu (a layer's sinks) is attended by it, one work item per kv head
-// and pass of queries.
+// sinks in the same job. On the SIMD path a problem marked few_tokens (a
+// layer's sinks) is attended by AttendFewCpu, one work item per kv head and
+// pass of queries; INVALID_ARGUMENT when its cache does not qualify.
 absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
                        const AttentionOptions& options = {});
 

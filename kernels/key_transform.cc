@@ -225,6 +225,7 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
       AttentionProblem s;
       s.cache = p.sinks;
       s.queries = p.queries;  // the sinks are stored as given: the caller's queries and offsets
+      s.few_tokens = FewTokensApply(p.sinks);
       s.output = {prep.sink_out.data(), prep.sink_lse.data(), params.top_k ? prep.sink_tokens.data() : nullptr,
                   params.top_k ? prep.sink_logits.data() : nullptr};
       sink_problems.push_back(s);

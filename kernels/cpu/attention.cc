@@ -328,14 +328,21 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
                             const AttentionOptions& options) {
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
-    if (absl::Status s = CheckAttention(p.cache, params, p.queries, p.output); !s.ok()) {
+    absl::Status s = CheckAttention(p.cache, params, p.queries, p.output);
+    if (s.ok() && p.few_tokens && !FewTokensApply(p.cache)) {
+      s = Invalid("few_tokens", absl::StrCat("the cache holds ", p.cache.tokens, " tokens in ",
+                                             CodecName(p.cache.key_layout.kind), "/",
+                                             CodecName(p.cache.value_layout.kind), "; AttendFewCpu takes at most ",
+                                             kMaxFewTokens, " in f16, q8_0 or q4_0"));
+    }
+    if (!s.ok()) {
       return batch.count == 1 ? s : absl::Status(s.code(), absl::StrCat("problem ", i, ": ", s.message()));
     }
   }
 
   // Every problem cut into passes of at most kQueriesPerPass queries. Those
-  // AttendFewCpu takes on the SIMD path are attended by it: a work item per
-  // kv head and pass, numbered before the scan's.
+  // marked few_tokens are attended, on the SIMD path, by AttendFewCpu: a work
+  // item per kv head and pass, numbered before the scan's.
   struct FewItem {
     const AttentionProblem* problem;
     int head;
@@ -345,7 +352,7 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
   std::vector<Pass> passes;
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
-    if (options.path == AttentionPath::kSimd && FewTokensApply(p.cache)) {
+    if (options.path == AttentionPath::kSimd && p.few_tokens) {
       for (int64_t first = 0; first < p.queries.n; first += kQueriesPerPass) {
         for (int h = 0; h < p.cache.kv_heads; ++h) {
           few.push_back({&p, h, first, std::min(kQueriesPerPass, p.queries.n - first)});

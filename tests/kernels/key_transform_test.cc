@@ -422,7 +422,9 @@ TEST(AttendFewTest, EqualsTheScanOnEveryTarget) {
         ASSERT_TRUE(FewTokensApply(p.cache));
         for (int h = 0; h < kKvHeads; ++h) AttendFewCpu(p, params, h, 0, n);
         p.output = {simd.out.data(), simd.lse.data(), simd.top_tokens.data(), simd.top_logits.data()};
+        p.few_tokens = true;
         ASSERT_TRUE(AttendCpu(AttentionBatch{&p, 1}, params).ok());
+        p.few_tokens = false;
         p.output = {scan.out.data(), scan.lse.data(), scan.top_tokens.data(), scan.top_logits.data()};
         ASSERT_TRUE(AttendCpu(AttentionBatch{&p, 1}, params, {AttentionPath::kScalar}).ok());
         const std::string what = std::string(hwy::TargetName(target)) + " " + CodecName(c.k) + "/" +
@@ -438,7 +440,7 @@ TEST(AttendFewTest, EqualsTheScanOnEveryTarget) {
             }
           }
         };
-        EXPECT_EQ(simd.out, few.out) << what << ": the SIMD path is AttendFewCpu here";
+        EXPECT_EQ(simd.out, few.out) << what << ": the SIMD path is AttendFewCpu when few_tokens";
         EXPECT_EQ(simd.top_tokens, few.top_tokens) << what;
         EXPECT_LT(RelativeL2(few.out, scan.out), 2e-6) << what;
         expect_near(few.lse, scan.lse);
@@ -450,6 +452,30 @@ TEST(AttendFewTest, EqualsTheScanOnEveryTarget) {
   }
   hwy::SetSupportedTargetsForTest(0);
   EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
+}
+
+// few_tokens on a cache AttendFewCpu does not take is refused, naming it.
+TEST(AttendFewTest, AMarkedCacheItCannotTakeIsRefused) {
+  for (const bool turbo : {false, true}) {
+    const int64_t tokens = turbo ? 4 : kMaxFewTokens + 1;
+    const CodecSpec spec{turbo ? CodecKind::kTurbo4 : CodecKind::kF16, 64, 0};
+    auto cache = *PagedCacheBuffer::Create(spec, spec, 1, kPage);
+    const std::vector<float> kv = GaussianVectors(tokens, 64, 21);
+    cache->Append(tokens, kv.data(), kv.data());
+    const std::vector<float> q = GaussianVectors(2, 64, 22);
+    const int64_t position = tokens - 1;
+    std::vector<float> out(2 * 64), lse(2);
+    AttentionProblem p;
+    p.cache = cache->descriptor();
+    p.queries = {1, q.data(), &position};
+    p.output = {out.data(), lse.data()};
+    p.few_tokens = true;
+    AttentionParams params;
+    params.q_heads = 2;
+    const absl::Status status = AttendCpu(AttentionBatch{&p, 1}, params);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(std::string(status.message()).find("few_tokens"), std::string::npos) << status;
+  }
 }
 
 // A device runs the pages and the CPU the sinks (PlainAttention callbacks):
