@@ -120,7 +120,7 @@ int RunAttend(int argc, char** argv) {
   if (!options.Parse(argc, argv,
                      {"k-codec", "v-codec", "tokens", "kv-heads", "q-heads", "head-dim", "queries",
                       "threads", "page-tokens", "impl", "target", "chunk-tokens", "sessions"},
-                     {"json"}, &error)) {
+                     {"json", "few-tokens"}, &error)) {
     return UsageError(error);
   }
   long long tokens, kv_heads, q_heads, head_dim, n_queries, threads, page_tokens, sessions, chunk_tokens = 0;
@@ -193,6 +193,8 @@ int RunAttend(int argc, char** argv) {
       for (long long i = 0; i < sessions; ++i) {
         problems.push_back(AttentionProblem{cache.buffer->descriptor(), queries,
                                             {batch_out.data() + i * out.size(), batch_lse.data() + i * lse.size()}});
+        // --few-tokens: attended as a layer's sinks are (AttendFewCpu).
+        problems.back().few_tokens = options.Has("few-tokens");
       }
       const absl::Status s =
           AttendCpu(AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params, attend_options);

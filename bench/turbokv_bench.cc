@@ -28,6 +28,7 @@ constexpr char kUsage[] =
     "                            --head-dim D [--queries N] [--threads N] [--page-tokens N]\n"
     "                            [--impl cpu|cuda] [--target AVX2|SSE4|...] [--chunk-tokens N] [--json]\n"
     "                            [--sessions S]  (S sessions' caches attended in one batched call)\n"
+    "                            [--few-tokens]  (as a layer's sinks: AttendFewCpu, at most 64 tokens, f16/q8_0/q4_0)\n"
     "       turbokv-bench e2e [--tokens T] [--layers L] [--kv-heads H] [--q-heads Q] [--head-dim D]\n"
     "                         [--threads N] [--chunk N] [--calls N] [--codec C] [--batch B [--steps S]]\n"
     "                         [--device cpu|cuda:N] [--json]\n"
