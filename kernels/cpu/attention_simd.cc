@@ -64,27 +64,32 @@ struct ScanSetup {
   const float* value_table;
 };
 
+// <q, k> over dim floats (a multiple of twice the lanes; k aligned), in two
+// chains of multiply-adds.
+HWY_INLINE float DotFloat(const float* q, const float* HWY_RESTRICT k, int dim) {
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
+  for (int i = 0; i < dim; i += 2 * lanes) {
+    acc0 = hn::MulAdd(hn::LoadU(d, q + i), hn::Load(d, k + i), acc0);
+    acc1 = hn::MulAdd(hn::LoadU(d, q + i + lanes), hn::Load(d, k + i + lanes), acc1);
+  }
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
+}
+
 // Raw scores <q_r, k_t> of the tile's n tokens into logits[r * kScanTile + j]:
 // each key record decoded once, dotted with every row.
 void ScoreTileFloat(const ScanTask& task, const ScanSetup& setup, int64_t t0, int n, float* k,
                     float* logits) {
   const PagedKvCache& c = *task.cache;
   const int dim = c.key_layout.head_dim;
-  const hn::ScalableTag<float> d;
-  const int lanes = static_cast<int>(hn::Lanes(d));
   // A tile lies in one page: its records are consecutive.
   const uint8_t* records = c.key_record(task.head, t0);
   const size_t record_bytes = c.key_layout.code_size();
   for (int j = 0; j < n; ++j) {
     DecodeRowSimd(c.key_layout, setup.key_table, records + j * record_bytes, k);
     for (int r = 0; r < task.rows; ++r) {
-      const float* q = task.q + static_cast<size_t>(r) * dim;
-      auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
-      for (int i = 0; i < dim; i += 2 * lanes) {
-        acc0 = hn::MulAdd(hn::LoadU(d, q + i), hn::Load(d, k + i), acc0);
-        acc1 = hn::MulAdd(hn::LoadU(d, q + i + lanes), hn::Load(d, k + i + lanes), acc1);
-      }
-      logits[r * kScanTile + j] = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
+      logits[r * kScanTile + j] = DotFloat(task.q + static_cast<size_t>(r) * dim, k, dim);
     }
   }
 }
@@ -776,13 +781,8 @@ void AttendFew(const AttentionProblem& p, const AttentionParams& params, int h, 
       const float offset = p.queries.logit_offset != nullptr ? p.queries.logit_offset[o] : 0.0f;
       float m = -INFINITY;
       for (int j = 0; j < count; ++j) {
-        const float* k = keys + static_cast<size_t>(first + j) * dim;
-        auto acc0 = hn::Zero(d), acc1 = hn::Zero(d);
-        for (int x = 0; x < dim; x += 2 * lanes) {
-          acc0 = hn::MulAdd(hn::LoadU(d, q + x), hn::Load(d, k + x), acc0);
-          acc1 = hn::MulAdd(hn::LoadU(d, q + x + lanes), hn::Load(d, k + x + lanes), acc1);
-        }
-        logits[j] = Logit(hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1))), scale, offset, params.softcap);
+        const float score = DotFloat(q, keys + static_cast<size_t>(first + j) * dim, dim);
+        logits[j] = Logit(score, scale, offset, params.softcap);
         m = std::max(m, logits[j]);
       }
       auto sum = hn::Zero(d);
