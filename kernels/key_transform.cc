@@ -24,15 +24,22 @@ void FloorAtMeanFraction(float* x, int d, float fraction) {
 
 }  // namespace
 
+// Each part's loop on its own, so that the compiler makes vector code of it
+// (with the tests inside, a Decode step's 32 sessions took 19 us of the
+// caller's thread); each value gets the same operations in the same order.
 void KeyTransform::Apply(int64_t n, float* keys, float* values) const {
   const size_t row = static_cast<size_t>(kv_heads) * head_dim;
   for (int64_t t = 0; t < n; ++t) {
     float* k = keys + t * row;
     float* v = values + t * row;
-    for (size_t i = 0; i < row; ++i) {
-      if (!key_mean.empty()) k[i] -= key_mean[i];
-      if (!key_scale.empty()) k[i] /= key_scale[i];
-      if (!value_mean.empty()) v[i] -= value_mean[i];
+    if (!key_mean.empty()) {
+      for (size_t i = 0; i < row; ++i) k[i] -= key_mean[i];
+    }
+    if (!key_scale.empty()) {
+      for (size_t i = 0; i < row; ++i) k[i] /= key_scale[i];
+    }
+    if (!value_mean.empty()) {
+      for (size_t i = 0; i < row; ++i) v[i] -= value_mean[i];
     }
   }
 }
@@ -42,10 +49,14 @@ void KeyTransform::Invert(int64_t n, float* keys, float* values) const {
   for (int64_t t = 0; t < n; ++t) {
     float* k = keys + t * row;
     float* v = values + t * row;
-    for (size_t i = 0; i < row; ++i) {
-      if (!key_scale.empty()) k[i] *= key_scale[i];
-      if (!key_mean.empty()) k[i] += key_mean[i];
-      if (!value_mean.empty()) v[i] += value_mean[i];
+    if (!key_scale.empty()) {
+      for (size_t i = 0; i < row; ++i) k[i] *= key_scale[i];
+    }
+    if (!key_mean.empty()) {
+      for (size_t i = 0; i < row; ++i) k[i] += key_mean[i];
+    }
+    if (!value_mean.empty()) {
+      for (size_t i = 0; i < row; ++i) v[i] += value_mean[i];
     }
   }
 }
