@@ -61,7 +61,7 @@ void KeyTransform::Invert(int64_t n, float* keys, float* values) const {
   }
 }
 
-absl::Status KeyTransform::Check(int expected_kv_heads, int expected_head_dim) const {
+absl::Status KeyTransform::CheckShape(int expected_kv_heads, int expected_head_dim) const {
   if (empty()) return absl::OkStatus();
   if (kv_heads != expected_kv_heads || head_dim != expected_head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("key transform of ", kv_heads, " kv heads x ", head_dim,
@@ -73,6 +73,14 @@ absl::Status KeyTransform::Check(int expected_kv_heads, int expected_head_dim) c
     if (!v->empty() && v->size() != size) {
       return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " holds ", v->size(), " values, not ", size));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KeyTransform::Check(int expected_kv_heads, int expected_head_dim) const {
+  if (absl::Status s = CheckShape(expected_kv_heads, expected_head_dim); !s.ok()) return s;
+  for (const auto& [name, v] : {std::make_pair("key_mean", &key_mean), std::make_pair("key_scale", &key_scale),
+                                std::make_pair("value_mean", &value_mean)}) {
     if (FirstNonFinite(v->data(), v->size()) < v->size()) {
       return absl::InvalidArgumentError(absl::StrCat("key transform: ", name, " is not finite"));
     }
@@ -155,9 +163,11 @@ struct Prepared {
   std::unique_ptr<float[]> q;  // [n][q_heads][head_dim] scaled queries, or none
   std::vector<float> offsets;  // [n][q_heads] logit offsets of the key means, or empty
   bool offsets_in_kernel = false;
-  // The sinks' results, merged into the problem's after.
-  std::vector<float> sink_out, sink_lse, sink_logits;
-  std::vector<int64_t> sink_tokens;
+  // The sinks' results, merged into the problem's after. Not zeroed: the
+  // sinks' attention writes every row (512 KiB of memset a Decode step of 32
+  // sessions otherwise, on the caller's thread).
+  std::unique_ptr<float[]> sink_out, sink_lse, sink_logits;
+  std::unique_ptr<int64_t[]> sink_tokens;
 };
 
 absl::Status CheckExtras(const AttentionProblem& p, int64_t index) {
@@ -166,7 +176,12 @@ absl::Status CheckExtras(const AttentionProblem& p, int64_t index) {
   };
   const PagedKvCache& c = p.cache;
   if (p.transform != nullptr) {
-    if (absl::Status s = p.transform->Check(c.kv_heads, c.key_layout.head_dim); !s.ok()) return invalid(std::string(s.message()));
+    // Its shape only: its values were checked where it was made (fitted
+    // from checked tokens, or loaded from a snapshot or tier). Checking a
+    // Decode step's 32 transforms again cost the caller's thread about 30 us.
+    if (absl::Status s = p.transform->CheckShape(c.kv_heads, c.key_layout.head_dim); !s.ok()) {
+      return invalid(std::string(s.message()));
+    }
   }
   if (p.sinks.tokens != c.first_token) {
     return invalid(absl::StrCat("sinks hold ", p.sinks.tokens, " tokens, the pages start at token ", c.first_token));
@@ -229,16 +244,17 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
       if (prep.offsets_in_kernel) out.queries.logit_offset = prep.offsets.data();
     }
     if (p.sinks.tokens > 0) {
-      prep.sink_out.resize(rows * d);
-      prep.sink_lse.resize(rows);
-      prep.sink_tokens.resize(rows * params.top_k);
-      prep.sink_logits.resize(rows * params.top_k);
+      prep.sink_out.reset(new float[rows * d]);
+      prep.sink_lse.reset(new float[rows]);
+      if (params.top_k > 0) {
+        prep.sink_tokens.reset(new int64_t[rows * params.top_k]);
+        prep.sink_logits.reset(new float[rows * params.top_k]);
+      }
       AttentionProblem s;
       s.cache = p.sinks;
       s.queries = p.queries;  // the sinks are stored as given: the caller's queries and offsets
       s.few_tokens = FewTokensApply(p.sinks);
-      s.output = {prep.sink_out.data(), prep.sink_lse.data(), params.top_k ? prep.sink_tokens.data() : nullptr,
-                  params.top_k ? prep.sink_logits.data() : nullptr};
+      s.output = {prep.sink_out.get(), prep.sink_lse.get(), prep.sink_tokens.get(), prep.sink_logits.get()};
       sink_problems.push_back(s);
     }
   }
@@ -283,14 +299,14 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
       }
     }
     if (p.sinks.tokens == 0) continue;
-    MergeAttention(rows, d, p.output.out, p.output.lse, prep.sink_out.data(), prep.sink_lse.data());
+    MergeAttention(rows, d, p.output.out, p.output.lse, prep.sink_out.get(), prep.sink_lse.get());
     std::vector<int64_t> tokens(static_cast<size_t>(k));
     std::vector<float> logits(static_cast<size_t>(k));
     for (size_t r = 0; r < rows && k > 0; ++r) {
       int64_t* out_tokens = p.output.topk_tokens + r * k;
       float* out_logits = p.output.topk_logits + r * k;
-      const int64_t* sink_tokens = prep.sink_tokens.data() + r * k;
-      const float* sink_logits = prep.sink_logits.data() + r * k;
+      const int64_t* sink_tokens = prep.sink_tokens.get() + r * k;
+      const float* sink_logits = prep.sink_logits.get() + r * k;
       int a = 0, b = 0;
       for (int j = 0; j < k; ++j) {
         const bool have_a = a < k && out_tokens[a] >= 0;

@@ -54,6 +54,8 @@ struct KeyTransform {
   // or a scale that is not positive): what a snapshot or tier record gives
   // is checked with it.
   absl::Status Check(int expected_kv_heads, int expected_head_dim) const;
+  // The shape alone (AttendTransformed, on every call).
+  absl::Status CheckShape(int expected_kv_heads, int expected_head_dim) const;
 };
 
 // Fits a transform from n tokens' keys and values [n][kv_heads][head_dim]

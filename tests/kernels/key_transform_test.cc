@@ -235,8 +235,11 @@ TEST(KeyTransformTest, CheckNamesWhatDoesNotMatch) {
   t.key_scale[3] = 1.0f;
   t.value_mean[7] = INFINITY;
   EXPECT_NE(std::string(t.Check(2, 64).message()).find("value_mean"), std::string::npos);
+  EXPECT_TRUE(t.CheckShape(2, 64).ok());  // the values are Check's alone
+  EXPECT_NE(std::string(t.CheckShape(2, 128).message()).find("kv heads"), std::string::npos);
   t.value_mean.pop_back();
   EXPECT_NE(std::string(t.Check(2, 64).message()).find("holds"), std::string::npos);
+  EXPECT_NE(std::string(t.CheckShape(2, 64).message()).find("holds"), std::string::npos);
 }
 
 // Exactness: attention over a layer stored with the transform and sinks
