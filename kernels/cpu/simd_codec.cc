@@ -7,6 +7,9 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
 #include "kernels/codec.h"
@@ -300,6 +303,31 @@ size_t FirstNonFiniteT(const float* HWY_RESTRICT x, size_t n) {
   return first;
 }
 
+void LargestMagnitudesT(const float* HWY_RESTRICT x, size_t n, size_t block, float* largest,
+                        float* largest_block_square) {
+  const hn::ScalableTag<float> d;
+  const size_t lanes = hn::Lanes(d);
+  auto top = hn::Zero(d);
+  float top_tail = 0.0f, top_square = 0.0f;
+  for (size_t b = 0; b < n; b += block) {
+    auto sum = hn::Zero(d);
+    size_t i = b;
+    for (; i + lanes <= b + block; i += lanes) {
+      const auto v = hn::LoadU(d, x + i);
+      top = hn::Max(top, hn::Abs(v));
+      if (largest_block_square != nullptr) sum = hn::MulAdd(v, v, sum);
+    }
+    float square = hn::GetLane(hn::SumOfLanes(d, sum));
+    for (; i < b + block; ++i) {
+      top_tail = std::max(top_tail, std::fabs(x[i]));
+      square += x[i] * x[i];
+    }
+    top_square = std::max(top_square, square);
+  }
+  *largest = std::max(top_tail, hn::GetLane(hn::MaxOfLanes(d, top)));
+  if (largest_block_square != nullptr) *largest_block_square = top_square;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace turbokv
 HWY_AFTER_NAMESPACE();
@@ -323,10 +351,15 @@ HWY_EXPORT(RotateRows);
 HWY_EXPORT(DecodeF16);
 HWY_EXPORT(FirstNonFiniteT);
 HWY_EXPORT(DotDoubleT);
+HWY_EXPORT(LargestMagnitudesT);
 
 double DotDouble(const float* a, const float* b, int n) { return HWY_DYNAMIC_DISPATCH(DotDoubleT)(a, b, n); }
 
 size_t FirstNonFinite(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(FirstNonFiniteT)(x, n); }
+
+void LargestMagnitudes(const float* x, size_t n, size_t block, float* largest, float* largest_block_square) {
+  HWY_DYNAMIC_DISPATCH(LargestMagnitudesT)(x, n, block, largest, largest_block_square);
+}
 
 const char* ChosenSimdTarget() {
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;

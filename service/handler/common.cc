@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/time_util.h"
+#include "kernels/half.h"
 #include "kernels/key_transform.h"
 #include "service/error_side.h"
 
@@ -136,6 +137,27 @@ absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const Attenti
   return absl::OkStatus();
 }
 
+namespace {
+
+bool IsTurbo(CodecKind codec) {
+  return codec != CodecKind::kF16 && codec != CodecKind::kQ8_0 && codec != CodecKind::kQ4_0;
+}
+
+// Whether a layer's rows [rows][d] are surely storable: the largest value
+// and block norm over all of them (SIMD), a block norm within a 2^-10
+// margin of its bound left to the row-by-row check, which decides alone.
+bool SurelyStorable(CodecKind codec, const float* x, size_t rows, int d) {
+  const CodecLayout layout = MakeCodecLayout(codec, d);
+  if (layout.block_values <= 0) return false;
+  float largest = 0.0f, block_square = 0.0f;
+  const bool turbo = IsTurbo(codec);
+  LargestMagnitudes(x, rows * d, static_cast<size_t>(layout.block_values), &largest, turbo ? &block_square : nullptr);
+  constexpr float kMargin = 1.0f - 1.0f / 1024;
+  return largest <= kMaxStoredValue && (!turbo || block_square <= kMaxTurboBlockNorm * kMaxTurboBlockNorm * kMargin);
+}
+
+}  // namespace
+
 absl::Status CheckStorable(const SessionConfig& config, KvPart part, const float* data,
                            const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view what) {
   const int d = config.head_dim;
@@ -148,8 +170,13 @@ absl::Status CheckStorable(const SessionConfig& config, KvPart part, const float
     if (row % layer_rows == 0) {  // a new layer: its codec
       const int l = layers[row / layer_rows];
       codec = part == KvPart::kKeys ? config.KeyCodec(l) : config.ValueCodec(l);
+      // Most layers are checked at once; the rest row by row, below.
+      if (SurelyStorable(codec, data + row * d, layer_rows, d)) {
+        row += layer_rows - 1;
+        continue;
+      }
       layout = MakeCodecLayout(codec, d);
-      turbo = codec != CodecKind::kF16 && codec != CodecKind::kQ8_0 && codec != CodecKind::kQ4_0;
+      turbo = IsTurbo(codec);
     }
     const float* x = data + row * d;
     float largest = 0.0f, block_norm = 0.0f;

@@ -1,5 +1,6 @@
 #include "kernels/half.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -87,6 +88,48 @@ TEST(FiniteTest, FirstNonFiniteOnEveryTarget) {
           if (at + 1 < n) y[n - 1] = inf;  // a later one does not count
           EXPECT_EQ(FirstNonFinite(y.data(), n), at) << name << " n=" << n << " at " << at << " " << special;
         }
+      }
+    }
+    ++tested;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
+}
+
+// LargestMagnitudes against a double reference: the largest |x| exactly,
+// the largest block sum of squares to float rounding, for block sizes that
+// are and are not multiples of every target's lanes.
+TEST(FiniteTest, LargestMagnitudesOnEveryTarget) {
+  int tested = 0;
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    const std::string name = hwy::TargetName(target);
+    for (size_t block : {size_t{8}, size_t{32}, size_t{40}, size_t{64}, size_t{128}}) {
+      for (size_t blocks : {size_t{0}, size_t{1}, size_t{3}, size_t{9}}) {
+        const size_t n = block * blocks;
+        std::vector<float> x(n);
+        uint32_t state = static_cast<uint32_t>(n * 2654435761u + block);
+        for (float& v : x) {
+          state = state * 1664525u + 1013904223u;
+          v = (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 100.0f;
+        }
+        if (n > 0) x[n * 2 / 3] = -60000.0f;  // the largest, negative
+        double largest = 0, square = 0;
+        for (size_t b = 0; b < n; b += block) {
+          double sum = 0;
+          for (size_t i = b; i < b + block; ++i) {
+            largest = std::max(largest, std::fabs(static_cast<double>(x[i])));
+            sum += static_cast<double>(x[i]) * x[i];
+          }
+          square = std::max(square, sum);
+        }
+        float got_largest = -1.0f, got_square = -1.0f, alone = -1.0f;
+        LargestMagnitudes(x.data(), n, block, &got_largest, &got_square);
+        LargestMagnitudes(x.data(), n, block, &alone, nullptr);
+        EXPECT_EQ(got_largest, static_cast<float>(largest)) << name << " block " << block << " n " << n;
+        EXPECT_EQ(alone, got_largest) << name << " block " << block << " n " << n;
+        EXPECT_NEAR(got_square, square, 1e-6 * square) << name << " block " << block << " n " << n;
       }
     }
     ++tested;

@@ -699,6 +699,16 @@ TEST_P(HandlerTest, ValuesACodecWouldSaturateAreRefusedNamingWhere) {
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("keys of layer 0, position 10, kv head 0"));
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("norm"));
   EXPECT_EQ(Info(turbo).layer_tokens(0), 8);
+  // At the bound the check row by row decides (the SIMD one leaves it a
+  // margin): a block norm of 32769 is refused, one of 32767 stored.
+  std::vector<float> edge(static_cast<size_t>(kKv) * kDim, 0.0f), zeros(edge.size(), 0.0f);
+  edge[kDim + 5] = 32769.0f;
+  refused = handler_->Append(MakeAppend(turbo, 0, 8, edge, zeros, {1, kKv, kDim}));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("position 8, kv head 1: a block of 128 values has norm 32769"));
+  edge[kDim + 5] = 32767.0f;
+  EXPECT_TRUE(handler_->Append(MakeAppend(turbo, 0, 8, edge, zeros, {1, kKv, kDim})).ok());
+  EXPECT_EQ(Info(turbo).layer_tokens(0), 9);
   // The same values in f16 keys are fine; past fp16's range they are not.
   EXPECT_TRUE(handler_->Append(MakeAppend(f16, 0, 0, k, v, {n, kKv, kDim})).ok());
   v[5] = 3e38f;
