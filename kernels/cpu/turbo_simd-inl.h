@@ -92,12 +92,13 @@ HWY_INLINE hn::Vec<D> Centroids(D d, const float* table, int levels, VI index) {
   return hn::GatherIndex(d, table, index);
 }
 
-// fp16 values to float: F16C where the target has it, the scalar conversion
-// elsewhere (both exact).
+// fp16 values to float, whole vectors on every SIMD target: F16C where the
+// target has it, Highway's integer conversion elsewhere (SSE4, where the
+// scalar one made AttendFewCpu slower than the scan); exact either way.
 HWY_INLINE void DecodeF16Values(size_t count, const uint8_t* HWY_RESTRICT codes,
                                 float* HWY_RESTRICT x) {
   size_t i = 0;
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+#if HWY_TARGET != HWY_SCALAR
   const hn::ScalableTag<float> d;
   const hn::Rebind<hwy::float16_t, decltype(d)> dh;
   const size_t lanes = hn::Lanes(d);
