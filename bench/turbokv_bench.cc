@@ -20,6 +20,7 @@ int RunE2e(int argc, char** argv);
 int RunQuality(int argc, char** argv);
 int RunTakeover(int argc, char** argv);
 int RunPrefix(int argc, char** argv);
+int RunPool(int argc, char** argv);
 
 constexpr char kUsage[] =
     "usage: turbokv-bench codec --codec NAME --head-dim D --vectors N [--impl simd|scalar|cuda] [--target AVX2|SSE4|...] [--json]\n"
@@ -47,7 +48,10 @@ constexpr char kUsage[] =
     "       turbokv-bench prefix [--sessions 32] [--tokens 4096] [--layers 32] [--kv-heads 8] [--q-heads 32]\n"
     "                            [--head-dim 128] [--threads 2] [--preset NAME] [--json]\n"
     "                         one session appends a prefix and names its blocks, the others start from it:\n"
-    "                         memory held against one session's, and start time against appending\n";
+    "                         memory held against one session's, and start time against appending\n"
+    "       turbokv-bench pool [--threads 2] [--indices 32] [--index-us 2.3] [--calls 300] [--gap-us 300]\n"
+    "                          [--rounds 3] [--json]\n"
+    "                         the kernel pool's large calls, its workers plain and pinned (--pin-threads) in turns\n";
 
 int UsageError(const std::string& message) {
   std::fprintf(stderr, "turbokv-bench: %s\n%s", message.c_str(), kUsage);
@@ -66,6 +70,7 @@ int main(int argc, char** argv) {
   if (command == "quality") return RunQuality(argc - 2, argv + 2);
   if (command == "takeover") return RunTakeover(argc - 2, argv + 2);
   if (command == "prefix") return RunPrefix(argc - 2, argv + 2);
+  if (command == "pool") return RunPool(argc - 2, argv + 2);
   if (command == "-h" || command == "--help" || command == "help") {
     std::printf("%s", kUsage);
     return 0;

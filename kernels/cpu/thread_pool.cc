@@ -12,11 +12,33 @@
 
 namespace turbokv {
 
-ThreadPool::ThreadPool(int threads, int64_t background_from) : background_from_(background_from) {
+#ifdef __linux__
+namespace {
+
+// Keeps the calling thread to the i-th CPU (modulo their count) it may run on.
+void PinToCpu(int i) {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || CPU_COUNT(&allowed) == 0) return;
+  int want = i % CPU_COUNT(&allowed);
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed) || want-- > 0) continue;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    (void)sched_setaffinity(0, sizeof(one), &one);
+    return;
+  }
+}
+
+}  // namespace
+#endif
+
+ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : background_from_(background_from) {
   const bool background = background_from > 0;
   for (int i = background ? 0 : 1; i < std::max(threads, 1); ++i) {
-    workers_.emplace_back([this, background] {
+    workers_.emplace_back([this, background, pin, worker = i - (background ? 0 : 1)] {
 #ifdef __linux__
+      if (pin) PinToCpu(worker);
       // The policy is per thread on Linux. SCHED_IDLE, not a nice value:
       // a thread of the normal class that wakes takes the core from an idle
       // one at once, where a niced worker may keep it for the rest of its
@@ -88,8 +110,11 @@ void ThreadPool::WorkerLoop() {
     // Wake the next worker from here, not all of them from the caller: woken
     // together while the caller still held its core, two workers were often
     // queued on one core with the other idle, and a large call ran at half
-    // the pool (a 640 us call of 2 workers took 1,320 us, p50). A worker
-    // woken by a running worker is placed on an idle core.
+    // the pool (a 640 us call of 2 workers took 1,320 us, p50). Woken by a
+    // running worker of the SCHED_IDLE class they still often are (that
+    // worker's core counts as idle to the placement): most short calls ran
+    // on one core, and a tenth of the long ones. Pinned workers (`pin`)
+    // cannot be.
     if (job->n - job->next.load() > 1) wake_.notify_one();
     // While it is the only call, run its indices without going back to the
     // lock for each.

@@ -31,7 +31,14 @@ class ThreadPool {
  public:
   // `threads` is the total parallelism, the calling thread included (>= 1);
   // with background_from > 0, `threads` workers beside the callers.
-  explicit ThreadPool(int threads, int64_t background_from = 0);
+  // `pin` (Linux): worker i keeps to the i-th CPU (modulo their count) this
+  // process may run on, where the kernel otherwise often put two workers
+  // woken one after the other on one core, the other left idle (a core
+  // running only SCHED_IDLE threads counts as idle to a wake-up's
+  // placement). Only for CPUs that are the process's alone: a pinned worker
+  // cannot leave a core another thread keeps busy, and the index it holds
+  // keeps its call waiting as long (turbokvd --pin-threads).
+  explicit ThreadPool(int threads, int64_t background_from = 0, bool pin = false);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -147,6 +148,45 @@ TEST(ThreadPoolTest, EveryWorkerACallNeedsIsWoken) {
     }
   }
 }
+
+#ifdef __linux__
+// A pinned pool's workers each keep to one CPU, the i-th of those the
+// process may use (modulo their count): two workers on two CPUs never share
+// one. Every index of every call still runs once.
+TEST(ThreadPoolTest, PinnedWorkersEachKeepToOneCpuOfTheirOwn) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  const int cpus = CPU_COUNT(&allowed);
+  constexpr int kWorkers = 2;
+  ThreadPool pool(kWorkers, /*background_from=*/1, /*pin=*/true);
+  std::mutex mutex;
+  std::map<std::thread::id, std::set<int>> seen;  // each worker's CPUs
+  for (int round = 0; round < 20; ++round) {
+    std::vector<std::atomic<int>> hits(64);
+    pool.ParallelFor(64, [&](int64_t i) {
+      ++hits[static_cast<size_t>(i)];
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      std::lock_guard<std::mutex> lock(mutex);
+      seen[std::this_thread::get_id()].insert(sched_getcpu());
+    });
+    for (const auto& h : hits) ASSERT_EQ(h.load(), 1);
+  }
+  std::set<int> all;
+  for (const auto& [thread, cpu_set] : seen) {
+    EXPECT_EQ(cpu_set.size(), 1u);
+    EXPECT_TRUE(CPU_ISSET(*cpu_set.begin(), &allowed));
+    all.insert(cpu_set.begin(), cpu_set.end());
+  }
+  EXPECT_EQ(seen.size(), static_cast<size_t>(kWorkers));  // 64 indices of 50 us a call: both take some
+  if (cpus >= kWorkers) {
+    EXPECT_EQ(all.size(), static_cast<size_t>(kWorkers));
+  }
+  // The calling thread is not pinned.
+  cpu_set_t mine;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mine), &mine), 0);
+  EXPECT_TRUE(CPU_EQUAL(&mine, &allowed));
+}
+#endif
 
 }  // namespace
 }  // namespace turbokv
