@@ -37,6 +37,7 @@ struct ServerOptions {
   std::vector<std::string> listen = {"unix:///tmp/turbokv.sock"};
   std::string device = "auto";  // auto, cpu or cuda:N
   int threads = 0;              // kernel threads; 0: one per core
+  bool pin_threads = false;     // each kernel thread kept to one CPU (ThreadPool's `pin`)
   // Bytes of compressed pages; 0: the device's default (on a GPU, the CUDA
   // backend's share of its free memory; on the CPU, kDefaultHostBudget).
   size_t memory_budget = 0;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -97,6 +98,26 @@ TEST(TurbokvdTest, ThreadsZeroFollowsTheAffinityMask) {
   EXPECT_EQ(daemon.Stop(SIGTERM), 0);
   EXPECT_THAT(daemon.Log(), HasSubstr(", 1 thread) "));
   EXPECT_THAT(daemon.Log(), HasSubstr("threads from --threads=0: 1 CPU in the affinity mask"));
+}
+
+// --pin-threads=on keeps each kernel thread to one CPU: the daemon says so,
+// and each of its kernel threads (the SCHED_IDLE ones in /proc) may run on
+// one CPU.
+TEST(TurbokvdTest, PinnedThreadsEachKeepToOneCpu) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--metrics-listen=", "--threads=2", "--pin-threads=on"});
+  auto client = Client::Connect(Socket());
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  int pinned = 0;
+  for (const auto& task : std::filesystem::directory_iterator(absl::StrCat("/proc/", daemon.pid(), "/task"))) {
+    const pid_t tid = static_cast<pid_t>(std::stoi(task.path().filename().string()));
+    cpu_set_t mask;
+    if (sched_getscheduler(tid) != SCHED_IDLE || sched_getaffinity(tid, sizeof(mask), &mask) != 0) continue;
+    EXPECT_EQ(CPU_COUNT(&mask), 1) << "thread " << tid;
+    ++pinned;
+  }
+  EXPECT_EQ(pinned, 2) << daemon.Log();
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+  EXPECT_THAT(daemon.Log(), HasSubstr("each kept to one CPU (--pin-threads=on)"));
 }
 
 // A worker holds its Decode stream open for its whole life: SIGTERM ends it
@@ -309,6 +330,7 @@ TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
       {{"--memory-budget=lots"}, "--memory-budget: 'lots' is not a size"},
       {{"--memory-budget=0"}, "--memory-budget must be more than 0 (leave it out for the device's default)"},
       {{"--eviction=random"}, "--eviction=random: expected reject or lru"},
+      {{"--pin-threads=yes"}, "--pin-threads=yes: expected on or off"},
       {{"--device=tpu"}, "--device=tpu: expected auto, cpu or cuda:N"},
       {{"--no-such-flag=1"}, "unknown flag --no-such-flag"},
       {{"--listen=nowhere"}, "--listen=nowhere: expected unix:///path or host:port"},
