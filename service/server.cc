@@ -221,7 +221,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   // chunks (a Decode message's appends) run on the pool's background
   // workers; smaller ones on their caller.
   server->kernel_pool_ = std::make_unique<ThreadPool>(threads, /*background_from=*/64, options.pin_threads);
-  if (options.pin_threads) absl::StrAppend(&threads_why, ", each kept to one CPU (--pin-threads=on)");
+  if (options.pin_threads) {
+    if (server->kernel_pool_->pinned() != threads) {
+      return absl::FailedPreconditionError(absl::StrCat("--pin-threads=on: ", server->kernel_pool_->pinned(), " of ",
+                                                        threads, " kernel threads could be kept to one CPU"));
+    }
+    absl::StrAppend(&threads_why, ", each kept to one CPU (--pin-threads=on)");
+  }
   // Enough workers that cheap calls are not queued behind kernels; one
   // tenant holds at most half of them. On a GPU, up to four calls run on
   // the device at once (a stream, with its own staging, each).

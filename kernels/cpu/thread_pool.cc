@@ -4,6 +4,7 @@
 #include <chrono>
 
 #ifdef __linux__
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -12,33 +13,11 @@
 
 namespace turbokv {
 
-#ifdef __linux__
-namespace {
-
-// Keeps the calling thread to the i-th CPU (modulo their count) it may run on.
-void PinToCpu(int i) {
-  cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || CPU_COUNT(&allowed) == 0) return;
-  int want = i % CPU_COUNT(&allowed);
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-    if (!CPU_ISSET(cpu, &allowed) || want-- > 0) continue;
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    (void)sched_setaffinity(0, sizeof(one), &one);
-    return;
-  }
-}
-
-}  // namespace
-#endif
-
 ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : background_from_(background_from) {
   const bool background = background_from > 0;
   for (int i = background ? 0 : 1; i < std::max(threads, 1); ++i) {
-    workers_.emplace_back([this, background, pin, worker = i - (background ? 0 : 1)] {
+    workers_.emplace_back([this, background] {
 #ifdef __linux__
-      if (pin) PinToCpu(worker);
       // The policy is per thread on Linux. SCHED_IDLE, not a nice value:
       // a thread of the normal class that wakes takes the core from an idle
       // one at once, where a niced worker may keep it for the rest of its
@@ -53,6 +32,22 @@ ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : backgro
       WorkerLoop();
     });
   }
+#ifdef __linux__
+  cpu_set_t allowed;
+  if (!pin || sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+  }
+  for (size_t w = 0; w < workers_.size() && !cpus.empty(); ++w) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus[w % cpus.size()], &one);
+    pinned_ += pthread_setaffinity_np(workers_[w].native_handle(), sizeof(one), &one) == 0;
+  }
+#else
+  (void)pin;
+#endif
 }
 
 ThreadPool::~ThreadPool() {

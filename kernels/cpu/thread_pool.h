@@ -37,13 +37,16 @@ class ThreadPool {
   // running only SCHED_IDLE threads counts as idle to a wake-up's
   // placement). Only for CPUs that are the process's alone: a pinned worker
   // cannot leave a core another thread keeps busy, and the index it holds
-  // keeps its call waiting as long (turbokvd --pin-threads).
+  // keeps its call waiting as long (turbokvd --pin-threads). More workers
+  // than CPUs share them in turn.
   explicit ThreadPool(int threads, int64_t background_from = 0, bool pin = false);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return static_cast<int>(workers_.size()) + (background_from_ > 0 ? 0 : 1); }
+  // Workers kept to one CPU (`pin`; 0 without it, or where it failed).
+  int pinned() const { return pinned_; }
 
   // Runs fn(i) for every i in [0, n) and returns when all have finished.
   // fn must not throw, and must not call ParallelFor on the same pool.
@@ -76,6 +79,7 @@ class ThreadPool {
   std::vector<std::shared_ptr<Job>> jobs_;  // the calls in progress
   std::atomic<size_t> active_{0};           // jobs_.size(), read without the lock
   bool stop_ = false;
+  int pinned_ = 0;
 };
 
 }  // namespace turbokv

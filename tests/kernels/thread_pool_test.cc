@@ -2,6 +2,7 @@
 // a small call finishes while a large one is still running.
 #include "kernels/cpu/thread_pool.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -152,39 +153,41 @@ TEST(ThreadPoolTest, EveryWorkerACallNeedsIsWoken) {
 #ifdef __linux__
 // A pinned pool's workers each keep to one CPU, the i-th of those the
 // process may use (modulo their count): two workers on two CPUs never share
-// one. Every index of every call still runs once.
+// one. Each call's two indices wait until both run at once, so both workers
+// run in every call.
 TEST(ThreadPoolTest, PinnedWorkersEachKeepToOneCpuOfTheirOwn) {
   cpu_set_t allowed;
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
-  const int cpus = CPU_COUNT(&allowed);
   constexpr int kWorkers = 2;
   ThreadPool pool(kWorkers, /*background_from=*/1, /*pin=*/true);
+  EXPECT_EQ(pool.pinned(), kWorkers);
   std::mutex mutex;
   std::map<std::thread::id, std::set<int>> seen;  // each worker's CPUs
   for (int round = 0; round < 20; ++round) {
-    std::vector<std::atomic<int>> hits(64);
-    pool.ParallelFor(64, [&](int64_t i) {
-      ++hits[static_cast<size_t>(i)];
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-      std::lock_guard<std::mutex> lock(mutex);
+    std::condition_variable all_in;
+    int started = 0;
+    std::atomic<int> met{0};
+    pool.ParallelFor(kWorkers, [&](int64_t) {
+      std::unique_lock<std::mutex> lock(mutex);
       seen[std::this_thread::get_id()].insert(sched_getcpu());
+      if (++started == kWorkers) all_in.notify_all();
+      if (all_in.wait_for(lock, std::chrono::seconds(10), [&] { return started == kWorkers; })) ++met;
     });
-    for (const auto& h : hits) ASSERT_EQ(h.load(), 1);
+    ASSERT_EQ(met.load(), kWorkers) << "round " << round;
   }
+  ASSERT_EQ(seen.size(), static_cast<size_t>(kWorkers));
   std::set<int> all;
-  for (const auto& [thread, cpu_set] : seen) {
-    EXPECT_EQ(cpu_set.size(), 1u);
-    EXPECT_TRUE(CPU_ISSET(*cpu_set.begin(), &allowed));
-    all.insert(cpu_set.begin(), cpu_set.end());
+  for (const auto& [thread, cpus] : seen) {
+    EXPECT_EQ(cpus.size(), 1u);
+    EXPECT_TRUE(CPU_ISSET(*cpus.begin(), &allowed));
+    all.insert(cpus.begin(), cpus.end());
   }
-  EXPECT_EQ(seen.size(), static_cast<size_t>(kWorkers));  // 64 indices of 50 us a call: both take some
-  if (cpus >= kWorkers) {
-    EXPECT_EQ(all.size(), static_cast<size_t>(kWorkers));
-  }
-  // The calling thread is not pinned.
+  EXPECT_EQ(all.size(), static_cast<size_t>(std::min(kWorkers, CPU_COUNT(&allowed))));
+  // The calling thread is not pinned, and a pool without `pin` pins none.
   cpu_set_t mine;
   ASSERT_EQ(sched_getaffinity(0, sizeof(mine), &mine), 0);
   EXPECT_TRUE(CPU_EQUAL(&mine, &allowed));
+  EXPECT_EQ(ThreadPool(kWorkers, /*background_from=*/1).pinned(), 0);
 }
 #endif
 
