@@ -202,6 +202,22 @@ TEST(KeyTransformTest, ScalesAreNormalizedAndFollowTheQueries) {
   EXPECT_LT(aware.key_scale[5] / plain.key_scale[5], 0.5);
 }
 
+// Keys almost alike and huge queries: sigma / r underflows, and scales
+// normalized from it would be 0 x inf. The keys are then left unscaled (still
+// centered), and what is fitted passes Check.
+TEST(KeyTransformTest, ScalesThatWouldNotBeFiniteAreLeftOut) {
+  constexpr int d = 64;
+  constexpr int n = 64;
+  std::vector<float> keys(static_cast<size_t>(n) * d), q(static_cast<size_t>(n) * d, 1e30f);
+  for (int i = 0; i < n; ++i) {
+    for (int c = 0; c < d; ++c) keys[static_cast<size_t>(i) * d + c] = 1e-30f * static_cast<float>((i + c) % 2);
+  }
+  const KeyTransform t = FitKeyTransform(kCenterScale, n, 1, d, keys.data(), keys.data(), 1, q.data());
+  EXPECT_EQ(t.key_mean.size(), static_cast<size_t>(d));
+  EXPECT_TRUE(t.key_scale.empty());
+  EXPECT_TRUE(t.Check(1, d).ok()) << t.Check(1, d);
+}
+
 // DotDouble on every SIMD target against a long double sum: lengths around
 // the vector widths, and terms that cancel (where float sums would not do).
 TEST(KeyTransformTest, DotDoubleOnEveryTarget) {
