@@ -28,8 +28,8 @@ TURBOKV_HD uint32_t FloatBits(float f) {
 // (kernels/cpu/simd_codec.cc), since every request's tensors pass through it.
 size_t FirstNonFinite(const float* x, size_t n);
 
-// Over finite x[0, n) cut into blocks of `block` values (n a multiple of
-// it): the largest |x| and, when largest_block_square is not null, the
+// Over finite x[0, n) cut into blocks of `block` > 0 values (n a multiple
+// of it): the largest |x| and, when largest_block_square is not null, the
 // largest sum of squares of a block. SIMD on every target, for the checks
 // that every appended value fits its codec; the sums are added in an order
 // of the target's, so a caller deciding at a bound leaves itself a margin.

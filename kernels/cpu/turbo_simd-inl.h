@@ -94,7 +94,9 @@ HWY_INLINE hn::Vec<D> Centroids(D d, const float* table, int levels, VI index) {
 
 // fp16 values to float, whole vectors on every SIMD target: F16C where the
 // target has it, Highway's integer conversion elsewhere (SSE4, where the
-// scalar one made AttendFewCpu slower than the scan); exact either way.
+// scalar one made AttendFewCpu slower than the scan). Exact for finite
+// values, which is all a cache stores (inf and NaN halves may come out
+// finite where there is no F16C).
 HWY_INLINE void DecodeF16Values(size_t count, const uint8_t* HWY_RESTRICT codes,
                                 float* HWY_RESTRICT x) {
   size_t i = 0;

@@ -114,22 +114,33 @@ TEST(FiniteTest, LargestMagnitudesOnEveryTarget) {
           state = state * 1664525u + 1013904223u;
           v = (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 100.0f;
         }
-        if (n > 0) x[n * 2 / 3] = -60000.0f;  // the largest, negative
-        double largest = 0, square = 0;
-        for (size_t b = 0; b < n; b += block) {
-          double sum = 0;
-          for (size_t i = b; i < b + block; ++i) {
-            largest = std::max(largest, std::fabs(static_cast<double>(x[i])));
-            sum += static_cast<double>(x[i]) * x[i];
-          }
-          square = std::max(square, sum);
+        // The largest, negative, inside the blocks; then, larger, the last
+        // value of all (in a block's scalar tail where lanes do not divide it).
+        if (n == 0) {
+          float largest = -1.0f, square = -1.0f;
+          LargestMagnitudes(x.data(), 0, block, &largest, &square);
+          EXPECT_EQ(largest, 0.0f) << name;
+          EXPECT_EQ(square, 0.0f) << name;
+          continue;
         }
-        float got_largest = -1.0f, got_square = -1.0f, alone = -1.0f;
-        LargestMagnitudes(x.data(), n, block, &got_largest, &got_square);
-        LargestMagnitudes(x.data(), n, block, &alone, nullptr);
-        EXPECT_EQ(got_largest, static_cast<float>(largest)) << name << " block " << block << " n " << n;
-        EXPECT_EQ(alone, got_largest) << name << " block " << block << " n " << n;
-        EXPECT_NEAR(got_square, square, 1e-6 * square) << name << " block " << block << " n " << n;
+        for (const size_t at : {n * 2 / 3, n - 1}) {
+          x[at] = at == n - 1 ? 61000.0f : -60000.0f;
+          double largest = 0, square = 0;
+          for (size_t b = 0; b < n; b += block) {
+            double sum = 0;
+            for (size_t i = b; i < b + block; ++i) {
+              largest = std::max(largest, std::fabs(static_cast<double>(x[i])));
+              sum += static_cast<double>(x[i]) * x[i];
+            }
+            square = std::max(square, sum);
+          }
+          float got_largest = -1.0f, got_square = -1.0f, alone = -1.0f;
+          LargestMagnitudes(x.data(), n, block, &got_largest, &got_square);
+          LargestMagnitudes(x.data(), n, block, &alone, nullptr);
+          EXPECT_EQ(got_largest, static_cast<float>(largest)) << name << " block " << block << " n " << n;
+          EXPECT_EQ(alone, got_largest) << name << " block " << block << " n " << n;
+          EXPECT_NEAR(got_square, square, 1e-6 * square) << name << " block " << block << " n " << n;
+        }
       }
     }
     ++tested;

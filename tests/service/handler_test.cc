@@ -709,6 +709,16 @@ TEST_P(HandlerTest, ValuesACodecWouldSaturateAreRefusedNamingWhere) {
   edge[kDim + 5] = 32767.0f;
   EXPECT_TRUE(handler_->Append(MakeAppend(turbo, 0, 8, edge, zeros, {1, kKv, kDim})).ok());
   EXPECT_EQ(Info(turbo).layer_tokens(0), 9);
+  // Every layer at once: layer 0 passes whole, the fault is named in layer 1.
+  const std::string all = Create();
+  std::vector<float> layers_k = GaussianVectors(kLayers * 2 * kKv, kDim, 5);
+  const std::vector<float> layers_v = GaussianVectors(kLayers * 2 * kKv, kDim, 6);
+  // Layer 1, position 1, kv head 1: [layers][tokens][kv heads][head_dim].
+  for (int i = 0; i < kDim; ++i) layers_k[((1 * 2 + 1) * kKv + 1) * kDim + i] *= 1e4f;
+  refused = handler_->Append(MakeAppend(all, -1, 0, layers_k, layers_v, {kLayers, 2, kKv, kDim}));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("keys of layer 1, position 1, kv head 1: a block"));
+  EXPECT_EQ(Info(all).layer_tokens(0), 0);
   // The same values in f16 keys are fine; past fp16's range they are not.
   EXPECT_TRUE(handler_->Append(MakeAppend(f16, 0, 0, k, v, {n, kKv, kDim})).ok());
   v[5] = 3e38f;
