@@ -148,13 +148,10 @@ KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int 
     const float norm = static_cast<float>(1.0 / std::sqrt(square / head_dim));
     for (int c = 0; c < head_dim; ++c) s[c] *= norm;
   }
-  // Scales that are not finite and positive (sigma / r underflows for keys
-  // almost alike and huge queries) leave the keys unscaled: what is fitted
-  // is what Check accepts, and AttendTransformed checks no values.
-  if (FirstNonFinite(t.key_scale.data(), row) < row ||
-      *std::min_element(t.key_scale.begin(), t.key_scale.end()) <= 0.0f) {
-    t.key_scale.clear();
-  }
+  // Scales Check refuses (not finite or not positive: sigma / r underflows
+  // for keys almost alike and huge queries) leave the keys unscaled; the
+  // means of finite tokens always pass. AttendTransformed checks no values.
+  if (!t.Check(kv_heads, head_dim).ok()) t.key_scale.clear();
   return t;
 }
 

@@ -139,10 +139,6 @@ absl::Status CheckResultSize(int64_t n, int q_heads, int head_dim, const Attenti
 
 namespace {
 
-bool IsTurbo(CodecKind codec) {
-  return codec != CodecKind::kF16 && codec != CodecKind::kQ8_0 && codec != CodecKind::kQ4_0;
-}
-
 // Whether a layer's rows [rows][d] are surely storable: the largest value
 // and block norm over all of them (SIMD), a block norm within a 2^-10
 // margin of its bound left to the row-by-row check, which decides alone.
@@ -150,7 +146,7 @@ bool SurelyStorable(CodecKind codec, const float* x, size_t rows, int d) {
   const CodecLayout layout = MakeCodecLayout(codec, d);
   if (layout.block_values <= 0) return false;
   float largest = 0.0f, block_square = 0.0f;
-  const bool turbo = IsTurbo(codec);
+  const bool turbo = TurboBits(codec) != 0;
   LargestMagnitudes(x, rows * d, static_cast<size_t>(layout.block_values), &largest, turbo ? &block_square : nullptr);
   constexpr float kMargin = 1.0f - 1.0f / 1024;
   return largest <= kMaxStoredValue && (!turbo || block_square <= kMaxTurboBlockNorm * kMaxTurboBlockNorm * kMargin);
@@ -176,7 +172,7 @@ absl::Status CheckStorable(const SessionConfig& config, KvPart part, const float
         continue;
       }
       layout = MakeCodecLayout(codec, d);
-      turbo = IsTurbo(codec);
+      turbo = TurboBits(codec) != 0;
     }
     const float* x = data + row * d;
     float largest = 0.0f, block_norm = 0.0f;
