@@ -8,8 +8,10 @@ each, printed as a Markdown table. Standard library only.
       [--codecs turbo3/turbo3,turbo4/turbo4,q8_0/turbo4]
 
 Each run measures, in turns over seven rounds (medians), the compressed path,
-the f16 path on an f16 cache of the same vectors, and a streaming read of as
-many bytes as the compressed cache, with the same threads.
+the f16 path on an f16 cache of the same vectors, a streaming read of as
+many bytes as the compressed cache, and the integer scan's 16-bit
+multiply-adds alone at the core's peak rate for them (the arithmetic floor of
+the scan), with the same threads.
 """
 import argparse
 import json
@@ -54,8 +56,9 @@ def main():
           f"8 kv heads, 32 query heads, d = 128, one query")
     print()
     print("| target | keys/values | tokens | compressed µs | f16 µs | speed-up | compressed read | "
-          "f16 read | streaming read | compressed / stream | f16 / stream |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "f16 read | streaming read | compressed / stream | f16 / stream | multiply-add floor µs | "
+          "floor / compressed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for target in targets:
         for codecs in args.codecs.split(","):
             k, v = codecs.split("/")
@@ -69,10 +72,13 @@ def main():
                 r = json.loads(out.stdout)
                 f16_rate = r["f16_cache_bytes"] / (r["f16_us_per_call"] * 1e-6) / 1e9
                 stream = r["stream_read_gb_per_s"]
+                floor = r["multiply_add_floor_us"]  # 0 on SCALAR, which has no integer scan
+                floor_cells = (f"{floor:,.0f} | {100 * floor / r['us_per_call']:.0f}%" if floor > 0 else "- | -")
                 print(f"| {r['implementation'].split(':', 1)[1]} | {k}/{v} | {int(tokens):,} | "
                       f"{r['us_per_call']:,.0f} | {r['f16_us_per_call']:,.0f} | {r['speedup_vs_f16']:.2f}x | "
                       f"{r['cache_gb_per_s']:.1f} GB/s | {f16_rate:.1f} GB/s | {stream:.1f} GB/s | "
-                      f"{100 * r['fraction_of_stream_read']:.0f}% | {100 * f16_rate / stream:.0f}% |",
+                      f"{100 * r['fraction_of_stream_read']:.0f}% | {100 * f16_rate / stream:.0f}% | "
+                      f"{floor_cells} |",
                       flush=True)
 
 

@@ -666,6 +666,19 @@ void AccumulateTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, co
   }
 }
 
+// MultiplyAddPeak on this path's instruction: 512-bit vpdpwssd.
+int64_t VnniMultiplyAdds(int64_t instructions) {
+  constexpr int kChains = 12;  // independent, each longer than vpdpwssd's latency
+  __m512i acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_epi32(c + 1);
+  const __m512i three = _mm512_set1_epi16(3);
+  for (int64_t i = 0; i < instructions; i += kChains) {
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpwssd_epi32(acc[c], acc[c], three);
+  }
+  for (int c = 1; c < kChains; ++c) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
+  return _mm512_reduce_add_epi32(acc[0]);
+}
+
 #pragma GCC pop_options
 #endif  // HWY_TARGET == HWY_AVX3_DL
 
@@ -742,6 +755,40 @@ void Scan(const ScanTask& task, ScanState* state) {
   if (ints && ints->value) UnpermuteValues(*ints, state);
 #endif
   (void)vnni;
+}
+
+// The scan's 16-bit multiply-add instruction alone, `instructions` times
+// over registers (independent accumulators, each operand the last result so
+// that nothing is hoisted): the peak rate of the scan's products on this core.
+// Sets the multiply-adds one instruction does; 0 on SCALAR, whose scan
+// multiplies floats.
+int64_t MultiplyAddPeakT(int64_t instructions, int* per_instruction) {
+#if HWY_TARGET == HWY_AVX3_DL
+  *per_instruction = 32;
+  return VnniMultiplyAdds(instructions);
+#elif HWY_TARGET != HWY_SCALAR
+  // ReorderWidenMulAccumulate, as the integer scan multiplies: vpmaddwd and
+  // vpaddd on x86, vmlal on Arm.
+  const IntD16 d16;
+  const IntD32 d32;
+  *per_instruction = kL16;
+  constexpr int kChains = 8;  // as many as 16 registers hold beside the constants
+  hn::Vec<IntD32> acc[kChains];
+  auto other = hn::Zero(d32);  // the second sum, where a target keeps one (NEON)
+  for (int c = 0; c < kChains; ++c) acc[c] = hn::Set(d32, c + 1);
+  const auto three = hn::Set(d16, 3);
+  for (int64_t i = 0; i < instructions; i += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      acc[c] = hn::ReorderWidenMulAccumulate(d32, hn::BitCast(d16, acc[c]), three, acc[c], other);
+    }
+  }
+  for (int c = 1; c < kChains; ++c) acc[0] = hn::Add(acc[0], acc[c]);
+  return hn::GetLane(hn::SumOfLanes(d32, hn::Add(acc[0], other)));
+#else
+  (void)instructions;
+  *per_instruction = 0;
+  return 0;
+#endif
 }
 
 // AttendFewCpu: the head's visible tokens' keys and values decoded once,
@@ -823,12 +870,17 @@ namespace turbokv {
 
 HWY_EXPORT(Scan);
 HWY_EXPORT(AttendFew);
+HWY_EXPORT(MultiplyAddPeakT);
 
 void ScanSimd(const ScanTask& task, ScanState* state) { HWY_DYNAMIC_DISPATCH(Scan)(task, state); }
 
 void AttendFewCpu(const AttentionProblem& problem, const AttentionParams& params, int head, int64_t first_query,
                   int64_t queries) {
   HWY_DYNAMIC_DISPATCH(AttendFew)(problem, params, head, first_query, queries);
+}
+
+int64_t MultiplyAddPeak(int64_t instructions, int* per_instruction) {
+  return HWY_DYNAMIC_DISPATCH(MultiplyAddPeakT)(instructions, per_instruction);
 }
 
 }  // namespace turbokv

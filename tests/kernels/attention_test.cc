@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
+#include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/attention_testing.h"
@@ -301,6 +302,32 @@ TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   // x86 compiles several targets (SSSE3 at least beside the best); Arm builds
   // NEON only (kernels/CMakeLists.txt).
   EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
+}
+
+// turbokv-bench attend's floor runs the scan's multiply-add instruction on
+// every target and counts the products by what one instruction does: 32 for
+// AVX3_DL's 512-bit VNNI, 16 for 256-bit vectors, 8 for 128-bit ones, none on
+// SCALAR (no integer scan).
+TEST(AttentionTargetsTest, MultiplyAddPeakRunsTheScansInstruction) {
+  const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
+  for (int64_t bits = targets; bits != 0; bits &= bits - 1) {
+    const int64_t target = bits & -bits;
+    hwy::SetSupportedTargetsForTest(target);
+    int per_instruction = -1;
+    const int64_t none = MultiplyAddPeak(0, &per_instruction);
+    const int64_t some = MultiplyAddPeak(1000, &per_instruction);
+    if (target == HWY_SCALAR) {
+      EXPECT_EQ(per_instruction, 0);
+      continue;
+    }
+    if (target == HWY_AVX3_DL) {
+      EXPECT_EQ(per_instruction, 32);
+    } else {
+      EXPECT_TRUE(per_instruction == 16 || per_instruction == 8) << hwy::TargetName(target) << " " << per_instruction;
+    }
+    EXPECT_NE(some, none) << hwy::TargetName(target);  // the products ran
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 // What the integer scan adds to a codec's own error, at every softmax scale
