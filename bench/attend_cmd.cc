@@ -5,13 +5,14 @@
 // alone, at this core's peak rate for them.
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/cli.h"
 #include "kernels/attention.h"
-#include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/cpu_codecs.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/paged_cache.h"
@@ -211,52 +212,58 @@ int RunAttend(int argc, char** argv) {
   const double tokens_read = static_cast<double>(tokens) * static_cast<double>(sessions);
   std::vector<uint64_t> stream((compressed.bytes + 7) / 8, 1);
   uint64_t sink = 0;
-  // The call's multiply-adds: every query row of a kv head by every visible
-  // token's key and value (head_dim each), spread over the threads.
-  int per_instruction = 0;
-  MultiplyAddPeak(0, &per_instruction);
-  const double multiply_adds = 2.0 * static_cast<double>(tokens) * static_cast<double>(q_heads) *
-                               static_cast<double>(head_dim) * static_cast<double>(n_queries) *
+  // The call's multiply-adds: every query row of a kv head by every token it
+  // sees (query i of n at position tokens - n + i), key and value.
+  const double visible = static_cast<double>(n_queries) * static_cast<double>(tokens) -
+                         static_cast<double>(n_queries) * static_cast<double>(n_queries - 1) / 2;
+  const double multiply_adds = 2.0 * visible * static_cast<double>(q_heads) * static_cast<double>(head_dim) *
                                static_cast<double>(sessions);
-  const int64_t instructions_per_thread =
-      per_instruction > 0 ? static_cast<int64_t>(multiply_adds / per_instruction / pool.size()) : 0;
+  // The floor: those multiply-adds alone at the scan's step's peak rate, on
+  // the same threads; none where the scan multiplies floats (SCALAR, f16, and
+  // --few-tokens' AttendFewCpu).
+  int per_step = 0;
+  if (!options.Has("few-tokens")) MultiplyAddPeak(*k_codec, *v_codec, 0, &per_step);
+  const int64_t steps_per_thread =
+      per_step > 0 ? static_cast<int64_t>(multiply_adds / per_step / pool.size()) : 0;
   std::vector<int64_t> checksums(pool.size());
-  const auto multiply_add_floor = [&] {
-    pool.ParallelFor(pool.size(), [&](int64_t part) {
-      int unused;
-      checksums[part] += MultiplyAddPeak(instructions_per_thread, &unused);
-    });
-  };
-  // Compressed, f16, the streaming read and the arithmetic floor take turns,
-  // so machine noise hits all four alike.
-  const std::vector<double> rates =
-      InterleavedMedianRates({{1, attend(compressed)},
-                              {1, attend(f16)},
-                              {stream.size() * 8, [&] { sink += StreamRead(pool, stream); }},
-                              {1, multiply_add_floor}});
+  // Compressed, f16, the streaming read and the floor take turns, so machine
+  // noise hits them all alike.
+  std::vector<std::pair<size_t, std::function<void()>>> ops = {
+      {1, attend(compressed)}, {1, attend(f16)}, {stream.size() * 8, [&] { sink += StreamRead(pool, stream); }}};
+  if (per_step > 0) {
+    ops.push_back({1, [&] {
+                     pool.ParallelFor(pool.size(), [&](int64_t part) {
+                       int unused;
+                       checksums[part] += MultiplyAddPeak(*k_codec, *v_codec, steps_per_thread, &unused);
+                     });
+                   }});
+  }
+  const std::vector<double> rates = InterleavedMedianRates(ops);
   for (int64_t c : checksums) sink += static_cast<uint64_t>(c);
   if (!error.empty()) {
     std::fprintf(stderr, "turbokv-bench: %s\n", error.c_str());
     return 1;
   }
   const double compressed_rate = rates[0], f16_rate = rates[1], stream_rate = rates[2];
-  // 0 where the target has no integer scan (SCALAR).
-  const double floor_us = per_instruction > 0 ? 1e6 / rates[3] : 0.0;
+  const double floor_us = per_step > 0 ? 1e6 / rates[3] : 0.0;
 
   const double us = 1e6 / compressed_rate, f16_us = 1e6 / f16_rate;
   const double cache_gb_per_s = read_bytes * compressed_rate / 1e9;
   const double stream_gb_per_s = stream_rate / 1e9;
   if (options.Has("json")) {
+    char floor_json[32] = "null";  // no floor where the scan multiplies floats
+    if (per_step > 0) std::snprintf(floor_json, sizeof(floor_json), "%.6g", floor_us);
     std::printf(
         "{\"k_codec\": \"%s\", \"v_codec\": \"%s\", \"tokens\": %lld, \"kv_heads\": %lld, "
         "\"q_heads\": %lld, \"head_dim\": %lld, \"queries\": %lld, \"threads\": %lld, "
         "\"sessions\": %lld, \"implementation\": \"simd:%s\", \"us_per_call\": %.6g, \"f16_us_per_call\": %.6g, "
         "\"cache_bytes\": %zu, \"f16_cache_bytes\": %zu, \"cache_gb_per_s\": %.6g, "
         "\"stream_read_gb_per_s\": %.6g, \"speedup_vs_f16\": %.6g, \"fraction_of_stream_read\": %.6g, "
-        "\"multiply_adds\": %.0f, \"multiply_adds_per_instruction\": %d, \"multiply_add_floor_us\": %.6g}\n",
+        "\"multiply_adds\": %.0f, \"multiply_adds_per_step\": %d, \"multiply_add_floor_us\": %s}\n",
         CodecName(*k_codec), CodecName(*v_codec), tokens, kv_heads, q_heads, head_dim, n_queries,
         threads, sessions, ChosenSimdTarget(), us, f16_us, read_bytes, f16_read_bytes, cache_gb_per_s,
-        stream_gb_per_s, f16_us / us, cache_gb_per_s / stream_gb_per_s, multiply_adds, per_instruction, floor_us);
+        stream_gb_per_s, f16_us / us, cache_gb_per_s / stream_gb_per_s, multiply_adds, per_step,
+        floor_json);
     return sink == 42 ? 3 : 0;
   }
   std::printf("attend %s keys, %s values: %lld tokens, %lld kv heads, %lld q heads, d %lld, %lld "
@@ -271,10 +278,10 @@ int RunAttend(int argc, char** argv) {
   std::printf("  speed-up over f16: %.2fx\n", f16_us / us);
   std::printf("  streaming read of %.1f MB: %.1f GB/s; the compressed cache is read at %.0f%% of it\n",
               compressed.bytes / 1e6, stream_gb_per_s, 100 * cache_gb_per_s / stream_gb_per_s);
-  if (per_instruction > 0) {
-    std::printf("  16-bit multiply-adds alone (%.0f M, %d an instruction, at this core's peak): %.1f us/call, "
-                "%.0f%% of the compressed path's time\n",
-                multiply_adds / 1e6, per_instruction, floor_us, 100 * floor_us / us);
+  if (per_step > 0) {
+    std::printf("  the scan's 16-bit multiply-adds alone (%.0f M, %d a step) at their peak rate on these %lld "
+                "thread%s: %.1f us/call, %.0f%% of the compressed path's time\n",
+                multiply_adds / 1e6, per_step, threads, threads == 1 ? "" : "s", floor_us, 100 * floor_us / us);
   }
   return sink == 42 ? 3 : 0;
 }

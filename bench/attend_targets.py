@@ -72,8 +72,8 @@ def main():
                 r = json.loads(out.stdout)
                 f16_rate = r["f16_cache_bytes"] / (r["f16_us_per_call"] * 1e-6) / 1e9
                 stream = r["stream_read_gb_per_s"]
-                floor = r["multiply_add_floor_us"]  # 0 on SCALAR, which has no integer scan
-                floor_cells = (f"{floor:,.0f} | {100 * floor / r['us_per_call']:.0f}%" if floor > 0 else "- | -")
+                floor = r["multiply_add_floor_us"]  # None where the scan multiplies floats (SCALAR, f16)
+                floor_cells = "- | -" if floor is None else f"{floor:,.0f} | {100 * floor / r['us_per_call']:.0f}%"
                 print(f"| {r['implementation'].split(':', 1)[1]} | {k}/{v} | {int(tokens):,} | "
                       f"{r['us_per_call']:,.0f} | {r['f16_us_per_call']:,.0f} | {r['speedup_vs_f16']:.2f}x | "
                       f"{r['cache_gb_per_s']:.1f} GB/s | {f16_rate:.1f} GB/s | {stream:.1f} GB/s | "

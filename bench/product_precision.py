@@ -6,21 +6,25 @@ multiply-adds (vpdpbusd, vpmaddubsw), which do twice the work per instruction.
 A model of the codecs, not turbokv's kernels: Gaussian coordinates (what the
 random rotation makes of a head's vector), each vector quantized to the
 Lloyd-Max centroids of the normal distribution for 3 or 4 bits after scaling
-by its RMS. Four query rows per kv head (GQA 32/8), d = 128. Numbers come from
-numpy; the scan's roundings are modelled:
+by its RMS. Four query rows per kv head (GQA 32/8), d = 128. The scan's
+roundings are modelled in numpy:
 
-- query: each row rounded to an 8- or 16-bit grid of its largest |value|
-  (the scan's per-block query scale);
-- weights: each row's softmax weights rounded to an 8- or 16-bit grid of the
-  largest weight of their tile of 64 tokens (the scan's per-tile weight scale).
+- query: each row rounded to a grid of its largest |value|, +-127 steps for
+  8-bit products, +-8191 for the scan's 16-bit ones (kQueryMax);
+- weights: each row's softmax weights rounded to a grid of the largest weight
+  of their tile of 64 tokens, 255 steps for 8-bit products, 8191 for the
+  scan's (kWeightMax; the scan also folds each token's block scale in, which
+  the model leaves out).
 
-Each line is the worst, over softmax scales of 0.01 to 100 times 1/sqrt(d)
-and a few draws, of |scan - decoded| / |decoded - original| (relative L2 of
-the attention outputs): the share of the codec's own error that the rounding
-adds, held to 2% by the CPU scan's accuracy bound
-(tests/kernels/attention_test.cc, TheIntegerScanAddsLittleToTheCodecsError).
+Each cell is the worst, over softmax scales of 0.01 to 100 times 1/sqrt(d)
+and a few draws, of RelativeL2(rounded, decoded) / RelativeL2(decoded,
+original), where decoded is attention in floats over the quantized vectors
+and original over the unquantized ones: the share of the codec's own error
+that the rounding adds, as the CPU scan's accuracy test measures it and holds
+to 2% (tests/kernels/attention_test.cc,
+TheIntegerScanAddsLittleToTheCodecsError).
 
-  /usr/bin/python3 bench/product_precision.py [--tokens 600] [--draws 3]
+  .venv/bin/python bench/product_precision.py [--tokens 600] [--draws 3] [--seed 1]
 """
 import argparse
 
@@ -53,18 +57,17 @@ def relative(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def round_rows(q, bits):
+def round_rows(q, steps):
     largest = np.abs(q).max(-1, keepdims=True)
-    steps = 2 ** (bits - 1) - 1
     return np.round(q * steps / largest) * largest / steps
 
 
-def round_tiles(w, bits):
+def round_tiles(w, steps):
     out = w.copy()
-    steps = 2 ** bits - 1  # weights are >= 0: unsigned
     for t in range(0, w.shape[1], TILE):
         tile = w[:, t:t + TILE]
         largest = tile.max(-1, keepdims=True)
+        largest[largest == 0] = 1  # a row's tile whose weights all underflowed stays 0
         out[:, t:t + TILE] = np.round(tile * steps / largest) * largest / steps
     return out
 
@@ -76,11 +79,12 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
+    # Each: (rounded queries, rounding of the weights or None).
     roundings = {
-        "8-bit query": lambda q, w: (round_rows(q, 8), None),
-        "16-bit query": lambda q, w: (round_rows(q, 16), None),
-        "8-bit weights": lambda q, w: (q, lambda x: round_tiles(x, 8)),
-        "16-bit weights": lambda q, w: (q, lambda x: round_tiles(x, 16)),
+        "8-bit query": lambda q: (round_rows(q, 127), None),
+        "the scan's query": lambda q: (round_rows(q, 8191), None),
+        "8-bit weights": lambda q: (q, lambda w: round_tiles(w, 255)),
+        "the scan's weights": lambda q: (q, lambda w: round_tiles(w, 8191)),
     }
     print(f"d = {D}, {ROWS} query rows, {args.tokens} tokens, {args.draws} draws; worst share of the codec's error")
     print()
@@ -99,7 +103,7 @@ def main():
                 decoded = attend(q, kd, vd, scale)
                 codec = relative(decoded, attend(q, k, v, scale))
                 for label, rounding in roundings.items():
-                    rq, rw = rounding(q, None)
+                    rq, rw = rounding(q)
                     added = relative(attend(rq, kd, vd, scale, rw), decoded) / codec
                     worst[label] = max(worst[label], added)
         print(f"| {name} | " + " | ".join(f"{100 * worst[r]:.2f}%" for r in roundings) + " |")

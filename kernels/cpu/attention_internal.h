@@ -77,12 +77,4 @@ inline float Logit(float score, float scale, float offset, float softcap) {
 void ScanScalar(const ScanTask& task, ScanState* state);
 void ScanSimd(const ScanTask& task, ScanState* state);
 
-// The SIMD scan's 16-bit multiply-add instruction alone, `instructions` times
-// over registers, on the dispatched target: what the scan's products cost at
-// this core's peak (turbokv-bench attend prints it beside the scan). Sets
-// per_instruction to the multiply-adds one instruction does (32 for AVX3_DL's
-// 512-bit VNNI, 16 for the other 256-bit targets, 8 for 128-bit ones; 0 on
-// SCALAR, whose scan multiplies floats). Returns a checksum of the results.
-int64_t MultiplyAddPeak(int64_t instructions, int* per_instruction);
-
 }  // namespace turbokv

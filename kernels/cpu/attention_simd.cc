@@ -23,6 +23,7 @@
 #include "kernels/block_math.h"
 #include "kernels/codebooks.h"
 #include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/cpu_codecs.h"
 #include "kernels/cpu/int_scan-inl.h"
 #include "kernels/cpu/turbo_simd-inl.h"
 
@@ -667,12 +668,14 @@ void AccumulateTileVnni(const ScanTask& task, IntPath& ip, int64_t t0, int n, co
 }
 
 // MultiplyAddPeak on this path's instruction: 512-bit vpdpwssd.
-int64_t VnniMultiplyAdds(int64_t instructions) {
-  constexpr int kChains = 12;  // independent, each longer than vpdpwssd's latency
+int64_t VnniMultiplyAdds(int64_t steps) {
+  // Each chain waits on its last result: 12 chains cover vpdpwssd's latency
+  // at one a cycle.
+  constexpr int kChains = 12;
   __m512i acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_epi32(c + 1);
   const __m512i three = _mm512_set1_epi16(3);
-  for (int64_t i = 0; i < instructions; i += kChains) {
+  for (int64_t i = 0; i < steps; i += kChains) {
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpwssd_epi32(acc[c], acc[c], three);
   }
   for (int c = 1; c < kChains; ++c) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
@@ -757,36 +760,43 @@ void Scan(const ScanTask& task, ScanState* state) {
   (void)vnni;
 }
 
-// The scan's 16-bit multiply-add instruction alone, `instructions` times
-// over registers (independent accumulators, each operand the last result so
-// that nothing is hoisted): the peak rate of the scan's products on this core.
-// Sets the multiply-adds one instruction does; 0 on SCALAR, whose scan
-// multiplies floats.
-int64_t MultiplyAddPeakT(int64_t instructions, int* per_instruction) {
+// MultiplyAddPeak (cpu_codecs.h) on this target: the step of the
+// path Scan takes for these codecs, `steps` times over registers, each
+// operand the chain's last result so that nothing is hoisted.
+int64_t MultiplyAddPeakT(CodecKind keys, CodecKind values, int64_t steps, int* per_step) {
+  *per_step = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if (!IntCodecApplies(keys) || !IntCodecApplies(values)) return 0;  // f16: float products
 #if HWY_TARGET == HWY_AVX3_DL
-  *per_instruction = 32;
-  return VnniMultiplyAdds(instructions);
-#elif HWY_TARGET != HWY_SCALAR
+  if (TurboBits(keys) != 0 && TurboBits(values) != 0) {  // IntPathApplies
+    *per_step = 32;
+    return VnniMultiplyAdds(steps);
+  }
+#endif
   // ReorderWidenMulAccumulate, as the integer scan multiplies: vpmaddwd and
-  // vpaddd on x86, vmlal on Arm.
+  // vpaddd on x86, vmlal and vmlal2 on Arm (which sum into the second
+  // accumulator: one per chain, or the chains would wait on each other).
   const IntD16 d16;
   const IntD32 d32;
-  *per_instruction = kL16;
-  constexpr int kChains = 8;  // as many as 16 registers hold beside the constants
-  hn::Vec<IntD32> acc[kChains];
-  auto other = hn::Zero(d32);  // the second sum, where a target keeps one (NEON)
-  for (int c = 0; c < kChains; ++c) acc[c] = hn::Set(d32, c + 1);
+  *per_step = kL16;
+  constexpr int kChains = 8;  // as many as 16 registers hold beside the constant
+  hn::Vec<IntD32> acc[kChains], other[kChains];
+  for (int c = 0; c < kChains; ++c) {
+    acc[c] = hn::Set(d32, c + 1);
+    other[c] = hn::Zero(d32);
+  }
   const auto three = hn::Set(d16, 3);
-  for (int64_t i = 0; i < instructions; i += kChains) {
+  for (int64_t i = 0; i < steps; i += kChains) {
     for (int c = 0; c < kChains; ++c) {
-      acc[c] = hn::ReorderWidenMulAccumulate(d32, hn::BitCast(d16, acc[c]), three, acc[c], other);
+      acc[c] = hn::ReorderWidenMulAccumulate(d32, hn::BitCast(d16, acc[c]), three, acc[c], other[c]);
     }
   }
-  for (int c = 1; c < kChains; ++c) acc[0] = hn::Add(acc[0], acc[c]);
-  return hn::GetLane(hn::SumOfLanes(d32, hn::Add(acc[0], other)));
+  for (int c = 1; c < kChains; ++c) acc[0] = hn::Add(acc[0], hn::Add(acc[c], other[c]));
+  return hn::GetLane(hn::SumOfLanes(d32, hn::Add(acc[0], other[0])));
 #else
-  (void)instructions;
-  *per_instruction = 0;
+  (void)keys;
+  (void)values;
+  (void)steps;
   return 0;
 #endif
 }
@@ -879,8 +889,8 @@ void AttendFewCpu(const AttentionProblem& problem, const AttentionParams& params
   HWY_DYNAMIC_DISPATCH(AttendFew)(problem, params, head, first_query, queries);
 }
 
-int64_t MultiplyAddPeak(int64_t instructions, int* per_instruction) {
-  return HWY_DYNAMIC_DISPATCH(MultiplyAddPeakT)(instructions, per_instruction);
+int64_t MultiplyAddPeak(CodecKind keys, CodecKind values, int64_t steps, int* per_step) {
+  return HWY_DYNAMIC_DISPATCH(MultiplyAddPeakT)(keys, values, steps, per_step);
 }
 
 }  // namespace turbokv

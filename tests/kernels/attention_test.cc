@@ -7,7 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
-#include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/cpu_codecs.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/attention_testing.h"
@@ -304,28 +304,37 @@ TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
 }
 
-// turbokv-bench attend's floor runs the scan's multiply-add instruction on
-// every target and counts the products by what one instruction does: 32 for
-// AVX3_DL's 512-bit VNNI, 16 for 256-bit vectors, 8 for 128-bit ones, none on
-// SCALAR (no integer scan).
-TEST(AttentionTargetsTest, MultiplyAddPeakRunsTheScansInstruction) {
+// turbokv-bench attend's floor runs the multiply-add step of the path the
+// scan takes for the codecs on every target, and counts the products by what
+// one step does: 32 for AVX3_DL's 512-bit VNNI (turbo keys and values), 16
+// for 256-bit vectors, 8 for 128-bit ones; none where the scan multiplies
+// floats (SCALAR, f16).
+TEST(AttentionTargetsTest, MultiplyAddPeakRunsTheScansStep) {
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   for (int64_t bits = targets; bits != 0; bits &= bits - 1) {
     const int64_t target = bits & -bits;
     hwy::SetSupportedTargetsForTest(target);
-    int per_instruction = -1;
-    const int64_t none = MultiplyAddPeak(0, &per_instruction);
-    const int64_t some = MultiplyAddPeak(1000, &per_instruction);
+    const std::string name = hwy::TargetName(target);
+    int turbo = -1, mixed = -1, f16 = -1, unused;
+    const int64_t none = MultiplyAddPeak(CodecKind::kTurbo3, CodecKind::kTurbo4, 0, &turbo);
+    const int64_t some = MultiplyAddPeak(CodecKind::kTurbo3, CodecKind::kTurbo4, 1000, &unused);
+    const int64_t more = MultiplyAddPeak(CodecKind::kTurbo3, CodecKind::kTurbo4, 2000, &unused);
+    MultiplyAddPeak(CodecKind::kQ8_0, CodecKind::kTurbo4, 0, &mixed);
+    MultiplyAddPeak(CodecKind::kF16, CodecKind::kTurbo4, 0, &f16);
+    EXPECT_EQ(f16, 0) << name;
     if (target == HWY_SCALAR) {
-      EXPECT_EQ(per_instruction, 0);
+      EXPECT_EQ(turbo, 0);
+      EXPECT_EQ(mixed, 0);
       continue;
     }
-    if (target == HWY_AVX3_DL) {
-      EXPECT_EQ(per_instruction, 32);
-    } else {
-      EXPECT_TRUE(per_instruction == 16 || per_instruction == 8) << hwy::TargetName(target) << " " << per_instruction;
-    }
-    EXPECT_NE(some, none) << hwy::TargetName(target);  // the products ran
+    const bool narrow = name == "SSSE3" || name == "SSE4" || name == "NEON" || name == "EMU128";  // 128 bits
+    const int lanes = narrow ? 8 : 16;
+    EXPECT_EQ(turbo, target == HWY_AVX3_DL ? 32 : lanes) << name;
+    EXPECT_EQ(mixed, lanes) << name;
+    // The products ran, as many times as asked.
+    EXPECT_NE(some, none) << name;
+    EXPECT_NE(more, some) << name;
+    EXPECT_EQ(MultiplyAddPeak(CodecKind::kTurbo3, CodecKind::kTurbo4, 1000, &unused), some) << name;
   }
   hwy::SetSupportedTargetsForTest(0);
 }
