@@ -773,26 +773,8 @@ int64_t MultiplyAddPeakT(CodecKind keys, CodecKind values, int64_t steps, int* p
     return VnniMultiplyAdds(steps);
   }
 #endif
-  // ReorderWidenMulAccumulate, as the integer scan multiplies: vpmaddwd and
-  // vpaddd on x86, vmlal and vmlal2 on Arm (which sum into the second
-  // accumulator: one per chain, or the chains would wait on each other).
-  const IntD16 d16;
-  const IntD32 d32;
   *per_step = kL16;
-  constexpr int kChains = 8;  // as many as 16 registers hold beside the constant
-  hn::Vec<IntD32> acc[kChains], other[kChains];
-  for (int c = 0; c < kChains; ++c) {
-    acc[c] = hn::Set(d32, c + 1);
-    other[c] = hn::Zero(d32);
-  }
-  const auto three = hn::Set(d16, 3);
-  for (int64_t i = 0; i < steps; i += kChains) {
-    for (int c = 0; c < kChains; ++c) {
-      acc[c] = hn::ReorderWidenMulAccumulate(d32, hn::BitCast(d16, acc[c]), three, acc[c], other[c]);
-    }
-  }
-  for (int c = 1; c < kChains; ++c) acc[0] = hn::Add(acc[0], hn::Add(acc[c], other[c]));
-  return hn::GetLane(hn::SumOfLanes(d32, hn::Add(acc[0], other[0])));
+  return IntScanMultiplyAdds(steps);
 #else
   (void)keys;
   (void)values;

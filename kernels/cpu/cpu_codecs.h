@@ -26,9 +26,10 @@ const char* ChosenSimdTarget();
 
 // The SIMD scan's 16-bit multiply-adds alone, at their peak rate: its
 // multiply-add step (on AVX3_DL with turbo keys and values, the VNNI path's
-// 512-bit vpdpwssd: 32 multiply-adds; elsewhere ReorderWidenMulAccumulate,
-// vpmaddwd + vpaddd or vmlal + vmlal2: 16 on 256-bit vectors, 8 on 128-bit
-// ones) run `steps` times over registers on the dispatched target, for
+// 512-bit vpdpwssd: 32 multiply-adds; elsewhere the integer scan's MulAcc,
+// vpmaddwd + vpaddd, a 256-bit vpdpwssd on AVX3_DL, or vmlal + vmlal2: 16 on
+// 256-bit vectors, 8 on 128-bit ones) run `steps` times over registers on the
+// dispatched target, for
 // turbokv-bench attend's floor. Sets per_step to the multiply-adds of one
 // step, 0 where the scan multiplies floats for these codecs (SCALAR, f16 keys
 // or values). Returns a checksum of the results.

@@ -304,6 +304,29 @@ TEST(AttentionTargetsTest, EveryTargetMatchesTheScalarPath) {
   EXPECT_GE(tested, HWY_ARCH_X86 ? 2 : 1);
 }
 
+// On AVX3_DL the 256-bit integer scan (every codec pair but turbo keys with
+// turbo values) multiplies with vpdpwssd where AVX3 runs vpmaddwd and vpaddd
+// on the same code: the same bits.
+TEST(AttentionTargetsTest, Avx3DlsIntegerScanGivesAvx3sBits) {
+  const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
+  if ((targets & HWY_AVX3_DL) == 0 || (targets & HWY_AVX3) == 0) GTEST_SKIP() << "this CPU has no AVX3_DL";
+  std::vector<Problem> problems;
+  problems.push_back(MakeProblem(CodecKind::kQ8_0, CodecKind::kTurbo4, 128, 2, 4, 300, 2));
+  problems.push_back(MakeProblem(CodecKind::kQ4_0, CodecKind::kTurbo3, 64, 2, 3, 300, 2));
+  problems.push_back(MakeProblem(CodecKind::kTurbo3, CodecKind::kQ8_0, 128, 1, 4, 200, 1));
+  for (const Problem& problem : problems) {
+    hwy::SetSupportedTargetsForTest(HWY_AVX3);
+    const Result avx3 = Attend(problem, {AttentionPath::kSimd});
+    hwy::SetSupportedTargetsForTest(HWY_AVX3_DL);
+    const Result avx3_dl = Attend(problem, {AttentionPath::kSimd});
+    const std::string what =
+        std::string(CodecName(problem.key_spec.kind)) + "/" + CodecName(problem.value_spec.kind);
+    EXPECT_EQ(avx3_dl.out, avx3.out) << what;
+    EXPECT_EQ(avx3_dl.lse, avx3.lse) << what;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 // turbokv-bench attend's floor runs the multiply-add step of the path the
 // scan takes for the codecs on every target, and counts the products by what
 // one step does: 32 for AVX3_DL's 512-bit VNNI (turbo keys and values), 16
