@@ -24,15 +24,15 @@ void RotateRowsSimd(const HadamardRotation& rotation, bool inverse, float* x, in
 // Name of the SIMD target the dispatcher picks on this CPU, e.g. "AVX3".
 const char* ChosenSimdTarget();
 
-// The SIMD scan's 16-bit multiply-adds alone, at their peak rate: its
-// multiply-add step (on AVX3_DL with turbo keys and values, the VNNI path's
-// 512-bit vpdpwssd: 32 multiply-adds; elsewhere the integer scan's MulAcc,
-// vpmaddwd + vpaddd, a 256-bit vpdpwssd on AVX3_DL, or vmlal + vmlal2: 16 on
-// 256-bit vectors, 8 on 128-bit ones) run `steps` times over registers on the
-// dispatched target, for
-// turbokv-bench attend's floor. Sets per_step to the multiply-adds of one
-// step, 0 where the scan multiplies floats for these codecs (SCALAR, f16 keys
-// or values). Returns a checksum of the results.
+// The SIMD scan's 16-bit multiply-adds alone, at their peak rate, for
+// turbokv-bench attend's floor: the scan's multiply-add step for these codecs
+// run `steps` times over registers on the dispatched target. The step is the
+// VNNI path's 512-bit vpdpwssd on AVX3_DL with turbo keys and values (32
+// multiply-adds); elsewhere the integer scan's MulAcc: vpmaddwd + vpaddd, a
+// 256-bit vpdpwssd on AVX3_DL, or vmlal + vmlal2 (16 on 256-bit vectors, 8 on
+// 128-bit ones). Sets per_step to the multiply-adds of one step, 0 where the
+// scan multiplies floats for these codecs (SCALAR, f16 keys or values).
+// Returns a checksum of the results.
 int64_t MultiplyAddPeak(CodecKind keys, CodecKind values, int64_t steps, int* per_step);
 
 // Restricts dispatch to the target named `name` (as ChosenSimdTarget spells

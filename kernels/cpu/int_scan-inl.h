@@ -536,10 +536,12 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
 // lanes (ReorderWidenMulAccumulate; on x86 sum1 stays as it is, on Arm it
 // takes half the products). On AVX3_DL one vpdpwssd instead of vpmaddwd and
 // vpaddd: the same bits (both wrap; neither saturates). It is written as asm
-// to name its EVEX encoding (AVX512-VNNI, which AVX3_DL's run-time check
-// requires): Highway's AVX3_DL target string enables the VEX form of AVX-VNNI,
-// which the intrinsic then compiles to and CPUs with AVX512-VNNI alone (Zen 4)
-// do not have.
+// to name its EVEX encoding (AVX512-VNNI with AVX512VL, which AVX3_DL's
+// run-time check requires): Highway's AVX3_DL target string enables the VEX
+// form of AVX-VNNI, which the intrinsic then compiles to, even under
+// #pragma GCC target("avx512vnni"), and which CPUs with AVX512-VNNI alone
+// (Zen 4, Ice Lake, Tiger Lake) do not have (the test no_vex_vnni checks the
+// objects).
 HWY_INLINE hn::Vec<IntD32> MulAcc(hn::Vec<IntD16> a, hn::Vec<IntD16> b, hn::Vec<IntD32> sum0,
                                   hn::Vec<IntD32>& sum1) {
 #if HWY_TARGET == HWY_AVX3_DL
@@ -558,7 +560,9 @@ HWY_INLINE hn::Vec<IntD32> MulAcc(hn::Vec<IntD16> a, hn::Vec<IntD16> b, hn::Vec<
 HWY_NOINLINE int64_t IntScanMultiplyAdds(int64_t steps) {
   const IntD16 d16;
   const IntD32 d32;
-  constexpr int kChains = 8;  // as many as 16 registers hold beside the constant
+  // Chains enough to cover the step's latency at its rate: 8 where 16
+  // registers must hold them, 12 on AVX-512's 32.
+  constexpr int kChains = HWY_TARGET <= HWY_AVX3 ? 12 : 8;
   hn::Vec<IntD32> acc[kChains], other[kChains];
   for (int c = 0; c < kChains; ++c) {
     acc[c] = hn::Set(d32, c + 1);
