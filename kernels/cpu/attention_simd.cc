@@ -335,9 +335,9 @@ constexpr float kValueCentroidScale = 1024.0f;
 constexpr float kQueryMax = 8191.0f;
 constexpr float kWeightMax = 8191.0f;
 
-bool IntPathApplies(const PagedKvCache& c) {
+bool IntPathApplies(CodecKind keys, CodecKind values) {
   // Keys and values share head_dim, hence the rotation block size.
-  return TurboBits(c.key_layout.kind) != 0 && TurboBits(c.value_layout.kind) != 0;
+  return TurboBits(keys) != 0 && TurboBits(values) != 0;
 }
 
 __m512i CentroidTable16(const float* centroids, int bits, float scale) {
@@ -699,7 +699,7 @@ void Scan(const ScanTask& task, ScanState* state) {
   bool vnni = false;
 #if HWY_TARGET == HWY_AVX3_DL
   std::unique_ptr<IntPath> int_path;
-  if (task.integer_dot_products && IntPathApplies(c)) {
+  if (task.integer_dot_products && IntPathApplies(c.key_layout.kind, c.value_layout.kind)) {
     int_path = std::make_unique<IntPath>(task, setup);
     vnni = true;
   }
@@ -768,7 +768,7 @@ int64_t MultiplyAddPeakT(CodecKind keys, CodecKind values, int64_t steps, int* p
 #if HWY_TARGET != HWY_SCALAR
   if (!IntCodecApplies(keys) || !IntCodecApplies(values)) return 0;  // f16: float products
 #if HWY_TARGET == HWY_AVX3_DL
-  if (TurboBits(keys) != 0 && TurboBits(values) != 0) {  // IntPathApplies
+  if (IntPathApplies(keys, values)) {
     *per_step = 32;
     return VnniMultiplyAdds(steps);
   }
