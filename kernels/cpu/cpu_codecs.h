@@ -28,9 +28,9 @@ const char* ChosenSimdTarget();
 // turbokv-bench attend's floor: the scan's multiply-add step for these codecs
 // run `steps` times over registers on the dispatched target. The step is the
 // VNNI path's 512-bit vpdpwssd on AVX3_DL with turbo keys and values (32
-// multiply-adds); elsewhere the integer scan's MulAcc: vpmaddwd + vpaddd, a
-// 256-bit vpdpwssd on AVX3_DL, or vmlal + vmlal2 (16 on 256-bit vectors, 8 on
-// 128-bit ones). Sets per_step to the multiply-adds of one step, 0 where the
+// multiply-adds); elsewhere the integer scan's ReorderWidenMulAccumulate:
+// vpmaddwd + vpaddd, or vmlal + vmlal2 (16 on 256-bit vectors, 8 on 128-bit
+// ones). Sets per_step to the multiply-adds of one step, 0 where the
 // scan multiplies floats for these codecs (SCALAR, f16 keys or values).
 // Returns a checksum of the results.
 int64_t MultiplyAddPeak(CodecKind keys, CodecKind values, int64_t steps, int* per_step);

@@ -1,7 +1,7 @@
 // The integer attention scan, written once for every SIMD target (SSSE3,
 // SSE4, AVX2, AVX-512 at 256 bits, NEON): keys scored and values accumulated
-// with int16 x int16 -> int32 multiply-adds (MulAcc: vpmaddwd on x86,
-// vpdpwssd on AVX3_DL, vmlal on Arm), turbo centroids looked up with byte
+// with int16 x int16 -> int32 multiply-adds (ReorderWidenMulAccumulate:
+// vpmaddwd on x86, vmlal on Arm), turbo centroids looked up with byte
 // shuffles (TableLookupBytes), q8_0 / q4_0 values widened from their bytes.
 // Highway's -inl.h pattern: included once per target by attention_simd.cc.
 //
@@ -532,31 +532,9 @@ IntScan::IntScan(const ScanTask& task, bool int_keys, bool int_values) {
   }
 }
 
-// sum0 + the products of a and b's int16 lanes, summed in pairs into int32
-// lanes (ReorderWidenMulAccumulate; on x86 sum1 stays as it is, on Arm it
-// takes half the products). On AVX3_DL one vpdpwssd instead of vpmaddwd and
-// vpaddd: the same bits (both wrap; neither saturates). It is written as asm
-// to name its EVEX encoding (AVX512-VNNI with AVX512VL, which AVX3_DL's
-// run-time check requires): Highway's AVX3_DL target string enables the VEX
-// form of AVX-VNNI, which the intrinsic then compiles to, even under
-// #pragma GCC target("avx512vnni"), and which CPUs with AVX512-VNNI alone
-// (Zen 4, Ice Lake, Tiger Lake) do not have (the test no_vex_vnni checks the
-// objects).
-HWY_INLINE hn::Vec<IntD32> MulAcc(hn::Vec<IntD16> a, hn::Vec<IntD16> b, hn::Vec<IntD32> sum0,
-                                  hn::Vec<IntD32>& sum1) {
-#if HWY_TARGET == HWY_AVX3_DL
-  (void)sum1;
-  __m256i sum = sum0.raw;
-  asm("%{evex%} vpdpwssd %2, %1, %0" : "+v"(sum) : "v"(a.raw), "v"(b.raw));
-  return hn::Vec<IntD32>{sum};
-#else
-  return hn::ReorderWidenMulAccumulate(IntD32(), a, b, sum0, sum1);
-#endif
-}
-
-// MultiplyAddPeak's loop on MulAcc: `steps` of it over registers, in chains
-// whose operands are their last results (nothing can be hoisted). Returns a
-// checksum.
+// MultiplyAddPeak's loop on the scan's ReorderWidenMulAccumulate: `steps` of
+// it over registers, in chains whose operands are their last results (nothing
+// can be hoisted). Returns a checksum.
 HWY_NOINLINE int64_t IntScanMultiplyAdds(int64_t steps) {
   const IntD16 d16;
   const IntD32 d32;
@@ -570,7 +548,9 @@ HWY_NOINLINE int64_t IntScanMultiplyAdds(int64_t steps) {
   }
   const auto three = hn::Set(d16, 3);
   for (int64_t i = 0; i < steps; i += kChains) {
-    for (int c = 0; c < kChains; ++c) acc[c] = MulAcc(hn::BitCast(d16, acc[c]), three, acc[c], other[c]);
+    for (int c = 0; c < kChains; ++c) {
+      acc[c] = hn::ReorderWidenMulAccumulate(d32, hn::BitCast(d16, acc[c]), three, acc[c], other[c]);
+    }
   }
   for (int c = 1; c < kChains; ++c) acc[0] = hn::Add(acc[0], hn::Add(acc[c], other[c]));
   return hn::GetLane(hn::SumOfLanes(d32, hn::Add(acc[0], other[0])));
@@ -585,7 +565,7 @@ HWY_INLINE hn::Vec<IntD32> DotLanes(const Key& key, const int16_t* q) {
   auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
   HWY_UNROLL(16)
   for (int i = 0; i < kVectors; ++i) {
-    sum0 = MulAcc(key(i), hn::Load(d16, q + i * kL16), sum0, sum1);
+    sum0 = hn::ReorderWidenMulAccumulate(d32, key(i), hn::Load(d16, q + i * kL16), sum0, sum1);
   }
   return hn::Add(sum0, sum1);
 }
@@ -803,8 +783,8 @@ HWY_INLINE void AccumulateRowsInt(const IntScan& s, int pair_count, int begin, i
       const auto lo = hn::Load(d16, pair), hi = hn::Load(d16, pair + kL16);
       for (int r = 0; r < kRows; ++r) {
         const auto weight = hn::BitCast(d16, hn::Set(d32, w[r * (kScanTile / 2) + p]));
-        lo0[r] = MulAcc(lo, weight, lo0[r], lo1[r]);
-        hi0[r] = MulAcc(hi, weight, hi0[r], hi1[r]);
+        lo0[r] = hn::ReorderWidenMulAccumulate(d32, lo, weight, lo0[r], lo1[r]);
+        hi0[r] = hn::ReorderWidenMulAccumulate(d32, hi, weight, hi0[r], hi1[r]);
       }
     }
     for (int r = 0; r < kRows; ++r) {
