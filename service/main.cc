@@ -39,12 +39,13 @@ Flags (--name=value or --name value):
                            use: its CPU affinity, capped by its cgroup's CPU
                            quota (a container's CPU limit) (default 0)
   --pin-threads=on|off     keep each kernel thread to one of the CPUs this
-                           process may use. Only where those CPUs are the
+                           process may use, running as well as asleep (off:
+                           asleep only). Only where those CPUs are the
                            daemon's alone (Kubernetes' static CPU manager, a
-                           Guaranteed pod): a Decode step of 32 sessions took
-                           22% less time on 2 cores, but anything else busy
-                           on one of them holds up every large call for as
-                           long (default off)
+                           Guaranteed pod): no faster than off in the
+                           measurements of docs/OPERATIONS.md, and anything
+                           else busy on one of them holds up every large call
+                           for as long (default off)
   --memory-budget=SIZE     bytes of compressed pages, e.g. 4GiB (default: on
                            a GPU 80% of its free memory at start, allocated
                            then as one arena; on the CPU 4GiB)

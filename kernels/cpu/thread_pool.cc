@@ -15,8 +15,18 @@ namespace turbokv {
 
 ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : background_from_(background_from) {
   const bool background = background_from > 0;
+#ifdef __linux__
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+      if (CPU_ISSET(cpu, &allowed)) cpus_.push_back(cpu);
+    }
+  }
+  homed_ = background && !pin && cpus_.size() > 1;
+#endif
   for (int i = background ? 0 : 1; i < std::max(threads, 1); ++i) {
-    workers_.emplace_back([this, background] {
+    const int home = homed_ ? cpus_[workers_.size() % cpus_.size()] : -1;
+    workers_.emplace_back([this, background, home] {
 #ifdef __linux__
       // The policy is per thread on Linux. SCHED_IDLE, not a nice value:
       // a thread of the normal class that wakes takes the core from an idle
@@ -29,20 +39,15 @@ ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : backgro
         if (sched_setscheduler(tid, SCHED_IDLE, &none) != 0) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 10);
       }
 #endif
-      WorkerLoop();
+      WorkerLoop(home);
     });
   }
 #ifdef __linux__
-  cpu_set_t allowed;
-  if (!pin || sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
-  std::vector<int> cpus;
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-    if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
-  }
-  for (size_t w = 0; w < workers_.size() && !cpus.empty(); ++w) {
+  if (!pin) return;
+  for (size_t w = 0; w < workers_.size() && !cpus_.empty(); ++w) {
     cpu_set_t one;
     CPU_ZERO(&one);
-    CPU_SET(cpus[w % cpus.size()], &one);
+    CPU_SET(cpus_[w % cpus_.size()], &one);
     pinned_ += pthread_setaffinity_np(workers_[w].native_handle(), sizeof(one), &one) == 0;
   }
 #else
@@ -90,27 +95,62 @@ std::shared_ptr<ThreadPool::Job> ThreadPool::NextJob() {
   return best;
 }
 
-void ThreadPool::WorkerLoop() {
+namespace {
+
+// Keeps the calling thread to `cpu`, or to any of `cpus` (cpu < 0). A CPU
+// the process may no longer use fails it: the thread keeps its mask.
+void KeepTo(const std::vector<int>& cpus, int cpu) {
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (cpu >= 0) {
+    CPU_SET(cpu, &set);
+  } else {
+    for (int c : cpus) CPU_SET(c, &set);
+  }
+  (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+#else
+  (void)cpus;
+  (void)cpu;
+#endif
+}
+
+}  // namespace
+
+void ThreadPool::WorkerLoop(int home) {
+  bool at_home = false;
   for (;;) {
     std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] {
-        if (stop_) return true;
+      for (;;) {
+        if (stop_) return;
         job = NextJob();
-        return job != nullptr;
-      });
-      if (stop_) return;
+        if (job != nullptr) break;
+        if (home >= 0 && !at_home) {
+          // Asleep at home: see homed_.
+          lock.unlock();
+          KeepTo(cpus_, home);
+          at_home = true;
+          lock.lock();
+          continue;
+        }
+        wake_.wait(lock);
+      }
     }
-    // Wake the next worker from here, not all of them from the caller: woken
-    // together while the caller still held its core, two workers were often
-    // queued on one core with the other idle, and a large call ran at half
-    // the pool (a 640 us call of 2 workers took 1,320 us, p50). Woken by a
-    // running worker of the SCHED_IDLE class they still often are (that
-    // worker's core counts as idle to the placement): most short calls ran
-    // on one core, and a tenth of the long ones. Pinned workers (`pin`)
-    // cannot be.
-    if (job->n - job->next.load() > 1) wake_.notify_one();
+    if (at_home) {
+      KeepTo(cpus_, -1);
+      at_home = false;
+    }
+    // Unhomed workers wake the next from here, not all of them from the
+    // caller: woken together while the caller still held its core, two
+    // workers were often queued on one core with the other idle, and a large
+    // call ran at half the pool (a 640 us call of 2 workers took 1,320 us,
+    // p50). Woken by a running worker of the SCHED_IDLE class they still
+    // often are (that worker's core counts as idle to the placement): most
+    // short calls ran on one core, and a tenth of the long ones. Homed and
+    // pinned workers cannot be.
+    if (!homed_ && job->n - job->next.load() > 1) wake_.notify_one();
     // While it is the only call, run its indices without going back to the
     // lock for each.
     while (RunOne(*job) && active_.load(std::memory_order_relaxed) == 1) {
@@ -134,7 +174,13 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, 
     jobs_.push_back(job);
     active_.store(jobs_.size(), std::memory_order_relaxed);
   }
-  wake_.notify_one();  // which wakes the next (WorkerLoop)
+  // Homed workers all at once, each to its own CPU, so that one whose CPU is
+  // busy holds up no other; else one, which wakes the next (WorkerLoop).
+  if (homed_) {
+    wake_.notify_all();
+  } else {
+    wake_.notify_one();
+  }
   while (!large && RunOne(*job)) {
   }
   std::unique_lock<std::mutex> lock(mutex_);

@@ -189,6 +189,57 @@ TEST(ThreadPoolTest, PinnedWorkersEachKeepToOneCpuOfTheirOwn) {
   EXPECT_TRUE(CPU_EQUAL(&mine, &allowed));
   EXPECT_EQ(ThreadPool(kWorkers, /*background_from=*/1).pinned(), 0);
 }
+
+// The mask of thread `tid` of this process.
+cpu_set_t MaskOf(pid_t tid) {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  EXPECT_EQ(sched_getaffinity(tid, sizeof(mask), &mask), 0);
+  return mask;
+}
+
+// A background pool without `pin` keeps each worker to a CPU of its own
+// while it sleeps (so that waking them does not queue both on one core) and
+// lets it run on any once woken.
+TEST(ThreadPoolTest, UnpinnedBackgroundWorkersSleepOnACpuEachAndRunAnywhere) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  if (CPU_COUNT(&allowed) < 2) GTEST_SKIP() << "one CPU: the workers are not kept apart";
+  constexpr int kWorkers = 2;
+  ThreadPool pool(kWorkers, /*background_from=*/1);
+  std::mutex mutex;
+  std::set<pid_t> workers;
+  for (int round = 0; round < 5; ++round) {
+    std::condition_variable all_in;
+    int started = 0;
+    std::atomic<int> anywhere{0};
+    pool.ParallelFor(kWorkers, [&](int64_t) {
+      const cpu_set_t mine = MaskOf(0);
+      std::unique_lock<std::mutex> lock(mutex);
+      workers.insert(static_cast<pid_t>(syscall(SYS_gettid)));
+      if (CPU_EQUAL(&mine, &allowed)) ++anywhere;
+      if (++started == kWorkers) all_in.notify_all();
+      all_in.wait_for(lock, std::chrono::seconds(10), [&] { return started == kWorkers; });
+    });
+    EXPECT_EQ(anywhere.load(), kWorkers) << "round " << round;
+  }
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  // Asleep again (give them a moment to get there): one CPU each, apart.
+  std::set<int> homes;
+  for (int wait = 0; wait < 500; ++wait) {
+    homes.clear();
+    for (pid_t tid : workers) {
+      const cpu_set_t mask = MaskOf(tid);
+      if (CPU_COUNT(&mask) != 1) break;
+      for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+        if (CPU_ISSET(cpu, &mask) && CPU_ISSET(cpu, &allowed)) homes.insert(cpu);
+      }
+    }
+    if (homes.size() == workers.size()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(homes.size(), static_cast<size_t>(kWorkers));
+}
 #endif
 
 }  // namespace
