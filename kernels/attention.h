@@ -10,11 +10,13 @@
 #include <functional>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "kernels/layout.h"
 
 namespace turbokv {
 
 class ThreadPool;
+struct EncodeChunk;
 
 // One layer's paged cache, as the kernels read it (docs/FORMAT.md, "Pages").
 //
@@ -125,6 +127,12 @@ struct AttentionOptions {
   // reference of the tests. (Problems marked few_tokens, a layer's sinks,
   // are attended in floats either way.)
   bool integer_dot_products = true;
+  // New tokens to store before any problem is attended (kernels/paged_cache.h,
+  // EncodeChunkCpu): a Decode step's appends, whose pages its problems read.
+  // They run first in the same parallel job, so the pool wakes once for
+  // both; every work item waits until all are stored. AttendCpu stores them
+  // even when the batch has no problem, and not at all when it refuses one.
+  absl::Span<const EncodeChunk> encode_first = {};
 };
 
 struct KeyTransform;

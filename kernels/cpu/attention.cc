@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "kernels/codec.h"
 #include "kernels/codebooks.h"
 #include "kernels/half.h"
+#include "kernels/paged_cache.h"
 #include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/cpu_codecs.h"
 #include "kernels/cpu/thread_pool.h"
@@ -396,7 +398,19 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
       for (int h = 0; h < pass.cache->kv_heads; ++h) FinishHead(params, options.path, pass, h);
     }
   }
-  ForEach(options.pool, items, [&](int64_t item) {
+  // The new tokens first: indices are claimed in order, so by the time a
+  // thread claims a work item every chunk is taken, and it waits at most for
+  // the ones other threads are still storing.
+  const int64_t encodes = static_cast<int64_t>(options.encode_first.size());
+  std::atomic<int64_t> stored{0};
+  ForEach(options.pool, encodes + items, [&](int64_t index) {
+    if (index < encodes) {
+      EncodeChunkCpu(options.encode_first[static_cast<size_t>(index)], nullptr);
+      stored.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    while (stored.load(std::memory_order_acquire) < encodes) std::this_thread::yield();
+    const int64_t item = index - encodes;
     if (item < static_cast<int64_t>(few.size())) {
       const FewItem& f = few[static_cast<size_t>(item)];
       AttendFewCpu(*f.problem, params, f.head, f.first_query, f.queries);

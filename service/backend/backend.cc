@@ -10,6 +10,12 @@
 
 namespace turbokv {
 
+absl::Status Backend::EncodeAndAttend(absl::Span<const EncodeChunk> chunks, const AttentionBatch& batch,
+                                      const AttentionParams& params) {
+  if (absl::Status encoded = Encode(chunks); !encoded.ok()) return encoded;
+  return Attend(batch, params);
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(absl::string_view device, ThreadPool* pool, size_t arena_bytes,
                                                      int streams) {
   if (device == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(pool));

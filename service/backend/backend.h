@@ -87,6 +87,12 @@ class Backend {
   // batch (shapes, positions); UNIMPLEMENTED naming what this backend cannot
   // compute, never a detour to other hardware.
   virtual absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params) = 0;
+  // Encode, then Attend: a Decode step's new tokens and the attention that
+  // reads them (its problems describe the layers as the chunks leave them).
+  // The CPU runs both in one parallel job; by default, one call after the
+  // other. An error leaves every layer as it was.
+  virtual absl::Status EncodeAndAttend(absl::Span<const EncodeChunk> chunks, const AttentionBatch& batch,
+                                       const AttentionParams& params);
 
  protected:
   Backend(std::string name, std::string label) : name_(std::move(name)), label_(std::move(label)) {}

@@ -129,8 +129,14 @@ absl::Status CpuBackend::Decode(const Codec& key_codec, const Codec& value_codec
 }
 
 absl::Status CpuBackend::Attend(const AttentionBatch& batch, const AttentionParams& params) {
+  return EncodeAndAttend({}, batch, params);
+}
+
+absl::Status CpuBackend::EncodeAndAttend(absl::Span<const EncodeChunk> chunks, const AttentionBatch& batch,
+                                         const AttentionParams& params) {
   AttentionOptions options;
   options.pool = pool_;
+  options.encode_first = chunks;
   return AttendCpu(batch, params, options);
 }
 

@@ -32,6 +32,8 @@ class CpuBackend : public Backend {
   absl::Status Decode(const Codec& key_codec, const Codec& value_codec, const PagedKvCache& cache, int64_t first,
                       int64_t n, float* keys, float* values) override;
   absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params) override;
+  absl::Status EncodeAndAttend(absl::Span<const EncodeChunk> chunks, const AttentionBatch& batch,
+                               const AttentionParams& params) override;
 
   // Pages of at least this many bytes are mapped from the kernel directly
   // (and go back to it when freed); smaller ones come from the heap.

@@ -63,41 +63,53 @@ Handler::ChunkWrite Handler::WriteOf(SessionCache& session, int l, LayerCache::P
   return write;
 }
 
-absl::Status Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
-  // Every chunk with new tokens is one job of a single encode on the
-  // backend; the layers change only once all of them are encoded.
-  std::vector<SessionCache::LayerErrors> errors(writes.size());
-  std::vector<std::vector<const uint8_t*>> tables(writes.size());
-  std::vector<EncodeChunk> chunks;
+Handler::EncodeJobs Handler::PrepareChunks(std::vector<ChunkWrite>& writes) {
+  EncodeJobs jobs;
+  jobs.errors.resize(writes.size());
+  jobs.tables.resize(writes.size());
+  jobs.chunk_of.assign(writes.size(), SIZE_MAX);
   for (size_t i = 0; i < writes.size(); ++i) {
     ChunkWrite& write = writes[i];
     if (!write.layer->HasNew(write.pending)) continue;
     EncodeChunk chunk =
-        write.layer->Chunk(&write.pending, write.keys, write.values, write.queries, write.q_heads, &tables[i]);
-    chunk.key_errors = &errors[i].keys;
-    chunk.value_errors = &errors[i].values;
-    chunks.push_back(chunk);
+        write.layer->Chunk(&write.pending, write.keys, write.values, write.queries, write.q_heads, &jobs.tables[i]);
+    chunk.key_errors = &jobs.errors[i].keys;
+    chunk.value_errors = &jobs.errors[i].values;
+    jobs.chunk_of[i] = jobs.chunks.size();
+    jobs.chunks.push_back(chunk);
   }
-  const absl::Time encode_start = absl::Now();
-  TURBOKV_RETURN_IF_ERROR(store_->backend().Encode(chunks));
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - encode_start);
+  return jobs;
+}
+
+void Handler::ApplyChunks(std::vector<ChunkWrite>& writes, const EncodeJobs& jobs) {
   int64_t new_token_layers = 0;
   for (size_t i = 0; i < writes.size(); ++i) {
     ChunkWrite& write = writes[i];
     write.before = write.layer->tokens();
     write.after = write.layer->Apply(std::move(write.pending));
     new_token_layers += write.after - write.before;
-    write.errors->keys.Add(errors[i].keys);
-    write.errors->values.Add(errors[i].values);
+    write.errors->keys.Add(jobs.errors[i].keys);
+    write.errors->values.Add(jobs.errors[i].values);
   }
   if (options_.metrics != nullptr) {
-    options_.metrics->ObserveKernel(KernelOp::kEncode, seconds);
     options_.metrics->AddAppendedTokens(new_token_layers);
     for (size_t i = 0; i < writes.size(); ++i) {
-      options_.metrics->ObserveQuantization(writes[i].key_codec, KvKind::kKey, errors[i].keys);
-      options_.metrics->ObserveQuantization(writes[i].value_codec, KvKind::kValue, errors[i].values);
+      options_.metrics->ObserveQuantization(writes[i].key_codec, KvKind::kKey, jobs.errors[i].keys);
+      options_.metrics->ObserveQuantization(writes[i].value_codec, KvKind::kValue, jobs.errors[i].values);
     }
   }
+}
+
+absl::Status Handler::CommitChunks(std::vector<ChunkWrite>& writes) {
+  // Every chunk with new tokens is one job of a single encode on the
+  // backend; the layers change only once all of them are encoded.
+  const EncodeJobs jobs = PrepareChunks(writes);
+  const absl::Time encode_start = absl::Now();
+  TURBOKV_RETURN_IF_ERROR(store_->backend().Encode(jobs.chunks));
+  if (options_.metrics != nullptr) {
+    options_.metrics->ObserveKernel(KernelOp::kEncode, absl::ToDoubleSeconds(absl::Now() - encode_start));
+  }
+  ApplyChunks(writes, jobs);
   return absl::OkStatus();
 }
 

@@ -55,11 +55,11 @@ int64_t Handler::ReplyBytes(const v1::DecodeRequest& request) {
 }
 
 absl::Status Handler::RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
-                               int64_t queries) {
-  if (problems.empty()) return absl::OkStatus();
+                               int64_t queries, absl::Span<const EncodeChunk> new_tokens) {
+  if (problems.empty() && new_tokens.empty()) return absl::OkStatus();
   const absl::Time start = absl::Now();
-  TURBOKV_RETURN_IF_ERROR(
-      store_->backend().Attend(AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params));
+  TURBOKV_RETURN_IF_ERROR(store_->backend().EncodeAndAttend(
+      new_tokens, AttentionBatch{problems.data(), static_cast<int64_t>(problems.size())}, params));
   if (options_.metrics != nullptr) {
     options_.metrics->ObserveKernel(KernelOp::kAttend, absl::ToDoubleSeconds(absl::Now() - start));
     options_.metrics->AddAttendedQueries(queries);
@@ -377,10 +377,12 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
       writes.push_back(WriteOf(session, request.layer(), std::move((*pending)[0]), keys.data() + i * item_values,
                                values.data() + i * item_values, queries.data() + i * item_queries));
     }
-    TURBOKV_RETURN_IF_ERROR(CommitChunks(writes));
   }
+  const EncodeJobs jobs = PrepareChunks(writes);
 
-  // Attention: every item that is still OK, as one batch.
+  // Attention: every item that is still OK, as one batch, over its layer as
+  // its new tokens leave it; the backend stores them first, in the same
+  // call, and the layers change only once it has done both.
   const size_t row = static_cast<size_t>(shape.k) * shape.q_heads;  // output rows per item
   const size_t top = static_cast<size_t>(params.top_k);
   // Not zeroed as a whole (512 KiB a Decode step of 32 sessions): attention
@@ -394,17 +396,24 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   std::vector<int64_t> top_tokens(batch * row * top, -1);
   std::vector<float> top_logits(batch * row * top, -INFINITY);
   std::vector<AttentionProblem> problems;
+  std::vector<const uint8_t*> sink_tables(writes.size());
   for (size_t i = 0; i < batch; ++i) {
     if (!status[i].ok()) continue;
-    problems.push_back(locked.sessions[i]->layers()[request.layer()].Attention(
-        {shape.k, queries.data() + i * row * shape.head_dim, request.positions().data() + i * shape.k},
-        {out.get() + i * item_out, lse.data() + i * row, top ? top_tokens.data() + i * row * top : nullptr,
-         top ? top_logits.data() + i * row * top : nullptr}));
+    const LayerCache& layer = locked.sessions[i]->layers()[request.layer()];
+    const AttentionQueries item_queries{shape.k, queries.data() + i * row * shape.head_dim,
+                                        request.positions().data() + i * shape.k};
+    const AttentionOutput item_output{out.get() + i * item_out, lse.data() + i * row,
+                                      top ? top_tokens.data() + i * row * top : nullptr,
+                                      top ? top_logits.data() + i * row * top : nullptr};
+    const size_t w = write_of[i];
+    problems.push_back(w != SIZE_MAX && jobs.chunk_of[w] != SIZE_MAX
+                           ? layer.PendingAttention(writes[w].pending, jobs.chunks[jobs.chunk_of[w]], item_queries,
+                                                    item_output, &sink_tables[w])
+                           : layer.Attention(item_queries, item_output));
   }
-  if (absl::Status run = RunBatch(problems, params, static_cast<int64_t>(problems.size()) * shape.k); !run.ok()) {
-    for (ChunkWrite& write : writes) write.layer->Truncate(write.before);  // a failed message changes nothing
-    return run;
-  }
+  // A failed message changes nothing: the writes' pages go back unused.
+  TURBOKV_RETURN_IF_ERROR(RunBatch(problems, params, static_cast<int64_t>(problems.size()) * shape.k, jobs.chunks));
+  ApplyChunks(writes, jobs);
   // New tokens are acknowledged as the tier holds them: an item whose
   // tokens it did not take fails alone. Every item's are queued before any
   // is waited for.

@@ -169,10 +169,23 @@ class Handler {
   // The write of a chunk into layer `l` of `session`.
   static ChunkWrite WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending, const float* keys,
                             const float* values, const float* queries);
+  // The backend's jobs for the writes with new tokens (LayerCache::Chunk):
+  // chunks[chunk_of[i]] is writes[i]'s (SIZE_MAX: none), which gains its
+  // quantization error in errors[i] and points into tables[i]. Keep them
+  // and the writes until the jobs are done.
+  struct EncodeJobs {
+    std::vector<EncodeChunk> chunks;
+    std::vector<size_t> chunk_of;
+    std::vector<SessionCache::LayerErrors> errors;
+    std::vector<std::vector<const uint8_t*>> tables;
+  };
+  static EncodeJobs PrepareChunks(std::vector<ChunkWrite>& writes);
+  // Applies every write whose jobs the backend has done; adds each one's
+  // quantization error to its session's and counts it, with the new tokens,
+  // in the metrics.
+  void ApplyChunks(std::vector<ChunkWrite>& writes, const EncodeJobs& jobs);
   // Encodes every chunk in one job of the backend, then applies them all
-  // (on error none is: the layers stay as they were); adds each chunk's
-  // quantization error to its session's and counts it, with the chunks, in
-  // the metrics.
+  // (on error none is: the layers stay as they were).
   absl::Status CommitChunks(std::vector<ChunkWrite>& writes);
   // Each layer's length before and after a stored chunk.
   struct StoredChunk {
@@ -188,9 +201,11 @@ class Handler {
   // [head_dim], or null) serve the key transforms the chunk fits.
   absl::StatusOr<StoredChunk> StoreChunk(SessionCache& session, const std::vector<int>& layers, int64_t start,
                                          int64_t n, const float* keys, const float* values, const float* queries);
-  // The problems as one batch on the backend, timed in the metrics.
+  // The problems as one batch on the backend, timed in the metrics; the
+  // chunks of new_tokens stored first, in the same call, when there are
+  // some (Backend::EncodeAndAttend: the problems may read their pages).
   absl::Status RunBatch(const std::vector<AttentionProblem>& problems, const AttentionParams& params,
-                        int64_t queries);
+                        int64_t queries, absl::Span<const EncodeChunk> new_tokens = {});
   // Where the result of n queries (output and lse) goes: the response, or
   // the request's output_to.
   template <typename Request>

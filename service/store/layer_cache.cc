@@ -310,4 +310,18 @@ AttentionProblem LayerCache::Attention(const AttentionQueries& queries, const At
   return problem;
 }
 
+AttentionProblem LayerCache::PendingAttention(const PendingAppend& pending, const EncodeChunk& chunk,
+                                              const AttentionQueries& queries, const AttentionOutput& output,
+                                              const uint8_t** sink_table) const {
+  const int64_t sinks = std::min<int64_t>(pending.end, storage_.sink_tokens);
+  AttentionProblem problem;
+  problem.cache = chunk.cache;
+  problem.cache.first_token = sinks;
+  problem.queries = queries;
+  problem.output = output;
+  problem.transform = pending.transform.get();
+  if (sinks > 0) problem.sinks = SinkDescriptor(pending.sinks.empty() ? *sinks_ : pending.sinks, sinks, sink_table);
+  return problem;
+}
+
 }  // namespace turbokv

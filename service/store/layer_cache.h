@@ -147,6 +147,14 @@ class LayerCache {
   // A problem of attention over the whole layer (pages, transform and
   // sinks); valid until the next change.
   AttentionProblem Attention(const AttentionQueries& queries, const AttentionOutput& output) const;
+  // The same over the layer as a prepared chunk leaves it, before Apply:
+  // `chunk` is what Chunk gave for `pending` (its pages, length, sinks and
+  // transform), for a backend that stores the chunk and then attends
+  // (Backend::EncodeAndAttend). *sink_table points to the sink page: keep it,
+  // the chunk's table and *pending until the problem is done.
+  AttentionProblem PendingAttention(const PendingAppend& pending, const EncodeChunk& chunk,
+                                    const AttentionQueries& queries, const AttentionOutput& output,
+                                    const uint8_t** sink_table) const;
 
  private:
   // A sink page as the kernels read it, holding `tokens` tokens; *table

@@ -12,6 +12,7 @@
 #include "kernels/paged_cache.h"
 #include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/kernels/layer_testing.h"
 
 namespace turbokv {
 namespace {
@@ -419,6 +420,88 @@ TEST(AttentionFeaturesTest, ThreadsAndChunksGiveTheSameResult) {
     EXPECT_LT(RelativeL2(split.out, single.out), 1e-5) << "chunk " << chunk;
     for (size_t i = 0; i < single.lse.size(); ++i) EXPECT_NEAR(split.lse[i], single.lse[i], 1e-5);
   }
+}
+
+// AttendCpu with encode_first stores the chunks and attends the pages they
+// fill in one parallel job: bit for bit what EncodeChunkCpu and then AttendCpu
+// give. A batch without problems still stores them; a refused batch stores
+// nothing.
+TEST(AttentionFeaturesTest, EncodeFirstStoresTheChunksItsProblemsRead) {
+  constexpr int kLayers = 6, kKv = 2, kGroup = 4, kDim = 128, kPageTokens = 16;
+  using ::turbokv::testing::HostLayer;
+  enum Way { kApart, kFused, kAlone, kRefused, kWays };
+  std::vector<std::unique_ptr<HostLayer>> layers[kWays];
+  std::vector<std::vector<float>> keys, values, queries;
+  std::vector<int64_t> last;
+  std::vector<EncodeChunk> chunks[kWays];
+  for (int i = 0; i < kLayers; ++i) {
+    const int64_t tokens = 20 + 9 * i, held = tokens - 1 - i % 3;  // one to three new tokens
+    keys.push_back(GaussianVectors(tokens * kKv, kDim, 40 + i));
+    values.push_back(GaussianVectors(tokens * kKv, kDim, 50 + i));
+    queries.push_back(GaussianVectors(kKv * kGroup, kDim, 60 + i));
+    last.push_back(tokens - 1);
+    for (int way = 0; way < kWays; ++way) {
+      layers[way].push_back(std::make_unique<HostLayer>(CodecKind::kTurbo3, CodecKind::kTurbo4, kDim, kKv,
+                                                        kPageTokens, tokens, 7));
+      HostLayer& layer = *layers[way].back();
+      for (std::vector<uint8_t>& page : layer.pages) std::fill(page.begin(), page.end(), 0);
+      EncodeChunk chunk;
+      chunk.key_codec = layer.keys.get();
+      chunk.value_codec = layer.values.get();
+      chunk.cache = layer.cache;
+      chunk.cache.tokens = held;
+      chunk.keys = keys.back().data();
+      chunk.values = values.back().data();
+      EncodeChunkCpu(chunk, nullptr);  // tokens [0, held), stored before
+      chunk.cache.tokens = tokens;
+      chunk.first = held;
+      chunk.keys += held * kKv * kDim;
+      chunk.values += held * kKv * kDim;
+      chunks[way].push_back(chunk);
+    }
+  }
+  const std::vector<std::vector<uint8_t>> before = layers[kRefused][0]->pages;
+  AttentionParams params;
+  params.q_heads = kKv * kGroup;
+  std::vector<float> out[kWays], lse[kWays];
+  auto batch = [&](int way) {
+    out[way].assign(kLayers * kKv * kGroup * kDim, 0.0f);
+    lse[way].assign(kLayers * kKv * kGroup, 0.0f);
+    std::vector<AttentionProblem> problems(kLayers);
+    for (int i = 0; i < kLayers; ++i) {
+      problems[i].cache = layers[way][i]->cache;
+      problems[i].queries = {1, queries[i].data(), &last[i]};
+      problems[i].output = {out[way].data() + i * kKv * kGroup * kDim, lse[way].data() + i * kKv * kGroup};
+    }
+    return problems;
+  };
+  ThreadPool pool(2);
+  AttentionOptions options{AttentionPath::kSimd};
+  options.pool = &pool;
+
+  for (const EncodeChunk& chunk : chunks[kApart]) EncodeChunkCpu(chunk, nullptr);
+  std::vector<AttentionProblem> apart = batch(kApart);
+  ASSERT_TRUE(AttendCpu(AttentionBatch{apart.data(), kLayers}, params, options).ok());
+
+  options.encode_first = chunks[kFused];
+  std::vector<AttentionProblem> fused = batch(kFused);
+  ASSERT_TRUE(AttendCpu(AttentionBatch{fused.data(), kLayers}, params, options).ok());
+  EXPECT_EQ(out[kFused], out[kApart]);
+  EXPECT_EQ(lse[kFused], lse[kApart]);
+
+  options.encode_first = chunks[kAlone];
+  ASSERT_TRUE(AttendCpu(AttentionBatch{nullptr, 0}, params, options).ok());
+
+  options.encode_first = chunks[kRefused];
+  std::vector<AttentionProblem> refused = batch(kRefused);
+  refused[kLayers - 1].cache.kv_heads = 0;
+  EXPECT_EQ(AttendCpu(AttentionBatch{refused.data(), kLayers}, params, options).code(),
+            absl::StatusCode::kInvalidArgument);
+  for (int i = 0; i < kLayers; ++i) {
+    EXPECT_EQ(layers[kFused][i]->pages, layers[kApart][i]->pages) << "layer " << i;
+    EXPECT_EQ(layers[kAlone][i]->pages, layers[kApart][i]->pages) << "layer " << i;
+  }
+  EXPECT_EQ(layers[kRefused][0]->pages, before);
 }
 
 TEST(AttentionFeaturesTest, MergingTwoHalvesEqualsTheWhole) {

@@ -169,6 +169,80 @@ INSTANTIATE_TEST_SUITE_P(Batches, DecodeEqualsStepTest,
 
 INSTANTIATE_TEST_SUITE_P(Devices, DecodeTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
+// Sessions that start empty: Decode's first tokens go to the sink page, the
+// first past it fixes the key transform. Decode attends the layers as its
+// new tokens leave them, before they are applied: the same bits as Step.
+TEST_P(DecodeTest, FreshSessionsThroughTheSinksEqualStep) {
+  constexpr int kItems = 3, kSteps = 7;
+  std::vector<std::string> batched, stepped;
+  for (int i = 0; i < kItems; ++i) {
+    batched.push_back(Create(0, 0));
+    stepped.push_back(Create(0, 0));
+  }
+  for (int64_t position = 0; position < kSteps; ++position) {
+    v1::DecodeRequest decode = MakeDecode(batched, 1, std::vector<std::vector<int64_t>>(kItems, {position}),
+                                          /*with_keys=*/true, 300 + position);
+    auto result = handler_->Decode(decode);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->failed(), 0);
+    const auto out = TensorFloats(result->output()), lse = TensorFloats(result->lse());
+    for (int i = 0; i < kItems; ++i) {
+      auto single = handler_->Step(StepOf(decode, stepped[i], i, 0, 1));
+      ASSERT_TRUE(single.ok()) << single.status();
+      const auto step_out = TensorFloats(single->result().output()), step_lse = TensorFloats(single->result().lse());
+      EXPECT_EQ(0, std::memcmp(step_out.data(), out.data() + i * kQ * kDim, step_out.size() * 4))
+          << "item " << i << " position " << position;
+      EXPECT_EQ(0, std::memcmp(step_lse.data(), lse.data() + i * kQ, step_lse.size() * 4));
+      EXPECT_EQ(result->tokens(i), position + 1);
+    }
+  }
+}
+
+// A Decode message whose tokens are the first past the sinks: they fit the
+// key transform, which its attention uses before the layer holds it. The
+// same bits as Append (with the same queries) and then Attend.
+TEST_P(DecodeTest, TokensThatFitTheKeyTransformAreAttendedThroughIt) {
+  constexpr int kItems = 2, kK = 16;  // kMinTransformTokens
+  std::vector<std::string> batched, apart;
+  std::vector<std::vector<int64_t>> positions;
+  for (int i = 0; i < kItems; ++i) {
+    batched.push_back(Create(4, 70 + i));  // the sink tokens only
+    apart.push_back(Create(4, 70 + i));
+    positions.emplace_back();
+    for (int64_t p = 4; p < 4 + kK; ++p) positions.back().push_back(p);
+  }
+  v1::DecodeRequest decode = MakeDecode(batched, kK, positions, /*with_keys=*/true, 400);
+  auto result = handler_->Decode(decode);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->failed(), 0);
+  const auto out = TensorFloats(result->output()), lse = TensorFloats(result->lse());
+  const auto q = TensorFloats(decode.queries()), k = TensorFloats(decode.keys()), v = TensorFloats(decode.values());
+  const size_t item_q = kK * kQ * kDim, item_kv = kK * kKv * kDim;
+  for (int i = 0; i < kItems; ++i) {
+    auto slice = [&](const std::vector<float>& all, size_t n) {
+      return std::vector<float>(all.begin() + i * n, all.begin() + (i + 1) * n);
+    };
+    v1::AppendRequest append = MakeAppend(apart[i], kLayer, 4, slice(k, item_kv), slice(v, item_kv), {kK, kKv, kDim});
+    *append.mutable_queries() = MakeTensor(slice(q, item_q), {kK, kQ, kDim});
+    ASSERT_TRUE(handler_->Append(append).ok());
+    v1::AttendRequest attend;
+    attend.set_session_id(apart[i]);
+    attend.set_layer(kLayer);
+    *attend.mutable_queries() = MakeTensor(slice(q, item_q), {kK, kQ, kDim});
+    for (int64_t p : positions[i]) attend.add_positions(p);
+    auto attended = handler_->Attend(attend);
+    ASSERT_TRUE(attended.ok()) << attended.status();
+    const auto expected = TensorFloats(attended->result().output()), expected_lse = TensorFloats(attended->result().lse());
+    EXPECT_EQ(0, std::memcmp(expected.data(), out.data() + i * item_q, expected.size() * 4)) << "item " << i;
+    EXPECT_EQ(0, std::memcmp(expected_lse.data(), lse.data() + i * kK * kQ, expected_lse.size() * 4));
+  }
+  v1::GetSessionRequest request;
+  request.set_session_id(batched[0]);
+  auto info = handler_->GetSession(request);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_GT(info->transformed_layers(), 0);
+}
+
 TEST_P(DecodeTest, AttentionOnlyMessagesLeaveTheSessionsAsTheyAre) {
   const std::vector<std::string> ids = {Create(40, 1), Create(75, 2)};
   v1::DecodeRequest decode = MakeDecode(ids, 2, {{10, 39}, {0, 74}}, /*with_keys=*/false, 5);
