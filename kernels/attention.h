@@ -128,11 +128,14 @@ struct AttentionOptions {
   // are attended in floats either way.)
   bool integer_dot_products = true;
   // New tokens to store before any problem is attended (kernels/paged_cache.h,
-  // EncodeChunkCpu): a Decode step's appends, whose pages its problems read.
-  // They run first in the same parallel job, so the pool wakes once for
-  // both; every work item waits until all are stored. AttendCpu stores them
-  // even when the batch has no problem, and not at all when it refuses one.
+  // EncodeChunkCpu, a chunk an index): a Decode step's appends, whose pages
+  // its problems read. They run first in the same parallel job, so the pool
+  // wakes once for both; every work item waits until all are stored.
+  // AttendCpu stores them even when the batch has no problem, and not at all
+  // when it refuses one. large_encode: they are a large call by themselves
+  // (ThreadPool::ParallelFor's heavy), however few the work items.
   absl::Span<const EncodeChunk> encode_first = {};
+  bool large_encode = false;
 };
 
 struct KeyTransform;

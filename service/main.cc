@@ -40,7 +40,8 @@ Flags (--name=value or --name value):
                            quota (a container's CPU limit) (default 0)
   --pin-threads=on|off     keep each kernel thread to one of the CPUs this
                            process may use, running as well as asleep (off:
-                           asleep only). Only where those CPUs are the
+                           asleep only, when the threads are as many as the
+                           CPUs). Only where those CPUs are the
                            daemon's alone (Kubernetes' static CPU manager, a
                            Guaranteed pod): no faster than off in the
                            measurements of docs/OPERATIONS.md, and anything

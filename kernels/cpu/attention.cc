@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -312,10 +314,11 @@ void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, i
   for (int64_t c = 0; c < pass.chunks; ++c) pass.states[h * pass.chunks + c].reset();
 }
 
-// fn(i) for i in [0, n), on the pool when there is one.
-void ForEach(ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& fn) {
+// fn(i) for i in [0, n), on the pool when there is one (`heavy` as
+// ThreadPool::ParallelFor's).
+void ForEach(ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& fn, bool heavy = false) {
   if (pool != nullptr) {
-    pool->ParallelFor(n, fn);
+    pool->ParallelFor(n, fn, heavy);
   } else {
     for (int64_t i = 0; i < n; ++i) fn(i);
   }
@@ -398,19 +401,7 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
       for (int h = 0; h < pass.cache->kv_heads; ++h) FinishHead(params, options.path, pass, h);
     }
   }
-  // The new tokens first: indices are claimed in order, so by the time a
-  // thread claims a work item every chunk is taken, and it waits at most for
-  // the ones other threads are still storing.
-  const int64_t encodes = static_cast<int64_t>(options.encode_first.size());
-  std::atomic<int64_t> stored{0};
-  ForEach(options.pool, encodes + items, [&](int64_t index) {
-    if (index < encodes) {
-      EncodeChunkCpu(options.encode_first[static_cast<size_t>(index)], nullptr);
-      stored.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    while (stored.load(std::memory_order_acquire) < encodes) std::this_thread::yield();
-    const int64_t item = index - encodes;
+  const auto attend_item = [&](int64_t item) {
     if (item < static_cast<int64_t>(few.size())) {
       const FewItem& f = few[static_cast<size_t>(item)];
       AttendFewCpu(*f.problem, params, f.head, f.first_query, f.queries);
@@ -451,7 +442,37 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
     if (pass.unscanned[task.head].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       FinishHead(params, options.path, pass, task.head);
     }
-  });
+  };
+  // The new tokens first: indices are claimed in order, so by the time a
+  // thread claims a work item every chunk is taken, and it waits at most for
+  // the ones other threads are still storing (a few microseconds each; it
+  // sleeps if one of them is held up).
+  const int64_t encodes = static_cast<int64_t>(options.encode_first.size());
+  std::atomic<int64_t> stored{0};
+  std::mutex stored_mutex;
+  std::condition_variable all_stored;
+  ForEach(
+      options.pool, encodes + items,
+      [&](int64_t index) {
+        if (index < encodes) {
+          EncodeChunkCpu(options.encode_first[static_cast<size_t>(index)], nullptr);
+          if (stored.fetch_add(1, std::memory_order_acq_rel) + 1 == encodes) {
+            std::lock_guard<std::mutex> lock(stored_mutex);
+            all_stored.notify_all();
+          }
+          return;
+        }
+        for (int spin = 0; stored.load(std::memory_order_acquire) < encodes; ++spin) {
+          if (spin < 64) {
+            std::this_thread::yield();
+          } else {
+            std::unique_lock<std::mutex> lock(stored_mutex);
+            all_stored.wait(lock, [&] { return stored.load(std::memory_order_acquire) == encodes; });
+          }
+        }
+        attend_item(index - encodes);
+      },
+      options.large_encode);
   return absl::OkStatus();
 }
 

@@ -22,10 +22,10 @@ ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : backgro
       if (CPU_ISSET(cpu, &allowed)) cpus_.push_back(cpu);
     }
   }
-  homed_ = background && !pin && cpus_.size() > 1;
+  homed_ = background && !pin && threads >= 2 && static_cast<size_t>(threads) == cpus_.size();
 #endif
   for (int i = background ? 0 : 1; i < std::max(threads, 1); ++i) {
-    const int home = homed_ ? cpus_[workers_.size() % cpus_.size()] : -1;
+    const int home = homed_ ? cpus_[workers_.size()] : -1;
     workers_.emplace_back([this, background, home] {
 #ifdef __linux__
       // The policy is per thread on Linux. SCHED_IDLE, not a nice value:
@@ -97,51 +97,90 @@ std::shared_ptr<ThreadPool::Job> ThreadPool::NextJob() {
 
 namespace {
 
-// Keeps the calling thread to `cpu`, or to any of `cpus` (cpu < 0). A CPU
-// the process may no longer use fails it: the thread keeps its mask.
-void KeepTo(const std::vector<int>& cpus, int cpu) {
-#ifdef __linux__
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (cpu >= 0) {
-    CPU_SET(cpu, &set);
-  } else {
-    for (int c : cpus) CPU_SET(c, &set);
-  }
-  (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-#else
-  (void)cpus;
-  (void)cpu;
-#endif
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
+
+// A worker woken at home that starts this late found its CPU busy: it sleeps
+// where the kernel puts it for a while (kHomeRest), since a busy home makes
+// it start late every time and can catch it preempted holding an index.
+constexpr int64_t kLateStartNs = 1000000;
+constexpr int64_t kHomeRestNs = 5000000000;
+
+// Keeps the calling thread to `cpu` (while it sleeps) when that CPU is still
+// one of its own and it is not resting from it; Free gives it back the mask
+// it had before (a change made to it meanwhile is lost).
+class Home {
+ public:
+  explicit Home(int cpu) : cpu_(cpu) {}
+
+  void Keep() {
+#ifdef __linux__
+    if (cpu_ < 0 || kept_ || NowNs() < rest_until_ ||
+        pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0 || !CPU_ISSET(cpu_, &saved_)) {
+      return;
+    }
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu_, &one);
+    kept_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
+#endif
+  }
+
+  // Woken at `woken` (ns, NowNs): rests from its home if that was late.
+  void Free(int64_t woken) {
+    if (!kept_) return;
+#ifdef __linux__
+    (void)pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+#endif
+    kept_ = false;
+    const int64_t now = NowNs();
+    if (now - woken > kLateStartNs) rest_until_ = now + kHomeRestNs;
+  }
+
+  bool wanted() const { return cpu_ >= 0 && !kept_; }
+  // Kept, and woken at `woken` more than kLateStartNs ago.
+  bool Late(int64_t woken) const { return kept_ && NowNs() - woken > kLateStartNs; }
+
+ private:
+  const int cpu_;
+  bool kept_ = false;
+  int64_t rest_until_ = 0;
+#ifdef __linux__
+  cpu_set_t saved_;
+#endif
+};
 
 }  // namespace
 
-void ThreadPool::WorkerLoop(int home) {
-  bool at_home = false;
+void ThreadPool::WorkerLoop(int cpu) {
+  Home home(cpu);
   for (;;) {
     std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
+      bool tried = false;  // to keep to its home this time
       for (;;) {
         if (stop_) return;
         job = NextJob();
         if (job != nullptr) break;
-        if (home >= 0 && !at_home) {
-          // Asleep at home: see homed_.
+        if (home.wanted() && !tried) {  // asleep at home: see homed_
           lock.unlock();
-          KeepTo(cpus_, home);
-          at_home = true;
+          home.Keep();
+          tried = true;
           lock.lock();
           continue;
         }
         wake_.wait(lock);
+        if (home.Late(woken_at_.load(std::memory_order_relaxed))) {  // with or without a job left for it
+          lock.unlock();
+          home.Free(woken_at_.load(std::memory_order_relaxed));
+          lock.lock();
+        }
       }
     }
-    if (at_home) {
-      KeepTo(cpus_, -1);
-      at_home = false;
-    }
+    home.Free(woken_at_.load(std::memory_order_relaxed));
     // Unhomed workers wake the next from here, not all of them from the
     // caller: woken together while the caller still held its core, two
     // workers were often queued on one core with the other idle, and a large
@@ -177,6 +216,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, 
   // Homed workers all at once, each to its own CPU, so that one whose CPU is
   // busy holds up no other; else one, which wakes the next (WorkerLoop).
   if (homed_) {
+    woken_at_.store(NowNs(), std::memory_order_relaxed);
     wake_.notify_all();
   } else {
     wake_.notify_one();
@@ -187,6 +227,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, 
   // A large call's caller runs nothing itself: should its one wake-up go
   // astray, it wakes another worker now and then rather than wait forever.
   while (!done_.wait_for(lock, std::chrono::milliseconds(20), [&] { return job->finished.load() == n; })) {
+    woken_at_.store(NowNs(), std::memory_order_relaxed);
     wake_.notify_one();
   }
   jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));

@@ -32,9 +32,9 @@ class ThreadPool {
   // `threads` is the total parallelism, the calling thread included (>= 1);
   // with background_from > 0, `threads` workers beside the callers.
   // `pin` (Linux): worker i keeps to the i-th CPU (modulo their count) this
-  // process may run on, running as well as asleep (a background pool's
-  // workers are otherwise kept to it asleep only: homed_). Only for CPUs
-  // that are the process's alone: a pinned worker cannot leave a core
+  // process may run on, running as well as asleep (a background pool of as
+  // many workers as CPUs otherwise keeps them there asleep only). Only for
+  // CPUs that are the process's alone: a pinned worker cannot leave a core
   // another thread keeps busy, and the index it holds keeps its call waiting
   // as long (turbokvd --pin-threads). More workers than CPUs share them in
   // turn.
@@ -64,8 +64,8 @@ class ThreadPool {
     std::atomic<int64_t> finished{0};
   };
 
-  // home: the CPU it sleeps kept to (homed_), else -1.
-  void WorkerLoop(int home);
+  // cpu: the one it sleeps kept to (homed_), else -1.
+  void WorkerLoop(int cpu);
   // Claims and runs one index of `job`; false when none was left.
   bool RunOne(Job& job);
   // Under mutex_: the job with the fewest indices left (and some left).
@@ -80,17 +80,23 @@ class ThreadPool {
   std::atomic<size_t> active_{0};           // jobs_.size(), read without the lock
   bool stop_ = false;
   int pinned_ = 0;
-  // The CPUs the process could run on when the pool was made.
+  // The CPUs the thread that made the pool could run on.
   std::vector<int> cpus_;
-  // A background pool's workers, unless pinned, sleep kept to a CPU each
-  // (worker i to cpus_[i % count]) and run anywhere once woken. A wake-up
-  // places a thread where its mask allows, and a core running only
-  // SCHED_IDLE threads counts as idle to it: two workers woken one after the
-  // other were queued on one core in 230-280 of 300 calls (turbokv-bench
-  // pool), with the other core idle. Kept apart while asleep, in 1. Unlike
-  // `pin`, a worker whose core another thread keeps busy is only late to
-  // start: it holds no index, and once it runs it may move.
+  // A background pool of as many workers as cpus_ (at least two), unless
+  // pinned: worker i sleeps kept to cpus_[i] and runs anywhere once woken,
+  // and a call wakes them all. A wake-up places a thread where its mask
+  // allows, and a core running only SCHED_IDLE threads counts as idle to
+  // it: two workers woken one after the other were queued on one core in
+  // 233-293 of 300 short calls (turbokv-bench pool, 2 CPUs), the other core
+  // idle; kept apart while asleep, in 0-6. A worker whose CPU another thread
+  // keeps busy starts late, as a pinned one does, and once it runs there it
+  // may be preempted holding an index: one that starts over a millisecond
+  // late sleeps unhomed for five seconds (WorkerLoop), then tries again.
+  // Not with fewer workers than CPUs (a container's CPU quota): their homes
+  // would be the lowest CPUs of the machine, whoever else runs there.
   bool homed_ = false;
+  // When a call last woke homed workers (steady clock, ns).
+  std::atomic<int64_t> woken_at_{0};
 };
 
 }  // namespace turbokv

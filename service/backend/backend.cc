@@ -12,7 +12,9 @@ namespace turbokv {
 
 absl::Status Backend::EncodeAndAttend(absl::Span<const EncodeChunk> chunks, const AttentionBatch& batch,
                                       const AttentionParams& params) {
-  if (absl::Status encoded = Encode(chunks); !encoded.ok()) return encoded;
+  if (!chunks.empty()) {
+    if (absl::Status encoded = Encode(chunks); !encoded.ok()) return encoded;
+  }
   return Attend(batch, params);
 }
 

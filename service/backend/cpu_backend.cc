@@ -101,6 +101,22 @@ absl::Status CpuBackend::WritePage(uint8_t* page, size_t bytes,
   return fill(page, bytes);
 }
 
+namespace {
+
+// Token x kv heads of new tokens from which an encode is a large call: about
+// 0.15 ms of turbo3 on one core.
+constexpr int64_t kLargeEncode = 256;
+
+int64_t NewTokenHeads(absl::Span<const EncodeChunk> chunks) {
+  int64_t token_heads = 0;
+  for (const EncodeChunk& chunk : chunks) {
+    token_heads += std::max<int64_t>(chunk.cache.tokens - chunk.first, 0) * chunk.cache.kv_heads;
+  }
+  return token_heads;
+}
+
+}  // namespace
+
 absl::Status CpuBackend::Encode(absl::Span<const EncodeChunk> chunks) {
   // Chunks encode independently: spread them over the threads (a single
   // chunk spreads its heads and pages instead). Small chunks that add up to
@@ -108,14 +124,10 @@ absl::Status CpuBackend::Encode(absl::Span<const EncodeChunk> chunks) {
   // kernel call of many indices is: a daemon's pool runs it on its
   // background workers, where it used to take its caller's thread alone.
   if (pool_ != nullptr && chunks.size() > 1) {
-    int64_t token_heads = 0;
-    for (const EncodeChunk& chunk : chunks) {
-      token_heads += std::max<int64_t>(chunk.cache.tokens - chunk.first, 0) * chunk.cache.kv_heads;
-    }
-    constexpr int64_t kLargeEncode = 256;  // token x kv heads: about 0.15 ms of turbo3 on one core
     pool_->ParallelFor(
         static_cast<int64_t>(chunks.size()),
-        [&](int64_t i) { EncodeChunkCpu(chunks[static_cast<size_t>(i)], nullptr); }, token_heads >= kLargeEncode);
+        [&](int64_t i) { EncodeChunkCpu(chunks[static_cast<size_t>(i)], nullptr); },
+        NewTokenHeads(chunks) >= kLargeEncode);
   } else {
     for (const EncodeChunk& chunk : chunks) EncodeChunkCpu(chunk, pool_);
   }
@@ -136,7 +148,13 @@ absl::Status CpuBackend::EncodeAndAttend(absl::Span<const EncodeChunk> chunks, c
                                          const AttentionParams& params) {
   AttentionOptions options;
   options.pool = pool_;
-  options.encode_first = chunks;
+  if (chunks.size() > 1) {
+    // Chunk by chunk in the attention's job, as Encode spreads them.
+    options.encode_first = chunks;
+    options.large_encode = NewTokenHeads(chunks) >= kLargeEncode;
+  } else if (absl::Status encoded = Encode(chunks); !encoded.ok()) {  // a lone chunk spreads its heads and pages
+    return encoded;
+  }
   return AttendCpu(batch, params, options);
 }
 

@@ -351,7 +351,7 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   }
 
   // Appends: each item's pages taken first (an item the budget cannot hold
-  // fails alone), then every item's tokens encoded in one parallel job.
+  // fails alone); every item's tokens are encoded by the attention's call.
   std::vector<ChunkWrite> writes;
   std::vector<size_t> write_of(batch, SIZE_MAX);  // each item's, if it has one
   if (shape.kv_heads != 0) {

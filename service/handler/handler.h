@@ -150,7 +150,7 @@ class Handler {
                                                                        absl::Span<const SessionCache* const> held);
   // A prepared chunk of one layer and where its keys and values
   // ([n][kv_heads][head_dim]) are, and its queries ([n][q_heads][head_dim],
-  // or null) for a key transform it fits; CommitChunks fills before and
+  // or null) for a key transform it fits; ApplyChunks fills before and
   // after, the layer's length around the commit.
   struct ChunkWrite {
     LayerCache* layer = nullptr;
@@ -174,6 +174,9 @@ class Handler {
   // quantization error in errors[i] and points into tables[i]. Keep them
   // and the writes until the jobs are done.
   struct EncodeJobs {
+    EncodeJobs() = default;
+    EncodeJobs(EncodeJobs&&) = default;
+    EncodeJobs(const EncodeJobs&) = delete;  // the chunks point into errors and tables
     std::vector<EncodeChunk> chunks;
     std::vector<size_t> chunk_of;
     std::vector<SessionCache::LayerErrors> errors;

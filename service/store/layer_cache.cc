@@ -300,28 +300,29 @@ PagedKvCache LayerCache::Descriptor() const {
   return d;
 }
 
-AttentionProblem LayerCache::Attention(const AttentionQueries& queries, const AttentionOutput& output) const {
+AttentionProblem LayerCache::Problem(PagedKvCache cache, const KeyTransform* transform, const std::string* sink_page,
+                                     const AttentionQueries& queries, const AttentionOutput& output,
+                                     const uint8_t** sink_table) const {
+  const int64_t sinks = std::min<int64_t>(cache.tokens, storage_.sink_tokens);
   AttentionProblem problem;
-  problem.cache = Descriptor();
+  problem.cache = cache;
+  problem.cache.first_token = sinks;
   problem.queries = queries;
   problem.output = output;
-  problem.transform = transform_.get();
-  if (sinks_held() > 0) problem.sinks = SinkDescriptor(*sinks_, sinks_held(), &sink_pointer_);
+  problem.transform = transform;
+  if (sinks > 0) problem.sinks = SinkDescriptor(*sink_page, sinks, sink_table);
   return problem;
+}
+
+AttentionProblem LayerCache::Attention(const AttentionQueries& queries, const AttentionOutput& output) const {
+  return Problem(Descriptor(), transform_.get(), sinks_.get(), queries, output, &sink_pointer_);
 }
 
 AttentionProblem LayerCache::PendingAttention(const PendingAppend& pending, const EncodeChunk& chunk,
                                               const AttentionQueries& queries, const AttentionOutput& output,
                                               const uint8_t** sink_table) const {
-  const int64_t sinks = std::min<int64_t>(pending.end, storage_.sink_tokens);
-  AttentionProblem problem;
-  problem.cache = chunk.cache;
-  problem.cache.first_token = sinks;
-  problem.queries = queries;
-  problem.output = output;
-  problem.transform = pending.transform.get();
-  if (sinks > 0) problem.sinks = SinkDescriptor(pending.sinks.empty() ? *sinks_ : pending.sinks, sinks, sink_table);
-  return problem;
+  return Problem(chunk.cache, pending.transform.get(), pending.sinks.empty() ? sinks_.get() : &pending.sinks, queries,
+                 output, sink_table);
 }
 
 }  // namespace turbokv

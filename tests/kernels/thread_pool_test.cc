@@ -126,8 +126,9 @@ TEST(ThreadPoolTest, ABackgroundPoolRunsLargeCallsOnItsWorkersAndSmallOnesOnTheC
 }
 
 // A call wakes one worker and each worker wakes the next while indices are
-// left (so that the woken workers spread over idle cores): every worker a
-// call needs must still be reached. Each index waits until all of them run
+// left (so that the woken workers spread over idle cores), or, where they
+// sleep kept to a CPU each, all of them: every worker a call needs must
+// still be reached. Each index waits until all of them run
 // at once, which only happens if the wake-ups reached every worker, in both
 // kinds of pool, call after call.
 TEST(ThreadPoolTest, EveryWorkerACallNeedsIsWoken) {
@@ -198,47 +199,77 @@ cpu_set_t MaskOf(pid_t tid) {
   return mask;
 }
 
-// A background pool without `pin` keeps each worker to a CPU of its own
-// while it sleeps (so that waking them does not queue both on one core) and
-// lets it run on any once woken.
-TEST(ThreadPoolTest, UnpinnedBackgroundWorkersSleepOnACpuEachAndRunAnywhere) {
+// The tids of the workers that run a call of `n` indices, each index waiting
+// until all n run at once; asserts that the workers ran with `running` as
+// their mask.
+std::set<pid_t> RunTogether(ThreadPool& pool, int n, const cpu_set_t& running) {
+  std::mutex mutex;
+  std::condition_variable all_in;
+  int started = 0;
+  std::set<pid_t> tids;
+  std::atomic<int> as_expected{0};
+  pool.ParallelFor(n, [&](int64_t) {
+    const cpu_set_t mine = MaskOf(0);
+    std::unique_lock<std::mutex> lock(mutex);
+    tids.insert(static_cast<pid_t>(syscall(SYS_gettid)));
+    if (CPU_EQUAL(&mine, &running)) ++as_expected;
+    if (++started == n) all_in.notify_all();
+    all_in.wait_for(lock, std::chrono::seconds(10), [&] { return started == n; });
+  });
+  EXPECT_EQ(as_expected.load(), n);
+  return tids;
+}
+
+// A background pool of as many workers as CPUs, without `pin`, keeps each
+// worker to a CPU of its own while it sleeps (so that waking them does not
+// queue two on one core) and lets it run on any once woken. A worker that
+// starts more than 1 ms late rests from its CPU for 5 s: on a machine too
+// busy for every worker to start on time, the test waits that out twice and
+// then skips. A pool of fewer workers than CPUs keeps none.
+TEST(ThreadPoolTest, WorkersAsManyAsCpusSleepOnACpuEachAndRunAnywhere) {
   cpu_set_t allowed;
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
-  if (CPU_COUNT(&allowed) < 2) GTEST_SKIP() << "one CPU: the workers are not kept apart";
-  constexpr int kWorkers = 2;
-  ThreadPool pool(kWorkers, /*background_from=*/1);
-  std::mutex mutex;
-  std::set<pid_t> workers;
-  for (int round = 0; round < 5; ++round) {
-    std::condition_variable all_in;
-    int started = 0;
-    std::atomic<int> anywhere{0};
-    pool.ParallelFor(kWorkers, [&](int64_t) {
-      const cpu_set_t mine = MaskOf(0);
-      std::unique_lock<std::mutex> lock(mutex);
-      workers.insert(static_cast<pid_t>(syscall(SYS_gettid)));
-      if (CPU_EQUAL(&mine, &allowed)) ++anywhere;
-      if (++started == kWorkers) all_in.notify_all();
-      all_in.wait_for(lock, std::chrono::seconds(10), [&] { return started == kWorkers; });
-    });
-    EXPECT_EQ(anywhere.load(), kWorkers) << "round " << round;
-  }
-  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
-  // Asleep again (give them a moment to get there): one CPU each, apart.
-  std::set<int> homes;
-  for (int wait = 0; wait < 500; ++wait) {
-    homes.clear();
-    for (pid_t tid : workers) {
-      const cpu_set_t mask = MaskOf(tid);
-      if (CPU_COUNT(&mask) != 1) break;
-      for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-        if (CPU_ISSET(cpu, &mask) && CPU_ISSET(cpu, &allowed)) homes.insert(cpu);
+  const int cpus = CPU_COUNT(&allowed);
+  if (cpus < 2) GTEST_SKIP() << "one CPU: the workers are not kept apart";
+  ThreadPool pool(cpus, /*background_from=*/1);
+  bool late = false, homed = false;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5100));
+    std::set<pid_t> workers;
+    late = false;
+    for (int round = 0; round < 5; ++round) {
+      const auto start = std::chrono::steady_clock::now();
+      const std::set<pid_t> ran = RunTogether(pool, cpus, allowed);
+      late = late || std::chrono::steady_clock::now() - start > std::chrono::milliseconds(1);
+      workers.insert(ran.begin(), ran.end());
+    }
+    ASSERT_EQ(workers.size(), static_cast<size_t>(cpus));
+    // Asleep again (give them a moment to get there): one CPU each, apart.
+    std::set<int> homes;
+    for (int wait = 0; wait < 100 && homes.size() != workers.size(); ++wait) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      homes.clear();
+      for (pid_t tid : workers) {
+        const cpu_set_t mask = MaskOf(tid);
+        if (CPU_COUNT(&mask) != 1) break;
+        for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+          if (CPU_ISSET(cpu, &mask) && CPU_ISSET(cpu, &allowed)) homes.insert(cpu);
+        }
       }
     }
-    if (homes.size() == workers.size()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    homed = homes.size() == workers.size();
+    if (homed) break;
+    ASSERT_TRUE(late) << "the workers started on time but do not sleep on a CPU each";
   }
-  EXPECT_EQ(homes.size(), static_cast<size_t>(kWorkers));
+  if (!homed) GTEST_SKIP() << "the machine was too busy for the workers to start on time";
+
+  ThreadPool fewer(cpus - 1, /*background_from=*/1);
+  const std::set<pid_t> ran = RunTogether(fewer, cpus - 1, allowed);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  for (pid_t tid : ran) {
+    const cpu_set_t mask = MaskOf(tid);
+    EXPECT_TRUE(CPU_EQUAL(&mask, &allowed)) << "worker " << tid;
+  }
 }
 #endif
 

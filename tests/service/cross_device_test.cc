@@ -31,15 +31,19 @@ using ::turbokv::testing::TensorFloats;
 
 constexpr int kLayers = 2, kKv = 4, kQ = 16, kDim = 128;
 
-// The CPU backend attending with the scalar path, the float reference the
+// The CPU backend attending with the scalar path (Attend too: it is
+// EncodeAndAttend without chunks), the float reference the
 // CUDA kernel tests hold the GPU to (1e-4): the default SIMD path rounds its
 // integer dot products within 5e-4 of that reference, so it is no oracle for
 // a bound of 1e-4.
 class ReferenceCpuBackend : public CpuBackend {
  public:
   using CpuBackend::CpuBackend;
-  absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params) override {
-    return AttendCpu(batch, params, AttentionOptions{AttentionPath::kScalar, nullptr});
+  absl::Status EncodeAndAttend(absl::Span<const EncodeChunk> chunks, const AttentionBatch& batch,
+                               const AttentionParams& params) override {
+    AttentionOptions options{AttentionPath::kScalar, nullptr};
+    options.encode_first = chunks;
+    return AttendCpu(batch, params, options);
   }
 };
 

@@ -169,9 +169,9 @@ INSTANTIATE_TEST_SUITE_P(Batches, DecodeEqualsStepTest,
 
 INSTANTIATE_TEST_SUITE_P(Devices, DecodeTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
 
-// Sessions that start empty: Decode's first tokens go to the sink page, the
-// first past it fixes the key transform. Decode attends the layers as its
-// new tokens leave them, before they are applied: the same bits as Step.
+// Sessions that start empty: Decode's first tokens go to a copy of the sink
+// page, which its attention reads before the layer holds it, then past the
+// sinks. The same bits as Step.
 TEST_P(DecodeTest, FreshSessionsThroughTheSinksEqualStep) {
   constexpr int kItems = 3, kSteps = 7;
   std::vector<std::string> batched, stepped;
@@ -241,6 +241,46 @@ TEST_P(DecodeTest, TokensThatFitTheKeyTransformAreAttendedThroughIt) {
   auto info = handler_->GetSession(request);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_GT(info->transformed_layers(), 0);
+}
+
+// Forks share their source's partly filled last page: a Decode token of a
+// fork goes into a copy of it, which its attention reads before the layer
+// holds it. The same bits as Step on a twin fork, and the source unchanged.
+TEST_P(DecodeTest, AForksFirstTokenGoesIntoACopyOfItsSharedLastPage) {
+  constexpr int64_t kTokens = 37;
+  const std::string source = Create(kTokens, 90);
+  ASSERT_TRUE(handler_
+                  ->Append(MakeAppend(source, 0, 0, GaussianVectors(kTokens * kKv, kDim, 91),
+                                      GaussianVectors(kTokens * kKv, kDim, 92), {kTokens, kKv, kDim}))
+                  .ok());
+  v1::AttendRequest attend;
+  attend.set_session_id(source);
+  attend.set_layer(kLayer);
+  *attend.mutable_queries() = MakeTensor(GaussianVectors(kQ, kDim, 93), {1, kQ, kDim});
+  auto before = handler_->Attend(attend);
+  ASSERT_TRUE(before.ok()) << before.status();
+  std::vector<std::string> forks;
+  for (int i = 0; i < 2; ++i) {
+    v1::ForkSessionRequest fork;
+    fork.set_source_session_id(source);
+    fork.set_prefix_tokens(kTokens);
+    auto forked = handler_->ForkSession(fork);
+    ASSERT_TRUE(forked.ok()) << forked.status();
+    forks.push_back(forked->session_id());
+  }
+  v1::DecodeRequest decode = MakeDecode({forks[0]}, 1, {{kTokens}}, /*with_keys=*/true, 94);
+  auto result = handler_->Decode(decode);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->failed(), 0);
+  auto single = handler_->Step(StepOf(decode, forks[1], 0, 0, 1));
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(TensorFloats(result->output()), TensorFloats(single->result().output()));
+  EXPECT_EQ(TensorFloats(result->lse()), TensorFloats(single->result().lse()));
+  auto after = handler_->Attend(attend);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(TensorFloats(after->result().output()), TensorFloats(before->result().output()));
+  EXPECT_EQ(Tokens(source), kTokens);
+  EXPECT_EQ(Tokens(forks[0]), kTokens + 1);
 }
 
 TEST_P(DecodeTest, AttentionOnlyMessagesLeaveTheSessionsAsTheyAre) {
