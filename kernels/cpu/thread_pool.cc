@@ -108,27 +108,30 @@ int64_t NowNs() {
 constexpr int64_t kLateStartNs = 1000000;
 constexpr int64_t kHomeRestNs = 5000000000;
 
-// Keeps the calling thread to `cpu` (while it sleeps) when that CPU is still
+// Keeps the calling thread to `cpu` while it sleeps, when that CPU is still
 // one of its own and it is not resting from it; Free gives it back the mask
 // it had before (a change made to it meanwhile is lost).
 class Home {
  public:
   explicit Home(int cpu) : cpu_(cpu) {}
 
+  // Whether to try Keep now (not kept, and not resting).
+  bool Due() const { return cpu_ >= 0 && !kept_ && NowNs() >= next_try_; }
+
   void Keep() {
 #ifdef __linux__
-    if (cpu_ < 0 || kept_ || NowNs() < rest_until_ ||
-        pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0 || !CPU_ISSET(cpu_, &saved_)) {
-      return;
+    if (pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) == 0 && CPU_ISSET(cpu_, &saved_)) {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu_, &one);
+      kept_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
     }
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu_, &one);
-    kept_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
 #endif
+    if (!kept_) next_try_ = NowNs() + kHomeRestNs;  // not its CPU now: asked again later
   }
 
-  // Woken at `woken` (ns, NowNs): rests from its home if that was late.
+  // Woken at `woken` (ns, NowNs): back to its own mask, and resting from its
+  // home if it started late.
   void Free(int64_t woken) {
     if (!kept_) return;
 #ifdef __linux__
@@ -136,17 +139,16 @@ class Home {
 #endif
     kept_ = false;
     const int64_t now = NowNs();
-    if (now - woken > kLateStartNs) rest_until_ = now + kHomeRestNs;
+    if (now - woken > kLateStartNs) next_try_ = now + kHomeRestNs;
   }
 
-  bool wanted() const { return cpu_ >= 0 && !kept_; }
   // Kept, and woken at `woken` more than kLateStartNs ago.
   bool Late(int64_t woken) const { return kept_ && NowNs() - woken > kLateStartNs; }
 
  private:
   const int cpu_;
   bool kept_ = false;
-  int64_t rest_until_ = 0;
+  int64_t next_try_ = 0;
 #ifdef __linux__
   cpu_set_t saved_;
 #endif
@@ -160,22 +162,21 @@ void ThreadPool::WorkerLoop(int cpu) {
     std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      bool tried = false;  // to keep to its home this time
       for (;;) {
         if (stop_) return;
         job = NextJob();
         if (job != nullptr) break;
-        if (home.wanted() && !tried) {  // asleep at home: see homed_
+        if (home.Due()) {  // asleep at home: see homed_
           lock.unlock();
           home.Keep();
-          tried = true;
           lock.lock();
           continue;
         }
         wake_.wait(lock);
-        if (home.Late(woken_at_.load(std::memory_order_relaxed))) {  // with or without a job left for it
+        // Late with or without a job left for it.
+        if (const int64_t woken = woken_at_.load(std::memory_order_relaxed); home.Late(woken)) {
           lock.unlock();
-          home.Free(woken_at_.load(std::memory_order_relaxed));
+          home.Free(woken);
           lock.lock();
         }
       }
@@ -210,13 +211,13 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, 
   job->n = n;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (homed_) woken_at_.store(NowNs(), std::memory_order_relaxed);  // before any worker can see the job
     jobs_.push_back(job);
     active_.store(jobs_.size(), std::memory_order_relaxed);
   }
   // Homed workers all at once, each to its own CPU, so that one whose CPU is
   // busy holds up no other; else one, which wakes the next (WorkerLoop).
   if (homed_) {
-    woken_at_.store(NowNs(), std::memory_order_relaxed);
     wake_.notify_all();
   } else {
     wake_.notify_one();

@@ -91,7 +91,8 @@ class ThreadPool {
   // idle; kept apart while asleep, in 0-6. A worker whose CPU another thread
   // keeps busy starts late, as a pinned one does, and once it runs there it
   // may be preempted holding an index: one that starts over a millisecond
-  // late sleeps unhomed for five seconds (WorkerLoop), then tries again.
+  // late sleeps unhomed until its first wake-up five seconds later (Home, in
+  // thread_pool.cc).
   // Not with fewer workers than CPUs (a container's CPU quota): their homes
   // would be the lowest CPUs of the machine, whoever else runs there.
   bool homed_ = false;
