@@ -13,6 +13,19 @@
 
 namespace turbokv {
 
+#ifdef __linux__
+namespace {
+
+cpu_set_t OnlyCpu(int cpu) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  return one;
+}
+
+}  // namespace
+#endif
+
 ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : background_from_(background_from) {
   const bool background = background_from > 0;
 #ifdef __linux__
@@ -45,9 +58,7 @@ ThreadPool::ThreadPool(int threads, int64_t background_from, bool pin) : backgro
 #ifdef __linux__
   if (!pin) return;
   for (size_t w = 0; w < workers_.size() && !cpus_.empty(); ++w) {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpus_[w % cpus_.size()], &one);
+    const cpu_set_t one = OnlyCpu(cpus_[w % cpus_.size()]);
     pinned_ += pthread_setaffinity_np(workers_[w].native_handle(), sizeof(one), &one) == 0;
   }
 #else
@@ -121,9 +132,7 @@ class Home {
   void Keep() {
 #ifdef __linux__
     if (pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) == 0 && CPU_ISSET(cpu_, &saved_)) {
-      cpu_set_t one;
-      CPU_ZERO(&one);
-      CPU_SET(cpu_, &one);
+      const cpu_set_t one = OnlyCpu(cpu_);
       kept_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
     }
 #endif

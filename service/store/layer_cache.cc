@@ -131,6 +131,7 @@ EncodeChunk LayerCache::Chunk(PendingAppend* pending_out, const float* keys, con
   chunk.cache = Descriptor();
   chunk.cache.pages = table->data();
   chunk.cache.tokens = pending.end;
+  chunk.cache.first_token = std::min<int64_t>(pending.end, storage_.sink_tokens);
   chunk.first = tokens_;
   chunk.keys = new_keys;
   chunk.values = new_values;
@@ -303,10 +304,9 @@ PagedKvCache LayerCache::Descriptor() const {
 AttentionProblem LayerCache::Problem(PagedKvCache cache, const KeyTransform* transform, const std::string* sink_page,
                                      const AttentionQueries& queries, const AttentionOutput& output,
                                      const uint8_t** sink_table) const {
-  const int64_t sinks = std::min<int64_t>(cache.tokens, storage_.sink_tokens);
+  const int64_t sinks = cache.first_token;
   AttentionProblem problem;
   problem.cache = cache;
-  problem.cache.first_token = sinks;
   problem.queries = queries;
   problem.output = output;
   problem.transform = transform;

@@ -160,9 +160,9 @@ class LayerCache {
   // A sink page as the kernels read it, holding `tokens` tokens; *table
   // becomes its page table.
   PagedKvCache SinkDescriptor(const std::string& page, int64_t tokens, const uint8_t** table) const;
-  // A problem over a layer of cache.tokens tokens: its pages (cache), stored
-  // through `transform`, and its sink tokens in *sink_page, which *sink_table
-  // points to.
+  // A problem over a layer: its pages (cache, whose first_token tokens are
+  // sinks), stored through `transform`, and its sink tokens in *sink_page,
+  // which *sink_table points to.
   AttentionProblem Problem(PagedKvCache cache, const KeyTransform* transform, const std::string* sink_page,
                            const AttentionQueries& queries, const AttentionOutput& output,
                            const uint8_t** sink_table) const;
