@@ -394,8 +394,10 @@ class ServiceAttention(AttentionBackend):
             result = self.stream.step(layer, [self.session], k, v, q, [[start]])
             result.raise_for_status()
             return result.output[0, 0][None]
-        # A layer's first chunk fits its key transform: its queries go along.
-        self.session.append(layer, start, k, v, queries=q if start == 0 else None)
+        # The chunk that fits a layer's key transform uses its queries: the
+        # first past the 63 tokens a layer holds exact, or the first when it
+        # is longer (later chunks' are not sent).
+        self.session.append(layer, start, k, v, queries=q if start < 64 else None)
         out = np.empty_like(q)
         for b in range(0, n, self.query_block):
             e = min(n, b + self.query_block)
@@ -509,6 +511,44 @@ def greedy(model: Model, prompt: Sequence[int], attention: AttentionBackend, ste
         return out
     finally:
         attention.end()
+
+
+def teacher_forced_top1(model: Model, prompt: Sequence[int], reference: Sequence[int],
+                        attention: AttentionBackend) -> int:
+    """How many of the reference's next tokens the model predicts through
+    `attention` after the prompt and each reference token before it (a
+    prefill, then one decoding step per token, fed the reference's tokens)."""
+    attention.begin(model.config)
+    try:
+        hidden = model.forward(prompt, 0, attention)
+        agree = int(int(model.logits(hidden[-1:]).argmax()) == reference[0])
+        for i in range(len(reference) - 1):
+            hidden = model.forward(reference[i:i + 1], len(prompt) + i, attention)
+            agree += int(int(model.logits(hidden).argmax()) == reference[i + 1])
+        return agree
+    finally:
+        attention.end()
+
+
+def short_prompts(model: Model, text_tokens: Sequence[int], lengths: Sequence[int], prompts: int, steps: int,
+                  configs: Sequence[str], attention: Dict[str, AttentionBackend], progress) -> dict:
+    """Top-1 agreement with eager float attention of the first `steps`
+    tokens after prompts of each length (`prompts` of each, from spread-out
+    places of the text): eager's greedy tokens, then each configuration fed
+    them one at a time (README "Choosing a codec", short prompts)."""
+    out: dict = {}
+    for length in lengths:
+        rows = {name: 0 for name in configs}
+        for p in range(prompts):
+            at = (p + 1) * len(text_tokens) // (prompts + 1)
+            prompt = text_tokens[at:at + length]
+            reference = greedy(model, prompt, LocalAttention(), steps)
+            for name in configs:
+                rows[name] += teacher_forced_top1(model, prompt, reference, attention[name])
+            progress(f"short prompts: {length} tokens, prompt {p + 1}/{prompts}: " +
+                     ", ".join(f"{name} {rows[name] / ((p + 1) * steps):.1%}" for name in configs))
+        out[str(length)] = {name: rows[name] / (prompts * steps) for name in configs}
+    return out
 
 
 @dataclass
@@ -660,6 +700,10 @@ def measure(args, model: Model, tokenizer, client, source: ModelSource, progress
         row["contexts"] = {context: rows[name] for context, rows in report["contexts"].items()}
     del report["contexts"]
     report["contexts"] = args.contexts
+    if args.short_prompts:
+        report["short_prompts"] = short_prompts(model, text_tokens, args.short_prompts, args.short_prompt_count,
+                                                args.short_prompt_steps, configs, attention, progress)
+        report["short_prompt_steps"] = args.short_prompt_steps
     return report
 
 
@@ -678,6 +722,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--needle-depths", default="0.1,0.5,0.9")
     parser.add_argument("--needle-configs",
                         help="configurations that take every needle length (default: all); the others the shortest")
+    parser.add_argument("--short-prompts", default="1,5,17,48,64",
+                        help="prompt lengths whose first generated tokens are checked against eager (none: '')")
+    parser.add_argument("--short-prompt-count", type=int, default=4, help="prompts of each length")
+    parser.add_argument("--short-prompt-steps", type=int, default=32, help="generated tokens checked per prompt")
     parser.add_argument("--quick", action="store_true",
                         help="one 2K window, a needle at 2K, f16, k4v4 and raw 3-bit keys: minutes, not hours")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/turbokv"),
@@ -691,6 +739,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.configs = "f16,k4v4,turbo3:none+sinks=0"
     args.configs = [c for c in args.configs.split(",") if c]
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
+    args.short_prompts = [int(n) for n in args.short_prompts.split(",") if n]
     args.windows = {c: max(1, args.tokens // c) for c in args.contexts}
     args.needle_lengths = [int(n) for n in args.needle_lengths.split(",") if n]
     args.needle_depths = [float(d) for d in args.needle_depths.split(",") if d]
@@ -741,6 +790,14 @@ def print_table(report: dict) -> None:
         lengths = "/".join(f"{n // 1024}K" for n in row["needle_lengths"])
         cells.append("-" if row["needle"] is None else f"{row['needle']:.0%} ({lengths})")
         print("| " + " | ".join(cells) + " |")
+    if "short_prompts" in report:
+        lengths = list(report["short_prompts"])
+        print(f"\nshort prompts: top-1 agreement with eager of the first {report['short_prompt_steps']} "
+              "generated tokens, by prompt length")
+        print("| config | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+        print("|" + "---|" * (len(lengths) + 1))
+        for name in report["configs"]:
+            print(f"| {name} | " + " | ".join(f"{report['short_prompts'][n][name]:.1%}" for n in lengths) + " |")
 
 
 if __name__ == "__main__":

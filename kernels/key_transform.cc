@@ -92,9 +92,12 @@ absl::Status KeyTransform::Check(int expected_kv_heads, int expected_head_dim) c
 }
 
 KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int kv_heads, int head_dim,
-                             const float* keys, const float* values, int q_heads, const float* queries) {
+                             const float* keys, const float* values, int q_heads, const float* queries,
+                             int64_t query_tokens) {
   KeyTransform t;
   if (!options.any() || n < kMinTransformTokens) return t;
+  if (query_tokens < 0) query_tokens = n;
+  if (query_tokens == 0) queries = nullptr;
   t.kv_heads = kv_heads;
   t.head_dim = head_dim;
   const size_t row = static_cast<size_t>(kv_heads) * head_dim;
@@ -122,7 +125,7 @@ KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int 
   std::vector<double> q_square(row, 0.0);
   const int group = q_heads / kv_heads;
   if (queries != nullptr) {
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < query_tokens; ++i) {
       for (int qh = 0; qh < q_heads; ++qh) {
         const float* q = queries + (static_cast<size_t>(i) * q_heads + qh) * head_dim;
         double* sum = q_square.data() + static_cast<size_t>(qh / group) * head_dim;
@@ -135,7 +138,7 @@ KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int 
     std::vector<float> sigma(head_dim), r(head_dim, 1.0f);
     for (int c = 0; c < head_dim; ++c) {
       sigma[c] = static_cast<float>(std::sqrt(var[h * head_dim + c] / n));
-      if (queries != nullptr) r[c] = static_cast<float>(std::sqrt(q_square[h * head_dim + c] / (n * group)));
+      if (queries != nullptr) r[c] = static_cast<float>(std::sqrt(q_square[h * head_dim + c] / (query_tokens * group)));
     }
     FloorAtMeanFraction(sigma.data(), head_dim, 0.1f);
     FloorAtMeanFraction(r.data(), head_dim, 0.1f);

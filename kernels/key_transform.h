@@ -59,15 +59,17 @@ struct KeyTransform {
 };
 
 // Fits a transform from n tokens' keys and values [n][kv_heads][head_dim]
-// and, when not null, their queries [n][q_heads][head_dim] (q_heads a
-// multiple of kv_heads): the means of the keys (values) over the tokens,
-// and key scales s = sqrt(sigma / r) per channel (normalized to a mean
-// square of one per kv head), sigma the keys' standard deviation and r the
-// root mean square of the queries of the kv head's group (1 without
-// queries), each floored at a tenth of its mean over the channels. Fewer
-// than kMinTransformTokens tokens give an empty transform.
+// and, when not null, queries [query_tokens][q_heads][head_dim] of the
+// last query_tokens of them (q_heads a multiple of kv_heads; -1: all n):
+// the means of the keys (values) over the tokens, and key scales
+// s = sqrt(sigma / r) per channel (normalized to a mean square of one per
+// kv head), sigma the keys' standard deviation and r the root mean square
+// of the queries of the kv head's group (1 without queries), each floored
+// at a tenth of its mean over the channels. Fewer than kMinTransformTokens
+// tokens give an empty transform.
 KeyTransform FitKeyTransform(const KeyTransformOptions& options, int64_t n, int kv_heads, int head_dim,
-                             const float* keys, const float* values, int q_heads, const float* queries);
+                             const float* keys, const float* values, int q_heads, const float* queries,
+                             int64_t query_tokens = -1);
 
 // sum a[i] * b[i] over [0, n), in double: SIMD on every target, two vectors
 // of partial sums (kernels/cpu/simd_codec.cc). Every query row of a request

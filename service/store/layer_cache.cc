@@ -23,10 +23,43 @@ LayerCache::LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<c
       storage_(std::move(storage)),
       page_bytes_(static_cast<size_t>(kv_heads) * page_tokens *
                   (key_codec_->code_size() + value_codec_->code_size())) {
-  if (storage_.sink_tokens > 0) {
-    sinks_ = std::make_shared<const std::string>(
-        static_cast<size_t>(kv_heads) * storage_.sink_tokens * 2 * storage_.sink_codec->code_size(), '\0');
+  if (storage_.sink_codec != nullptr) sinks_ = std::make_shared<const std::string>(SinkPageBytes(SinkSlots(0)), '\0');
+}
+
+int HoldTokens(const KeyTransformOptions& transform, int page_tokens, int sink_tokens) {
+  const int hold = static_cast<int>(std::min<int64_t>(page_tokens - 1, kMaxFewTokens));
+  return transform.any() && hold - sink_tokens >= kMinTransformTokens ? hold : 0;
+}
+
+int64_t LayerCache::exact_tokens() const {
+  return Holds(tokens_) ? tokens_ : std::min<int64_t>(tokens_, storage_.sink_tokens);
+}
+
+bool LayerCache::Holds(int64_t end) const {
+  return !transform_fixed_ && storage_.hold_tokens > 0 && end <= storage_.hold_tokens;
+}
+
+bool LayerCache::Refits(int64_t end) const {
+  return !transform_fixed_ && storage_.hold_tokens > 0 && end > storage_.hold_tokens &&
+         tokens_ > storage_.sink_tokens;
+}
+
+int LayerCache::SinkSlots(int64_t tokens) const {
+  return tokens > storage_.sink_tokens ? storage_.hold_tokens : storage_.sink_tokens;
+}
+
+size_t LayerCache::SinkPageBytes(int slots) const {
+  return static_cast<size_t>(kv_heads_) * slots * 2 * storage_.sink_codec->code_size();
+}
+
+std::string LayerCache::SinkPageCopy(const std::string& page, int64_t tokens, int slots) const {
+  const size_t slot = storage_.sink_codec->code_size();
+  const size_t from_slots = page.size() / (static_cast<size_t>(kv_heads_) * 2 * slot);
+  std::string copy(SinkPageBytes(slots), '\0');
+  for (size_t region = 0; region < static_cast<size_t>(kv_heads_) * 2; ++region) {
+    std::copy_n(page.begin() + region * from_slots * slot, tokens * slot, copy.begin() + region * slots * slot);
   }
+  return copy;
 }
 
 PagedKvCache LayerCache::SinkDescriptor(const std::string& page, int64_t tokens, const uint8_t** table) const {
@@ -34,7 +67,7 @@ PagedKvCache LayerCache::SinkDescriptor(const std::string& page, int64_t tokens,
   d.key_layout = storage_.sink_codec->layout();
   d.value_layout = d.key_layout;
   d.kv_heads = kv_heads_;
-  d.page_tokens = storage_.sink_tokens;
+  d.page_tokens = static_cast<int>(page.size() / (static_cast<size_t>(kv_heads_) * 2 * storage_.sink_codec->code_size()));
   d.tokens = tokens;
   *table = reinterpret_cast<const uint8_t*>(page.data());
   d.pages = table;
@@ -60,7 +93,16 @@ absl::StatusOr<LayerCache::PendingAppend> LayerCache::Prepare(int64_t start, int
   pending.start = start;
   pending.end = start + n;
   if (pending.end <= tokens_) return pending;  // already stored
-  pending.copy_last = tokens_ % page_tokens_ != 0 && pages_.back().use_count() > 1;
+  // A refit rewrites the first page's held positions: in a copy, so that a
+  // failed chunk leaves the page as it was.
+  pending.copy_last = tokens_ % page_tokens_ != 0 && (pages_.back().use_count() > 1 || Refits(pending.end));
+  if (Holds(pending.end) && pending.end > storage_.sink_tokens && !(hold_charge_ != nullptr && sinks_.use_count() == 1)) {
+    // A new wide sink page while the old one stays with a fork (or was narrow).
+    absl::StatusOr<std::shared_ptr<const void>> charge =
+        pool_->Charge(SinkPageBytes(storage_.hold_tokens) - SinkPageBytes(storage_.sink_tokens));
+    if (!charge.ok()) return charge.status();
+    pending.hold_charge = *std::move(charge);
+  }
   const size_t pages_needed = static_cast<size_t>((pending.end + page_tokens_ - 1) / page_tokens_);
   for (size_t i = pages_.size() - (pending.copy_last ? 1 : 0); i < pages_needed; ++i) {
     absl::StatusOr<std::shared_ptr<Page>> page = pool_->Allocate(page_bytes_);
@@ -74,46 +116,79 @@ EncodeChunk LayerCache::Chunk(PendingAppend* pending_out, const float* keys, con
                               const float* queries, int q_heads, std::vector<const uint8_t*>* table) const {
   PendingAppend& pending = *pending_out;
   const size_t row = static_cast<size_t>(kv_heads_) * head_dim();
+  const size_t q_row = static_cast<size_t>(q_heads) * head_dim();
   const size_t skipped = static_cast<size_t>(tokens_ - pending.start);
   const float* new_keys = keys + skipped * row;
   const float* new_values = values + skipped * row;
-  const int64_t fresh = pending.end - tokens_;  // tokens the chunk adds
-  const int64_t sink_end = std::min<int64_t>(pending.end, storage_.sink_tokens);
-  const int64_t main_begin = std::max<int64_t>(tokens_, storage_.sink_tokens);
-  if (tokens_ < sink_end) {
-    // The chunk's sink tokens, into a copy of the sink page.
-    pending.sinks = *sinks_;
-    EncodeChunk sinks;
-    sinks.key_codec = storage_.sink_codec.get();
-    sinks.value_codec = storage_.sink_codec.get();
-    const uint8_t* sink_table = nullptr;
-    sinks.cache = SinkDescriptor(pending.sinks, sink_end, &sink_table);
-    sinks.first = tokens_;
-    sinks.keys = new_keys;
-    sinks.values = new_values;
-    EncodeChunkCpu(sinks, nullptr);
+  const int64_t sinks = storage_.sink_tokens;
+  // Tokens kept in the sink page once the chunk is stored, and the first
+  // one the pages hold through the codecs: past the sinks, and for a refit
+  // from the first token past them (held exact until now).
+  const bool refits = Refits(pending.end);
+  const int64_t exact_end = Holds(pending.end) ? pending.end : std::min(pending.end, sinks);
+  const int64_t main_begin = refits ? sinks : std::max(tokens_, exact_end);
+  if (tokens_ < exact_end || exact_end < exact_tokens()) {
+    // The chunk's exact tokens, into a copy of the sink page (narrowed to
+    // the sinks once it holds only them).
+    pending.new_sinks = true;
+    pending.sinks = SinkPageCopy(*sinks_, std::min(exact_tokens(), exact_end), SinkSlots(exact_end));
+    if (tokens_ < exact_end) {
+      EncodeChunk exact;
+      exact.key_codec = storage_.sink_codec.get();
+      exact.value_codec = storage_.sink_codec.get();
+      const uint8_t* sink_table = nullptr;
+      exact.cache = SinkDescriptor(pending.sinks, exact_end, &sink_table);
+      exact.first = tokens_;
+      exact.keys = new_keys;
+      exact.values = new_values;
+      EncodeChunkCpu(exact, nullptr);
+    }
   }
+  // What the pages get from main_begin on: the tokens held before, read
+  // back from the sink page, then the chunk's.
+  const int64_t fresh = pending.end - main_begin;
+  const size_t held = static_cast<size_t>(std::max<int64_t>(tokens_ - main_begin, 0));
+  const size_t chunk_offset = static_cast<size_t>(std::max<int64_t>(main_begin - tokens_, 0));
   pending.transform = transform_;
   if (!transform_fixed_ && main_begin < pending.end) {
-    const size_t offset = static_cast<size_t>(main_begin - tokens_);
-    KeyTransform fitted = FitKeyTransform(
-        storage_.transform, pending.end - main_begin, kv_heads_, head_dim(), new_keys + offset * row,
-        new_values + offset * row, q_heads,
-        queries != nullptr ? queries + (skipped + offset) * static_cast<size_t>(q_heads) * head_dim() : nullptr);
+    // Without refit the chunk's own rows; with one, its rows after the held ones.
+    std::vector<float> fit_keys, fit_values;
+    const float* fit_k = new_keys + chunk_offset * row;
+    const float* fit_v = new_values + chunk_offset * row;
+    if (held > 0) {
+      fit_keys.resize(static_cast<size_t>(fresh) * row);
+      fit_values.resize(fit_keys.size());
+      const uint8_t* sink_table = nullptr;
+      DecodeCpu(*storage_.sink_codec, *storage_.sink_codec, SinkDescriptor(*sinks_, tokens_, &sink_table), main_begin,
+                static_cast<int64_t>(held), fit_keys.data(), fit_values.data());
+      std::copy_n(new_keys, (pending.end - tokens_) * row, fit_keys.begin() + held * row);
+      std::copy_n(new_values, (pending.end - tokens_) * row, fit_values.begin() + held * row);
+      fit_k = fit_keys.data();
+      fit_v = fit_values.data();
+    }
+    // Queries come with the chunk's tokens only.
+    KeyTransform fitted = FitKeyTransform(storage_.transform, fresh, kv_heads_, head_dim(), fit_k, fit_v, q_heads,
+                                          queries != nullptr ? queries + (skipped + chunk_offset) * q_row : nullptr,
+                                          fresh - static_cast<int64_t>(held));
     pending.transform = fitted.empty() ? nullptr : std::make_shared<const KeyTransform>(std::move(fitted));
     pending.fixes_transform = true;
+    if (held > 0) {
+      pending.keys = std::move(fit_keys);
+      pending.values = std::move(fit_values);
+    }
   }
-  if (tokens_ < sink_end || pending.transform != nullptr) {
-    // The pages get zeros at sink positions, the rest transformed.
-    pending.keys.assign(new_keys, new_keys + fresh * row);
-    pending.values.assign(new_values, new_values + fresh * row);
-    const size_t sinks_here = static_cast<size_t>(std::max<int64_t>(sink_end - tokens_, 0));
-    std::fill(pending.keys.begin(), pending.keys.begin() + sinks_here * row, 0.0f);
-    std::fill(pending.values.begin(), pending.values.begin() + sinks_here * row, 0.0f);
+  if (held == 0 && (tokens_ < exact_end || pending.transform != nullptr)) {
+    // The pages get zeros at exact positions, the rest transformed.
+    pending.keys.assign(new_keys, new_keys + (pending.end - tokens_) * row);
+    pending.values.assign(new_values, new_values + (pending.end - tokens_) * row);
+    std::fill(pending.keys.begin(), pending.keys.begin() + chunk_offset * row, 0.0f);
+    std::fill(pending.values.begin(), pending.values.begin() + chunk_offset * row, 0.0f);
+  }
+  const int64_t first = std::min(tokens_, main_begin);
+  if (!pending.keys.empty()) {
     if (pending.transform != nullptr && main_begin < pending.end) {
-      const size_t offset = static_cast<size_t>(main_begin - tokens_);
-      pending.transform->Apply(pending.end - main_begin, pending.keys.data() + offset * row,
-                               pending.values.data() + offset * row);
+      const size_t offset = static_cast<size_t>(main_begin - first);
+      pending.transform->Apply(fresh, pending.keys.data() + offset * row, pending.values.data() + offset * row);
     }
     new_keys = pending.keys.data();
     new_values = pending.values.data();
@@ -131,8 +206,8 @@ EncodeChunk LayerCache::Chunk(PendingAppend* pending_out, const float* keys, con
   chunk.cache = Descriptor();
   chunk.cache.pages = table->data();
   chunk.cache.tokens = pending.end;
-  chunk.cache.first_token = std::min<int64_t>(pending.end, storage_.sink_tokens);
-  chunk.first = tokens_;
+  chunk.cache.first_token = exact_end;
+  chunk.first = first;
   chunk.keys = new_keys;
   chunk.values = new_values;
   return chunk;
@@ -149,8 +224,10 @@ int64_t LayerCache::Apply(PendingAppend pending) {
     pages_.push_back(pending.pages[next]);
     page_pointers_.push_back(pages_.back()->data);
   }
-  if (!pending.sinks.empty()) {
+  if (pending.new_sinks) {
     sinks_ = std::make_shared<const std::string>(std::move(pending.sinks));
+    if (pending.hold_charge != nullptr) hold_charge_ = std::move(pending.hold_charge);
+    if (sinks_->size() == SinkPageBytes(storage_.sink_tokens)) hold_charge_ = nullptr;
     ++extras_version_;
   }
   if (pending.fixes_transform) {
@@ -181,7 +258,7 @@ absl::Status LayerCache::Read(int64_t start, int64_t n, float* keys, float* valu
     return decoded;
   }
   const size_t row = static_cast<size_t>(kv_heads_) * head_dim();
-  const int64_t sinks = sinks_held();
+  const int64_t sinks = exact_tokens();
   const int64_t main_begin = std::max(start, sinks);
   if (transform_ != nullptr && main_begin < start + n) {
     transform_->Invert(start + n - main_begin, keys + (main_begin - start) * row, values + (main_begin - start) * row);
@@ -198,19 +275,24 @@ LayerExtras LayerCache::Extras() const {
   LayerExtras extras;
   extras.transform_fixed = transform_fixed_;
   if (transform_ != nullptr) extras.transform = *transform_;
-  extras.sink_tokens = sinks_held();
-  if (extras.sink_tokens > 0) extras.sinks = *sinks_;
+  extras.sink_tokens = exact_tokens();
+  // Slots past the tokens may hold a truncated layer's old ones: zeros.
+  if (extras.sink_tokens > 0) extras.sinks = SinkPageCopy(*sinks_, extras.sink_tokens, SinkSlots(extras.sink_tokens));
   return extras;
 }
 
 absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
                                    const std::function<absl::Status(uint8_t*, size_t)>& fill) {
   if (tokens < 0 || !pages_.empty()) return absl::InvalidArgumentError("LoadPages needs an empty layer and tokens >= 0");
-  if (extras.sink_tokens != std::min<int64_t>(tokens, storage_.sink_tokens) ||
-      (extras.sink_tokens > 0 && extras.sinks.size() != sinks_->size())) {
+  // Held exact: every token of a layer whose transform is not fixed, up to hold_tokens.
+  const bool holds = !extras.transform_fixed && storage_.hold_tokens > 0 && tokens <= storage_.hold_tokens;
+  const int64_t exact = holds ? tokens : std::min<int64_t>(tokens, storage_.sink_tokens);
+  if (extras.sink_tokens != exact ||
+      (extras.sink_tokens > 0 && extras.sinks.size() != SinkPageBytes(SinkSlots(exact)))) {
     return absl::DataLossError(absl::StrCat("the layer's sink tokens (", extras.sink_tokens, " in ",
                                             extras.sinks.size(), " bytes) do not match its ", tokens,
-                                            " tokens and ", storage_.sink_tokens, " sink slots"));
+                                            " tokens, ", storage_.sink_tokens, " sink slots and ",
+                                            storage_.hold_tokens, " held until its transform is fitted"));
   }
   if (absl::Status checked = extras.transform.Check(kv_heads_, head_dim()); !checked.ok()) {
     return absl::DataLossError(absl::StrCat("the layer's ", checked.message()));
@@ -218,8 +300,15 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
   if (!extras.transform.empty() && !extras.transform_fixed) {
     return absl::DataLossError("the layer's key transform is not marked fixed");
   }
-  if (tokens > storage_.sink_tokens && !extras.transform_fixed && storage_.transform.any()) {
+  if (tokens > storage_.sink_tokens && !extras.transform_fixed && storage_.transform.any() && !holds) {
     return absl::DataLossError("the layer's key transform is missing: its pages cannot be read back");
+  }
+  std::shared_ptr<const void> hold_charge;
+  if (exact > storage_.sink_tokens) {
+    absl::StatusOr<std::shared_ptr<const void>> charge =
+        pool_->Charge(SinkPageBytes(storage_.hold_tokens) - SinkPageBytes(storage_.sink_tokens));
+    if (!charge.ok()) return charge.status();
+    hold_charge = *std::move(charge);
   }
   const size_t count = static_cast<size_t>(tokens / page_tokens_ + (tokens % page_tokens_ != 0));
   std::vector<std::shared_ptr<Page>> loaded;
@@ -236,6 +325,7 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
   for (const std::shared_ptr<Page>& page : pages_) page_pointers_.push_back(page->data);
   tokens_ = tokens;
   if (extras.sink_tokens > 0) sinks_ = std::make_shared<const std::string>(extras.sinks);
+  hold_charge_ = std::move(hold_charge);
   transform_fixed_ = extras.transform_fixed;
   transform_end_ = transform_fixed_ ? tokens : 0;
   if (!extras.transform.empty()) transform_ = std::make_shared<const KeyTransform>(extras.transform);
@@ -244,30 +334,30 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
 }
 
 void LayerCache::Truncate(int64_t n) {
+  const int64_t exact_before = exact_tokens();
   tokens_ = std::min(tokens_, std::max<int64_t>(n, 0));
   const size_t keep = static_cast<size_t>((tokens_ + page_tokens_ - 1) / page_tokens_);
   pages_.resize(keep);
   page_pointers_.resize(keep);
-  // Sink slots past the tokens read as zeros again, as in a fresh layer;
-  // with no token past the sinks left, the next chunk fits a new transform.
-  if (tokens_ < storage_.sink_tokens) {
-    // A copy: forks may share the page.
-    std::string sinks = *sinks_;
-    const size_t slot = storage_.sink_codec->code_size();
-    for (int h = 0; h < kv_heads_; ++h) {
-      for (size_t side = 0; side < 2; ++side) {
-        const size_t region = (static_cast<size_t>(h) * 2 + side) * storage_.sink_tokens * slot;
-        std::fill(sinks.begin() + region + tokens_ * slot, sinks.begin() + region + storage_.sink_tokens * slot, '\0');
-      }
-    }
-    sinks_ = std::make_shared<const std::string>(std::move(sinks));
-  }
-  bool changed = tokens_ < storage_.sink_tokens;
+  bool changed = false;
   if (transform_fixed_ && tokens_ < transform_end_) transform_end_ = kNeverReused;
   if (tokens_ <= storage_.sink_tokens && transform_fixed_) {
+    // With no token past the sinks left, the next chunk fits a new transform.
     transform_fixed_ = false;
     transform_ = nullptr;
     transform_end_ = 0;
+    changed = true;
+  }
+  // Cut back to its sinks, the sink page holds zeros past the tokens again,
+  // as in a fresh layer (a copy: forks may share the page). Cut back within
+  // tokens held past them, it stays as it is: the slots past the tokens are
+  // never read, and a chunk or Extras() copies only the tokens.
+  const int64_t exact = exact_tokens();
+  if (exact < exact_before && exact <= storage_.sink_tokens) {
+    sinks_ = std::make_shared<const std::string>(SinkPageCopy(*sinks_, exact, storage_.sink_tokens));
+    hold_charge_ = nullptr;
+    changed = true;
+  } else if (exact < exact_before) {
     changed = true;
   }
   if (changed) ++extras_version_;
@@ -275,15 +365,15 @@ void LayerCache::Truncate(int64_t n) {
 
 LayerCache LayerCache::Fork(int64_t prefix) const {
   LayerCache fork(key_codec_, value_codec_, kv_heads_, page_tokens_, pool_, storage_);
-  fork.tokens_ = std::min(std::max<int64_t>(prefix, 0), tokens_);
-  const size_t keep = static_cast<size_t>((fork.tokens_ + page_tokens_ - 1) / page_tokens_);
-  fork.pages_.assign(pages_.begin(), pages_.begin() + keep);
-  fork.page_pointers_.assign(page_pointers_.begin(), page_pointers_.begin() + keep);
+  fork.tokens_ = tokens_;
+  fork.pages_ = pages_;
+  fork.page_pointers_ = page_pointers_;
   fork.sinks_ = sinks_;
+  fork.hold_charge_ = hold_charge_;
   fork.transform_fixed_ = transform_fixed_;
   fork.transform_ = transform_;
   fork.transform_end_ = transform_end_;
-  fork.Truncate(fork.tokens_);  // sink slots and transform as a layer of that length holds them
+  fork.Truncate(prefix);  // pages, sink slots and transform as a layer of that length holds them
   return fork;
 }
 
@@ -296,7 +386,7 @@ PagedKvCache LayerCache::Descriptor() const {
   d.kv_heads = kv_heads_;
   d.page_tokens = page_tokens_;
   d.tokens = tokens_;
-  d.first_token = sinks_held();
+  d.first_token = exact_tokens();
   d.pages = page_pointers_.data();
   return d;
 }
@@ -321,7 +411,7 @@ AttentionProblem LayerCache::Attention(const AttentionQueries& queries, const At
 AttentionProblem LayerCache::PendingAttention(const PendingAppend& pending, const EncodeChunk& chunk,
                                               const AttentionQueries& queries, const AttentionOutput& output,
                                               const uint8_t** sink_table) const {
-  return Problem(chunk.cache, pending.transform.get(), pending.sinks.empty() ? sinks_.get() : &pending.sinks, queries,
+  return Problem(chunk.cache, pending.transform.get(), pending.new_sinks ? &pending.sinks : sinks_.get(), queries,
                  output, sink_table);
 }
 

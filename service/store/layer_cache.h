@@ -7,7 +7,13 @@
 // the layer's key transform, fitted from the first chunk stored past its
 // sink tokens and fixed from then on (the pages hold the transformed
 // vectors), and its sink tokens, kept in their own codec in one small page
-// (the main pages hold zeros at their positions).
+// (the main pages hold zeros at their positions). A layer with a transform
+// to fit holds its first tokens there too, exact, for as long as they fit
+// in its first page (LayerStorage::hold_tokens): a short prompt, or tokens
+// decoded one by one from an empty session, are never stored through the
+// codec as given (keys with a large shared component lose their
+// differences there); the chunk that takes the layer past them fits the
+// transform on all of them and encodes them into the pages.
 // Not thread-safe: the session that owns it serializes access.
 #pragma once
 
@@ -33,8 +39,19 @@ namespace turbokv {
 struct LayerStorage {
   KeyTransformOptions transform;  // what its transform fits (nothing: none)
   int sink_tokens = 0;            // at most page_tokens
-  std::shared_ptr<const Codec> sink_codec;  // of the sinks' keys and values, when sink_tokens > 0
+  // Tokens a layer keeps in its sink page, exact, until a chunk takes it
+  // past them and fits its transform (HoldTokens); 0: none.
+  int hold_tokens = 0;
+  // Of the sink page's keys and values, when sink_tokens > 0 or hold_tokens > 0.
+  std::shared_ptr<const Codec> sink_codec;
 };
+
+// The tokens a layer of `page_tokens`-token pages with `sink_tokens` sinks
+// holds exact before its transform is fitted: those of its first page but
+// the last (a sealed page never changes), at most kMaxFewTokens (the sink
+// page is attended as a few tokens), and 0 when the transform would be
+// fitted on fewer than kMinTransformTokens past the sinks or there is none.
+int HoldTokens(const KeyTransformOptions& transform, int page_tokens, int sink_tokens);
 
 class LayerCache {
  public:
@@ -66,8 +83,12 @@ class LayerCache {
     // the pages get when it is not the input as given.
     bool fixes_transform = false;
     std::shared_ptr<const KeyTransform> transform;
+    bool new_sinks = false;  // the layer's sink page becomes `sinks`
     std::string sinks;
     std::vector<float> keys, values;
+    // Set by Prepare: the budget's charge of a sink page widened to hold
+    // tokens past the sinks (null: none needed, or the layer's own goes on).
+    std::shared_ptr<const void> hold_charge;
   };
 
   // Bytes a chunk of tokens [start, start + n) would take from the pool
@@ -76,7 +97,8 @@ class LayerCache {
 
   // Checks a chunk of tokens [start, start + n) and takes the pages it needs.
   // A chunk that starts past the end is FAILED_PRECONDITION; RESOURCE_EXHAUSTED
-  // when the budget is short. Changes nothing.
+  // when the budget is short (for its pages, or a sink page widened to hold
+  // its tokens). Changes nothing.
   absl::StatusOr<PendingAppend> Prepare(int64_t start, int64_t n) const;
 
   // Whether a prepared chunk has tokens to store (not all repeated positions).
@@ -86,9 +108,11 @@ class LayerCache {
   // pending.end) on the host (and, when not null, their queries
   // [n][q_heads][head_dim], which a fitting transform may use); only the
   // positions past tokens() are encoded, into the chunk's own pages. Its
-  // sink tokens go into a copy of the sink page and a transform is fitted
-  // when this chunk is the first past the sinks (both held in *pending
-  // until Apply). *table holds the page addresses the job points to: keep
+  // sink tokens (and tokens held exact) go into a copy of the sink page and
+  // a transform is fitted when this chunk is the first past the sinks, or
+  // the first past the tokens held (fitted on those too, which it encodes
+  // into the pages from the first token past the sinks); both held in
+  // *pending until Apply. *table holds the page addresses the job points to: keep
   // it, *pending and the layer unchanged, until the job is done.
   EncodeChunk Chunk(PendingAppend* pending, const float* keys, const float* values, const float* queries,
                     int q_heads, std::vector<const uint8_t*>* table) const;
@@ -124,6 +148,9 @@ class LayerCache {
   LayerExtras Extras() const;
   // Whether tokens past the sinks are stored through a fitted transform.
   bool transformed() const { return transform_ != nullptr; }
+  // Tokens kept in the sink page: the sinks, or while the transform waits
+  // for a chunk to fit it, every token held (LayerStorage::hold_tokens).
+  int64_t exact_tokens() const;
   // The end of the chunk the transform was fitted on (0 while none is
   // fixed): the pages before it depend on every token up to it;
   // kNeverReused once cut back before it. Not kept by snapshots and tiers: a
@@ -158,15 +185,27 @@ class LayerCache {
 
  private:
   // A sink page as the kernels read it, holding `tokens` tokens; *table
-  // becomes its page table.
+  // becomes its page table. Its slots: SinkSlots of what it was made for.
   PagedKvCache SinkDescriptor(const std::string& page, int64_t tokens, const uint8_t** table) const;
+  // Slots of the sink page that holds `tokens` tokens: the sinks' (up to
+  // them), else hold_tokens.
+  int SinkSlots(int64_t tokens) const;
+  size_t SinkPageBytes(int slots) const;
+  // A sink page of `slots` slots with the first `tokens` tokens of `page`
+  // and zeros after them.
+  std::string SinkPageCopy(const std::string& page, int64_t tokens, int slots) const;
+  // Whether the layer keeps all its tokens exact once it holds `end` tokens
+  // (no transform fixed, and they fit in hold_tokens).
+  bool Holds(int64_t end) const;
+  // Whether a chunk ending at `end` fits the transform over tokens the
+  // layer held exact before it: it encodes them into the pages too.
+  bool Refits(int64_t end) const;
   // A problem over a layer: its pages (cache, whose first_token tokens are
   // sinks), stored through `transform`, and its sink tokens in *sink_page,
   // which *sink_table points to.
   AttentionProblem Problem(PagedKvCache cache, const KeyTransform* transform, const std::string* sink_page,
                            const AttentionQueries& queries, const AttentionOutput& output,
                            const uint8_t** sink_table) const;
-  int64_t sinks_held() const { return std::min<int64_t>(tokens_, storage_.sink_tokens); }
 
   std::shared_ptr<const Codec> key_codec_;
   std::shared_ptr<const Codec> value_codec_;
@@ -182,8 +221,12 @@ class LayerCache {
   int64_t transform_end_ = 0;
   std::shared_ptr<const KeyTransform> transform_;  // shared with forks; null: as given
   // The sink page (storage_.sink_tokens slots), shared with forks: replaced,
-  // never changed in place. Null without sink tokens.
+  // never changed in place. Null without sink tokens or tokens to hold.
+  // Tokens held past the sinks widen it to hold_tokens slots, which
+  // hold_charge_ counts against the budget (shared with the forks that
+  // share the page).
   std::shared_ptr<const std::string> sinks_;
+  std::shared_ptr<const void> hold_charge_;
   // The sink page's table (one entry: sinks_'s bytes), set by each
   // descriptor that points to it.
   mutable const uint8_t* sink_pointer_ = nullptr;

@@ -83,6 +83,10 @@ struct LayerExtras {
   std::string sinks;             // the sink page's bytes (empty without sinks)
 };
 void PutLayerExtras(std::string* out, const LayerExtras& extras);
+// Whether a layer keeps tokens past its `sink_tokens` sinks in its sink
+// page (held exact until its transform is fitted, LayerStorage::hold_tokens):
+// what only the newest format versions hold, written in them alone.
+inline bool HoldsPastSinks(const LayerExtras& extras, int sink_tokens) { return extras.sink_tokens > sink_tokens; }
 // Reads one; DATA_LOSS naming `what` when it is cut short or malformed
 // (whether it fits its layer is LayerCache::LoadPages's to say).
 absl::Status GetLayerExtras(Reader& in, absl::string_view what, LayerExtras* extras);

@@ -143,12 +143,17 @@ absl::Status SessionStore::Materialize(SessionCache& session) {
     if (!values.ok()) return values.status();
     layer_codecs.emplace_back(*std::move(keys), *std::move(values));
   }
+  if (config.sink_tokens > options_.page_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("sink_tokens = ", config.sink_tokens, " is more than a page's ",
+                                                   options_.page_tokens, " tokens"));
+  }
+  auto hold_tokens = [&](int layer) {
+    return HoldTokens(config.TransformOptions(layer), options_.page_tokens, config.sink_tokens);
+  };
+  bool holds = false;
+  for (int l = 0; l < config.layers; ++l) holds = holds || hold_tokens(l) > 0;
   std::shared_ptr<const Codec> sink_codec;
-  if (config.sink_tokens > 0) {
-    if (config.sink_tokens > options_.page_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat("sink_tokens = ", config.sink_tokens, " is more than a page's ",
-                                                     options_.page_tokens, " tokens"));
-    }
+  if (config.sink_tokens > 0 || holds) {
     absl::StatusOr<std::shared_ptr<const Codec>> made = codec(config.sink_codec, RotationStream::kKeys);
     if (!made.ok()) return made.status();
     sink_codec = *std::move(made);
@@ -164,7 +169,7 @@ absl::Status SessionStore::Materialize(SessionCache& session) {
   for (int l = 0; l < config.layers; ++l) {
     const auto& [keys, values] = layer_codecs[static_cast<size_t>(l)];
     session.layers_.emplace_back(keys, values, config.kv_heads, options_.page_tokens, &pool_,
-                                 LayerStorage{config.TransformOptions(l), config.sink_tokens, sink_codec});
+                                 LayerStorage{config.TransformOptions(l), config.sink_tokens, hold_tokens(l), sink_codec});
   }
   return absl::OkStatus();
 }

@@ -26,10 +26,12 @@ constexpr char kMagic[8] = {'T', 'K', 'V', 'S', 'N', 'A', 'P', '\n'};
 // 2: the session header holds per-layer codecs and the preset; 3: it holds
 // the key transform, value centering and sink tokens, and each layer's
 // transform and sink page follow the token counts; 4: the blocks the session
-// named for reuse follow them. Files of versions 1 to 3 are still read, and
-// a session without named blocks is written as version 3 (a turbokvd of
-// before reads it).
-constexpr uint32_t kVersion = 4;
+// named for reuse follow them; 5: as 4, and a layer's sink page may hold
+// tokens past the sinks (held exact until its transform is fitted). Files
+// of versions 1 to 4 are still read, and a session is written in the oldest
+// version that holds what it has (a turbokvd of before reads it).
+constexpr uint32_t kVersion = 5;
+constexpr uint32_t kVersionNamed = 4;
 constexpr uint32_t kVersionUnnamed = 3;
 constexpr char kManifestMagic[] = "turbokv snapshot manifest 1";
 
@@ -148,7 +150,7 @@ absl::StatusOr<SnapshotHeader> ParseHeader(absl::string_view bytes, int page_tok
       return read;
     }
   }
-  if (version >= 4) TURBOKV_RETURN_IF_ERROR(GetNamedBlocks(header, "the snapshot", &s.named));
+  if (version >= kVersionNamed) TURBOKV_RETURN_IF_ERROR(GetNamedBlocks(header, "the snapshot", &s.named));
   if (header.short_read() || header.left() != 0) return absl::DataLossError("the snapshot header is malformed");
   for (int64_t tokens : s.tokens) {
     if (tokens < 0 || tokens > s.config.max_tokens) return absl::DataLossError("the snapshot's token counts are malformed");
@@ -164,10 +166,16 @@ absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCach
   std::string header;
   PutSessionHeader(&header, SessionHeader{session.id(), session.tenant(), session.config(), session.created(), page_tokens});
   for (const LayerCache& layer : layers) Put<int64_t>(&header, layer.tokens());
-  for (const LayerCache& layer : layers) PutLayerExtras(&header, layer.Extras());
-  if (!named.hashes.empty()) PutNamedBlocks(&header, named);
+  bool holds = false;
+  for (const LayerCache& layer : layers) {
+    const LayerExtras extras = layer.Extras();
+    holds = holds || HoldsPastSinks(extras, session.config().sink_tokens);
+    PutLayerExtras(&header, extras);
+  }
+  const uint32_t version = holds ? kVersion : named.hashes.empty() ? kVersionUnnamed : kVersionNamed;
+  if (version >= kVersionNamed) PutNamedBlocks(&header, named);
   std::string start(kMagic, sizeof(kMagic));
-  Put<uint32_t>(&start, named.hashes.empty() ? kVersionUnnamed : kVersion);
+  Put<uint32_t>(&start, version);
   Put<uint32_t>(&start, static_cast<uint32_t>(header.size()));
   start += header;
   uint32_t crc = 0;

@@ -73,13 +73,13 @@ class LayerCodecsTest : public ::testing::TestWithParam<std::string> {
     StoreOptions options;
     options.backend = backend_.get();
     options.budget_bytes = kBudget;
-    options.page_tokens = kPage;
+    options.page_tokens = page_tokens_;
     options.snapshot_dir = dir_ + "/snapshots";
     std::unique_ptr<Tier> tier;
     if (spill) {
       DiskTierOptions disk;
       disk.dir = dir_ + "/spill";
-      disk.page_tokens = kPage;
+      disk.page_tokens = page_tokens_;
       auto opened = DiskTier::Open(disk);
       ASSERT_TRUE(opened.ok()) << opened.status();
       tier = *std::move(opened);
@@ -144,6 +144,7 @@ class LayerCodecsTest : public ::testing::TestWithParam<std::string> {
   static constexpr size_t kBudget = size_t{1} << 30;
   static inline int count_ = 0;
   std::string dir_;
+  int page_tokens_ = kPage;  // the daemon's is 64: tokens held exact need more than 16 (HoldTokens)
   ThreadPool pool_{2};
   std::unique_ptr<Backend> backend_;
   Metrics metrics_{"cpu"};
@@ -341,12 +342,12 @@ TEST_P(LayerCodecsTest, SnapshotsOfVersionsOneAndTwoStillLoad) {
     EXPECT_EQ(Attend(id, 1, q, n - 1).result().output().data(), before) << version;
   }
 
-  write(5, file);
+  write(6, file);
   Reopen(/*spill=*/false);
   auto loaded = store_->LoadSnapshots(absl::Now());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   ASSERT_EQ(loaded->failed.size(), 1u);
-  EXPECT_THAT(std::string(loaded->failed[0].second.message()), HasSubstr("snapshot format version 5, this turbokvd reads 1 to 4"));
+  EXPECT_THAT(std::string(loaded->failed[0].second.message()), HasSubstr("snapshot format version 6, this turbokvd reads 1 to 5"));
 }
 
 TEST_P(LayerCodecsTest, TheLiveErrorIsTheErrorOfWhatIsStored) {
@@ -747,6 +748,121 @@ TEST_P(StorageTest, ShortFirstChunksLeaveTheLayerAsGiven) {
   auto refused = handler_->Append(bad);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("queries"));
+}
+
+// With the daemon's pages of 64 tokens, a layer whose transform is not
+// fitted yet holds its tokens exact (up to 63): a short prompt or tokens
+// decoded one at a time come back through ReadKv as f16 holds them, attend
+// as float attention over them, survive a snapshot (format version 5 while
+// a layer holds them) and the spill tier, and the chunk that takes a layer
+// past them fits the transform on them all.
+TEST_P(StorageTest, ShortPromptsAreHeldExactUntilTheFirstPageFills) {
+  page_tokens_ = 64;
+  Reopen(/*spill=*/false);
+  const size_t row = static_cast<size_t>(kKv) * kDim;
+  const std::string id = CreateWith(v1::CODEC_TURBO3, v1::KEY_TRANSFORM_UNSPECIFIED, 4);
+  auto f16 = [](std::vector<float> x) {
+    for (float& f : x) f = HalfBitsToFloat(FloatToHalfBits(f));
+    return x;
+  };
+  // Layer 0: 5 tokens decoded one at a time; layer 1: a 20-token prompt;
+  // layer 2: a 70-token prompt (fitted at once).
+  const auto k = f16(testing::SharedComponentVectors(70, kKv, kDim, 300.0f, 80));
+  const auto v = f16(GaussianVectors(70 * kKv, kDim, 81));
+  for (int64_t p = 0; p < 5; ++p) {
+    v1::DecodeRequest decode;
+    decode.set_layer(0);
+    decode.add_session_ids(id);
+    decode.add_positions(p);
+    *decode.mutable_queries() = MakeTensor(GaussianVectors(kQ, kDim, 82 + p), {1, kQ, kDim});
+    *decode.mutable_keys() =
+        MakeTensor(std::vector<float>(k.begin() + p * row, k.begin() + (p + 1) * row), {1, kKv, kDim});
+    *decode.mutable_values() =
+        MakeTensor(std::vector<float>(v.begin() + p * row, v.begin() + (p + 1) * row), {1, kKv, kDim});
+    auto decoded = handler_->Decode(decode);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    ASSERT_EQ(decoded->failed(), 0) << decoded->status(0).message();
+  }
+  auto first = [&](const std::vector<float>& x, int64_t n) { return std::vector<float>(x.begin(), x.begin() + n * row); };
+  ASSERT_TRUE(handler_->Append(MakeAppend(id, 1, 0, first(k, 20), first(v, 20), {20, kKv, kDim})).ok());
+  ASSERT_TRUE(handler_->Append(MakeAppend(id, 2, 0, k, v, {70, kKv, kDim})).ok());
+  EXPECT_EQ(Info(id).transformed_layers(), 1);
+  auto check = [&](const char* when) {
+    const auto read = Read(id, 2);
+    ASSERT_EQ(read.first.size(), 25 * row) << when;
+    EXPECT_EQ(std::vector<float>(read.first.begin(), read.first.begin() + 5 * row), first(k, 5)) << when;
+    EXPECT_EQ(std::vector<float>(read.first.begin() + 5 * row, read.first.end()), first(k, 20)) << when;
+    EXPECT_EQ(std::vector<float>(read.second.begin() + 5 * row, read.second.end()), first(v, 20)) << when;
+  };
+  check("in memory");
+  // Attention over the 20 held tokens: float attention over them.
+  const auto q = GaussianVectors(kQ, kDim, 90);
+  const auto out = TensorFloats(Attend(id, 1, q, 19).result().output());
+  for (int h = 0; h < kQ; ++h) {
+    const int kv = h / (kQ / kKv);
+    std::vector<double> logit(20);
+    double top = -1e30, sum = 0;
+    for (int t = 0; t < 20; ++t) {
+      double dot = 0;
+      for (int c = 0; c < kDim; ++c) dot += q[h * kDim + c] * k[t * row + kv * kDim + c];
+      logit[t] = dot / std::sqrt(double{kDim});
+      top = std::max(top, logit[t]);
+    }
+    std::vector<double> expected(kDim, 0.0);
+    for (int t = 0; t < 20; ++t) {
+      const double p = std::exp(logit[t] - top);
+      sum += p;
+      for (int c = 0; c < kDim; ++c) expected[c] += p * v[t * row + kv * kDim + c];
+    }
+    for (int c = 0; c < kDim; ++c) ASSERT_NEAR(out[h * kDim + c], expected[c] / sum, 1e-3) << "head " << h;
+  }
+
+  // A snapshot of a session holding tokens past its sinks is version 5.
+  ASSERT_TRUE(store_->SaveSnapshots().ok());
+  {
+    std::ifstream in(dir_ + "/snapshots/" + id + kSnapshotSuffix, std::ios::binary);
+    char start[12] = {};
+    in.read(start, sizeof(start));
+    uint32_t version = 0;
+    std::memcpy(&version, start + 8, 4);
+    EXPECT_EQ(version, 5u);
+  }
+  Reopen(/*spill=*/true);
+  auto loaded = store_->LoadSnapshots(absl::Now());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->sessions, 1) << (loaded->failed.empty() ? "" : loaded->failed[0].second.ToString());
+  check("from the snapshot");
+  {
+    auto session = store_->Find(id, "", absl::Now());
+    ASSERT_TRUE(session.ok());
+    std::lock_guard<std::mutex> lock((*session)->mutex());
+    ASSERT_TRUE(store_->Demote(**session).ok());
+  }
+  ASSERT_TRUE(store_->FlushTier(absl::InfiniteFuture()).ok());
+  Reopen(/*spill=*/true);
+  check("from the spill tier");
+
+  // Layer 1 past 63 tokens: fitted on its 66 tokens past the sinks, which
+  // the pages now hold through the transform.
+  const auto k2 = f16(testing::SharedComponentVectors(50, kKv, kDim, 300.0f, 80));
+  ASSERT_TRUE(handler_->Append(MakeAppend(id, 1, 20, k2, first(v, 50), {50, kKv, kDim})).ok());
+  EXPECT_EQ(Info(id).transformed_layers(), 2);
+  v1::ReadKvRequest read;
+  read.set_session_id(id);
+  read.add_layers(1);
+  auto cursor = handler_->StartReadKv(read);
+  ASSERT_TRUE(cursor.ok()) << cursor.status();
+  std::vector<float> keys;
+  v1::ReadKvResponse response;
+  while (*handler_->NextReadKv(*cursor, &response)) {
+    const auto part = TensorFloats(response.keys());
+    keys.insert(keys.end(), part.begin(), part.end());
+  }
+  ASSERT_EQ(keys.size(), 70 * row);
+  EXPECT_EQ(std::vector<float>(keys.begin(), keys.begin() + 4 * row), first(k, 4));  // the sinks
+  std::vector<float> sent = first(k, 20);
+  sent.insert(sent.end(), k2.begin(), k2.end());
+  EXPECT_LT(RelativeError(keys, sent, 4 * row, 70 * row), 0.02);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, StorageTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -327,6 +328,10 @@ inline SessionOptions Shape() {
 }
 
 // Token t of the test's sequence, every layer: [layers][n][kv_heads][head_dim].
+// Tokens a layer of the daemon's 64-token pages holds exact before a chunk
+// fits its key transform (LayerStorage::hold_tokens).
+constexpr int64_t kHeldTokens = 63;
+
 struct Sequence {
   static constexpr int64_t kTokens = 1024;
   explicit Sequence(uint64_t seed = 11)
@@ -417,20 +422,28 @@ class Reference {
       : daemon_({"--listen=" + Socket("reference"), "--device=cpu", "--threads=1"}) {
     client_ = Connected("reference", daemon_);
   }
-  // The first chunk of `fitted` tokens (it fits each layer's key
-  // transform, as the observed session's first chunk did), then the rest.
-  Observed Of(const Sequence& sequence, int64_t fitted, int64_t tokens) {
-    return Of({{&sequence, tokens}}, fitted);
+  // The size of the chunk an observed session appended at a position.
+  using Chunks = std::function<int64_t(int64_t)>;
+  // The first chunks as the observed session's were (`first` tokens, then
+  // next(position) each, by default `first` again), until one takes it past
+  // the tokens a layer holds exact (63) and fits each layer's key
+  // transform; then the rest.
+  Observed Of(const Sequence& sequence, int64_t first, int64_t tokens, Chunks next = nullptr) {
+    return Of({{&sequence, tokens}}, first, std::move(next));
   }
   // Tokens from each sequence in turn: the first `until` of one, then the
-  // next up to its `until`, ...; the first sequence's first `fitted` tokens
-  // go first as one chunk (cut back to its `until` when that is shorter:
-  // a session truncated after its first chunk).
-  Observed Of(const std::vector<std::pair<const Sequence*, int64_t>>& parts,
-              int64_t fitted) {
+  // next up to its `until`, ...; the first sequence's tokens go first in
+  // chunks as above until one fits the transform (cut back to its `until`
+  // when that is shorter: a session truncated after them).
+  Observed Of(const std::vector<std::pair<const Sequence*, int64_t>>& parts, int64_t first,
+              Chunks next = nullptr) {
     auto session = client_->CreateSession(Shape());
     EXPECT_TRUE(session.ok()) << session.status();
-    EXPECT_TRUE(parts[0].first->Append(*session, 0, fitted).ok());
+    int64_t fitted = 0;
+    for (int64_t size = first; fitted <= kHeldTokens; size = next ? next(fitted) : first) {
+      EXPECT_TRUE(parts[0].first->Append(*session, fitted, size).ok());
+      fitted += size;
+    }
     int64_t at = std::min(fitted, parts[0].second);
     if (at < fitted) {
       EXPECT_TRUE(session->Truncate(at).ok());

@@ -10,6 +10,8 @@
 
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
+#include "kernels/half.h"
+#include "kernels/key_transform.h"
 #include "kernels/paged_cache.h"
 #include "service/backend/cpu_backend.h"
 #include "service/store/layer_cache.h"
@@ -195,6 +197,209 @@ TEST(LayerCacheTest, KernelsReadTheStoredPages) {
                   .ok());
   EXPECT_EQ(out_a, out_b);
   EXPECT_EQ(lse_a, lse_b);
+}
+
+// A layer with a key transform to fit, 4 sinks in f16, holding its first
+// page's tokens exact until a chunk takes it past them.
+constexpr int kSinks = 4;
+constexpr KeyTransformOptions kCenterScale{true, true, false};
+
+LayerCache MakeHoldingLayer(PagePool* pool) {
+  return LayerCache(MakeCodec(CodecKind::kTurbo3, 1), MakeCodec(CodecKind::kTurbo4, 2), kHeads, kPage, pool,
+                    LayerStorage{kCenterScale, kSinks, HoldTokens(kCenterScale, kPage, kSinks),
+                                 MakeCodec(CodecKind::kF16, 0)});
+}
+
+// Keys with a large component every token shares (what garbles keys stored
+// as given), rounded to f16 so that the sink page holds them exactly.
+struct SharedTokens {
+  std::vector<float> k, v;
+  explicit SharedTokens(int64_t n, uint64_t seed)
+      : k(::turbokv::testing::SharedComponentVectors(n, kHeads, kDim, 300.0f, seed)),
+        v(GaussianVectors(n * kHeads, kDim, seed + 1)) {
+    for (std::vector<float>* x : {&k, &v}) {
+      for (float& f : *x) f = HalfBitsToFloat(FloatToHalfBits(f));
+    }
+  }
+  const float* key(int64_t t) const { return k.data() + t * kHeads * kDim; }
+  const float* value(int64_t t) const { return v.data() + t * kHeads * kDim; }
+};
+
+TEST(LayerCacheTest, HoldTokensIsTheFirstPageButItsLastToken) {
+  EXPECT_EQ(HoldTokens(kCenterScale, 64, 4), 63);
+  EXPECT_EQ(HoldTokens(kCenterScale, 256, 4), kMaxFewTokens);
+  EXPECT_EQ(HoldTokens({}, 64, 4), 0);                  // nothing to fit: nothing held
+  EXPECT_EQ(HoldTokens(kCenterScale, 16, 4), 0);        // a fit on fewer than 16 past the sinks
+  EXPECT_EQ(HoldTokens(kCenterScale, 64, 47), 63);
+  EXPECT_EQ(HoldTokens(kCenterScale, 64, 48), 0);
+}
+
+// Tokens decoded one at a time from an empty layer stay exact until the
+// layer would pass its first page but one; the chunk that takes it past
+// them fits the transform on every token past the sinks and encodes them:
+// the same pages as one chunk of those tokens (fitted from its keys alone).
+TEST(LayerCacheTest, HeldTokensStayExactUntilAChunkFitsTheTransformOnThemAll) {
+  PagePool pool(&host, 1 << 26);
+  LayerCache layer = MakeHoldingLayer(&pool);
+  const SharedTokens data(100, 21);
+  const size_t row = static_cast<size_t>(kHeads) * kDim;
+  const size_t pages_only = pool.used_bytes();
+  for (int64_t t = 0; t < 63; ++t) {
+    ASSERT_EQ(*layer.Append(t, 1, data.key(t), data.value(t)), t + 1);
+    ASSERT_FALSE(layer.transformed());
+    ASSERT_EQ(layer.exact_tokens(), t + 1);
+  }
+  // The sink page widened to 63 slots, its growth charged.
+  const size_t slot = static_cast<size_t>(MakeCodec(CodecKind::kF16, 0)->code_size());
+  EXPECT_EQ(pool.used_bytes(), pages_only + layer.page_bytes() + kHeads * 2 * slot * (63 - kSinks));
+  std::vector<float> k(63 * row), v(63 * row);
+  ASSERT_TRUE(layer.Read(0, 63, k.data(), v.data()).ok());
+  EXPECT_EQ(k, std::vector<float>(data.k.begin(), data.k.begin() + 63 * row));
+  EXPECT_EQ(v, std::vector<float>(data.v.begin(), data.v.begin() + 63 * row));
+
+  ASSERT_EQ(*layer.Append(63, 2, data.key(63), data.value(63)), 65);
+  EXPECT_TRUE(layer.transformed());
+  EXPECT_EQ(layer.exact_tokens(), kSinks);
+  EXPECT_EQ(layer.transform_end(), 65);
+  EXPECT_EQ(pool.used_bytes(), pages_only + 2 * layer.page_bytes());  // the wide sink page's charge went
+  LayerCache whole = MakeHoldingLayer(&pool);
+  ASSERT_EQ(*whole.Append(0, 65, data.key(0), data.value(0)), 65);
+  EXPECT_EQ(Records(layer), Records(whole));
+  EXPECT_EQ(layer.Extras().sinks, whole.Extras().sinks);
+  EXPECT_EQ(layer.Extras().transform.key_scale, whole.Extras().transform.key_scale);
+
+  // Attention over the held tokens reads them exact: a float reference.
+  LayerCache held = MakeHoldingLayer(&pool);
+  ASSERT_EQ(*held.Append(0, 40, data.key(0), data.value(0)), 40);
+  AttentionParams params;
+  params.q_heads = 4;
+  const std::vector<float> q = GaussianVectors(4, kDim, 23);
+  const int64_t position = 39;
+  std::vector<float> out(4 * kDim), lse(4);
+  const AttentionProblem problem = held.Attention({1, q.data(), &position}, {out.data(), lse.data()});
+  ASSERT_TRUE(AttendCpu(AttentionBatch{&problem, 1}, params).ok());
+  for (int h = 0; h < 4; ++h) {
+    const int kv = h / 2;
+    std::vector<double> logits(40);
+    double top = -1e30;
+    for (int t = 0; t < 40; ++t) {
+      double dot = 0;
+      for (int c = 0; c < kDim; ++c) dot += q[h * kDim + c] * data.key(t)[kv * kDim + c];
+      logits[t] = dot / std::sqrt(static_cast<double>(kDim));
+      top = std::max(top, logits[t]);
+    }
+    double sum = 0;
+    std::vector<double> expected(kDim, 0.0);
+    for (int t = 0; t < 40; ++t) {
+      const double p = std::exp(logits[t] - top);
+      sum += p;
+      for (int c = 0; c < kDim; ++c) expected[c] += p * data.value(t)[kv * kDim + c];
+    }
+    for (int c = 0; c < kDim; ++c) EXPECT_NEAR(out[h * kDim + c], expected[c] / sum, 1e-3) << "head " << h;
+    EXPECT_NEAR(lse[h], top + std::log(sum), 1e-3);
+  }
+}
+
+// A layer holding tokens exact: forks share its sink page and its charge,
+// truncation within them keeps the rest, into the sinks narrows the page,
+// and Extras() / LoadPages bring it back whole.
+TEST(LayerCacheTest, HeldTokensSurviveForkTruncateAndLoad) {
+  PagePool pool(&host, 1 << 26);
+  LayerCache layer = MakeHoldingLayer(&pool);
+  const SharedTokens data(100, 31);
+  const size_t row = static_cast<size_t>(kHeads) * kDim;
+  ASSERT_EQ(*layer.Append(0, 30, data.key(0), data.value(0)), 30);
+  const size_t used = pool.used_bytes();
+  LayerCache fork = layer.Fork(20);
+  EXPECT_EQ(pool.used_bytes(), used);
+  EXPECT_EQ(fork.exact_tokens(), 20);
+  // The fork's next token makes its own wide page, charged apart.
+  ASSERT_EQ(*fork.Append(20, 1, data.key(50), data.value(50)), 21);
+  const size_t slot = static_cast<size_t>(MakeCodec(CodecKind::kF16, 0)->code_size());
+  EXPECT_EQ(pool.used_bytes(), used + layer.page_bytes() + kHeads * 2 * slot * (63 - kSinks));
+  std::vector<float> k(21 * row), v(21 * row);
+  ASSERT_TRUE(fork.Read(0, 21, k.data(), v.data()).ok());
+  EXPECT_TRUE(std::equal(k.begin(), k.begin() + 20 * row, data.k.begin()));
+  EXPECT_TRUE(std::equal(k.begin() + 20 * row, k.end(), data.key(50)));
+
+  // Extras hold the tokens and zeros past them; a layer loads them back.
+  layer.Truncate(25);
+  EXPECT_EQ(layer.exact_tokens(), 25);
+  const LayerExtras extras = layer.Extras();
+  EXPECT_EQ(extras.sink_tokens, 25);
+  LayerCache fresh = MakeHoldingLayer(&pool);
+  ASSERT_EQ(*fresh.Append(0, 25, data.key(0), data.value(0)), 25);
+  EXPECT_EQ(extras.sinks, fresh.Extras().sinks);
+  LayerCache loaded = MakeHoldingLayer(&pool);
+  const std::vector<std::shared_ptr<Page>>& pages = layer.pages();
+  size_t next = 0;
+  ASSERT_TRUE(loaded
+                  .LoadPages(25, extras,
+                             [&](uint8_t* out, size_t bytes) {
+                               std::memcpy(out, pages[next++]->data, bytes);
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  EXPECT_EQ(loaded.exact_tokens(), 25);
+  ASSERT_EQ(*loaded.Append(25, 75, data.key(25), data.value(25)), 100);
+  ASSERT_EQ(*fresh.Append(25, 75, data.key(25), data.value(25)), 100);
+  EXPECT_EQ(Records(loaded), Records(fresh));
+
+  // Extras that do not fit the layer: DATA_LOSS.
+  LayerExtras wrong = extras;
+  wrong.sink_tokens = 24;
+  LayerCache refused = MakeHoldingLayer(&pool);
+  next = 0;
+  const absl::Status status = refused.LoadPages(25, wrong, [&](uint8_t* out, size_t bytes) {
+    std::memcpy(out, pages[next++]->data, bytes);
+    return absl::OkStatus();
+  });
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+
+  // Cut back into the sinks: a narrow page with zeros past the tokens.
+  layer.Truncate(2);
+  EXPECT_EQ(layer.exact_tokens(), 2);
+  LayerCache two = MakeHoldingLayer(&pool);
+  ASSERT_EQ(*two.Append(0, 2, data.key(0), data.value(0)), 2);
+  EXPECT_EQ(layer.Extras().sinks, two.Extras().sinks);
+}
+
+// A refit or a widening over the budget changes nothing.
+TEST(LayerCacheTest, AHeldChunkOverTheBudgetChangesNothing) {
+  const SharedTokens data(80, 41);
+  PagePool probe_pool(&host, 1 << 26);
+  LayerCache probe = MakeHoldingLayer(&probe_pool);
+  ASSERT_EQ(*probe.Append(0, 4, data.key(0), data.value(0)), 4);
+  const size_t one_page = probe_pool.used_bytes();
+  PagePool pool(&host, one_page + 100);  // no room for the wide sink page
+  LayerCache layer = MakeHoldingLayer(&pool);
+  ASSERT_EQ(*layer.Append(0, 4, data.key(0), data.value(0)), 4);
+  const auto wide = layer.Append(4, 1, data.key(4), data.value(4));
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kResourceExhausted) << wide.status();
+  EXPECT_EQ(layer.tokens(), 4);
+  EXPECT_EQ(pool.used_bytes(), one_page);
+
+  PagePool roomy(&host, 1 << 26);
+  LayerCache held = MakeHoldingLayer(&roomy);
+  ASSERT_EQ(*held.Append(0, 50, data.key(0), data.value(0)), 50);
+  const LayerExtras before = held.Extras();
+  const std::vector<uint8_t> records = Records(held);
+  PagePool tight(&host, roomy.used_bytes() + 100);  // the refit's copy of the first page does not fit
+  LayerCache moved = MakeHoldingLayer(&tight);
+  size_t next = 0;
+  ASSERT_TRUE(moved
+                  .LoadPages(50, before,
+                             [&](uint8_t* out, size_t bytes) {
+                               std::memcpy(out, held.pages()[next++]->data, bytes);
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  const auto refit = moved.Append(50, 20, data.key(50), data.value(50));
+  EXPECT_EQ(refit.status().code(), absl::StatusCode::kResourceExhausted) << refit.status();
+  EXPECT_EQ(moved.tokens(), 50);
+  EXPECT_FALSE(moved.transformed());
+  EXPECT_EQ(moved.Extras().sinks, before.sinks);
+  EXPECT_EQ(Records(moved), records);
 }
 
 std::string ReadAll(const std::string& path) {

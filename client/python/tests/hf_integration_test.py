@@ -58,6 +58,19 @@ class TransformersIntegrationTest(unittest.TestCase):
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         self.assertEqual(run.stdout.count("32 tokens identical"), 2, run.stdout)
 
+    def test_the_default_preset_keeps_short_prompts_to_the_bound(self):
+        # A layer holds its tokens exact until its first page is nearly full
+        # (docs/API.md, "Keys made safe"): a short prompt and the tokens
+        # decoded after it are never stored as given.
+        env = dict(os.environ, TURBOKV_TARGET=self.daemon.target)
+        run = subprocess.run([sys.executable, os.path.join(EXAMPLES, "hf_generate.py"), "--tiny", "--check",
+                              "--preset", "default", "--prompt-tokens", "5"],
+                             env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertEqual(run.stdout.count("within the 95% bound"), 2, run.stdout)
+        for prompt_tokens in (1, 17, 64):
+            self.assertTrue(hf_generate.check(self.client, 32, prompt_tokens, "default"), prompt_tokens)
+
     def test_f16_gives_the_eager_tokens_and_logits(self):
         for name, model in self.models.items():
             ids = prompt(model.config.vocab_size, 20, 2)

@@ -31,10 +31,12 @@ constexpr char kMagic[4] = {'T', 'K', 'V', 'R'};
 // layer's entry its transform and sink page; 4: a page names the shared
 // tier's copy of it and a manifest the session's epoch there (a stacked
 // daemon's); 5: a manifest also lists the blocks its session named for
-// reuse. Records of versions 1 to 4 are still read, and each record is
-// written in the oldest version that holds what it has (a turbokvd of before
-// reads it).
-constexpr uint16_t kVersion = 5;
+// reuse; 6: as 5, and a layer's sink page may hold tokens past the sinks
+// (held exact until its transform is fitted). Records of versions 1 to 5
+// are still read, and each record is written in the oldest version that
+// holds what it has (a turbokvd of before reads it).
+constexpr uint16_t kVersion = 6;
+constexpr uint16_t kVersionNamed = 5;
 constexpr uint16_t kVersionWithoutRedis = 3;
 constexpr uint16_t kVersionShared = 4;
 constexpr uint16_t kOldestVersion = 1;
@@ -340,7 +342,7 @@ absl::StatusOr<TierScanReport> DiskTier::Scan() {
       session.layers.push_back(std::move(layer));
     }
     if (manifest.version >= kVersionShared) session.shared_epoch = in.Get<int64_t>();
-    if (!malformed && manifest.version >= kVersion) {
+    if (!malformed && manifest.version >= kVersionNamed) {
       malformed = !GetNamedBlocks(in, "its manifest on disk", &session.named).ok();
     }
     if (malformed || in.short_read()) {
@@ -452,11 +454,16 @@ std::shared_ptr<TierRecord> DiskTier::PutManifest(const TierSession& session) {
     for (const auto& page : layer.pages) Put<uint64_t>(&header, page->lsn());
     PutLayerExtras(&header, layer.extras);
   }
-  const uint16_t version = !session.named.hashes.empty() ? kVersion
-                           : session.shared_epoch == 0 ? kVersionWithoutRedis
-                                                       : kVersionShared;
+  bool holds = false;
+  for (const TierLayer& layer : session.layers) {
+    holds = holds || HoldsPastSinks(layer.extras, session.header.config.sink_tokens);
+  }
+  const uint16_t version = holds                           ? kVersion
+                           : !session.named.hashes.empty() ? kVersionNamed
+                           : session.shared_epoch == 0     ? kVersionWithoutRedis
+                                                           : kVersionShared;
   if (version >= kVersionShared) Put<int64_t>(&header, session.shared_epoch);
-  if (version >= kVersion) PutNamedBlocks(&header, session.named);
+  if (version >= kVersionNamed) PutNamedBlocks(&header, session.named);
   const size_t bytes = kFrameBytes + header.size() + kCrcBytes;
   std::lock_guard<std::mutex> lock(mutex_);
   auto record = std::make_shared<Record>(this, next_lsn_, bytes);

@@ -27,8 +27,10 @@ constexpr char kManifestMagic[4] = {'T', 'K', 'V', 'M'};
 // and sink tokens, and each layer's entry its transform and sink page;
 // manifests of version 1 are still read (pages are unchanged); 3: it also
 // lists the blocks the session named for reuse (written only then, so that
-// a turbokvd of before reads the others).
-constexpr uint16_t kVersion = 3;
+// a turbokvd of before reads the others); 4: as 3, and a layer's sink page
+// may hold tokens past the sinks (held exact until its transform is fitted).
+constexpr uint16_t kVersion = 4;
+constexpr uint16_t kVersionNamed = 3;
 constexpr uint16_t kVersionUnnamed = 2;
 constexpr uint16_t kOldestVersion = 1;
 constexpr size_t kEpochOffset = 8;         // in a page and in a manifest: after magic, version, 0
@@ -606,7 +608,12 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
   state->layers = std::max(state->layers, static_cast<int>(session.layers.size()));
   std::string value(kManifestMagic, sizeof(kManifestMagic));
   const bool named = !session.named.hashes.empty();
-  Put<uint16_t>(&value, named ? kVersion : kVersionUnnamed);
+  bool holds = false;
+  for (const TierLayer& layer : session.layers) {
+    holds = holds || HoldsPastSinks(layer.extras, session.header.config.sink_tokens);
+  }
+  const uint16_t version = holds ? kVersion : named ? kVersionNamed : kVersionUnnamed;
+  Put<uint16_t>(&value, version);
   Put<uint16_t>(&value, 0);
   Put<int64_t>(&value, 0);  // the epoch, when sent
   PutSessionHeader(&value, session.header);
@@ -637,7 +644,7 @@ std::shared_ptr<TierRecord> RedisTier::PutManifest(const TierSession& session) {
     }
     PutLayerExtras(&value, layer.extras);
   }
-  if (named) PutNamedBlocks(&value, session.named);
+  if (version >= kVersionNamed) PutNamedBlocks(&value, session.named);
   for (auto it = state->copies.begin(); it != state->copies.end();) {
     it = it->second.expired() ? state->copies.erase(it) : std::next(it);
   }
@@ -1597,10 +1604,14 @@ std::vector<std::pair<std::string, absl::Status>> RedisTier::TakeDisowned() {
 }
 
 std::vector<std::string> RedisTier::TakeLost() {
+  // Called with every acknowledgement of an append: the lost ones alone.
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& [name, state] : sessions_) state->lost = false;
   std::vector<std::string> lost;
-  lost.swap(lost_);
+  for (const std::shared_ptr<SessionState>& state : lost_) {
+    state->lost = false;
+    lost.push_back(state->id);
+  }
+  lost_.clear();
   return lost;
 }
 
