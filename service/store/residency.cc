@@ -183,6 +183,12 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
   for (size_t i = 0; status.ok() && i < queued->size(); ++i) {
     if ((*queued)[i] != nullptr) status = tier_->Wait(*(*queued)[i]);
   }
+  if (status.ok() && tier_ != nullptr && tier_->holds_every_append()) {
+    // Written, but to a tier that lost the rest of the session (Redis
+    // restarted empty): acknowledged once the session is whole there again.
+    NoteLost();
+    status = RewriteIfLost(session);
+  }
   if (status.ok()) return status;
   // Not acknowledged: nothing of the call stays here. What was queued and
   // not sent yet is not sent (its records go with `queued`). A page the
@@ -545,13 +551,44 @@ size_t SessionStore::TierBytes(const SessionCache& session) {
   return bytes;
 }
 
-void SessionStore::Rewrite(SessionCache& session) {
-  if (session.gone()) return;
+absl::Status SessionStore::RewriteDemoted(SessionCache& session) {
+  const TierSession& old = *session.demoted_;
+  TierSession image = old;
+  const int64_t pt = options_.page_tokens;
+  std::vector<uint8_t> bytes;
+  for (size_t l = 0; l < old.layers.size(); ++l) {
+    const TierLayer& layer = old.layers[l];
+    bytes.resize(LayerPageBytes(session.config(), static_cast<int>(l), options_.page_tokens));
+    image.layers[l].pages.clear();
+    for (size_t i = 0; i < layer.pages.size(); ++i) {
+      TURBOKV_RETURN_IF_ERROR(tier_->Read(*layer.pages[i], bytes.data(), bytes.size()));
+      PageKey key = Key(session, static_cast<int>(l), static_cast<int>(i),
+                        static_cast<int>(std::min<int64_t>(pt, layer.tokens - static_cast<int64_t>(i) * pt)));
+      key.for_manifest = true;
+      TURBOKV_ASSIGN_OR_RETURN(
+          std::shared_ptr<TierRecord> record,
+          tier_->PutPage(key, absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), true));
+      image.layers[l].pages.push_back(std::move(record));
+    }
+  }
+  image.manifest = tier_->PutManifest(image);
+  TURBOKV_RETURN_IF_ERROR(WaitForImage(*tier_, image, *image.manifest));
+  session.manifest_ = image.manifest;
+  *session.demoted_ = std::move(image);  // the lost records go
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::Rewrite(SessionCache& session) {
+  if (session.gone()) return absl::OkStatus();
   if (!session.resident()) {
-    Logf(LogLevel::kWarning,
-         "session %s was on the %s tier only when it lost its records: what is missing is DATA_LOSS when it is read",
-         session.id().c_str(), tier_->name());
-    return;
+    absl::Status status = RewriteDemoted(session);
+    if (!status.ok()) {
+      Logf(LogLevel::kWarning,
+           "session %s was on the %s tier only when it lost its records, and could not be read back to write it "
+           "again (%s): what is missing is DATA_LOSS when it is read",
+           session.id().c_str(), tier_->name(), std::string(status.message()).c_str());
+    }
+    return status;
   }
   // Every page gets a new record, after a manifest that lists none of the
   // old ones; the old records go (their keys are deleted) after it.
@@ -573,10 +610,35 @@ void SessionStore::Rewrite(SessionCache& session) {
   if (status.ok() && session.manifest_lacks_tails_) status = WriteTierManifest(session);
   if (status.ok()) {
     session.manifest_lacks_tails_ = false;
-  } else {
-    Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s (the next pass goes on)",
+    status = tier_->Wait(*session.manifest_);
+  }
+  if (!status.ok()) {
+    Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s (the next pass tries again)",
          session.id().c_str(), tier_->name(), std::string(status.message()).c_str());
   }
+  return status;
+}
+
+void SessionStore::NoteLost() {
+  std::vector<std::string> lost = tier_->TakeLost();
+  if (lost.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  lost_.insert(lost.begin(), lost.end());
+}
+
+absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (lost_.erase(session.id()) == 0) return absl::OkStatus();
+  }
+  absl::Status status = Rewrite(session);
+  if (absl::IsUnavailable(status)) {
+    // The tier is away again: the next pass (or call) tries again. Records
+    // that cannot be read back are not tried again.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!session.gone()) lost_.insert(session.id());
+  }
+  return status;
 }
 
 SessionStore::RebalanceReport SessionStore::Rebalance() {
@@ -601,16 +663,23 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
       }
     }
   }
-  for (const std::string& id : tier_->TakeLost()) {
-    std::shared_ptr<SessionCache> session;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = sessions_.find(id);
-      if (it != sessions_.end()) session = it->second;
+  NoteLost();
+  std::vector<std::shared_ptr<SessionCache>> lost;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = lost_.begin(); it != lost_.end();) {
+      auto found = sessions_.find(*it);
+      if (found == sessions_.end()) {
+        it = lost_.erase(it);  // gone meanwhile: nothing to write
+        continue;
+      }
+      lost.push_back(found->second);
+      ++it;
     }
-    if (session == nullptr) continue;
+  }
+  for (const std::shared_ptr<SessionCache>& session : lost) {
     std::lock_guard<std::mutex> lock(session->mutex());
-    Rewrite(*session);
+    RewriteIfLost(*session).IgnoreError();  // logged; the next pass tries again
   }
   std::vector<std::shared_ptr<SessionCache>> sessions = List();
   // Write-through that the request path left for later (its queue was full).
@@ -660,11 +729,21 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
   if (tier_ == nullptr) return absl::OkStatus();
   absl::Status first_error;
   int failed = 0;
+  // Sessions whose records the tier lost go back whole first, the demoted
+  // ones too (from a stacked daemon's disk).
+  NoteLost();
   for (const std::shared_ptr<SessionCache>& session : List()) {
     std::lock_guard<std::mutex> lock(session->mutex());
-    if (session->gone() || !session->resident()) continue;
+    bool lost;
+    {
+      std::lock_guard<std::mutex> map_lock(mutex_);
+      lost = lost_.count(session->id()) > 0;
+    }
+    if (session->gone() || (!session->resident() && !lost)) continue;
     absl::Status status = absl::Now() > deadline ? absl::DeadlineExceededError("the drain's deadline passed")
-                                                 : WriteThrough(*session, true);
+                                                 : RewriteIfLost(*session);
+    if (status.ok() && !session->resident()) continue;
+    if (status.ok()) status = WriteThrough(*session, true);
     absl::StatusOr<TierSession> image = status.ok() ? TierImage(*session, true) : status;
     if (image.ok()) {
       std::shared_ptr<TierRecord> manifest = tier_->PutManifest(*image);

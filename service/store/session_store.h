@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -437,9 +438,19 @@ class SessionStore {
   // records, in order, and (with tails) its partly filled last page,
   // written now. Under the session's mutex.
   absl::StatusOr<TierSession> TierImage(const SessionCache& session, bool tails);
-  // Writes the session (under its mutex) to the tier again, every sealed
-  // page in a new record after a new manifest: the tier lost its records.
-  void Rewrite(SessionCache& session);
+  // Writes the session (under its mutex) to the tier again: the tier lost
+  // its records. In memory: every sealed page in a new record after a new
+  // manifest. Demoted: every page read back from the tier (a stacked
+  // daemon's copy on its disk) and put again, then a manifest of them. OK
+  // once the tier holds it all.
+  absl::Status Rewrite(SessionCache& session);
+  absl::Status RewriteDemoted(SessionCache& session);
+  // The sessions the tier lost the records of since the last call, into
+  // lost_ (under mutex_ inside).
+  void NoteLost();
+  // Whether the session (under its mutex) is in lost_: taken out of it, and
+  // written again, or put back if that fails.
+  absl::Status RewriteIfLost(SessionCache& session);
   // Writes a manifest of the session's sealed pages (under its mutex), and
   // of its tails when the tier holds every append; the error of writing a
   // tail.
@@ -470,6 +481,8 @@ class SessionStore {
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<SessionCache>> sessions_;
   std::unordered_map<std::string, int64_t> tenant_sessions_;
+  // Ids of sessions whose records the tier lost, not yet written again.
+  std::unordered_set<std::string> lost_;
   // Ids evicted or expired (the most recent kRememberedGone): tenant and why.
   std::unordered_map<std::string, std::pair<std::string, std::string>> gone_reasons_;
   std::deque<std::string> gone_order_;

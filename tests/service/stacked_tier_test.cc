@@ -2,8 +2,9 @@
 // turbokvd binary, on a real redis-server: a demoted session comes back from
 // the local disk (Redis stopped meanwhile), a restart claims what the disk
 // holds only while nobody else claimed it since, a kill -9 restart gets
-// every acknowledged token once the lease lapses, and a disk-only daemon's
-// sessions go to Redis when Redis is added.
+// every acknowledged token once the lease lapses, a disk-only daemon's
+// sessions go to Redis when Redis is added, and a Redis restarted empty gets
+// every session back, those on the disk alone too.
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -82,6 +83,91 @@ TEST(StackedTierTest, ADemotedSessionComesBackFromTheLocalDiskWhileRedisIsStoppe
   ASSERT_EQ(Appended(sequence.Append(*first, 350, 50)), 400);
   EXPECT_TRUE(Observe(*first) == reference.Of(sequence, 350, 400));
   EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+}
+
+// A session of each sequence's first `tokens` tokens, in order (fewer: a
+// failure, reported).
+std::vector<Session> SessionsOf(const Client& client, const std::vector<Sequence>& sequences, int64_t tokens) {
+  std::vector<Session> sessions;
+  for (const Sequence& sequence : sequences) {
+    auto session = client.CreateSession(Shape());
+    EXPECT_TRUE(session.ok()) << session.status();
+    if (!session.ok() || Appended(sequence.Append(*session, 0, tokens)) != tokens) break;
+    sessions.push_back(*std::move(session));
+  }
+  return sessions;
+}
+
+// Redis restarted empty under a stacked daemon holding sessions demoted to
+// its disk: an append to one (promoted from the disk) is acknowledged only
+// once Redis holds the whole session again. Killed right after that append,
+// the daemon leaves it whole in Redis: another daemon without the disk
+// takes it over, every acknowledged token in.
+TEST(StackedTierTest, AnAppendAfterRedisRestartedEmptyWaitsForTheWholeSession) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis(/*persistent=*/false);
+  Reference reference;
+  const std::vector<Sequence> sequences = {Sequence(51), Sequence(52), Sequence(53)};
+  // A budget that holds one session of 350 tokens, not two.
+  Daemon a(Stacked("a", redis, SpillDir("lost"), {"--memory-budget=160KiB", "--eviction=lru"}));
+  auto client = Connected("a", a);
+  const std::vector<Session> sessions = SessionsOf(*client, sequences, 350);
+  ASSERT_EQ(sessions.size(), sequences.size());
+  ASSERT_EQ(ResidencyOf(sessions[0]), v1::RESIDENCY_DISK) << a.Log();
+  ASSERT_EQ(ResidencyOf(sessions[1]), v1::RESIDENCY_DISK) << a.Log();
+  redis.Kill();
+  redis.Start();
+  // At once: an append to the first (promoted from the disk, and answered
+  // once the session is in Redis again), retried while A finds out.
+  absl::StatusOr<int64_t> appended = sequences[0].Append(sessions[0], 350, 50);
+  for (absl::Time until = absl::Now() + absl::Seconds(10); !appended.ok() && absl::Now() < until;) {
+    ASSERT_EQ(appended.status().code(), absl::StatusCode::kUnavailable) << appended.status();
+    absl::SleepFor(absl::Milliseconds(50));
+    appended = sequences[0].Append(sessions[0], 350, 50);
+  }
+  ASSERT_EQ(Appended(appended), 400) << a.Log();
+  ASSERT_EQ(kill(a.pid(), SIGKILL), 0);
+  a.Wait();
+  Daemon b(Flags("b", redis));
+  auto client_b = Connected("b", b);
+  absl::StatusOr<Session> first = OpenedOnceTheLeaseLapses(*client_b, sessions[0].id());
+  ASSERT_TRUE(first.ok()) << first.status() << "\n" << a.Log();
+  EXPECT_TRUE(Observe(*first) == reference.Of(sequences[0], 350, 400));
+  EXPECT_THAT(a.Log(), HasSubstr("writes the session again"));
+  EXPECT_THAT(a.Log(), Not(HasSubstr("could not be read back to write it again")));
+  EXPECT_THAT(b.Log(), Not(HasSubstr("DATA_LOSS")));
+}
+
+// Redis restarted empty under a stacked daemon, then a drain: the sessions
+// on its disk alone are written back to Redis from the disk (not only those
+// in memory) before the drain ends, and another daemon finds them whole.
+TEST(StackedTierTest, RedisRestartedEmptyLosesNoDemotedSessionAtADrain) {
+  SKIP_WITHOUT_REDIS();
+  RedisServer redis(/*persistent=*/false);
+  Reference reference;
+  const std::vector<Sequence> sequences = {Sequence(61), Sequence(62), Sequence(63)};
+  Daemon a(Stacked("a", redis, SpillDir("lost-drain"), {"--memory-budget=160KiB", "--eviction=lru"}));
+  auto client = Connected("a", a);
+  std::vector<std::string> ids;
+  for (const Session& session : SessionsOf(*client, sequences, 350)) ids.push_back(session.id());
+  ASSERT_EQ(ids.size(), sequences.size());
+  redis.Kill();
+  redis.Start();
+  // A notices at its next renewal (a quarter of the 1 s lease) and writes
+  // them again in its background pass.
+  for (absl::Time until = absl::Now() + absl::Seconds(10);
+       Sample(Scrape(a.MetricsAddress()), "turbokv_tier_rewrites_total{tier=\"redis\"}") < 3 && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(a.Stop(SIGTERM), 0) << a.Log();
+  Daemon b(Flags("b", redis));
+  auto client_b = Connected("b", b);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto session = client_b->OpenSession(ids[i]);
+    ASSERT_TRUE(session.ok()) << "session " << i << ": " << session.status() << "\n" << a.Log();
+    EXPECT_TRUE(Observe(*session) == reference.Of(sequences[i], 350, 350)) << i;
+  }
+  EXPECT_THAT(b.Log(), Not(HasSubstr("DATA_LOSS")));
 }
 
 TEST(StackedTierTest, ARestartAfterADrainClaimsTheDisksCopyAndReadsIt) {

@@ -740,12 +740,12 @@ std::string RedisTier::Disown(SessionState& state, absl::string_view epoch_now) 
   return why;
 }
 
-void RedisTier::NoteLost(SessionState& state, absl::string_view why) {
-  if (state.lost || state.disowned || state.tombstoned) return;
+void RedisTier::NoteLost(const std::shared_ptr<SessionState>& state, absl::string_view why) {
+  if (state->lost || state->disowned || state->tombstoned) return;
   Logf(LogLevel::kWarning, "session %s: %s; this daemon's epoch %lld is restored and it writes the session again",
-       state.id.c_str(), std::string(why).c_str(), static_cast<long long>(state.epoch));
-  state.lost = true;
-  lost_.push_back(state.id);
+       state->id.c_str(), std::string(why).c_str(), static_cast<long long>(state->epoch));
+  state->lost = true;
+  lost_.push_back(state);
   ++rewrites_;
 }
 
@@ -862,7 +862,7 @@ absl::Status RedisTier::Execute(Job& job, const Record* record) {
       state.confirmed = sent;
       // A tombstone goes as it is: the session is being deleted, not kept.
       if (job.kind != Job::kTombstone) {
-        NoteLost(state, absl::StrCat("Redis lost its epoch (", absl::string_view(reply->str).substr(5), ")"));
+        NoteLost(job.state, absl::StrCat("Redis lost its epoch (", absl::string_view(reply->str).substr(5), ")"));
       }
     }
     reply = writer_connection_.Run(command);
@@ -1001,7 +1001,7 @@ void RedisTier::Renew() {
       for (const std::shared_ptr<SessionState>& state : held) {
         const std::string serves = writer_connection_.NodeOf(state->Key("e"));
         if (std::find(restarted.begin(), restarted.end(), serves) != restarted.end()) {
-          NoteLost(*state, "Redis restarted");
+          NoteLost(state, "Redis restarted");
         }
       }
       WarnWithoutPersistence(*facts);
@@ -1015,7 +1015,7 @@ void RedisTier::Renew() {
     }
     if (reply.type != RedisValue::kInteger) continue;
     held[i]->confirmed = sent;
-    if (reply.integer == 2) NoteLost(*held[i], "Redis lost its epoch");
+    if (reply.integer == 2) NoteLost(held[i], "Redis lost its epoch");
   }
 }
 
@@ -1462,7 +1462,7 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       superseded.push_back(std::move(tail.first));
     }
   }
-  if (version >= 3 && !GetNamedBlocks(in, "the Redis manifest", &session.named).ok()) {
+  if (version >= kVersionNamed && !GetNamedBlocks(in, "the Redis manifest", &session.named).ok()) {
     return damaged("holds malformed named blocks");
   }
   if (in.short_read()) return damaged("is cut short");

@@ -135,7 +135,7 @@ class RedisTier final : public Tier {
   std::string Disown(SessionState& state, absl::string_view epoch_now);
   // Under mutex_: Redis lost the session's records (`why`), and its epoch is
   // this daemon's again: logged, and in lost_ for the store (TakeLost).
-  void NoteLost(SessionState& state, absl::string_view why);
+  void NoteLost(const std::shared_ptr<SessionState>& state, absl::string_view why);
   // A script's error reply: FAILED_PRECONDITION (disowning the session) for
   // a stale epoch, INTERNAL otherwise.
   absl::Status ScriptError(SessionState& state, const RedisValue& reply);
@@ -168,7 +168,7 @@ class RedisTier final : public Tier {
   std::string down_reason_;
   std::string refusal_;  // why Redis is refused (its eviction policy), while it is
   std::map<std::string, std::string> run_ids_;  // each master's process (by host:port), as last seen
-  std::vector<std::string> lost_;  // ids whose records Redis lost, not yet taken
+  std::vector<std::shared_ptr<SessionState>> lost_;  // sessions whose records Redis lost, not yet taken
   int64_t rewrites_ = 0;
   uint64_t next_lsn_ = 1;
   // By "tenant\0id".
