@@ -49,6 +49,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 DEPLOY = os.path.join(ROOT, "deploy")
 CHART = os.path.join(DEPLOY, "helm", "turbokv")
 RUNBOOK = "https://github.com/turbokv/turbokv/blob/main/docs/OPERATIONS.md"
+# The chart's files/ (its own copies: a chart holds no symlink) and the files they copy, under deploy/.
+CHART_FILES = {"alerts.yaml": "prometheus/alerts.yaml", "dashboard.json": "grafana/dashboard.json"}
 # Metrics the dashboard reads from elsewhere: Prometheus' own, kube-state-metrics'.
 EXTERNAL_METRICS = {"up", "kube_pod_container_resource_limits"}
 # What a cluster with the Prometheus Operator serves, for .Capabilities.APIVersions.
@@ -591,15 +593,36 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(endpoint["port"], "metrics")
         # The job the alerts and the dashboard select.
         self.assertIn({"action": "replace", "targetLabel": "job", "replacement": "turbokvd"}, endpoint["relabelings"])
-        # The chart's files/ are the one source's links, and render as it.
-        for copy_path, source in (("alerts.yaml", "prometheus/alerts.yaml"), ("dashboard.json", "grafana/dashboard.json")):
-            self.assertEqual(os.path.realpath(os.path.join(CHART, "files", copy_path)),
-                             os.path.realpath(os.path.join(DEPLOY, source)))
+        # The chart's files/ render as their sources (copies of them:
+        # test_chart_holds_no_symlink_and_its_files_are_their_sources).
         self.assertEqual(objects["PrometheusRule"]["spec"], load(os.path.join(DEPLOY, "prometheus", "alerts.yaml")))
         dashboard = json.loads(objects["ConfigMap"]["data"]["turbokvd.json"])
         with open(os.path.join(DEPLOY, "grafana", "dashboard.json")) as f:
             self.assertEqual(dashboard, json.load(f))
         self.assertEqual(objects["ConfigMap"]["metadata"]["labels"]["grafana_dashboard"], "1")
+
+    def test_chart_holds_no_symlink_and_its_files_are_their_sources(self):
+        # Before: files/alerts.yaml and files/dashboard.json were symlinks
+        # out of the chart, to deploy/prometheus and deploy/grafana, which
+        # Argo CD refuses by default. They are copies now, kept byte for byte
+        # the files they come from, so that neither can drift.
+        links = [os.path.relpath(os.path.join(directory, name), CHART)
+                 for directory, subdirectories, files in os.walk(CHART)
+                 for name in subdirectories + files if os.path.islink(os.path.join(directory, name))]
+        self.assertEqual(links, [], "the chart holds symlinks: make them copies")
+        for name, source in CHART_FILES.items():
+            with self.subTest(name):
+                with open(os.path.join(CHART, "files", name), "rb") as f:
+                    chart_copy = f.read()
+                with open(os.path.join(DEPLOY, source), "rb") as f:
+                    self.assertTrue(chart_copy == f.read(), f"deploy/helm/turbokv/files/{name} differs from "
+                                    f"deploy/{source}: cp deploy/{source} deploy/helm/turbokv/files/{name}")
+        # Every file of files/ is one of them, and the templates read it.
+        self.assertEqual(sorted(os.listdir(os.path.join(CHART, "files"))), sorted(CHART_FILES))
+        templates = "".join(open(p).read() for p in glob.glob(os.path.join(CHART, "templates", "**", "*"), recursive=True)
+                            if os.path.isfile(p))
+        for name in CHART_FILES:
+            self.assertIn(f'.Files.Get "files/{name}"', templates)
 
     def test_sidecar_requests_no_gpu_by_default(self):
         # Before: each pod asked for 2 GPUs, one for a sidecar that did not
