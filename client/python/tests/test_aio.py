@@ -101,6 +101,11 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
                 await stream.attend(0, [s], self.random(1, Q, D), [0])
         await s.delete()
 
+    async def test_a_bare_socket_path_is_a_unix_target(self):
+        path = self.daemon.target[len("unix://"):]
+        async with turbokv.aio.Client(path, retry=turbokv.RetryPolicy(max_attempts=1)) as client:
+            self.assertGreaterEqual((await client.stats(timeout=10)).sessions, 0)
+
     async def test_unavailable_is_retried_for_reads_only(self):
         folder, target = socket_target()
         self.addCleanup(folder.cleanup)
@@ -112,6 +117,8 @@ class AioTest(unittest.IsolatedAsyncioTestCase):
         with self.assertRaises(turbokv.Unavailable) as write:
             await client.create_session(1, 1, 1, 64)
         self.assertEqual(write.exception.attempts, 1)
+        with self.assertRaisesRegex(turbokv.Unavailable, f"turbokvd at {target} not reachable"):
+            await client.wait_until_ready(0.1)
         await client.close()
 
 

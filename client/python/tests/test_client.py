@@ -94,6 +94,12 @@ class ClientTest(DaemonTestCase):
             else:
                 os.environ["TURBOKV_TARGET"] = previous
 
+    def test_a_bare_socket_path_is_a_unix_target(self):
+        # Not sent to the resolver as a host name: the unix socket at that path.
+        path = self.daemon.target[len("unix://"):]
+        with turbokv.Client(path, retry=turbokv.RetryPolicy(max_attempts=1)) as client:
+            self.assertGreaterEqual(client.stats(timeout=10).sessions, 0)
+
     def test_float16_input_step_fork_truncate(self):
         s = self.session("f16")
         keys = self.rng.standard_normal((LAYERS, 64, KV, D)).astype(np.float16)
@@ -490,6 +496,8 @@ class DeadlineAndRetryTest(unittest.TestCase):
             with self.assertRaises(turbokv.Unavailable) as down:
                 call()
             self.assertEqual(down.exception.attempts, attempts)
+        with self.assertRaisesRegex(turbokv.Unavailable, f"turbokvd at {re.escape(target)} not reachable"):
+            client.wait_until_ready(0.1)
 
     def test_a_read_goes_through_once_the_daemon_is_up(self):
         at = socket_target()

@@ -667,15 +667,18 @@ SHARED_MEMORY_BYTES = 64 << 20
 class Connection:
     """What turbokv.Client and turbokv.aio.Client set up alike: the channel
     (from `channels`, grpc or grpc.aio; target None: $TURBOKV_TARGET when
-    set, else DEFAULT_TARGET), the stub, the call metadata, the default
-    deadline, the retry policy and, over a unix socket, the shared memory
-    (`shared_memory` bytes, 0: none)."""
+    set, else DEFAULT_TARGET; an absolute path: the unix socket there), the
+    stub, the call metadata, the default deadline, the retry policy and,
+    over a unix socket, the shared memory (`shared_memory` bytes, 0: none)."""
 
     def __init__(self, channels: Any, target: Optional[str], max_message_bytes: int, timeout: Optional[float],
                  token: Optional[str], root_certificates: Optional[bytes], private_key: Optional[bytes],
                  certificate_chain: Optional[bytes], retry: RetryPolicy, shared_memory: int):
         if target is None:
             target = os.environ.get("TURBOKV_TARGET") or DEFAULT_TARGET
+        if target.startswith("/"):
+            # gRPC would look a bare path up as a host name.
+            target = "unix://" + target
         self.target = target
         options = channel_options(max_message_bytes)
         self.timeout = timeout_value(timeout)

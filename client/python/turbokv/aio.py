@@ -275,8 +275,9 @@ class DecodeStream(_common.DecodeBase):
 
 
 class Client:
-    """turbokv.Client on grpc.aio: the same arguments (timeout, retry, token,
-    TLS); every call is a coroutine. Use `async with` or await close()."""
+    """turbokv.Client on grpc.aio: the same arguments (target, an absolute
+    path taken as unix://PATH; timeout, retry, token, TLS); every call is a
+    coroutine. Use `async with` or await close()."""
 
     def __init__(self, target: Optional[str] = None, max_message_bytes: int = 64 << 20,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, token: Optional[str] = None,
@@ -285,7 +286,7 @@ class Client:
                  shared_memory: int = _common.SHARED_MEMORY_BYTES):
         connection = _common.Connection(grpc.aio, target, max_message_bytes, timeout, token, root_certificates,
                                         private_key, certificate_chain, retry, shared_memory)
-        self._timeout, self._retry = connection.timeout, connection.retry
+        self._target, self._timeout, self._retry = connection.target, connection.timeout, connection.retry
         self._channel, self._stub, self._metadata = connection.channel, connection.stub, connection.metadata
         self._shared_memory = connection.shared
 
@@ -318,7 +319,8 @@ class Client:
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              f"turbokvd at {self._target} not reachable within {timeout} s") from None
 
     async def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int,
                              key_codec: Optional[str] = None, value_codec: Optional[str] = None,

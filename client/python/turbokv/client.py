@@ -308,8 +308,9 @@ class DecodeStream(_common.DecodeBase):
 
 
 class Client:
-    """A channel to turbokvd: target is unix:///path or host:port (None:
-    $TURBOKV_TARGET when set, else unix:///tmp/turbokv.sock).
+    """A channel to turbokvd: target is unix:///path, host:port, or an
+    absolute path, taken as unix://PATH (None: $TURBOKV_TARGET when set, else
+    unix:///tmp/turbokv.sock).
 
     timeout: the default deadline of each call in seconds (a stream's covers
     the whole stream; None: no deadline); each call's timeout= overrides it.
@@ -329,7 +330,7 @@ class Client:
                  shared_memory: int = _common.SHARED_MEMORY_BYTES):
         connection = _common.Connection(grpc, target, max_message_bytes, timeout, token, root_certificates,
                                         private_key, certificate_chain, retry, shared_memory)
-        self._timeout, self._retry = connection.timeout, connection.retry
+        self._target, self._timeout, self._retry = connection.target, connection.timeout, connection.retry
         self._channel, self._stub, self._metadata = connection.channel, connection.stub, connection.metadata
         self._shared_memory = connection.shared
 
@@ -363,7 +364,8 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"turbokvd not reachable within {timeout} s") from None
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              f"turbokvd at {self._target} not reachable within {timeout} s") from None
 
     def create_session(self, layers: int, kv_heads: int, q_heads: int, head_dim: int,
                        key_codec: Optional[str] = None, value_codec: Optional[str] = None,
