@@ -64,14 +64,17 @@ def load(path):
 
 
 def chart_values_file():
-    """values.yaml as it is, the worker's image left empty."""
+    """values.yaml as it is, the worker's and turbokvd's images left empty."""
     return load(os.path.join(CHART, "values.yaml"))
 
 
 def default_values():
-    """values.yaml with the one value it leaves to the user, the worker's image."""
+    """values.yaml with the values it leaves to the user: the worker's image
+    and turbokvd's (built from deploy/docker/Dockerfile, pushed to a registry
+    of the user's)."""
     values = chart_values_file()
     values["worker"]["image"].update({"repository": "registry.example.com/inference-worker", "tag": "1.0.0"})
+    values["turbokvd"]["image"].update({"repository": "registry.example.com/turbokvd", "tag": "0.1.0"})
     return values
 
 
@@ -619,8 +622,11 @@ class DeployTest(unittest.TestCase):
                                     f"deploy/{source}: cp deploy/{source} deploy/helm/turbokv/files/{name}")
         # Every file of files/ is one of them, and the templates read it.
         self.assertEqual(sorted(os.listdir(os.path.join(CHART, "files"))), sorted(CHART_FILES))
-        templates = "".join(open(p).read() for p in glob.glob(os.path.join(CHART, "templates", "**", "*"), recursive=True)
-                            if os.path.isfile(p))
+        templates = ""
+        for path in glob.glob(os.path.join(CHART, "templates", "**", "*"), recursive=True):
+            if os.path.isfile(path):
+                with open(path) as f:
+                    templates += f.read()
         for name in CHART_FILES:
             self.assertIn(f'.Files.Get "files/{name}"', templates)
 
@@ -856,7 +862,7 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(worker["ports"], values["worker"]["ports"])
         self.assertIn({"name": "models", "mountPath": "/models", "readOnly": True}, worker["volumeMounts"])
         self.assertEqual(worker["securityContext"]["runAsUser"], 1000)
-        self.assertEqual(sidecar["image"], "ghcr.io/turbokv/turbokvd:0.1.1")
+        self.assertEqual(sidecar["image"], "registry.example.com/turbokvd:0.1.1")
         self.assertEqual(sidecar["args"][-1], "--max-sessions=2000")
         # KV events on the pod's address, their ports named for a router to dial.
         for flag in ("--kv-events-endpoint=tcp://$(POD_IP):5557", "--kv-events-replay-endpoint=tcp://$(POD_IP):5558",
@@ -939,6 +945,7 @@ class DeployTest(unittest.TestCase):
         # defaults; the render fails naming the value.
         values = chart_values_file()
         self.assertEqual(values["worker"]["image"], {"repository": "", "tag": "", "pullPolicy": "IfNotPresent"})
+        values["turbokvd"]["image"].update({"repository": "registry.example.com/turbokvd", "tag": "0.1.0"})
         with self.assertRaisesRegex(TemplateError, r"worker\.image\.repository is required"):
             rendered_objects(values)
         values["worker"]["image"]["repository"] = "registry.example.com/inference-worker"
@@ -947,6 +954,46 @@ class DeployTest(unittest.TestCase):
         values["worker"]["image"]["tag"] = "2.1"
         worker = workload(rendered_chart(values)[0])["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(worker["image"], "registry.example.com/inference-worker:2.1")
+
+    def test_chart_requires_the_turbokvd_image(self):
+        # Before: ghcr.io/turbokv/turbokvd:<appVersion>, an image nothing
+        # here publishes, was installed as is and the pod never pulled it.
+        # As for the worker's image, the schema takes the empty defaults and
+        # the render fails, naming the value and saying how to build and
+        # push the image.
+        values = chart_values_file()
+        self.assertEqual(values["turbokvd"]["image"], {"repository": "", "tag": "", "pullPolicy": "IfNotPresent"})
+        values["worker"]["image"].update({"repository": "registry.example.com/inference-worker", "tag": "2.1"})
+        build = re.escape("docker build -f deploy/docker/Dockerfile -t REGISTRY/turbokvd:TAG .")
+        push = re.escape("docker push REGISTRY/turbokvd:TAG")
+        for missing, other in (("repository", "tag"), ("tag", "repository")):
+            with self.subTest(missing):
+                values["turbokvd"]["image"].update({missing: "", other: "x"})
+                with self.assertRaisesRegex(TemplateError, rf"turbokvd\.image\.{missing} is required: .*{build}.*{push}.*"
+                                            r"--set turbokvd\.image\.repository=REGISTRY/turbokvd "
+                                            r"--set turbokvd\.image\.tag=TAG"):
+                    rendered_objects(values)
+        values["turbokvd"]["image"].update({"repository": "registry.example.com/turbokvd", "tag": "0.1.0-rc1"})
+        sidecar = workload(rendered_chart(values)[0])["spec"]["template"]["spec"]["initContainers"][0]
+        self.assertEqual(sidecar["image"], "registry.example.com/turbokvd:0.1.0-rc1")
+        # The unpublished image named nowhere in the chart: not in
+        # values.yaml, the templates or the chart's README.
+        for path in [os.path.join(CHART, "values.yaml"), os.path.join(CHART, "README.md")] + \
+                glob.glob(os.path.join(CHART, "templates", "**", "*"), recursive=True):
+            if os.path.isfile(path):
+                with open(path) as f:
+                    self.assertNotIn("ghcr.io/turbokv", f.read(), path)
+        # The chart's README says it is required, how to build and push it,
+        # and installs with it.
+        with open(os.path.join(CHART, "README.md")) as f:
+            readme = f.read()
+        rows = dict(re.findall(r"^\| `([^`]+)` \| `[^`]*` \| (.+) \|$", readme, re.M))
+        for key in ("repository", "tag"):
+            self.assertTrue(rows[f"turbokvd.image.{key}"].startswith("**Required.**"), key)
+        installing = readme.split("## Installing", 1)[1].split("\n## ", 1)[0]
+        for text in ("docker build -f deploy/docker/Dockerfile", "docker push", "--set turbokvd.image.repository=",
+                     "--set turbokvd.image.tag="):
+            self.assertIn(text, installing)
 
     def test_chart_defaults_fit_a_small_node_and_request_a_gpu_only_when_asked(self):
         # Before: each pod requested 12 CPUs, 60 GiB and a GPU. Now the pod

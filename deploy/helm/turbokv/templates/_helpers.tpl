@@ -42,9 +42,17 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
-{{/* turbokvd's image: the tag defaults to the chart's appVersion. */}}
+{{/*
+turbokvd's image: no registry publishes it, so there is no default; the
+chart fails, naming the value that is missing and how to build and push
+the image (deploy/docker/Dockerfile).
+*/}}
 {{- define "turbokv.turbokvdImage" -}}
-{{- printf "%s:%s" .Values.turbokvd.image.repository (default .Chart.AppVersion .Values.turbokvd.image.tag) }}
+{{- $image := .Values.turbokvd.image }}
+{{- $how := "turbokvd's image is not published: build it from the root of the turbokv repository with `docker build -f deploy/docker/Dockerfile -t REGISTRY/turbokvd:TAG .`, push it to a registry the cluster pulls from with `docker push REGISTRY/turbokvd:TAG` (imagePullSecrets if it is private), and install with --set turbokvd.image.repository=REGISTRY/turbokvd --set turbokvd.image.tag=TAG" }}
+{{- $repository := required (printf "turbokvd.image.repository is required: %s" $how) $image.repository }}
+{{- $tag := required (printf "turbokvd.image.tag is required: %s" $how) $image.tag }}
+{{- printf "%s:%s" $repository $tag }}
 {{- end }}
 
 {{/*
