@@ -552,6 +552,13 @@ class DeployTest(unittest.TestCase):
             with self.assertRaisesRegex(TemplateError, "execution error: a and b"):
                 render('x{{ if .Values.a }}{{ fail "a and b" }}{{ end }}', {"a": True})
             self.assertEqual(render('x{{ if .Values.a }}{{ fail "a and b" }}{{ end }}', {"a": False}), "x")
+            # kindIs: Sprig's reflect kinds; nil (a null or a missing key) is "invalid".
+            self.assertEqual(render('{{ kindIs "bool" .Values.t }} {{ kindIs "bool" .Values.f }} {{ kindIs "bool" .Values.z }}'
+                                    ' {{ kindIs "invalid" .Values.z }} {{ kindIs "invalid" .Values.missing }}'
+                                    ' {{ kindIs "float64" .Values.n }} {{ kindIs "string" .Values.s }}'
+                                    ' {{ kindIs "map" .Values.m }} {{ kindIs "slice" .Values.l }} {{ kindIs "bool" .Values.s }}',
+                                    {"t": True, "f": False, "z": None, "n": 1, "s": "", "m": {}, "l": []}),
+                             "true true false true true true true true true false")
             # required: nil and "" stop the rendering with its message; 0 and false pass.
             for value in ({}, {"a": ""}):
                 with self.assertRaisesRegex(TemplateError, "execution error: a is required"):
@@ -797,6 +804,7 @@ class DeployTest(unittest.TestCase):
                ("turbokvd.eviction", "fifo", "is not one of"),
                ("turbokvd.resources.requests.nvidia.com/gpu", 1, "should not be valid"),
                ("turbokvd.snapshot.deadline", 20, "is not of type 'string'"),
+               ("turbokvd.snapshot.enabled", "yes", "is not of type 'boolean', 'null'"),
                ("worker.imag", "x", "Additional properties are not allowed ('imag' was unexpected)"),
                ("redis.url", "http://redis:6379", "does not match"),
                ("redis.url", "redis://redis:6379/cache", "does not match"),
@@ -1207,19 +1215,23 @@ class DeployTest(unittest.TestCase):
                                                     ["initContainers"][0]["env"]})
 
     def test_chart_refuses_snapshots_with_redis_and_two_redis_and_stacks_the_disk_on_it(self):
-        # turbokvd refuses --snapshot-dir with --redis-url: the chart says so
-        # before anything is installed, naming the value. Before: snapshots
-        # (on by default) went to turbokvd beside --redis-url, and a snapshot
+        # turbokvd refuses --snapshot-dir with --redis-url: snapshots asked
+        # for (turbokvd.snapshot.enabled=true) beside the Redis tier are
+        # refused before anything is installed, naming both values. Before:
+        # snapshots went to turbokvd beside --redis-url, and a snapshot
         # loaded at the next start brought back a session another turbokvd
         # held since the drain. The spill dir goes with Redis: the disk
         # stacked between memory and Redis.
-        refusal = (r"turbokvd\.snapshot\.enabled and the Redis tier .*--snapshot-dir with --redis-url.*"
-                   r"set turbokvd\.snapshot\.enabled=false$")
         for key, value in (("url", "redis://redis.cache.svc:6379"), ("deploy", {"enabled": True})):
+            named = r"redis\.url" if key == "url" else r"redis\.deploy\.enabled"
+            refusal = (rf"turbokvd\.snapshot\.enabled=true and {named} cannot go together: "
+                       r"turbokvd refuses --snapshot-dir with --redis-url.*"
+                       r"leave turbokvd\.snapshot\.enabled unset .* or set it to false$")
             for spill in (True, False):
                 with self.subTest(key, spill=spill):
                     values = default_values()
                     values["turbokvd"]["spill"]["enabled"] = spill
+                    values["turbokvd"]["snapshot"]["enabled"] = True
                     if key == "url":
                         values["redis"]["url"] = value
                     else:
@@ -1240,6 +1252,58 @@ class DeployTest(unittest.TestCase):
         values["redis"]["url"] = "redis://redis.cache.svc:6379"
         with self.assertRaisesRegex(TemplateError, r"redis\.url and redis\.deploy\.enabled are both set"):
             rendered_objects(values)
+
+    def test_chart_with_only_the_redis_tier_set_leaves_snapshots_off(self):
+        # Before: setting only redis.url (or redis.deploy.enabled) failed the
+        # render, since snapshots were on by default and turbokvd refuses
+        # --snapshot-dir with --redis-url (service/server.cc), and the values
+        # table did not say so. turbokvd.snapshot.enabled is now unset
+        # (null) by default: snapshots follow the Redis tier, on without it
+        # and off with it; true asks for them (refused with the tier), false
+        # turns them off.
+        self.assertIsNone(chart_values_file()["turbokvd"]["snapshot"]["enabled"])
+        for key, value in (("url", "redis://redis.cache.svc:6379/2"), ("deploy", {"enabled": True})):
+            for persistence in (False, True):
+                with self.subTest(key, persistence=persistence):
+                    values = default_values()
+                    values["turbokvd"]["snapshot"]["persistence"]["enabled"] = persistence
+                    if key == "url":
+                        values["redis"]["url"] = value
+                    else:
+                        values["redis"]["deploy"].update(value)
+                    objects, notes = rendered_objects(values)
+                    worker = worker_workload(objects)
+                    args = check_sidecar(self, worker)
+                    self.assertFalse([a for a in args if a.startswith("--snapshot")], args)
+                    self.assertTrue([a for a in args if a.startswith("--redis-url=")], args)
+                    # The disk tier stays on (stacked over Redis), as by default.
+                    self.assertTrue([a for a in args if a.startswith("--spill-dir=")], args)
+                    # No snapshot claim, so no StatefulSet for the worker.
+                    self.assertEqual(worker["kind"], "Deployment")
+                    self.assertIn("Snapshots are off: the Redis tier keeps the sessions", notes)
+        # Without the Redis tier the default keeps snapshots on, and false
+        # turns them off.
+        args = check_sidecar(self, rendered_chart()[0]["Deployment"])
+        self.assertTrue([a for a in args if a.startswith("--snapshot-dir=")], args)
+        values = default_values()
+        values["turbokvd"]["snapshot"]["enabled"] = False
+        args = check_sidecar(self, rendered_chart(values)[0]["Deployment"])
+        self.assertFalse([a for a in args if a.startswith("--snapshot")], args)
+        # The schema takes the three.
+        with open(os.path.join(CHART, "values.schema.json")) as f:
+            schema = json.load(f)
+        for enabled in (None, True, False):
+            values = default_values()
+            values["turbokvd"]["snapshot"]["enabled"] = enabled
+            jsonschema.validate(values, schema)
+        # The values table says what the default does beside the Redis
+        # tier, and the Redis values say it.
+        with open(os.path.join(CHART, "README.md")) as f:
+            rows = dict(re.findall(r"^\| `([^`]+)` \| `[^`]*` \| (.+) \|$", f.read(), re.M))
+        for name in ("turbokvd.snapshot.enabled", "redis.url", "redis.deploy.enabled"):
+            for text in ("turbokvd.snapshot.enabled", "redis.url", "redis.deploy.enabled", "off"):
+                if text != name:
+                    self.assertIn(text, rows[name], name)
 
     def test_chart_redis_keeps_sessions_across_its_restart_for_another_turbokvd(self):
         # The chart's Redis, run here with its arguments: turbokvd a writes a

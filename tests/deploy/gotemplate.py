@@ -11,7 +11,8 @@ error while a missing key is empty; `{{-` and `-}}` trim whitespace; `and`
 and `or` return an operand and stop early; `range` over a map goes in key
 order; `define`d templates are shared by all files; `indent` pads every
 line, empty ones too; `fail` stops the rendering with its message, and
-`required` does so when its value is nil or an empty string;
+`required` does so when its value is nil or an empty string; `kindIs`
+tells a value's reflect kind (a null or missing value is "invalid");
 `.Capabilities.APIVersions.Has` finds only the API versions (and
 "group/version/Kind" resources) the render is given beside Kubernetes' own,
 as `helm template --api-versions` does; `lookup` finds nothing, as in
@@ -145,6 +146,17 @@ def _quote(*values):
     return " ".join(json.dumps(format_value(v)) for v in values if v is not None)
 
 
+def _kind(value):
+    """Sprig's kindOf: the reflect kind of a value as Helm holds it (nil is "invalid")."""
+    if value is None:
+        return "invalid"
+    for types, kind in ((bool, "bool"), (float, "float64"), (int, "int"), (str, "string"), (dict, "map"),
+                        (list, "slice")):
+        if isinstance(value, types):
+            return kind
+    raise TemplateError(f"kindIs: no kind for {value!r}")
+
+
 def _fail(message):
     """Helm's fail: rendering stops with the chart's message."""
     raise TemplateError(f"execution error: {message}")
@@ -173,6 +185,7 @@ FUNCTIONS = {
     "replace": lambda old, new, text: text.replace(old, new),
     "contains": lambda part, text: part in text,
     "hasPrefix": lambda prefix, text: text.startswith(prefix),
+    "kindIs": lambda kind, value: _kind(value) == kind,
     "fail": _fail,
     "required": _required,
     "printf": _printf,

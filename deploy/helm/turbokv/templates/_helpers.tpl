@@ -89,9 +89,23 @@ the cluster serves the Prometheus Operator's resource (with helm template,
 unix://{{ .Values.turbokvd.socketDir }}/turbokv.sock
 {{- end }}
 
+{{/*
+Whether turbokvd gets a snapshot directory: turbokvd.snapshot.enabled when
+it is true or false; unset (null, the default), unless the Redis tier is on,
+since turbokvd refuses --snapshot-dir with --redis-url (true with the Redis
+tier stops the rendering: turbokv.validate).
+*/}}
+{{- define "turbokv.snapshot" -}}
+{{- $enabled := .Values.turbokvd.snapshot.enabled }}
+{{- if kindIs "bool" $enabled }}
+{{- if $enabled }}true{{ end }}
+{{- else if not (include "turbokv.redisUrl" .) }}true
+{{- end }}
+{{- end }}
+
 {{/* A StatefulSet (one snapshot claim per pod) when snapshots persist, else a Deployment. */}}
 {{- define "turbokv.kind" -}}
-{{- if and .Values.turbokvd.snapshot.enabled .Values.turbokvd.snapshot.persistence.enabled }}StatefulSet{{ else }}Deployment{{ end }}
+{{- if and (include "turbokv.snapshot" .) .Values.turbokvd.snapshot.persistence.enabled }}StatefulSet{{ else }}Deployment{{ end }}
 {{- end }}
 
 {{/*
@@ -162,7 +176,11 @@ there is none.
 {{- if and .Values.redis.url .Values.redis.deploy.enabled }}
 {{- fail "redis.url and redis.deploy.enabled are both set: give turbokvd either an existing Redis (redis.url) or the chart's own (redis.deploy.enabled)" }}
 {{- end }}
-{{- if and (include "turbokv.redisUrl" .) .Values.turbokvd.snapshot.enabled }}
-{{- fail "turbokvd.snapshot.enabled and the Redis tier (redis.url or redis.deploy.enabled) cannot go together: turbokvd refuses --snapshot-dir with --redis-url (a snapshot loaded at the next start would bring back a session another turbokvd may hold since the drain, a second writer; the Redis tier keeps sessions across restarts itself); set turbokvd.snapshot.enabled=false" }}
+{{- if and (include "turbokv.redisUrl" .) (include "turbokv.snapshot" .) }}
+{{- $tier := "redis.deploy.enabled" }}
+{{- if .Values.redis.url }}
+{{- $tier = "redis.url" }}
+{{- end }}
+{{- fail (printf "turbokvd.snapshot.enabled=true and %s cannot go together: turbokvd refuses --snapshot-dir with --redis-url (a snapshot loaded at the next start would bring back a session another turbokvd may hold since the drain, a second writer; the Redis tier keeps sessions across restarts itself); leave turbokvd.snapshot.enabled unset (null: snapshots are then off with the Redis tier) or set it to false" $tier) }}
 {{- end }}
 {{- end }}
