@@ -87,8 +87,8 @@ def generate(model: transformers.PreTrainedModel, ids: torch.Tensor, mask: torch
     model.set_attn_implementation(tt.ATTN_IMPLEMENTATION if cache is not None else "eager")
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, past_key_values=cache, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                             **{tt.CACHE_ARGUMENT: cache})
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
 
 
@@ -123,10 +123,10 @@ def teacher_forced(model: transformers.PreTrainedModel, ids: torch.Tensor, token
     model.set_attn_implementation(tt.ATTN_IMPLEMENTATION)
     logits = []
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **{tt.CACHE_ARGUMENT: cache})
         logits.append(out.logits[:, -1])
         for t in range(tokens.shape[1] - 1):
-            out = model(tokens[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(tokens[:, t:t + 1], use_cache=True, **{tt.CACHE_ARGUMENT: cache})
             logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1)
 

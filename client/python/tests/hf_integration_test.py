@@ -5,10 +5,12 @@ families generate the same greedy tokens with their KV cache in turbokvd
 batch equals its sequences run alone, sliding windows, GQA and softcapping
 are passed on, and mistakes fail clearly."""
 
+import inspect
 import os
 import subprocess
 import sys
 import unittest
+import warnings
 
 import torch
 import transformers
@@ -117,7 +119,7 @@ class TransformersIntegrationTest(unittest.TestCase):
             model.set_attn_implementation(tt.ATTN_IMPLEMENTATION)
             for options in ({"key_codec": "turbo4", "value_codec": "turbo4"}, {}):
                 with tt.TurbokvCache(self.client, model.config, **options) as cache, torch.no_grad():
-                    logits = model(ids, past_key_values=cache, use_cache=True).logits
+                    logits = model(ids, use_cache=True, **{tt.CACHE_ARGUMENT: cache}).logits
                 self.assertGreater(cosine(logits, eager), 0.99, (name, options))
             model.set_attn_implementation("eager")
 
@@ -198,20 +200,33 @@ class TransformersIntegrationTest(unittest.TestCase):
         model = self.models["llama-d64"]
         ids = prompt(model.config.vocab_size, 10, 7)
         model.set_attn_implementation(tt.ATTN_IMPLEMENTATION)
-        with self.assertRaisesRegex(RuntimeError, "past_key_values=turbokv.transformers.TurbokvCache"):
+        with self.assertRaisesRegex(RuntimeError, f"{tt.CACHE_ARGUMENT}=turbokv.transformers.TurbokvCache"):
             with torch.no_grad():
                 model(ids)
         # A cache made for another model: the layout check refuses it.
         other = self.models["qwen2-d128"]
         with tt.TurbokvCache(self.client, other.config) as cache, self.assertRaisesRegex(tt.LayoutMismatch, "expected"):
             with torch.no_grad():
-                model(ids, past_key_values=cache, use_cache=True)
+                model(ids, use_cache=True, **{tt.CACHE_ARGUMENT: cache})
         # The daemon's errors arrive as the package's exceptions.
         with tt.TurbokvCache(self.client, model.config, max_tokens=8) as cache, \
                 self.assertRaises(turbokv.BudgetExceeded):
             with torch.no_grad():
-                model(ids, past_key_values=cache, use_cache=True)
+                model(ids, use_cache=True, **{tt.CACHE_ARGUMENT: cache})
         model.set_attn_implementation("eager")
+
+    def test_the_cache_goes_by_the_argument_transformers_takes_without_a_warning(self):
+        # transformers 5.24 renamed past_key_values= to cache=, warning of the old name.
+        model = self.models["qwen2-d128"]
+        self.assertIn(tt.CACHE_ARGUMENT, inspect.signature(model.forward).parameters)
+        ids = prompt(model.config.vocab_size, 10, 11)
+        with warnings.catch_warnings(record=True) as caught, self.assertNoLogs("transformers", "WARNING"):
+            warnings.simplefilter("always")
+            with tt.TurbokvCache(self.client, model.config) as cache:
+                hf_generate.generate(model, ids, torch.ones_like(ids), 4, cache)
+                hf_generate.teacher_forced(model, ids, ids[:, :2], cache)
+        self.assertEqual([str(w.message) for w in caught], [])
+
 
 
 if __name__ == "__main__":

@@ -8,7 +8,12 @@ stores its keys and values in turbokvd and computes attention there::
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="turbokv")
     with turbokv.transformers.TurbokvCache(turbokv.Client(target), model.config, preset="k4v4") as cache:
-        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64,
+                             **{turbokv.transformers.CACHE_ARGUMENT: cache})
+
+``CACHE_ARGUMENT`` is the keyword the running transformers takes the cache
+by: ``cache`` from 5.24 on (``cache=cache``; ``past_key_values=`` still
+works there but warns that it is deprecated), ``past_key_values`` before.
 
 Each sequence of the batch is one turbokvd session, created on the cache's
 first use and deleted when the cache closes (``keep=True`` keeps them: their
@@ -88,6 +93,12 @@ def _check_transformers_version() -> None:
             f"turbokv.transformers follows transformers {low[0]}.{low[1]} to before {high[0]}.{high[1]}; "
             f"{transformers.__version__} may lay its cache out otherwise")
 
+
+CACHE_ARGUMENT = "cache" if _version(transformers.__version__) >= (5, 24) else "past_key_values"
+"""The keyword generate() and the models' forward take the cache by in the
+running transformers: 5.24 renamed ``past_key_values=`` to ``cache=`` (the
+old name still works there, with a FutureWarning). ``**{CACHE_ARGUMENT:
+cache}`` passes it on every supported version without a warning."""
 
 _CHUNK = 1024    # tokens per Append message of a prefill
 _FIT = 512       # tokens of the first Append of a prefill whose blocks are named (token_ids=)
@@ -301,8 +312,9 @@ def turbokv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     active = _active.get()
     layer = getattr(module, "layer_idx", None)
     if active is None or active[1] != layer:
-        raise RuntimeError("attn_implementation='turbokv' needs past_key_values=turbokv.transformers.TurbokvCache(...) "
-                           "(and use_cache=True): the keys and values are stored in turbokvd through it")
+        raise RuntimeError(f"attn_implementation='turbokv' needs {CACHE_ARGUMENT}="
+                           "turbokv.transformers.TurbokvCache(...) (and use_cache=True): the keys and values are "
+                           "stored in turbokvd through it")
     cache: TurbokvCache = active[0]
     if dropout:
         raise ValueError("turbokv attention is for inference: dropout must be 0 (call model.eval())")
@@ -334,5 +346,5 @@ def register() -> None:
 
 register()
 
-__all__: Sequence[str] = ("ATTN_IMPLEMENTATION", "LayoutMismatch", "TurbokvCache", "TurbokvLayer", "register",
-                          "turbokv_attention", "turbokv_mask")
+__all__: Sequence[str] = ("ATTN_IMPLEMENTATION", "CACHE_ARGUMENT", "LayoutMismatch", "TurbokvCache", "TurbokvLayer",
+                          "register", "turbokv_attention", "turbokv_mask")
