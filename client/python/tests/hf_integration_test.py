@@ -5,6 +5,7 @@ families generate the same greedy tokens with their KV cache in turbokvd
 batch equals its sequences run alone, sliding windows, GQA and softcapping
 are passed on, and mistakes fail clearly."""
 
+import copy
 import inspect
 import os
 import subprocess
@@ -215,6 +216,48 @@ class TransformersIntegrationTest(unittest.TestCase):
                 model(ids, use_cache=True, **{tt.CACHE_ARGUMENT: cache})
         model.set_attn_implementation("eager")
 
+    def test_a_wrong_layer_count_and_eager_attention_are_refused(self):
+        model = self.models["llama-d64"]
+        ids = prompt(model.config.vocab_size, 10, 8)
+        mask = torch.ones_like(ids)
+        before = len(self.client.list_sessions())
+        fewer = copy.deepcopy(model.config)
+        fewer.num_hidden_layers = 1
+        with tt.TurbokvCache(self.client, fewer) as cache, \
+                self.assertRaisesRegex(tt.LayoutMismatch, "layer 1: the cache has 1 layers"):  # IndexError before
+            hf_generate.generate(model, ids, mask, 4, cache)
+        # A model left on eager attention: refused at its next layer, before
+        # eager attention reads the keys the cache does not keep (a torch
+        # shape error at the first decoding step before).
+        model.set_attn_implementation("eager")
+        with tt.TurbokvCache(self.client, model.config) as cache, self.assertRaisesRegex(
+                RuntimeError, "layer 0's attention did not run in turbokvd.*attn_implementation='turbokv'"):
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0,
+                               **{tt.CACHE_ARGUMENT: cache})
+        self.assertEqual(len(self.client.list_sessions()), before)
+
+    def test_a_failed_generation_deletes_its_sessions_and_closes_its_cache(self):
+        model = self.models["llama-d64"]
+        ids = prompt(model.config.vocab_size, 10, 9)
+        mask = torch.ones_like(ids)
+        before = len(self.client.list_sessions())
+        # Out of a with block and with keep=True: the failure (the 13th token
+        # past max_tokens) deletes the sessions, whose layers may differ.
+        cache = tt.TurbokvCache(self.client, model.config, keep=True, max_tokens=12)
+        with self.assertRaises(turbokv.BudgetExceeded):
+            hf_generate.generate(model, ids, mask, 8, cache)
+        self.assertEqual(len(self.client.list_sessions()), before)  # one stayed to its TTL before
+        with self.assertRaisesRegex(RuntimeError, "closed.*make a new one for each generation"):
+            hf_generate.generate(model, ids, mask, 8, cache)
+        # Closed by its with block: refused too (before, it made a session
+        # that nothing deleted).
+        with tt.TurbokvCache(self.client, model.config) as cache:
+            hf_generate.generate(model, ids, mask, 2, cache)
+        with self.assertRaisesRegex(RuntimeError, "closed"):
+            hf_generate.generate(model, ids, mask, 2, cache)
+        self.assertEqual(len(self.client.list_sessions()), before)
+
     def test_the_cache_goes_by_the_argument_transformers_takes_without_a_warning(self):
         # transformers 5.24 renamed past_key_values= to cache=, warning of the old name.
         model = self.models["qwen2-d128"]
@@ -226,7 +269,6 @@ class TransformersIntegrationTest(unittest.TestCase):
                 hf_generate.generate(model, ids, torch.ones_like(ids), 4, cache)
                 hf_generate.teacher_forced(model, ids, ids[:, :2], cache)
         self.assertEqual([str(w.message) for w in caught], [])
-
 
 
 if __name__ == "__main__":

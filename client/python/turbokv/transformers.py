@@ -53,7 +53,8 @@ TurbokvError subclasses.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, List, Optional, Sequence
+import functools
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -64,6 +65,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from turbokv._common import block_hashes
 from turbokv.client import Client, DecodeStream, Session
+from turbokv.errors import SessionNotFound, TurbokvError
 
 ATTN_IMPLEMENTATION = "turbokv"
 """The name models load the integration by: ``attn_implementation="turbokv"``."""
@@ -108,6 +110,26 @@ _QUERIES = 256   # queries per Attend message
 # that transformers calls right after it finds it here.
 _active: contextvars.ContextVar = contextvars.ContextVar("turbokv_transformers_cache", default=None)
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _abandoned_on_failure(method: _Method) -> _Method:
+    """A TurbokvCache call that stores: refused once the cache is closed, and
+    a failure in it abandons the cache (TurbokvCache._abandon)."""
+
+    @functools.wraps(method)
+    def call(cache: "TurbokvCache", *args: Any, **kwargs: Any) -> Any:
+        if cache.closed:
+            raise RuntimeError("this TurbokvCache is closed (its with block ended, close() was called, or a call of it "
+                               "failed): make a new one for each generation")
+        try:
+            return method(cache, *args, **kwargs)
+        except BaseException as failure:
+            cache._abandon(failure)
+            raise
+
+    return call  # type: ignore[return-value]
+
 
 class TurbokvLayer(CacheLayerMixin):
     """One layer's length as the model sees it (padding included); the tokens are in turbokvd."""
@@ -151,7 +173,11 @@ class TurbokvCache(Cache):
     sequence of the batch. Session options (preset, key_codec, value_codec,
     layer_codecs, key_transform, sink_tokens, ...) are those of
     Client.create_session. Use it for one generation (or one forward pass
-    and its continuation); close() deletes its sessions unless keep=True."""
+    and its continuation); close() deletes its sessions unless keep=True,
+    and a closed cache refuses further use. A call of it that fails (a
+    daemon error, a layout it refuses) deletes its sessions even with
+    keep=True (their layers may hold different numbers of tokens) and
+    closes it: no session is left to its idle TTL."""
 
     def __init__(self, client: Client, config: Any, *, keep: bool = False, token_ids: Any = None,
                  salt: str = "", **session_options: Any) -> None:
@@ -165,6 +191,7 @@ class TurbokvCache(Cache):
         self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.q_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.q_heads)
         self.sessions: List[Session] = []
+        self.closed = False
         # Per sequence, per layer: tokens stored in its session.
         self._stored: Optional[np.ndarray] = None
         self._stream: Optional[DecodeStream] = None
@@ -180,6 +207,7 @@ class TurbokvCache(Cache):
         if token_ids is not None:
             self._start_from_prefixes(token_ids, salt)
 
+    @_abandoned_on_failure
     def _start_from_prefixes(self, token_ids: Any, salt: str) -> None:
         rows = token_ids.tolist() if hasattr(token_ids, "tolist") else [list(row) for row in token_ids]
         if not rows or any(len(row) != len(rows[0]) for row in rows) or not rows[0]:
@@ -203,8 +231,19 @@ class TurbokvCache(Cache):
             layer.length = start
         self.prefix_tokens = start
 
+    @_abandoned_on_failure
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> "tuple[torch.Tensor, torch.Tensor]":
+        if not 0 <= layer_idx < self.num_layers:
+            raise LayoutMismatch(f"layer {layer_idx}: the cache has {self.num_layers} layers (num_hidden_layers of "
+                                 "the config it was made with): make it with the model's config")
+        unattended = _active.get()
+        if unattended is not None and unattended[0] is self:
+            # The attention function takes the layer's keys and values from
+            # here: had it run, the layer's update would not be pending.
+            raise RuntimeError(f"layer {unattended[1]}'s attention did not run in turbokvd: TurbokvCache needs the "
+                               "model set to attn_implementation='turbokv' (from_pretrained(..., "
+                               "attn_implementation='turbokv') or model.set_attn_implementation('turbokv'))")
         _active.set((self, layer_idx))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -220,7 +259,11 @@ class TurbokvCache(Cache):
         return self.sessions
 
     def close(self) -> None:
-        """Deletes the sessions (unless keep) and closes the Decode stream."""
+        """Deletes the sessions (unless keep) and closes the Decode stream;
+        the cache then holds no tokens and refuses further use."""
+        self.closed = True
+        for layer in self.layers:
+            layer.reset()
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -228,6 +271,22 @@ class TurbokvCache(Cache):
             for session in self.sessions:
                 session.delete()
             self.sessions = []
+
+    def _abandon(self, failure: BaseException) -> None:
+        """Closes the cache after `failure`, deleting its sessions whatever
+        keep says: some of their layers may have stored what others have
+        not. A session the daemon could not delete is named in a note of
+        the failure, which stays the error raised."""
+        sessions, self.sessions = self.sessions, []
+        self.close()
+        for session in sessions:
+            try:
+                session.delete()
+            except SessionNotFound:
+                pass
+            except TurbokvError as error:
+                failure.add_note(f"turbokv.transformers: session {session.id} not deleted ({error}): it stays until "
+                                 "its idle TTL")
 
     def __enter__(self) -> "TurbokvCache":
         return self
@@ -240,6 +299,7 @@ class TurbokvCache(Cache):
             self._stream = self.client.decode_stream()
         return self._stream
 
+    @_abandoned_on_failure
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                real: Optional[torch.Tensor], scaling: Optional[float], softcap: Optional[float],
                window: Optional[int]) -> torch.Tensor:
@@ -310,6 +370,7 @@ def turbokv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     the new tokens of the layer (from the TurbokvCache that update() just
     gave them to) stored and attended in turbokvd."""
     active = _active.get()
+    _active.set(None)
     layer = getattr(module, "layer_idx", None)
     if active is None or active[1] != layer:
         raise RuntimeError(f"attn_implementation='turbokv' needs {CACHE_ARGUMENT}="
