@@ -1377,6 +1377,71 @@ class DeployTest(unittest.TestCase):
             self.assertEqual(page, RUNBOOK, rule["alert"])
             self.assertIn(anchor, anchors, rule["alert"])
 
+    def test_runbook_links_have_one_documented_base_the_chart_can_move(self):
+        # Before: every runbook_url pointed at RUNBOOK, a home no document
+        # named, and an operator could not tell where the links lead nor how
+        # to point them at a fork. The base is one string, the same in the
+        # rules, their tests, the chart's default and its template; the
+        # docs name it and say how to move it (prometheusRule.runbookUrl, or
+        # a sed of the rule file for a Prometheus without the operator).
+        rules = [r for g in load(os.path.join(DEPLOY, "prometheus", "alerts.yaml"))["groups"] for r in g["rules"]]
+        for rule in rules:
+            self.assertEqual(rule["annotations"]["runbook_url"], f"{RUNBOOK}#{rule['alert'].lower()}", rule["alert"])
+        with open(os.path.join(DEPLOY, "prometheus", "alerts_test.yaml")) as f:
+            urls = re.findall(r"runbook_url: (\S+)", f.read())
+        self.assertTrue(urls)
+        self.assertEqual({u.partition("#")[0] for u in urls}, {RUNBOOK})
+        self.assertEqual(chart_values_file()["prometheusRule"]["runbookUrl"], RUNBOOK)
+        with open(os.path.join(CHART, "templates", "prometheusrule.yaml")) as f:
+            self.assertEqual(re.findall(r'replace "([^"]+)" \.Values\.prometheusRule\.runbookUrl', f.read()), [RUNBOOK])
+        # Named, with the way to move it, in the rule file's header, the
+        # chart's README (outside the values table) and docs/OPERATIONS.md's
+        # "Alerts", the runbooks' own section.
+        with open(os.path.join(DEPLOY, "prometheus", "alerts.yaml")) as f:
+            header = f.read().split("\ngroups:", 1)[0]
+        with open(os.path.join(CHART, "README.md")) as f:
+            readme = "\n".join(line for line in f.read().split("\n") if not line.startswith("|"))
+        with open(os.path.join(ROOT, "docs", "OPERATIONS.md")) as f:
+            alerts_section = f.read().split("\n## Alerts\n", 1)[1].split("\n### ", 1)[0]
+        for name, text in (("alerts.yaml", header), ("chart README", readme), ("OPERATIONS.md", alerts_section)):
+            with self.subTest(name):
+                self.assertIn(RUNBOOK, text.replace("\n# ", " ").replace("\n", " "))
+                self.assertIn("prometheusRule.runbookUrl", text)
+                self.assertIn("sed ", text)
+        # The sed of docs/OPERATIONS.md moves every link of the rule file,
+        # which promtool still takes.
+        command = re.search(r"^    (sed '[^']+') \\\n +deploy/prometheus/alerts\.yaml > ", alerts_section, re.M)
+        self.assertIsNotNone(command, "no sed command in OPERATIONS.md's Alerts")
+        expression = command.group(1)[len("sed '"):-1]
+        moved = expression.split("|")[2]
+        with tempfile.TemporaryDirectory(prefix="turbokv-runbook-") as tmp:
+            path = os.path.join(tmp, "turbokvd.yaml")
+            with open(path, "w") as f:
+                subprocess.run(["sed", expression, os.path.join(DEPLOY, "prometheus", "alerts.yaml")], stdout=f,
+                               check=True, timeout=60)
+            run = subprocess.run(["promtool", "check", "rules", path], capture_output=True, text=True, timeout=120)
+            self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+            self.assertEqual([r["annotations"]["runbook_url"] for g in load(path)["groups"] for r in g["rules"]],
+                             [f"{moved}#{r['alert'].lower()}" for r in rules])
+        # The chart moves every link to the base it is given, and NOTES.txt says where they point.
+        values = default_values()
+        fork = "https://git.example.com/ml/turbokv/-/blob/v0.1.0/docs/OPERATIONS.md"
+        values["prometheusRule"]["runbookUrl"] = fork
+        objects, notes = rendered_chart(values, api_versions=MONITORING_APIS)
+        rendered = [r for g in objects["PrometheusRule"]["spec"]["groups"] for r in g["rules"]]
+        self.assertEqual([r["annotations"]["runbook_url"] for r in rendered],
+                         [f"{fork}#{r['alert'].lower()}" for r in rules])
+        self.assertNotIn(RUNBOOK, json.dumps(objects["PrometheusRule"]))
+        self.assertIn(f"runbook links: {fork}#<alert name in lower case>", notes)
+        # A base of its own, with no fragment: the alerts add theirs.
+        with open(os.path.join(CHART, "values.schema.json")) as f:
+            schema = json.load(f)
+        jsonschema.validate(values, schema)
+        for bad in ("https://wiki.example.com/OPERATIONS.md#alerts", "wiki.example.com/OPERATIONS.md", ""):
+            values["prometheusRule"]["runbookUrl"] = bad
+            with self.assertRaises(jsonschema.ValidationError, msg=bad):
+                jsonschema.validate(values, schema)
+
     def test_dashboard_panels_and_variables(self):
         with open(os.path.join(DEPLOY, "grafana", "dashboard.json")) as f:
             dashboard = json.load(f)
