@@ -2,7 +2,10 @@
 (no system site packages), its dependencies from the package index, at both
 ends that matter: the floors pyproject.toml declares and the versions of
 constraints.txt. Then `import turbokv` there, from outside the source tree,
-and a real call against a real turbokvd ($TURBOKVD); torch is not needed."""
+and a real call against a real turbokvd ($TURBOKVD); torch is not needed.
+The extras (torch, transformers, gguf) are not installed here: their
+requirements must allow the versions constraints.txt pins, which the
+project's venv runs their code with."""
 
 import os
 import re
@@ -34,9 +37,13 @@ with turbokv.Client(sys.argv[1]) as client:
 """
 
 
-def dependencies():
+def project():
     with open(os.path.join(SOURCE, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["project"]["dependencies"]
+        return tomllib.load(f)["project"]
+
+
+def dependencies():
+    return project()["dependencies"]
 
 
 def floors():
@@ -48,16 +55,35 @@ def floors():
     return pins
 
 
-def pinned():
-    """The dependencies at constraints.txt's versions."""
-    wanted = set(floors())
+def constraints():
+    """Every version constraints.txt pins, by lowercase name."""
     pins = {}
     with open(CONSTRAINTS) as f:
         for line in f:
             match = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line.strip())
-            if match and match.group(1).lower() in wanted:
+            if match:
                 pins[match.group(1).lower()] = match.group(2)
     return pins
+
+
+def pinned():
+    """The dependencies at constraints.txt's versions."""
+    wanted = set(floors())
+    return {name: version for name, version in constraints().items() if name in wanted}
+
+
+def release(version):
+    """A version's release numbers: "2.9.1" (2, 9, 1), "2026.10.19.post1" (2026, 10, 19)."""
+    return tuple(int(part) for part in re.match(r"[0-9.]*[0-9]", version).group().split("."))
+
+
+def allows(specifiers, version):
+    """Whether `version` meets comma-separated >= and < specifiers, the ones pyproject.toml uses."""
+    for specifier in specifiers.split(","):
+        operator, bound = re.fullmatch(r"(>=|<)([0-9.]+)", specifier.strip()).groups()
+        if (release(version) >= release(bound)) != (operator == ">="):
+            return False
+    return True
 
 
 class PipInstallTest(unittest.TestCase):
@@ -103,6 +129,23 @@ class PipInstallTest(unittest.TestCase):
         pins = pinned()
         self.assertEqual(set(pins), set(floors()), "constraints.txt pins every dependency")
         self.install_and_call(pins)
+
+
+class ExtrasTest(unittest.TestCase):
+    def test_the_extras_allow_the_pinned_versions(self):
+        extras = project()["optional-dependencies"]
+        names = {extra: {re.match(r"[A-Za-z0-9_.-]+", r).group().lower() for r in requirements}
+                 for extra, requirements in extras.items()}
+        # hf_generate.py --gguf: transformers' GGUF loader needs gguf and accelerate.
+        self.assertLessEqual(set(extras["transformers"]), set(extras["gguf"]))
+        self.assertEqual(names["gguf"], names["transformers"] | {"gguf", "accelerate"})
+        pins = constraints()
+        for extra, requirements in extras.items():
+            for requirement in requirements:
+                name, specifiers = re.fullmatch(r"([A-Za-z0-9_.-]+)(.*)", requirement).groups()
+                self.assertIn(name.lower(), pins, f"[{extra}] {requirement}: constraints.txt pins no version")
+                self.assertTrue(allows(specifiers, pins[name.lower()]),
+                                f"[{extra}] {requirement}: constraints.txt pins {pins[name.lower()]}")
 
 
 if __name__ == "__main__":
