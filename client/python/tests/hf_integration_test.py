@@ -5,20 +5,23 @@ families generate the same greedy tokens with their KV cache in turbokvd
 batch equals its sequences run alone, sliding windows, GQA and softcapping
 are passed on, and mistakes fail clearly."""
 
+import contextlib
 import copy
 import inspect
+import io
 import os
 import subprocess
 import sys
 import unittest
 import warnings
+from unittest import mock
 
 import torch
 import transformers
 
 import turbokv
 import turbokv.transformers as tt
-from daemon import Daemon
+from daemon import Daemon, socket_target
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
 sys.path.insert(0, EXAMPLES)
@@ -60,6 +63,34 @@ class TransformersIntegrationTest(unittest.TestCase):
                              env=env, capture_output=True, text=True, timeout=300)
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         self.assertEqual(run.stdout.count("32 tokens identical"), 2, run.stdout)
+
+    def test_the_example_says_what_it_waits_for_and_gives_up_naming_it(self):
+        folder, target = socket_target()  # nothing listens there
+        self.addCleanup(folder.cleanup)
+        run = subprocess.run([sys.executable, os.path.join(EXAMPLES, "hf_generate.py"), "--tiny", "--target", target,
+                              "--wait", "1"], capture_output=True, text=True, timeout=300)
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertIn(f"waiting up to 1 s for turbokvd at {target} (--target or $TURBOKV_TARGET)", run.stderr)
+        self.assertIn(f"turbokvd at {target} not reachable within 1.0 s: start one there", run.stderr)
+
+    def test_the_example_times_eager_and_turbokvd_each_warm_side_by_side(self):
+        model = self.models["llama-d64"]
+        ids = prompt(model.config.vocab_size, 12, 12)
+        before = len(self.client.list_sessions())
+        printed = io.StringIO()
+        with mock.patch.object(hf_generate, "generate", wraps=hf_generate.generate) as generate, \
+                contextlib.redirect_stdout(printed):
+            tokens = hf_generate.compare_speeds(self.client, model, ids, 8, {"preset": "k8v4"})
+        self.assertEqual(tuple(tokens.shape), (1, 8))
+        # Eager, then through turbokvd: each an untimed warm-up, then the timed run.
+        self.assertEqual([(c.args[3], c.args[4] is not None) for c in generate.call_args_list],
+                         [(4, False), (8, False), (4, True), (8, True)])
+        lines = printed.getvalue().splitlines()
+        self.assertEqual(lines[0], "8 tokens after a prompt of 12, each run timed after an untimed 4-token one:")
+        self.assertRegex(lines[1], r"^  eager attention +[0-9.]+ tokens/s \([0-9.]+ s\)$")
+        self.assertRegex(lines[2], r"^  turbokvd, preset k8v4 +[0-9.]+ tokens/s \([0-9.]+ s\), [0-8] of 8 tokens as "
+                                   r"eager's$")
+        self.assertEqual(len(self.client.list_sessions()), before)
 
     def test_the_default_preset_keeps_short_prompts_to_the_bound(self):
         # A layer holds its tokens exact until its first page is nearly full
