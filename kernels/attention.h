@@ -12,16 +12,19 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/layout.h"
+#include "kernels/page_layout.h"
 
 namespace turbokv {
 
 class ThreadPool;
 struct EncodeChunk;
 
-// One layer's paged cache, as the kernels read it (docs/FORMAT.md, "Pages").
+// One layer's paged cache, as the kernels read it (docs/FORMAT.md, "Pages";
+// kernels/page_layout.h, the layout's owner).
 //
 // Tokens live in pages of `page_tokens` tokens; page p holds tokens
-// [p * page_tokens, (p + 1) * page_tokens). Inside a page, kv head by kv head:
+// [p * page_tokens, (p + 1) * page_tokens). Inside a page, kv head by kv head,
+// in the canonical order:
 //
 //   head h region, at h * page_tokens * (K + V) bytes:
 //     keys    page_tokens records of K = key_layout.code_size() bytes, token-major
@@ -33,6 +36,10 @@ struct EncodeChunk;
 //   h * page_tokens * (K + V) + page_tokens * K + t * V.
 // Records are the codec format of docs/FORMAT.md. A page is
 // kv_heads * page_tokens * (K + V) bytes; the last page may be partly filled.
+// A backend may keep its pages in a native order instead (`order`,
+// page_layout.h): the same regions, each record's bytes elsewhere in its
+// region; the record accessors below are for the canonical order, which the
+// CPU kernels read.
 // Tokens before first_token are in the pages (as zeros) but never attended
 // here: a layer's sink tokens, kept apart at higher precision
 // (AttentionProblem::sinks).
@@ -46,22 +53,20 @@ struct PagedKvCache {
   int64_t tokens = 0;                  // tokens stored
   int64_t first_token = 0;             // the first attended token, <= tokens
   const uint8_t* const* pages = nullptr;  // ceil(tokens / page_tokens) pages
+  PageOrder order = PageOrder::kCanonical;
 
-  TURBOKV_HD size_t page_bytes() const {
-    return static_cast<size_t>(kv_heads) * page_tokens *
-           (key_layout.code_size() + value_layout.code_size());
+  TURBOKV_HD SlotShape slots() const {
+    return SlotShape{kv_heads, page_tokens, static_cast<int32_t>(key_layout.code_size()),
+                     static_cast<int32_t>(value_layout.code_size())};
   }
+  PageFormat format() const { return PageFormat{key_layout, value_layout, kv_heads, page_tokens, order}; }
+  TURBOKV_HD size_t page_bytes() const { return slots().page_bytes(); }
   // Offsets inside a page of the records of slot s (token page * page_tokens + s).
   TURBOKV_HD size_t key_offset(int head, int64_t slot) const {
-    return static_cast<size_t>(head) * page_tokens *
-               (key_layout.code_size() + value_layout.code_size()) +
-           static_cast<size_t>(slot) * key_layout.code_size();
+    return CanonicalKeyOffset(head, slot, page_tokens, key_layout.code_size(), value_layout.code_size());
   }
   TURBOKV_HD size_t value_offset(int head, int64_t slot) const {
-    return static_cast<size_t>(head) * page_tokens *
-               (key_layout.code_size() + value_layout.code_size()) +
-           static_cast<size_t>(page_tokens) * key_layout.code_size() +
-           static_cast<size_t>(slot) * value_layout.code_size();
+    return CanonicalValueOffset(head, slot, page_tokens, key_layout.code_size(), value_layout.code_size());
   }
   TURBOKV_HD const uint8_t* key_record(int head, int64_t t) const {
     return pages[t / page_tokens] + key_offset(head, t % page_tokens);

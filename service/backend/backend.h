@@ -63,14 +63,27 @@ class Backend {
   // the backend keeps of freed pages for reuse goes back to the system
   // once it has sat through a whole pass.
   virtual void Trim() {}
-  // Calls use() with the page's `bytes` bytes readable on the host: the page
-  // itself on the CPU, a copy of it on a device. use's error, or the copy's.
-  virtual absl::Status ReadPage(const uint8_t* page, size_t bytes,
+  // The order it keeps pages of a layer of these codecs and page size in
+  // (kernels/page_layout.h): the native order its kernels read fastest, or
+  // the canonical one. LayerCache asks once and describes its pages so.
+  virtual PageOrder NativeOrder(const CodecLayout& key_layout, const CodecLayout& value_layout,
+                                int page_tokens) const {
+    (void)key_layout;
+    (void)value_layout;
+    (void)page_tokens;
+    return PageOrder::kCanonical;
+  }
+  // Calls use() with the page's format.page_bytes() bytes readable on the
+  // host in the canonical order (docs/FORMAT.md): the page itself on the
+  // CPU, a copy of it on a device, translated from the page's order. use's
+  // error, or the copy's.
+  virtual absl::Status ReadPage(const PageFormat& format, const uint8_t* page,
                                 const std::function<absl::Status(absl::string_view)>& use) = 0;
-  // Has fill(data, bytes) write the page's bytes on the host (into the page
-  // itself on the CPU, into a buffer that is then copied to the device).
-  // fill's error, or the copy's; the page is then undefined.
-  virtual absl::Status WritePage(uint8_t* page, size_t bytes,
+  // Has fill(data, bytes) write the page's canonical bytes on the host (into
+  // the page itself on the CPU, into a buffer that is then translated to the
+  // page's order and copied to the device). fill's error, or the copy's; the
+  // page is then undefined.
+  virtual absl::Status WritePage(const PageFormat& format, uint8_t* page,
                                  const std::function<absl::Status(uint8_t*, size_t)>& fill) = 0;
 
   // --- Kernels ---

@@ -91,14 +91,14 @@ void CpuBackend::Trim() {
   for (auto& [page, bytes] : unmap) munmap(page, bytes);
 }
 
-absl::Status CpuBackend::ReadPage(const uint8_t* page, size_t bytes,
+absl::Status CpuBackend::ReadPage(const PageFormat& format, const uint8_t* page,
                                   const std::function<absl::Status(absl::string_view)>& use) {
-  return use(absl::string_view(reinterpret_cast<const char*>(page), bytes));
+  return use(absl::string_view(reinterpret_cast<const char*>(page), format.page_bytes()));
 }
 
-absl::Status CpuBackend::WritePage(uint8_t* page, size_t bytes,
+absl::Status CpuBackend::WritePage(const PageFormat& format, uint8_t* page,
                                    const std::function<absl::Status(uint8_t*, size_t)>& fill) {
-  return fill(page, bytes);
+  return fill(page, format.page_bytes());
 }
 
 namespace {

@@ -24,9 +24,10 @@ class CpuBackend : public Backend {
   absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) override;
   void FreePage(uint8_t* page, size_t bytes) override;
   void Trim() override;
-  absl::Status ReadPage(const uint8_t* page, size_t bytes,
+  // Pages are canonical here: read and written in place.
+  absl::Status ReadPage(const PageFormat& format, const uint8_t* page,
                         const std::function<absl::Status(absl::string_view)>& use) override;
-  absl::Status WritePage(uint8_t* page, size_t bytes,
+  absl::Status WritePage(const PageFormat& format, uint8_t* page,
                          const std::function<absl::Status(uint8_t*, size_t)>& fill) override;
   absl::Status Encode(absl::Span<const EncodeChunk> chunks) override;
   absl::Status Decode(const Codec& key_codec, const Codec& value_codec, const PagedKvCache& cache, int64_t first,

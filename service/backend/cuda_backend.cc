@@ -132,17 +132,21 @@ absl::StatusOr<uint8_t*> CudaBackend::AllocatePage(size_t bytes) {
 
 void CudaBackend::FreePage(uint8_t* page, size_t bytes) { allocator_.Free(static_cast<size_t>(page - arena_), bytes); }
 
-absl::Status CudaBackend::ReadPage(const uint8_t* page, size_t bytes,
+absl::Status CudaBackend::ReadPage(const PageFormat& format, const uint8_t* page,
                                    const std::function<absl::Status(absl::string_view)>& use) {
-  std::vector<char> host(bytes);
+  const size_t bytes = format.page_bytes();
+  std::vector<uint8_t> host(bytes), canonical(bytes);
   if (absl::Status s = Watch(Lease(this)->CopyToHost(page, bytes, host.data())); !s.ok()) return s;
-  return use(absl::string_view(host.data(), host.size()));
+  PageToCanonical(format, host.data(), canonical.data());
+  return use(absl::string_view(reinterpret_cast<const char*>(canonical.data()), bytes));
 }
 
-absl::Status CudaBackend::WritePage(uint8_t* page, size_t bytes,
+absl::Status CudaBackend::WritePage(const PageFormat& format, uint8_t* page,
                                     const std::function<absl::Status(uint8_t*, size_t)>& fill) {
-  std::vector<uint8_t> host(bytes);
-  if (absl::Status s = fill(host.data(), bytes); !s.ok()) return s;
+  const size_t bytes = format.page_bytes();
+  std::vector<uint8_t> canonical(bytes), host(bytes);
+  if (absl::Status s = fill(canonical.data(), bytes); !s.ok()) return s;
+  PageToOrder(format, canonical.data(), host.data());
   return Watch(Lease(this)->CopyToDevice(host.data(), bytes, page));
 }
 

@@ -22,7 +22,9 @@ LayerCache::LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<c
       pool_(pool),
       storage_(std::move(storage)),
       page_bytes_(static_cast<size_t>(kv_heads) * page_tokens *
-                  (key_codec_->code_size() + value_codec_->code_size())) {
+                  (key_codec_->code_size() + value_codec_->code_size())),
+      order_(pool_ != nullptr ? pool_->backend().NativeOrder(key_codec_->layout(), value_codec_->layout(), page_tokens)
+                              : PageOrder::kCanonical) {
   if (storage_.sink_codec != nullptr) sinks_ = std::make_shared<const std::string>(SinkPageBytes(SinkSlots(0)), '\0');
 }
 
@@ -316,7 +318,7 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
   for (size_t i = 0; i < count; ++i) {
     absl::StatusOr<std::shared_ptr<Page>> page = pool_->Allocate(page_bytes_);
     if (!page.ok()) return page.status();
-    if (absl::Status filled = pool_->backend().WritePage((*page)->data, page_bytes_, fill); !filled.ok()) {
+    if (absl::Status filled = pool_->backend().WritePage(page_format(), (*page)->data, fill); !filled.ok()) {
       return filled;
     }
     loaded.push_back(*std::move(page));
@@ -388,6 +390,7 @@ PagedKvCache LayerCache::Descriptor() const {
   d.tokens = tokens_;
   d.first_token = exact_tokens();
   d.pages = page_pointers_.data();
+  d.order = order_;
   return d;
 }
 

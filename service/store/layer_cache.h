@@ -70,6 +70,10 @@ class LayerCache {
   }
   int kv_heads() const { return kv_heads_; }
   int head_dim() const { return key_codec_->layout().head_dim; }
+  // Its pages' codecs, shape and the order the backend keeps them in.
+  PageFormat page_format() const {
+    return PageFormat{key_codec_->layout(), value_codec_->layout(), kv_heads_, page_tokens_, order_};
+  }
 
   // The pages a chunk needs, taken from the pool and not yet used: Commit
   // applies them, dropping them gives them back.
@@ -214,6 +218,7 @@ class LayerCache {
   PagePool* pool_;
   LayerStorage storage_;
   size_t page_bytes_;
+  PageOrder order_;  // the backend's for these codecs (Backend::NativeOrder)
   std::vector<std::shared_ptr<Page>> pages_;
   std::vector<const uint8_t*> page_pointers_;
   int64_t tokens_ = 0;

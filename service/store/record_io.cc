@@ -70,15 +70,11 @@ namespace {
 template <typename F>
 void ForEachSlotRun(const SlotShape& shape, int32_t from, int32_t to, F f) {
   const size_t n = static_cast<size_t>(to - from);
-  const size_t head = static_cast<size_t>(shape.page_tokens) * (static_cast<size_t>(shape.key_bytes) + shape.value_bytes);
   size_t at = 0;
   for (int32_t h = 0; h < shape.heads; ++h) {
-    const size_t keys = static_cast<size_t>(h) * head + static_cast<size_t>(from) * shape.key_bytes;
-    const size_t values = static_cast<size_t>(h) * head + static_cast<size_t>(shape.page_tokens) * shape.key_bytes +
-                          static_cast<size_t>(from) * shape.value_bytes;
-    f(keys, at, n * shape.key_bytes);
+    f(shape.key_offset(h, from), at, n * shape.key_bytes);
     at += n * shape.key_bytes;
-    f(values, at, n * shape.value_bytes);
+    f(shape.value_offset(h, from), at, n * shape.value_bytes);
     at += n * shape.value_bytes;
   }
 }

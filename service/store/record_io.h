@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "kernels/page_layout.h"
 #include "service/store/session_config.h"
 
 namespace turbokv {
@@ -54,21 +55,8 @@ class Reader {
   bool short_ = false;
 };
 
-// Where a page's slots lie (docs/FORMAT.md, "page layout"): head h's
-// keys of its page_tokens slots, then its values, then head h + 1's.
-struct SlotShape {
-  int32_t heads = 0;
-  int32_t page_tokens = 0;
-  int32_t key_bytes = 0;    // per slot
-  int32_t value_bytes = 0;  // per slot
-  size_t page_bytes() const {
-    return static_cast<size_t>(heads) * page_tokens * (static_cast<size_t>(key_bytes) + value_bytes);
-  }
-  size_t slots_bytes(int32_t from, int32_t to) const {
-    return static_cast<size_t>(heads) * (to - from) * (static_cast<size_t>(key_bytes) + value_bytes);
-  }
-};
-// Appends slots [from, to) of `page` to out: each head's keys of them, then
+// Appends slots [from, to) of a canonical `page` (SlotShape,
+// kernels/page_layout.h) to out: each head's keys of them, then
 // its values (slots_bytes(from, to) bytes).
 void CopySlots(const uint8_t* page, const SlotShape& shape, int32_t from, int32_t to, std::string* out);
 // Writes slots as CopySlots gave them back into their places in `page`.

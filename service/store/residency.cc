@@ -71,9 +71,10 @@ PageKey SessionStore::Key(const SessionCache& session, int layer, int index, int
                  c.rotation_seed};
 }
 
-absl::StatusOr<std::shared_ptr<TierRecord>> SessionStore::PutPage(const PageKey& key, const Page& page, bool force) {
+absl::StatusOr<std::shared_ptr<TierRecord>> SessionStore::PutPage(const PageKey& key, const LayerCache& layer,
+                                                                  const Page& page, bool force) {
   absl::StatusOr<std::shared_ptr<TierRecord>> record;
-  absl::Status read = backend().ReadPage(page.data, page.bytes, [&](absl::string_view bytes) {
+  absl::Status read = backend().ReadPage(layer.page_format(), page.data, [&](absl::string_view bytes) {
     record = tier_->PutPage(key, bytes, force);
     return record.status();
   });
@@ -111,7 +112,7 @@ absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
     }
     for (size_t i = first; i < full; ++i) {
       absl::StatusOr<std::shared_ptr<TierRecord>> record =
-          PutPage(Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt)), *pages[i], force);
+          PutPage(Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt)), layer, *pages[i], force);
       if (!record.ok()) return record.status();
       std::lock_guard<std::mutex> lock(records_mutex_);
       if (pages[i]->record == nullptr) pages[i]->record = *std::move(record);  // else a fork's came first
@@ -163,7 +164,7 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
     tail.to = static_cast<int32_t>(after % pt);
     tail.shape = layer.slots();
     const Page& page = *layer.pages()[static_cast<size_t>(tail.index)];
-    TURBOKV_RETURN_IF_ERROR(backend().ReadPage(page.data, page.bytes, [&](absl::string_view bytes) {
+    TURBOKV_RETURN_IF_ERROR(backend().ReadPage(layer.page_format(), page.data, [&](absl::string_view bytes) {
       CopySlots(reinterpret_cast<const uint8_t*>(bytes.data()), tail.shape, tail.from, tail.to, &tail.slots);
       return absl::OkStatus();
     }));
@@ -241,7 +242,7 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
     out.extras = layer.Extras();
     if (tails && out.pages.size() == full && layer.tokens() % pt != 0) {
       absl::StatusOr<std::shared_ptr<TierRecord>> tail = PutPage(
-          Key(session, static_cast<int>(l), static_cast<int>(full), static_cast<int>(layer.tokens() % pt)),
+          Key(session, static_cast<int>(l), static_cast<int>(full), static_cast<int>(layer.tokens() % pt)), layer,
           *pages[full], true);
       if (!tail.ok()) return tail.status();
       out.pages.push_back(*std::move(tail));
@@ -268,7 +269,8 @@ absl::Status SessionStore::WriteTierManifest(SessionCache& session) {
         }
         PageKey key = Key(session, static_cast<int>(l), static_cast<int>(i), static_cast<int>(pt));
         key.for_manifest = true;
-        TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record, PutPage(key, *layer.pages()[i], /*force=*/false));
+        TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record,
+                                 PutPage(key, layer, *layer.pages()[i], /*force=*/false));
         std::lock_guard<std::mutex> lock(records_mutex_);
         if (layer.pages()[i]->record == nullptr) layer.pages()[i]->record = std::move(record);
       }

@@ -468,7 +468,8 @@ class SessionStore {
   static void NoteManifestExtras(SessionCache& session);
   // Queues a record of the page on the tier (Tier::PutPage), its bytes read
   // through the backend.
-  absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const Page& page, bool force);
+  absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const LayerCache& layer, const Page& page,
+                                                      bool force);
   // The key of a page record of the session.
   static PageKey Key(const SessionCache& session, int layer, int index, int tokens);
 

@@ -184,7 +184,7 @@ absl::StatusOr<uint32_t> WriteSnapshot(const std::string& dir, const SessionCach
         out->Append(start.data(), start.size());
         for (const LayerCache& layer : layers) {
           for (const std::shared_ptr<Page>& page : layer.pages()) {
-            TURBOKV_RETURN_IF_ERROR(backend.ReadPage(page->data, layer.page_bytes(), [&](absl::string_view bytes) {
+            TURBOKV_RETURN_IF_ERROR(backend.ReadPage(layer.page_format(), page->data, [&](absl::string_view bytes) {
               out->Append(bytes.data(), bytes.size());
               return absl::OkStatus();
             }));

@@ -124,12 +124,17 @@ TEST(CpuBackendTest, PagesAreZeroedHostMemoryReadAndWrittenInPlace) {
   EXPECT_EQ(backend.label(), "cpu");
   EXPECT_EQ(backend.capacity_bytes(), 0u);
   EXPECT_TRUE(backend.CheckHeadDim(kMaxHeadDim).ok());
-  for (size_t bytes : {size_t{100}, CpuBackend::kMapThreshold, CpuBackend::kMapThreshold * 3 + 7}) {
+  // Pages of f16 keys and values (512 bytes a token and head at d = 128):
+  // under, at and over the size mapped on its own.
+  for (int kv_heads : {1, static_cast<int>(CpuBackend::kMapThreshold / (16 * 512)), 40}) {
+    const PageFormat format{MakeCodecLayout(CodecKind::kF16, 128), MakeCodecLayout(CodecKind::kF16, 128), kv_heads, 16,
+                            PageOrder::kCanonical};
+    const size_t bytes = format.page_bytes();
     absl::StatusOr<uint8_t*> page = backend.AllocatePage(bytes);
     ASSERT_TRUE(page.ok()) << page.status();
     EXPECT_TRUE(std::all_of(*page, *page + bytes, [](uint8_t b) { return b == 0; })) << bytes;
     ASSERT_TRUE(backend
-                    .WritePage(*page, bytes,
+                    .WritePage(format, *page,
                                [&](uint8_t* data, size_t n) {
                                  EXPECT_EQ(data, *page);  // in place: no copy on the CPU
                                  std::memset(data, 0x5a, n);
@@ -137,7 +142,7 @@ TEST(CpuBackendTest, PagesAreZeroedHostMemoryReadAndWrittenInPlace) {
                                })
                     .ok());
     ASSERT_TRUE(backend
-                    .ReadPage(*page, bytes,
+                    .ReadPage(format, *page,
                               [&](absl::string_view view) {
                                 EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.data()), *page);
                                 EXPECT_EQ(view, std::string(bytes, '\x5a'));
@@ -145,7 +150,7 @@ TEST(CpuBackendTest, PagesAreZeroedHostMemoryReadAndWrittenInPlace) {
                               })
                     .ok());
     // fill's error is the write's.
-    EXPECT_EQ(backend.WritePage(*page, bytes, [](uint8_t*, size_t) { return absl::DataLossError("torn"); }).code(),
+    EXPECT_EQ(backend.WritePage(format, *page, [](uint8_t*, size_t) { return absl::DataLossError("torn"); }).code(),
               absl::StatusCode::kDataLoss);
     backend.FreePage(*page, bytes);
   }

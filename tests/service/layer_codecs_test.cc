@@ -112,7 +112,7 @@ class LayerCodecsTest : public ::testing::TestWithParam<std::string> {
     std::string bytes;
     for (const std::shared_ptr<Page>& page : cache.pages()) {
       EXPECT_TRUE(store_->backend()
-                      .ReadPage(page->data, cache.page_bytes(),
+                      .ReadPage(cache.page_format(), page->data,
                                 [&](absl::string_view page_bytes) {
                                   bytes.append(page_bytes.data(), page_bytes.size());
                                   return absl::OkStatus();
