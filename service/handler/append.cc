@@ -86,7 +86,7 @@ void Handler::ApplyChunks(std::vector<ChunkWrite>& writes, const EncodeJobs& job
   for (size_t i = 0; i < writes.size(); ++i) {
     ChunkWrite& write = writes[i];
     write.before = write.layer->tokens();
-    write.after = write.layer->Apply(std::move(write.pending));
+    write.after = write.layer->Apply(std::move(write.pending), &write.undo);
     new_token_layers += write.after - write.before;
     write.errors->keys.Add(jobs.errors[i].keys);
     write.errors->values.Add(jobs.errors[i].values);
@@ -134,13 +134,14 @@ absl::StatusOr<Handler::StoredChunk> Handler::StoreChunk(SessionCache& session, 
   for (const ChunkWrite& write : writes) {
     chunk.before.push_back(write.before);
     chunk.after.push_back(write.after);
+    chunk.undo.push_back(write.undo);
   }
   return chunk;
 }
 
 absl::Status Handler::Persist(SessionCache& session, const std::vector<int>& layers, const StoredChunk& chunk) {
   std::vector<SessionStore::LayerGrowth> growth;
-  for (size_t i = 0; i < layers.size(); ++i) growth.push_back({layers[i], chunk.before[i]});
+  for (size_t i = 0; i < layers.size(); ++i) growth.push_back({layers[i], chunk.undo[i]});
   return store_->AwaitNewTokens(session, growth, store_->QueueNewTokens(session, growth));
 }
 

@@ -173,7 +173,7 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   const absl::Status status =
       RunAttention(layer, params, 1, query, {request.position()}, sink, response.mutable_result());
   if (!status.ok()) {
-    layer.Truncate(chunk.before[0]);  // a failed call changes nothing
+    layer.Restore(chunk.undo[0]);  // a failed call changes nothing
     return status;
   }
   TURBOKV_RETURN_IF_ERROR(Persist(*session, {request.layer()}, chunk));
@@ -421,11 +421,11 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   for (size_t i = 0; i < batch; ++i) {
     if (write_of[i] == SIZE_MAX) continue;
     queued[write_of[i]] =
-        store_->QueueNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].before}});
+        store_->QueueNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].undo}});
   }
   for (size_t i = 0; i < batch; ++i) {
     if (write_of[i] == SIZE_MAX) continue;
-    status[i] = store_->AwaitNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].before}},
+    status[i] = store_->AwaitNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].undo}},
                                        queued[write_of[i]]);
   }
 

@@ -165,6 +165,7 @@ class Handler {
     SessionCache::LayerErrors* errors = nullptr;
     int64_t before = 0;
     int64_t after = 0;
+    LayerCache::Undo undo;  // what Apply replaced
   };
   // The write of a chunk into layer `l` of `session`.
   static ChunkWrite WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending, const float* keys,
@@ -194,6 +195,7 @@ class Handler {
   struct StoredChunk {
     std::vector<int64_t> before;
     std::vector<int64_t> after;
+    std::vector<LayerCache::Undo> undo;  // what Apply replaced, per layer
   };
   // The chunk's new tokens in `layers` of the session made durable before
   // the call answers (SessionStore::QueueNewTokens, AwaitNewTokens); on an

@@ -8,6 +8,10 @@
 
 namespace turbokv {
 
+size_t HoldChargeBytes(int kv_heads, int head_dim, int sink_tokens, int hold_tokens, CodecKind sink_codec) {
+  return static_cast<size_t>(hold_tokens - sink_tokens) * kv_heads * 2 * MakeCodecLayout(sink_codec, head_dim).code_size();
+}
+
 size_t LayerExtrasBytes(int kv_heads, int head_dim, int sink_tokens, CodecKind sink_codec) {
   const size_t sink = static_cast<size_t>(sink_tokens) * kv_heads * 2 * MakeCodecLayout(sink_codec, head_dim).code_size();
   return sink + 3 * sizeof(float) * static_cast<size_t>(kv_heads) * head_dim;
@@ -30,7 +34,7 @@ LayerCache::LayerCache(std::shared_ptr<const Codec> key_codec, std::shared_ptr<c
 
 int HoldTokens(const KeyTransformOptions& transform, int page_tokens, int sink_tokens) {
   const int hold = static_cast<int>(std::min<int64_t>(page_tokens - 1, kMaxFewTokens));
-  return transform.any() && hold - sink_tokens >= kMinTransformTokens ? hold : 0;
+  return transform.center_keys && hold - sink_tokens >= kMinTransformTokens ? hold : 0;
 }
 
 int64_t LayerCache::exact_tokens() const {
@@ -76,12 +80,23 @@ PagedKvCache LayerCache::SinkDescriptor(const std::string& page, int64_t tokens,
   return d;
 }
 
+bool LayerCache::CopiesLast(int64_t end) const {
+  // A refit rewrites the first page's held positions: in a copy, so that a
+  // failed chunk leaves the page as it was.
+  return tokens_ % page_tokens_ != 0 && (pages_.back().use_count() > 1 || Refits(end));
+}
+
+bool LayerCache::ChargesHold(int64_t end) const {
+  // A new wide sink page, while the old one stays with a fork (or was narrow).
+  return Holds(end) && end > storage_.sink_tokens && !(hold_charge_ != nullptr && sinks_.use_count() == 1);
+}
+
 size_t LayerCache::BytesToAppend(int64_t start, int64_t n) const {
   const int64_t end = start + n;
   if (end <= tokens_) return 0;
-  const bool copy_last = tokens_ % page_tokens_ != 0 && pages_.back().use_count() > 1;
   const size_t pages_needed = static_cast<size_t>((end + page_tokens_ - 1) / page_tokens_);
-  return (pages_needed - pages_.size() + (copy_last ? 1 : 0)) * page_bytes_;
+  return (pages_needed - pages_.size() + (CopiesLast(end) ? 1 : 0)) * page_bytes_ +
+         (ChargesHold(end) ? hold_charge_bytes() : 0);
 }
 
 absl::StatusOr<LayerCache::PendingAppend> LayerCache::Prepare(int64_t start, int64_t n) const {
@@ -95,13 +110,9 @@ absl::StatusOr<LayerCache::PendingAppend> LayerCache::Prepare(int64_t start, int
   pending.start = start;
   pending.end = start + n;
   if (pending.end <= tokens_) return pending;  // already stored
-  // A refit rewrites the first page's held positions: in a copy, so that a
-  // failed chunk leaves the page as it was.
-  pending.copy_last = tokens_ % page_tokens_ != 0 && (pages_.back().use_count() > 1 || Refits(pending.end));
-  if (Holds(pending.end) && pending.end > storage_.sink_tokens && !(hold_charge_ != nullptr && sinks_.use_count() == 1)) {
-    // A new wide sink page while the old one stays with a fork (or was narrow).
-    absl::StatusOr<std::shared_ptr<const void>> charge =
-        pool_->Charge(SinkPageBytes(storage_.hold_tokens) - SinkPageBytes(storage_.sink_tokens));
+  pending.copy_last = CopiesLast(pending.end);
+  if (ChargesHold(pending.end)) {
+    absl::StatusOr<std::shared_ptr<const void>> charge = pool_->Charge(hold_charge_bytes());
     if (!charge.ok()) return charge.status();
     pending.hold_charge = *std::move(charge);
   }
@@ -168,10 +179,14 @@ EncodeChunk LayerCache::Chunk(PendingAppend* pending_out, const float* keys, con
       fit_k = fit_keys.data();
       fit_v = fit_values.data();
     }
-    // Queries come with the chunk's tokens only.
-    KeyTransform fitted = FitKeyTransform(storage_.transform, fresh, kv_heads_, head_dim(), fit_k, fit_v, q_heads,
-                                          queries != nullptr ? queries + (skipped + chunk_offset) * q_row : nullptr,
-                                          fresh - static_cast<int64_t>(held));
+    // Queries come with the chunk's tokens only: those of a chunk of fewer
+    // than kMinTransformTokens (a decoding step's one) would weigh the
+    // channels by too few samples, and the keys' spread alone is used.
+    const int64_t with_queries = fresh - static_cast<int64_t>(held);
+    KeyTransform fitted = FitKeyTransform(
+        storage_.transform, fresh, kv_heads_, head_dim(), fit_k, fit_v, q_heads,
+        queries != nullptr && with_queries >= kMinTransformTokens ? queries + (skipped + chunk_offset) * q_row : nullptr,
+        with_queries);
     pending.transform = fitted.empty() ? nullptr : std::make_shared<const KeyTransform>(std::move(fitted));
     pending.fixes_transform = true;
     if (held > 0) {
@@ -215,10 +230,14 @@ EncodeChunk LayerCache::Chunk(PendingAppend* pending_out, const float* keys, con
   return chunk;
 }
 
-int64_t LayerCache::Apply(PendingAppend pending) {
+int64_t LayerCache::Apply(PendingAppend pending, Undo* undo) {
+  if (undo != nullptr) {
+    *undo = Undo{tokens_, nullptr, sinks_, hold_charge_, transform_, transform_fixed_, transform_end_};
+  }
   if (pending.end <= tokens_) return tokens_;
   size_t next = 0;
   if (pending.copy_last) {
+    if (undo != nullptr) undo->last_page = pages_.back();
     pages_.back() = pending.pages[next++];
     page_pointers_.back() = pages_.back()->data;
   }
@@ -240,6 +259,23 @@ int64_t LayerCache::Apply(PendingAppend pending) {
   }
   tokens_ = pending.end;
   return tokens_;
+}
+
+void LayerCache::Restore(Undo undo) {
+  tokens_ = undo.tokens;
+  const size_t keep = static_cast<size_t>((tokens_ + page_tokens_ - 1) / page_tokens_);
+  pages_.resize(keep);
+  page_pointers_.resize(keep);
+  if (undo.last_page != nullptr) {
+    pages_.back() = std::move(undo.last_page);
+    page_pointers_.back() = pages_.back()->data;
+  }
+  if (sinks_ != undo.sinks || transform_fixed_ != undo.transform_fixed) ++extras_version_;
+  sinks_ = std::move(undo.sinks);
+  hold_charge_ = std::move(undo.hold_charge);
+  transform_ = std::move(undo.transform);
+  transform_fixed_ = undo.transform_fixed;
+  transform_end_ = undo.transform_end;
 }
 
 absl::StatusOr<int64_t> LayerCache::Append(int64_t start, int64_t n, const float* keys, const float* values,
@@ -308,7 +344,7 @@ absl::Status LayerCache::LoadPages(int64_t tokens, const LayerExtras& extras,
   std::shared_ptr<const void> hold_charge;
   if (exact > storage_.sink_tokens) {
     absl::StatusOr<std::shared_ptr<const void>> charge =
-        pool_->Charge(SinkPageBytes(storage_.hold_tokens) - SinkPageBytes(storage_.sink_tokens));
+        pool_->Charge(hold_charge_bytes());
     if (!charge.ok()) return charge.status();
     hold_charge = *std::move(charge);
   }

@@ -50,8 +50,14 @@ struct LayerStorage {
 // holds exact before its transform is fitted: those of its first page but
 // the last (a sealed page never changes), at most kMaxFewTokens (the sink
 // page is attended as a few tokens), and 0 when the transform would be
-// fitted on fewer than kMinTransformTokens past the sinks or there is none.
+// fitted on fewer than kMinTransformTokens past the sinks or keys are not
+// transformed (values alone centered need no holding: keys are stored as
+// given, as asked).
 int HoldTokens(const KeyTransformOptions& transform, int page_tokens, int sink_tokens);
+
+// The charge of a layer's sink page widened from sink_tokens to
+// hold_tokens slots (LayerCache::hold_charge).
+size_t HoldChargeBytes(int kv_heads, int head_dim, int sink_tokens, int hold_tokens, CodecKind sink_codec);
 
 class LayerCache {
  public:
@@ -96,7 +102,9 @@ class LayerCache {
   };
 
   // Bytes a chunk of tokens [start, start + n) would take from the pool
-  // (0 for repeated positions). Assumes start <= tokens().
+  // (0 for repeated positions): its pages, a copy of the partly filled last
+  // page, a widened sink page's charge, as Prepare takes them. Assumes
+  // start <= tokens().
   size_t BytesToAppend(int64_t start, int64_t n) const;
 
   // Checks a chunk of tokens [start, start + n) and takes the pages it needs.
@@ -120,11 +128,26 @@ class LayerCache {
   // it, *pending and the layer unchanged, until the job is done.
   EncodeChunk Chunk(PendingAppend* pending, const float* keys, const float* values, const float* queries,
                     int q_heads, std::vector<const uint8_t*>* table) const;
+  // What Apply replaced: Restore puts it back, exactly (a chunk applied and
+  // then refused, because a tier would not hold it): the length, the last
+  // page a copy replaced, the sink page with its charge and the transform.
+  struct Undo {
+    int64_t tokens = 0;
+    std::shared_ptr<Page> last_page;  // when the chunk copied the partly filled last page
+    std::shared_ptr<const std::string> sinks;
+    std::shared_ptr<const void> hold_charge;
+    std::shared_ptr<const KeyTransform> transform;
+    bool transform_fixed = false;
+    int64_t transform_end = 0;
+  };
   // Installs a chunk whose job the backend has done: its pages and length,
   // its sink tokens and the transform it fixed. Idempotent by position (a
   // chunk of repeated positions changes nothing). Returns the new token
-  // count.
-  int64_t Apply(PendingAppend pending);
+  // count; *undo, when not null, what to Restore to take it back.
+  int64_t Apply(PendingAppend pending, Undo* undo = nullptr);
+  // The layer as it was before the Apply that gave `undo`, with no other
+  // change to the layer between the two.
+  void Restore(Undo undo);
 
   // Prepare, encode on the pool's backend, Apply: the chunk is applied
   // whole or not at all.
@@ -150,6 +173,13 @@ class LayerCache {
 
   // The transform and sink tokens, as LoadPages takes them back.
   LayerExtras Extras() const;
+  // The charge of its sink page widened to hold tokens (null: none), shared
+  // with the forks that share the page, and its bytes.
+  const std::shared_ptr<const void>& hold_charge() const { return hold_charge_; }
+  size_t hold_charge_bytes() const {
+    return HoldChargeBytes(kv_heads_, head_dim(), storage_.sink_tokens, storage_.hold_tokens,
+                           storage_.sink_codec->spec().kind);
+  }
   // Whether tokens past the sinks are stored through a fitted transform.
   bool transformed() const { return transform_ != nullptr; }
   // Tokens kept in the sink page: the sinks, or while the transform waits
@@ -204,6 +234,11 @@ class LayerCache {
   // Whether a chunk ending at `end` fits the transform over tokens the
   // layer held exact before it: it encodes them into the pages too.
   bool Refits(int64_t end) const;
+  // Whether a chunk ending at `end` replaces the partly filled last page by
+  // a copy (shared with a fork, or rewritten by a refit), and whether it
+  // needs a charge for a widened sink page of its own.
+  bool CopiesLast(int64_t end) const;
+  bool ChargesHold(int64_t end) const;
   // A problem over a layer: its pages (cache, whose first_token tokens are
   // sinks), stored through `transform`, and its sink tokens in *sink_page,
   // which *sink_table points to.

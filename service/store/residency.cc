@@ -146,7 +146,7 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
     std::lock_guard<std::mutex> lock(records_mutex_);
     for (const LayerGrowth& grown : growth) {
       const LayerCache& layer = session.layers()[static_cast<size_t>(grown.layer)];
-      for (int64_t i = grown.before / pt; i < layer.tokens() / pt; ++i) {
+      for (int64_t i = grown.undo.tokens / pt; i < layer.tokens() / pt; ++i) {
         writes.push_back(layer.pages()[static_cast<size_t>(i)]->record);
       }
     }
@@ -156,11 +156,11 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
   for (const LayerGrowth& grown : growth) {
     const LayerCache& layer = session.layers()[static_cast<size_t>(grown.layer)];
     const int64_t after = layer.tokens();
-    if (after <= grown.before || after % pt == 0) continue;
+    if (after <= grown.undo.tokens || after % pt == 0) continue;
     TailWrite tail;
     tail.layer = grown.layer;
     tail.index = static_cast<int32_t>(after / pt);
-    tail.from = static_cast<int32_t>(std::max(grown.before, after / pt * pt) - after / pt * pt);
+    tail.from = static_cast<int32_t>(std::max(grown.undo.tokens, after / pt * pt) - after / pt * pt);
     tail.to = static_cast<int32_t>(after % pt);
     tail.shape = layer.slots();
     const Page& page = *layer.pages()[static_cast<size_t>(tail.index)];
@@ -199,10 +199,10 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
   const int64_t pt = options_.page_tokens;
   bool sealed = false;
   for (const LayerGrowth& grown : growth) {
-    sealed = sealed || session.layers()[static_cast<size_t>(grown.layer)].tokens() / pt > grown.before / pt;
+    sealed = sealed || session.layers()[static_cast<size_t>(grown.layer)].tokens() / pt > grown.undo.tokens / pt;
   }
   std::vector<std::shared_ptr<TierRecord>> held = HoldRecords(session);
-  for (const LayerGrowth& grown : growth) session.layers()[static_cast<size_t>(grown.layer)].Truncate(grown.before);
+  for (const LayerGrowth& grown : growth) session.layers()[static_cast<size_t>(grown.layer)].Restore(grown.undo);
   ForgetPartialRecords(session);
   if (absl::Status manifest = sealed ? WriteTierManifest(session) : absl::OkStatus(); !manifest.ok()) {
     Logf(LogLevel::kWarning, "session %s: its manifest after a refused append: %s (the next append writes one)",
@@ -380,7 +380,14 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
   const SessionConfig& config = session.config();
   size_t bytes = SessionMetadataBytes(config);
   for (size_t l = 0; l < image.layers.size(); ++l) {
-    bytes += image.layers[l].pages.size() * LayerPageBytes(config, static_cast<int>(l), options_.page_tokens);
+    const int layer = static_cast<int>(l);
+    bytes += image.layers[l].pages.size() * LayerPageBytes(config, layer, options_.page_tokens);
+    if (HoldsPastSinks(image.layers[l].extras, config.sink_tokens)) {
+      // Its sink page comes back wide (LayerCache::LoadPages charges it).
+      bytes += HoldChargeBytes(config.kv_heads, config.head_dim, config.sink_tokens,
+                               HoldTokens(config.TransformOptions(layer), options_.page_tokens, config.sink_tokens),
+                               config.sink_codec);
+    }
   }
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + options_.promotion_patience;
@@ -558,6 +565,7 @@ absl::Status SessionStore::RewriteDemoted(SessionCache& session) {
   TierSession image = old;
   const int64_t pt = options_.page_tokens;
   std::vector<uint8_t> bytes;
+  std::shared_ptr<TierRecord> last;
   for (size_t l = 0; l < old.layers.size(); ++l) {
     const TierLayer& layer = old.layers[l];
     bytes.resize(LayerPageBytes(session.config(), static_cast<int>(l), options_.page_tokens));
@@ -567,10 +575,17 @@ absl::Status SessionStore::RewriteDemoted(SessionCache& session) {
       PageKey key = Key(session, static_cast<int>(l), static_cast<int>(i),
                         static_cast<int>(std::min<int64_t>(pt, layer.tokens - static_cast<int64_t>(i) * pt)));
       key.for_manifest = true;
-      TURBOKV_ASSIGN_OR_RETURN(
-          std::shared_ptr<TierRecord> record,
-          tier_->PutPage(key, absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), true));
-      image.layers[l].pages.push_back(std::move(record));
+      const absl::string_view page(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      absl::StatusOr<std::shared_ptr<TierRecord>> record = tier_->PutPage(key, page, /*force=*/true);
+      if (absl::IsUnavailable(record.status()) && last != nullptr) {
+        // The writer's queue is full (the disk reads faster than Redis
+        // takes): once what is queued is written.
+        TURBOKV_RETURN_IF_ERROR(tier_->Wait(*last));
+        record = tier_->PutPage(key, page, /*force=*/true);
+      }
+      if (!record.ok()) return record.status();
+      last = *record;
+      image.layers[l].pages.push_back(*std::move(record));
     }
   }
   image.manifest = tier_->PutManifest(image);
@@ -585,9 +600,7 @@ absl::Status SessionStore::Rewrite(SessionCache& session) {
   if (!session.resident()) {
     absl::Status status = RewriteDemoted(session);
     if (!status.ok()) {
-      Logf(LogLevel::kWarning,
-           "session %s was on the %s tier only when it lost its records, and could not be read back to write it "
-           "again (%s): what is missing is DATA_LOSS when it is read",
+      Logf(LogLevel::kWarning, "session %s was on the %s tier only when it lost its records: writing it again: %s",
            session.id().c_str(), tier_->name(), std::string(status.message()).c_str());
     }
     return status;
@@ -615,17 +628,18 @@ absl::Status SessionStore::Rewrite(SessionCache& session) {
     status = tier_->Wait(*session.manifest_);
   }
   if (!status.ok()) {
-    Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s (the next pass tries again)",
-         session.id().c_str(), tier_->name(), std::string(status.message()).c_str());
+    Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s", session.id().c_str(), tier_->name(),
+         std::string(status.message()).c_str());
   }
   return status;
 }
 
 void SessionStore::NoteLost() {
-  std::vector<std::string> lost = tier_->TakeLost();
-  if (lost.empty()) return;
+  // Under mutex_: an id the tier hands over is in lost_ before any call can
+  // look for it there (an append of that session acknowledged meanwhile
+  // would skip its rewrite).
   std::lock_guard<std::mutex> lock(mutex_);
-  lost_.insert(lost.begin(), lost.end());
+  for (std::string& id : tier_->TakeLost()) lost_.insert(std::move(id));
 }
 
 absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
@@ -634,11 +648,17 @@ absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
     if (lost_.erase(session.id()) == 0) return absl::OkStatus();
   }
   absl::Status status = Rewrite(session);
-  if (absl::IsUnavailable(status)) {
-    // The tier is away again: the next pass (or call) tries again. Records
-    // that cannot be read back are not tried again.
+  // Tried again by the next pass or call, unless another daemon took the
+  // session, or a demoted one's records cannot be read back (they are gone:
+  // reading it is DATA_LOSS, as the log says).
+  const bool unreadable = !session.resident() && (absl::IsDataLoss(status) || absl::IsNotFound(status));
+  if (!status.ok() && !absl::IsFailedPrecondition(status) && !unreadable) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!session.gone()) lost_.insert(session.id());
+  }
+  if (unreadable) {
+    Logf(LogLevel::kWarning, "session %s: what the %s tier lost of it is DATA_LOSS when it is read",
+         session.id().c_str(), tier_->name());
   }
   return status;
 }

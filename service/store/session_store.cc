@@ -706,6 +706,8 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
       for (const std::shared_ptr<Page>& page : layer.pages()) {
         if (++victim_refs[page.get()] == page.use_count()) freeable += page->bytes;
       }
+      const std::shared_ptr<const void>& hold = layer.hold_charge();
+      if (hold != nullptr && ++victim_charges[hold] == hold.use_count()) freeable += layer.hold_charge_bytes();
     }
     victim_locks.push_back(std::move(candidate_lock));
     victims.push_back(candidate.get());

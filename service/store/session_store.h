@@ -320,16 +320,17 @@ class SessionStore {
   // tier has it; an error (the tier down) leaves the session truncated here
   // while the tier may still hold the tokens.
   absl::Status Truncate(SessionCache& session, int64_t n);
-  // New tokens of a layer of a session: those past `before`.
+  // New tokens of a layer of a session: those past undo.tokens, which
+  // Apply gave with what it replaced.
   struct LayerGrowth {
     int layer = 0;
-    int64_t before = 0;
+    LayerCache::Undo undo;
   };
   // Makes a call's new tokens (under the session's mutex) as durable as
   // the tier promises, before the call answers. With a tier that holds every
   // append: queues the pages they sealed and their slots of each layer's
   // partly filled last page, then waits until the tier has them; on an
-  // error every layer is cut back to `before` and the tier's error is
+  // error every layer is restored as it was (Restore) and the tier's error is
   // returned (the tokens may be on the tier or not: appending them again
   // is safe). Otherwise the sealed pages are queued behind the call (or
   // later, by the background pass, when the writer's queue is full) and it

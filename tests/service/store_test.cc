@@ -402,6 +402,62 @@ TEST(LayerCacheTest, AHeldChunkOverTheBudgetChangesNothing) {
   EXPECT_EQ(Records(moved), records);
 }
 
+// What an append asks the budget for (BytesToAppend, for MakeRoom) is what
+// Prepare takes: pages, the refit's copy of the first page, the widened
+// sink page's charge, token by token from an empty layer past the hold.
+TEST(LayerCacheTest, BytesToAppendIsWhatPrepareTakes) {
+  PagePool pool(&host, 1 << 26);
+  LayerCache layer = MakeHoldingLayer(&pool);
+  const SharedTokens data(80, 51);
+  for (int64_t t = 0; t < 80; ++t) {
+    const size_t used = pool.used_bytes();
+    {
+      absl::StatusOr<LayerCache::PendingAppend> pending = layer.Prepare(t, 1);
+      ASSERT_TRUE(pending.ok()) << pending.status();
+      ASSERT_EQ(pool.used_bytes() - used, layer.BytesToAppend(t, 1)) << "token " << t;
+    }
+    ASSERT_EQ(pool.used_bytes(), used);
+    ASSERT_EQ(*layer.Append(t, 1, data.key(t), data.value(t)), t + 1);
+  }
+}
+
+// A chunk applied and then refused (its tier would not hold it) is taken
+// back by Restore exactly: a refit's held tokens exact again, its first page
+// and sink page as they were, its charges given back.
+TEST(LayerCacheTest, RestoreTakesARefitBackExactly) {
+  PagePool pool(&host, 1 << 26);
+  LayerCache layer = MakeHoldingLayer(&pool);
+  const SharedTokens data(80, 61);
+  ASSERT_EQ(*layer.Append(0, 50, data.key(0), data.value(0)), 50);
+  const LayerExtras extras = layer.Extras();
+  const std::vector<uint8_t> records = Records(layer);
+  const uint64_t version = layer.extras_version();
+  const size_t used = pool.used_bytes();
+  absl::StatusOr<LayerCache::PendingAppend> pending = layer.Prepare(50, 20);
+  ASSERT_TRUE(pending.ok());
+  std::vector<const uint8_t*> table;
+  const EncodeChunk chunk = layer.Chunk(&*pending, data.key(50), data.value(50), nullptr, 0, &table);
+  EncodeChunkCpu(chunk, nullptr);
+  LayerCache::Undo undo;
+  ASSERT_EQ(layer.Apply(*std::move(pending), &undo), 70);
+  ASSERT_TRUE(layer.transformed());
+  layer.Restore(std::move(undo));
+  EXPECT_EQ(layer.tokens(), 50);
+  EXPECT_FALSE(layer.transformed());
+  EXPECT_EQ(layer.exact_tokens(), 50);
+  EXPECT_EQ(layer.transform_end(), 0);
+  EXPECT_EQ(layer.Extras().sinks, extras.sinks);
+  EXPECT_EQ(Records(layer), records);
+  EXPECT_GT(layer.extras_version(), version);  // a tier's manifest is written again
+  EXPECT_EQ(pool.used_bytes(), used);
+  // And the same chunk again fits as it would have.
+  ASSERT_EQ(*layer.Append(50, 20, data.key(50), data.value(50)), 70);
+  LayerCache whole = MakeHoldingLayer(&pool);
+  ASSERT_EQ(*whole.Append(0, 50, data.key(0), data.value(0)), 50);
+  ASSERT_EQ(*whole.Append(50, 20, data.key(50), data.value(50)), 70);
+  EXPECT_EQ(Records(layer), Records(whole));
+}
+
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream text;
