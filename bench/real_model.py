@@ -725,7 +725,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="configurations that take every needle length (default: all); the others the shortest")
     parser.add_argument("--short-prompts", default="1,5,17,48,64",
                         help="prompt lengths whose first generated tokens are checked against eager (none: '')")
-    parser.add_argument("--short-prompt-count", type=int, default=4, help="prompts of each length")
+    parser.add_argument("--short-prompt-count", type=int, default=8, help="prompts of each length")
     parser.add_argument("--short-prompt-steps", type=int, default=32, help="generated tokens checked per prompt")
     parser.add_argument("--quick", action="store_true",
                         help="one 2K window, a needle at 2K, f16, k4v4 and raw 3-bit keys: minutes, not hours")
