@@ -40,7 +40,7 @@ constexpr int kQ4BlockBytes = 2 + 16;
 constexpr int kTurboScaleBytes = 2;
 
 // Bits per index of a turbo codec, 0 for the others.
-TURBOKV_HD int TurboBits(CodecKind kind) {
+TURBOKV_HD constexpr int TurboBits(CodecKind kind) {
   switch (kind) {
     case CodecKind::kTurbo2:
       return 2;
@@ -55,7 +55,7 @@ TURBOKV_HD int TurboBits(CodecKind kind) {
 
 // Rotation block size for a head dimension: 128 when it divides head_dim, else
 // 64 when that does, else 0 (unsupported).
-TURBOKV_HD int RotationBlockValues(int head_dim) {
+TURBOKV_HD constexpr int RotationBlockValues(int head_dim) {
   if (head_dim <= 0) return 0;
   if (head_dim % 128 == 0) return 128;
   if (head_dim % 64 == 0) return 64;
@@ -63,7 +63,7 @@ TURBOKV_HD int RotationBlockValues(int head_dim) {
 }
 
 // Bytes of one turbo block: the fp16 scale plus B * bits / 8 bytes of indices.
-TURBOKV_HD int TurboBlockBytes(int block_values, int bits) {
+TURBOKV_HD constexpr int TurboBlockBytes(int block_values, int bits) {
   return kTurboScaleBytes + block_values * bits / 8;
 }
 
@@ -78,7 +78,7 @@ struct CodecLayout {
   int block_bytes = 0;
 
   // Bytes of one encoded vector.
-  TURBOKV_HD size_t code_size() const {
+  TURBOKV_HD constexpr size_t code_size() const {
     return static_cast<size_t>(blocks) * static_cast<size_t>(block_bytes);
   }
   // Stored bits per value, scales included.
@@ -87,7 +87,7 @@ struct CodecLayout {
 
 // The layout of a codec at a head dimension; blocks == 0 when the head
 // dimension is not supported (see RotationBlockValues).
-TURBOKV_HD CodecLayout MakeCodecLayout(CodecKind kind, int head_dim) {
+TURBOKV_HD constexpr CodecLayout MakeCodecLayout(CodecKind kind, int head_dim) {
   CodecLayout layout;
   layout.kind = kind;
   layout.head_dim = head_dim;
@@ -142,8 +142,9 @@ TURBOKV_HD uint8_t TurboPlaneByte(const uint8_t* indices, int block_values, int 
 // not divisions, which cost dozens of instructions on a GPU.
 TURBOKV_HD int BlockShift(int block_values) { return block_values == 128 ? 7 : 6; }
 
-// Index i of a block whose planes start at `planes`.
-TURBOKV_HD int TurboIndex(const uint8_t* planes, int block_values, int bits, int i) {
+// Index i of a block whose first plane starts at `planes` and turbo3's
+// high plane at `high`.
+TURBOKV_HD int TurboIndexOf(const uint8_t* planes, const uint8_t* high, int block_values, int bits, int i) {
   const int shift = BlockShift(block_values);
   if (bits == 4) {  // one plane of B/2 bytes
     const int plane_shift = shift - 1;
@@ -153,9 +154,14 @@ TURBOKV_HD int TurboIndex(const uint8_t* planes, int block_values, int bits, int
   int index = (planes[i & ((1 << low_shift) - 1)] >> (2 * (i >> low_shift))) & 3;
   if (bits == 3) {
     const int high_shift = shift - 3;  // B/8 bytes
-    index |= ((planes[(1 << low_shift) + (i & ((1 << high_shift) - 1))] >> (i >> high_shift)) & 1) << 2;
+    index |= ((high[i & ((1 << high_shift) - 1)] >> (i >> high_shift)) & 1) << 2;
   }
   return index;
+}
+
+// Index i of a block whose planes start at `planes`, one after the other.
+TURBOKV_HD int TurboIndex(const uint8_t* planes, int block_values, int bits, int i) {
+  return TurboIndexOf(planes, planes + block_values / 4, block_values, bits, i);
 }
 
 // The quantizer's decision: the number of boundaries strictly below u, which

@@ -30,6 +30,10 @@ void ForEachField(const PageFormat& format, F copy) {
 
 }  // namespace
 
+const char* PageOrderName(PageOrder order) {
+  return order == PageOrder::kTokenGroups ? "token groups" : "canonical";
+}
+
 bool TokenGroupsApply(const CodecLayout& key_layout, const CodecLayout& value_layout, int page_tokens) {
   return key_layout.blocks > 0 && value_layout.blocks > 0 && page_tokens > 0 && page_tokens % kTokenGroup == 0;
 }

@@ -79,6 +79,9 @@ enum class PageOrder : uint8_t {
   kTokenGroups = 1,  // fields of kTokenGroup tokens together (above)
 };
 
+// "canonical" or "token groups", for messages.
+const char* PageOrderName(PageOrder order);
+
 constexpr int kTokenGroup = 16;
 
 // The field of a record of `layout` that byte `byte` of the record is in:

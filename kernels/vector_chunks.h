@@ -33,6 +33,7 @@ struct VectorChunk {
   size_t record_bytes = 0;   // K or V
   int kv_heads = 0;
   int page_tokens = 0;
+  PageOrder order = PageOrder::kCanonical;
 };
 
 // A page a launch zeroes (a chunk's new page: NewPages in paged_cache.h).
@@ -61,15 +62,25 @@ inline VectorChunk MakeVectorChunk(const PagedKvCache& cache, bool values, int64
   c.record_bytes = values ? v : k;
   c.kv_heads = cache.kv_heads;
   c.page_tokens = cache.page_tokens;
+  c.order = cache.order;
   return c;
 }
 
-// Vector v of a launch over chunks[0, count): its floats, its record and
-// the seed of its rotation.
+// Vector v of a launch over chunks[0, count): its floats, where its record
+// is, and the seed of its rotation.
 struct ChunkVector {
   float* x;
+  // The record (canonical order), or its token group (the token groups
+  // order, kernels/page_layout.h), whose token `slot` it is.
   uint8_t* record;
   uint64_t seed;
+  int slot = -1;  // -1: canonical
+
+  // Where the record's field at canonical offset `offset` (of `bytes`
+  // bytes) starts.
+  TURBOKV_HD uint8_t* Field(int offset, int bytes) const {
+    return slot < 0 ? record + offset : record + kTokenGroup * offset + slot * bytes;
+  }
 };
 
 TURBOKV_HD ChunkVector LocateChunkVector(const VectorChunk* chunks, int count, int64_t v, int head_dim) {
@@ -80,10 +91,13 @@ TURBOKV_HD ChunkVector LocateChunkVector(const VectorChunk* chunks, int count, i
   // The pages a chunk addresses are the caller's to write (an encode) or
   // only read (a decode).
   uint8_t* page = const_cast<uint8_t*>(c.pages[token / c.page_tokens - c.first_page]);
-  return ChunkVector{c.x + local * head_dim,
-                     page + static_cast<size_t>(head) * c.head_bytes + c.part_offset +
-                         static_cast<size_t>(token % c.page_tokens) * c.record_bytes,
-                     c.seed};
+  const int64_t slot = token % c.page_tokens;
+  uint8_t* region = page + static_cast<size_t>(head) * c.head_bytes + c.part_offset;
+  if (c.order == PageOrder::kTokenGroups) {
+    return ChunkVector{c.x + local * head_dim, region + static_cast<size_t>(slot / kTokenGroup) * kTokenGroup * c.record_bytes,
+                       c.seed, static_cast<int>(slot % kTokenGroup)};
+  }
+  return ChunkVector{c.x + local * head_dim, region + static_cast<size_t>(slot) * c.record_bytes, c.seed};
 }
 
 }  // namespace turbokv

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const int blk = static_cast<int>(item % blocks);
   const ChunkVector vector = locate(item / blocks);
   const float* in = vector.x + blk * B;
-  uint8_t* out = vector.record + static_cast<size_t>(blk) * block_bytes;
+  const int at = blk * block_bytes;  // the block's canonical offset in the record
   const uint64_t seed = vector.seed;
   const Codebook& cb = DeviceCodebook(B, kBits);
 
@@ -119,16 +119,24 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     const float centroid_sq = SumPartials16(s.partial_b);
     const float scale = TurboScale(dot, centroid_sq);
     const uint16_t scale_bits = FloatToHalfBits(scale);
-    StoreHalfBits(out, scale_bits);
+    StoreHalfBits(vector.Field(at, kTurboScaleBytes), scale_bits);
     if (errors != nullptr) {
       QuantizationError error;
       AddTurboBlockError(sum_squares, dot, centroid_sq, scale, scale_bits, B, &error);
       errors[item] = error;
     }
   }
-  constexpr int kPlaneBytes = B * kBits / 8;
+  // The first plane (turbo3: its low bits), then turbo3's high plane.
+  constexpr int kPlaneBytes = B * kBits / 8, kFirstPlane = kBits == 3 ? B / 4 : kPlaneBytes;
+  uint8_t* first = vector.Field(at + kTurboScaleBytes, kFirstPlane);
+  uint8_t* high = vector.Field(at + kTurboScaleBytes + kFirstPlane, B / 8);
   for (int byte = lane; byte < kPlaneBytes; byte += 32) {
-    out[kTurboScaleBytes + byte] = TurboPlaneByte(s.indices, B, kBits, byte);
+    const uint8_t value = TurboPlaneByte(s.indices, B, kBits, byte);
+    if (byte < kFirstPlane) {
+      first[byte] = value;
+    } else {
+      high[byte - kFirstPlane] = value;
+    }
   }
 }
 
@@ -142,15 +150,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   if (item >= total_blocks) return;
   const int blk = static_cast<int>(item % blocks);
   const ChunkVector vector = locate(item / blocks);
-  const uint8_t* in = vector.record + static_cast<size_t>(blk) * block_bytes;
+  const int at = blk * block_bytes;
+  constexpr int kFirstPlane = kBits == 3 ? B / 4 : B * kBits / 8;
+  const uint8_t* first = vector.Field(at + kTurboScaleBytes, kFirstPlane);
+  const uint8_t* high = vector.Field(at + kTurboScaleBytes + kFirstPlane, B / 8);
   float* out = vector.x + blk * B;
   const Codebook& cb = DeviceCodebook(B, kBits);
 
-  const float f = TurboDecodeFactor(in, B);
+  const float f = TurboDecodeFactor(vector.Field(at, kTurboScaleBytes), B);
   float v[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    v[k] = f * cb.centroids[TurboIndex(in + kTurboScaleBytes, B, kBits, lane * V + k)];
+    v[k] = f * cb.centroids[TurboIndexOf(first, high, B, kBits, lane * V + k)];
   }
   WarpFwht<V>(v, lane);
 #pragma unroll
@@ -170,13 +181,19 @@ __global__ void EncodeGgmlKernel(Locate locate, CodecKind kind, int blocks, int 
   const int blk = static_cast<int>(b % blocks);
   const ChunkVector vector = locate(b / blocks);
   const float* in = vector.x + blk * kGgmlBlockValues;
-  uint8_t* out = vector.record + static_cast<size_t>(blk) * block_bytes;
+  uint8_t out[kQ8BlockBytes];  // the block, then its two fields where they go
   QuantizationError error;
   if (kind == CodecKind::kQ8_0) {
     EncodeQ8Block(in, out, errors != nullptr ? &error : nullptr);
   } else {
     EncodeQ4Block(in, out, errors != nullptr ? &error : nullptr);
   }
+  const int at = blk * block_bytes, values = block_bytes - kTurboScaleBytes;
+  uint8_t* scale = vector.Field(at, kTurboScaleBytes);
+  uint8_t* codes = vector.Field(at + kTurboScaleBytes, values);
+  scale[0] = out[0];
+  scale[1] = out[1];
+  for (int i = 0; i < values; ++i) codes[i] = out[kTurboScaleBytes + i];
   if (errors != nullptr) errors[b] = error;
 }
 
@@ -187,7 +204,14 @@ __global__ void DecodeGgmlKernel(Locate locate, CodecKind kind, int blocks, int 
   if (b >= total_blocks) return;
   const int blk = static_cast<int>(b % blocks);
   const ChunkVector vector = locate(b / blocks);
-  const uint8_t* in = vector.record + static_cast<size_t>(blk) * block_bytes;
+  // The block's two fields, gathered.
+  uint8_t in[kQ8BlockBytes];
+  const int at = blk * block_bytes, values = block_bytes - kTurboScaleBytes;
+  const uint8_t* scale = vector.Field(at, kTurboScaleBytes);
+  const uint8_t* codes = vector.Field(at + kTurboScaleBytes, values);
+  in[0] = scale[0];
+  in[1] = scale[1];
+  for (int i = 0; i < values; ++i) in[kTurboScaleBytes + i] = codes[i];
   float* out = vector.x + blk * kGgmlBlockValues;
   if (kind == CodecKind::kQ8_0) {
     DecodeQ8Block(in, out);
@@ -209,7 +233,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   for (int i = lane; i < head_dim; i += 32) {
     const float x = vector.x[i];
     const uint16_t bits = FloatToHalfBits(x);
-    StoreHalfBits(vector.record + 2 * i, bits);
+    StoreHalfBits(vector.Field(0, 2 * head_dim) + 2 * i, bits);
     if (errors != nullptr) {
       error.AddValue(x, HalfBitsToFloat(bits));
       error.CountField(x, bits);
@@ -231,7 +255,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const int lane = threadIdx.x % 32;
   if (v >= vectors) return;
   const ChunkVector vector = locate(v);
-  for (int i = lane; i < head_dim; i += 32) vector.x[i] = HalfBitsToFloat(LoadHalfBits(vector.record + 2 * i));
+  const uint8_t* record = vector.Field(0, 2 * head_dim);
+  for (int i = lane; i < head_dim; i += 32) vector.x[i] = HalfBitsToFloat(LoadHalfBits(record + 2 * i));
 }
 
 // One block a page (pages 16-byte aligned): 16-byte stores, then the tail.

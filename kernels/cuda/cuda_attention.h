@@ -13,7 +13,10 @@ namespace turbokv::cuda {
 
 class DevicePagedCache {
  public:
-  static absl::StatusOr<std::unique_ptr<DevicePagedCache>> Upload(const PagedKvCache& host, int device);
+  // The host cache's canonical pages, kept on the device in `order` (the
+  // token groups: the tensor-core kernel's).
+  static absl::StatusOr<std::unique_ptr<DevicePagedCache>> Upload(const PagedKvCache& host, int device,
+                                                                   PageOrder order = PageOrder::kCanonical);
   ~DevicePagedCache();
   DevicePagedCache(const DevicePagedCache&) = delete;
   DevicePagedCache& operator=(const DevicePagedCache&) = delete;

@@ -429,6 +429,54 @@ TEST(VectorChunkTest, LocatedVectorsAreTheLayersRecords) {
   for (int i = 0; i < 2; ++i) EXPECT_EQ(by_vector[i]->pages, by_chunk[i]->pages) << "layer " << i;
 }
 
+// The same addressing in the token-group order (a GPU's native order,
+// kernels/page_layout.h): each located vector's record, encoded by the CPU
+// codec and written field by field where ChunkVector::Field says, gives the
+// pages EncodeChunkCpu's canonical pages translate to, for every codec.
+TEST(VectorChunkTest, LocatedFieldsAreTheTokenGroupsRecords) {
+  constexpr int kKvHeads = 2, kPage = 32, kDim = 128;
+  constexpr int64_t kTokens = 70;
+  for (CodecKind kind : {CodecKind::kF16, CodecKind::kQ8_0, CodecKind::kQ4_0, CodecKind::kTurbo2, CodecKind::kTurbo3,
+                         CodecKind::kTurbo4}) {
+    testing::HostLayer canonical(kind, kind, kDim, kKvHeads, kPage, kTokens, 7);
+    testing::HostLayer grouped(kind, kind, kDim, kKvHeads, kPage, kTokens, 7);
+    grouped.cache.order = PageOrder::kTokenGroups;
+    const std::vector<float> k = testing::GaussianVectors(kTokens * kKvHeads, kDim, 40);
+    const std::vector<float> v = testing::GaussianVectors(kTokens * kKvHeads, kDim, 41);
+    EncodeChunk chunk;
+    chunk.key_codec = canonical.keys.get();
+    chunk.value_codec = canonical.values.get();
+    chunk.cache = canonical.cache;
+    chunk.keys = k.data();
+    chunk.values = v.data();
+    canonical.Zero(NewPages(chunk));
+    grouped.Zero(NewPages(chunk));
+    EncodeChunkCpu(chunk, nullptr);
+    const VectorChunk keys = MakeVectorChunk(grouped.cache, false, 0, kTokens, const_cast<float*>(k.data()), 0);
+    const VectorChunk values = MakeVectorChunk(grouped.cache, true, 0, kTokens, const_cast<float*>(v.data()), 0);
+    const CodecLayout layout = canonical.keys->layout();
+    std::vector<uint8_t> record(layout.code_size());
+    for (int64_t x = 0; x < kTokens * kKvHeads; ++x) {
+      for (const auto& [chunks, codec] : {std::make_pair(&keys, canonical.keys.get()),
+                                          std::make_pair(&values, canonical.values.get())}) {
+        const ChunkVector vector = LocateChunkVector(chunks, 1, x, kDim);
+        ASSERT_GE(vector.slot, 0);
+        codec->Encode(1, vector.x, record.data());
+        for (int byte = 0; byte < static_cast<int>(record.size());) {
+          const RecordField f = FieldOf(layout, byte);
+          std::copy_n(record.data() + f.offset, f.bytes, vector.Field(f.offset, f.bytes));
+          byte += f.bytes;
+        }
+      }
+    }
+    for (size_t p = 0; p < canonical.pages.size(); ++p) {
+      std::vector<uint8_t> expected(canonical.pages[p].size());
+      PageToOrder(grouped.cache.format(), canonical.pages[p].data(), expected.data());
+      EXPECT_EQ(grouped.pages[p], expected) << CodecName(kind) << " page " << p;
+    }
+  }
+}
+
 TEST(FidelityTest, UnitVectorsMeetTheBars) {
   constexpr size_t kVectors = testing::kFidelityVectors;
   const std::vector<float> x = UnitVectors(kVectors, 128, 2024);

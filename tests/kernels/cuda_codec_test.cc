@@ -13,6 +13,7 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/cuda_stream.h"
+#include "kernels/page_layout.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/codec_testing.h"
 #include "tests/kernels/layer_testing.h"
@@ -91,17 +92,20 @@ TEST(CudaFidelityTest, UnitVectorsMeetTheBars) {
 }
 
 // One layer on both sides: host pages encoded by the CPU codecs, device
-// pages by CudaStream::Encode, from the same starting bytes.
+// pages by CudaStream::Encode, from the same starting bytes; the device's
+// pages in `order` (the host's canonical bytes translated).
 struct TwinLayer : testing::HostLayer {
   std::vector<const uint8_t*> device_table;
+  PageOrder order;
 
-  TwinLayer(CodecKind k, CodecKind v, int d, int kv_heads, int page_tokens, int64_t tokens, uint64_t seed)
-      : HostLayer(k, v, d, kv_heads, page_tokens, tokens, seed) {
+  TwinLayer(CodecKind k, CodecKind v, int d, int kv_heads, int page_tokens, int64_t tokens, uint64_t seed,
+            PageOrder order = PageOrder::kCanonical)
+      : HostLayer(k, v, d, kv_heads, page_tokens, tokens, seed), order(order) {
     for (const std::vector<uint8_t>& bytes : pages) {
       void* page = nullptr;
       EXPECT_EQ(cudaMalloc(&page, cache.page_bytes()), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(page, bytes.data(), cache.page_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
       device_table.push_back(static_cast<const uint8_t*>(page));
+      Put(device_table.size() - 1, bytes);
     }
   }
   ~TwinLayer() {
@@ -110,13 +114,22 @@ struct TwinLayer : testing::HostLayer {
   PagedKvCache on_device() const {
     PagedKvCache d = cache;
     d.pages = device_table.data();
+    d.order = order;
     return d;
   }
-  // Page i as the device holds it.
+  // Device page i from canonical bytes.
+  void Put(size_t i, const std::vector<uint8_t>& canonical) {
+    std::vector<uint8_t> bytes(canonical.size());
+    PageToOrder(on_device().format(), canonical.data(), bytes.data());
+    EXPECT_EQ(cudaMemcpy(const_cast<uint8_t*>(device_table[i]), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  // Page i as the device holds it, in the canonical order.
   std::vector<uint8_t> DevicePage(size_t i) const {
-    std::vector<uint8_t> bytes(cache.page_bytes());
+    std::vector<uint8_t> bytes(cache.page_bytes()), canonical(cache.page_bytes());
     EXPECT_EQ(cudaMemcpy(bytes.data(), device_table[i], bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    return bytes;
+    PageToCanonical(on_device().format(), bytes.data(), canonical.data());
+    return canonical;
   }
 };
 
@@ -136,8 +149,12 @@ std::vector<uint8_t> Records(const PagedKvCache& cache, const std::vector<std::v
 
 // A Decode message's appends and a prefill's, in one encode: chunks of
 // layers with different codecs, lengths and starting slots, one copying a
-// shared page first, give the CPU's bytes and the CPU's quantization error.
-TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
+// shared page first, give the CPU's bytes and the CPU's quantization error,
+// with the device's pages in either order.
+class CudaChunksTest : public ::testing::TestWithParam<PageOrder> {};
+
+TEST_P(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
+  const PageOrder order = GetParam();
   const absl::Status device = cuda::CheckDevice(0);
   if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
   auto stream = cuda::CudaStream::Create(0);
@@ -159,7 +176,7 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
   std::vector<EncodeStats> cpu_stats(2 * shapes.size()), gpu_stats(2 * shapes.size());
   for (size_t i = 0; i < shapes.size(); ++i) {
     const Shape& s = shapes[i];
-    layers.push_back(std::make_unique<TwinLayer>(s.k, s.v, s.d, kKvHeads, kPage, s.end, 40 + i));
+    layers.push_back(std::make_unique<TwinLayer>(s.k, s.v, s.d, kKvHeads, kPage, s.end, 40 + i, order));
     keys.push_back(GaussianVectors((s.end - s.first) * kKvHeads, s.d, 70 + i));
     values.push_back(GaussianVectors((s.end - s.first) * kKvHeads, s.d, 90 + i));
     EncodeChunk chunk;
@@ -178,7 +195,7 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
     gpu_chunks.push_back(chunk);
   }
   // The last chunk starts in a page shared with a fork: it is copied first.
-  TwinLayer shared(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, kKvHeads, kPage, kPage, 40 + shapes.size() - 1);
+  TwinLayer shared(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, kKvHeads, kPage, kPage, 40 + shapes.size() - 1, order);
   const size_t last = shapes.size() - 1;
   cpu_chunks[last].copy_from = shared.table[0];
   gpu_chunks[last].copy_from = shared.device_table[0];
@@ -227,14 +244,8 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
 
   // Decoding a range of the GPU's pages gives the CPU's floats from the
   // CPU's pages, to the bit.
-  const TwinLayer& layer = *layers[0];
-  std::vector<std::vector<uint8_t>> device_pages;
-  for (size_t p = 0; p < layer.pages.size(); ++p) device_pages.push_back(layer.DevicePage(p));
-  for (size_t p = 0; p < layer.pages.size(); ++p) {
-    ASSERT_EQ(cudaMemcpy(const_cast<uint8_t*>(layer.device_table[p]), layer.pages[p].data(), layer.cache.page_bytes(),
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
+  TwinLayer& layer = *layers[0];
+  for (size_t p = 0; p < layer.pages.size(); ++p) layer.Put(p, layer.pages[p]);
   const int64_t first = 13, n = 70;
   const size_t floats = static_cast<size_t>(n) * kKvHeads * 128;
   std::vector<float> cpu_k(floats), cpu_v(floats), gpu_k(floats, std::nanf("")), gpu_v(floats, std::nanf(""));
@@ -243,6 +254,9 @@ TEST(CudaChunksTest, EncodeOfChunksMatchesTheCpuAndDecodeGivesItsFloats) {
   EXPECT_EQ(std::memcmp(cpu_k.data(), gpu_k.data(), floats * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(cpu_v.data(), gpu_v.data(), floats * sizeof(float)), 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Orders, CudaChunksTest, ::testing::Values(PageOrder::kCanonical, PageOrder::kTokenGroups),
+                         [](const auto& info) { return testing::PageOrderParamName(info.param); });
 
 TEST(CudaDeviceTest, MissingDeviceIsReportedNotFatal) {
   const absl::Status status = cuda::CheckDevice(1 << 20);

@@ -7,13 +7,22 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kernels/attention.h"
 #include "kernels/codec.h"
+#include "kernels/page_layout.h"
 #include "kernels/paged_cache.h"
 
 namespace turbokv::testing {
+
+// A page order as a test parameter's name: "canonical" or "token_groups".
+inline std::string PageOrderParamName(PageOrder order) {
+  std::string name = PageOrderName(order);
+  std::replace(name.begin(), name.end(), ' ', '_');
+  return name;
+}
 
 struct HostLayer {
   std::unique_ptr<Codec> keys, values;
