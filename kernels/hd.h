@@ -11,6 +11,13 @@
 #else
 #define TURBOKV_HD inline
 #endif
+// Loops over register arrays unrolled (their indices constants, the arrays
+// in registers): nvcc's pragma in device code, nothing on the host.
+#if defined(__CUDA_ARCH__)
+#define TURBOKV_UNROLL _Pragma("unroll")
+#else
+#define TURBOKV_UNROLL
+#endif
 
 namespace turbokv {
 

@@ -21,17 +21,18 @@ UnitTable TableOf(const CodecLayout& layout) {
 }
 
 // One side's token group of head `head` holding `token`.
-GroupView GroupOf(const PagedKvCache& cache, bool values, int head, int64_t token) {
+template <CodecKind K, int D>
+Group<K, D> GroupOf(const PagedKvCache& cache, bool values, int head, int64_t token) {
   const SlotShape shape = cache.slots();
   const int64_t slot = token % cache.page_tokens;
   const CodecLayout& layout = values ? cache.value_layout : cache.key_layout;
   const size_t region = values ? shape.values_offset(head) : shape.keys_offset(head);
-  return GroupView{cache.pages[token / cache.page_tokens] + region +
-                       static_cast<size_t>(slot / kTile) * kTile * layout.code_size(),
-                   layout};
+  return Group<K, D>{cache.pages[token / cache.page_tokens] + region +
+                         static_cast<size_t>(slot / kTile) * kTile * layout.code_size(),
+                     layout};
 }
 
-template <int D, int NT>
+template <int D, int NT, CodecKind K, CodecKind V>
 void Emulate(const PagedKvCache& cache, const AttentionParams& params, const AttentionQueries& queries,
              const AttentionOutput& output, const EmulatedLaunch& launch) {
   const int group = params.q_heads / cache.kv_heads;
@@ -91,9 +92,10 @@ void Emulate(const PagedKvCache& cache, const AttentionParams& params, const Att
             for (int64_t g = begin / kTile + wi; g * kTile < end; g += launch.warps) {
               const int64_t t0 = g * kTile;
               if (t0 + kTile - 1 < first || t0 > last) continue;
-              TileArgs args{GroupOf(cache, false, head, t0), GroupOf(cache, true, head, t0), &key_table, &value_table,
-                            t0, first, last, scale, params.softcap, nullptr, 0};
-              AttendGroup<HostWarp, D, NT>(w, *qs, args, *state);
+              const TileArgs<K, V, D> args{GroupOf<K, D>(cache, false, head, t0), GroupOf<V, D>(cache, true, head, t0),
+                                           &key_table, &value_table, t0, first, last, scale, params.softcap,
+                                           nullptr, 0};
+              AttendGroup<HostWarp, D, NT, K, V>(w, *qs, args, *state);
             }
             FinishRows<HostWarp, D, NT>(w, *state);
             float* out = warp_rows.data() + static_cast<size_t>(wi) * chunk_rows * kStride;
@@ -135,6 +137,23 @@ void Emulate(const PagedKvCache& cache, const AttentionParams& params, const Att
   }
 }
 
+template <int D, int NT>
+void EmulatePair(const PagedKvCache& cache, const AttentionParams& params, const AttentionQueries& queries,
+                 const AttentionOutput& output, const EmulatedLaunch& launch) {
+  const CodecKind k = cache.key_layout.kind, v = cache.value_layout.kind;
+  if (!launch.fast_paths) return Emulate<D, NT, kAnyCodec, kAnyCodec>(cache, params, queries, output, launch);
+  if (k == CodecKind::kTurbo4 && v == CodecKind::kTurbo4) {
+    return Emulate<D, NT, CodecKind::kTurbo4, CodecKind::kTurbo4>(cache, params, queries, output, launch);
+  }
+  if (k == CodecKind::kTurbo3 && v == CodecKind::kTurbo3) {
+    return Emulate<D, NT, CodecKind::kTurbo3, CodecKind::kTurbo3>(cache, params, queries, output, launch);
+  }
+  if (k == CodecKind::kF16 && v == CodecKind::kF16) {
+    return Emulate<D, NT, CodecKind::kF16, CodecKind::kF16>(cache, params, queries, output, launch);
+  }
+  return Emulate<D, NT, kAnyCodec, kAnyCodec>(cache, params, queries, output, launch);
+}
+
 }  // namespace
 
 void EmulateTensorCoreAttention(const PagedKvCache& cache, const AttentionParams& params,
@@ -144,13 +163,13 @@ void EmulateTensorCoreAttention(const PagedKvCache& cache, const AttentionParams
   const bool two_tiles = params.q_heads / cache.kv_heads > 8 && d <= 128;
   switch (d) {
     case 64:
-      return two_tiles ? Emulate<64, 2>(cache, params, queries, output, launch)
-                       : Emulate<64, 1>(cache, params, queries, output, launch);
+      return two_tiles ? EmulatePair<64, 2>(cache, params, queries, output, launch)
+                       : EmulatePair<64, 1>(cache, params, queries, output, launch);
     case 128:
-      return two_tiles ? Emulate<128, 2>(cache, params, queries, output, launch)
-                       : Emulate<128, 1>(cache, params, queries, output, launch);
+      return two_tiles ? EmulatePair<128, 2>(cache, params, queries, output, launch)
+                       : EmulatePair<128, 1>(cache, params, queries, output, launch);
     default:
-      return Emulate<256, 1>(cache, params, queries, output, launch);
+      return EmulatePair<256, 1>(cache, params, queries, output, launch);
   }
 }
 

@@ -91,6 +91,9 @@ struct HostWarp {
 struct EmulatedLaunch {
   int warps = 4;
   int64_t split_tokens = 512;
+  // The kernels of their own that the GPU runs for turbo4, turbo3 and f16
+  // pairs; false: every pair value by value (kAnyCodec).
+  bool fast_paths = true;
 };
 
 // Attention over one problem of a cache in PageOrder::kTokenGroups, as the

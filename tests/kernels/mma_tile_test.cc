@@ -70,6 +70,58 @@ TEST(MmaTileTest, DimensionMapsArePermutations) {
   }
 }
 
+// The fast codecs' fragments, from whole plane words, are the bits of the
+// value-by-value ones for every lane and chunk of random groups.
+template <CodecKind K, int D>
+void ExpectFastFragmentsAreOneByOnes() {
+  const CodecLayout layout = MakeCodecLayout(K, D);
+  std::vector<uint8_t> bytes(mma::kTile * layout.code_size());
+  uint64_t x = 0x9e3779b97f4a7c15ull + D;
+  for (uint8_t& b : bytes) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    b = static_cast<uint8_t>(x >> 56);
+  }
+  if (K == CodecKind::kF16) {
+    // Finite fp16 (no NaN: its bits would still compare, but keep it plain).
+    for (size_t i = 1; i < bytes.size(); i += 2) bytes[i] &= 0x7b;
+  }
+  mma::UnitTable table;
+  const float centroids[16] = {-2.7f, -2.1f, -1.6f, -1.2f, -0.9f, -0.6f, -0.3f, -0.1f,
+                               0.1f,  0.3f,  0.6f,  0.9f,  1.2f,  1.6f,  2.1f,  2.7f};
+  mma::MakeUnitTable(centroids, 16, &table);
+  const mma::Group<K, D> group{bytes.data(), layout};
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int k = 0; k < D / 16; ++k) {
+      uint32_t fast[4], slow[4], fast_lo[4] = {}, slow_lo[4] = {};
+      mma::KeyFragment(group, table, lane, k, fast, fast_lo);
+      mma::KeyFragmentOneByOne(group, table, lane, k, slow, slow_lo);
+      for (int r = 0; r < 4; ++r) {
+        ASSERT_EQ(fast[r], slow[r]) << CodecName(K) << " d=" << D << " keys lane " << lane << " chunk " << k << " reg " << r;
+        if (group.HasLo()) {
+          ASSERT_EQ(fast_lo[r], slow_lo[r]) << CodecName(K) << " d=" << D << " key part 1, lane " << lane;
+        }
+      }
+      mma::ValueFragment(group, table, lane, k, fast);
+      mma::ValueFragmentOneByOne(group, table, lane, k, slow);
+      for (int r = 0; r < 4; ++r) ASSERT_EQ(fast[r], slow[r]) << CodecName(K) << " d=" << D << " values lane " << lane << " chunk " << k << " reg " << r;
+    }
+  }
+}
+
+TEST(MmaTileTest, FastFragmentsAreTheOneByOneBits) {
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo4, 64>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo4, 128>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo4, 256>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo3, 64>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo3, 128>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo3, 256>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo2, 64>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kTurbo2, 128>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kF16, 64>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kF16, 128>();
+  ExpectFastFragmentsAreOneByOnes<CodecKind::kF16, 256>();
+}
+
 // A cache of `tokens` Gaussian keys and values, its pages also in the
 // token-group order.
 struct GroupedCache {
@@ -152,6 +204,7 @@ TEST(MmaTileTest, EveryCodecPairAndHeadDimAgreesWithTheScalarPath) {
     for (CodecKind keys : kKinds) {
       for (CodecKind values : kKinds) {
         ExpectAgrees({keys, values, d, 4, 200});
+        ExpectAgrees({keys, values, d, 4, 200}, mma::EmulatedLaunch{4, 512, false});
       }
     }
   }
