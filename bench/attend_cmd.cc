@@ -80,11 +80,13 @@ uint64_t StreamRead(ThreadPool& pool, const std::vector<uint64_t>& buffer) {
 // (one decode step of that many sessions in one call): the kernels' time
 // (CUDA events), the compressed cache's bytes read per second against a
 // device-to-device copy of as many bytes, and the f16 cache through the same
-// kernels.
+// kernel (the tensor-core one in its default variant when `kernel` names
+// another).
 int RunAttendCuda(const Cache& compressed, const Cache& f16, int sessions, const AttentionParams& params,
-                  const AttentionQueries& queries, bool json) {
-  auto c = MeasureCudaAttention(compressed.buffer->descriptor(), sessions, params, queries, compressed.bytes);
-  auto f = MeasureCudaAttention(f16.buffer->descriptor(), sessions, params, queries, f16.bytes);
+                  const AttentionQueries& queries, CudaKernelChoice kernel, bool json) {
+  auto c = MeasureCudaAttention(compressed.buffer->descriptor(), sessions, params, queries, compressed.bytes, kernel);
+  auto f = MeasureCudaAttention(f16.buffer->descriptor(), sessions, params, queries, f16.bytes,
+                                {kernel.tensor_cores, 0, 0});
   if (!c.ok() || !f.ok()) {
     std::fprintf(stderr, "turbokv-bench: %s\n", std::string((c.ok() ? f.status() : c.status()).message()).c_str());
     return 1;
@@ -93,21 +95,24 @@ int RunAttendCuda(const Cache& compressed, const Cache& f16, int sessions, const
   const double cache_gb_per_s = bytes / (c->us_per_call * 1e-6) / 1e9;
   const double f16_gb_per_s = static_cast<double>(f16.bytes) * sessions / (f->us_per_call * 1e-6) / 1e9;
   if (json) {
-    std::printf("{\"implementation\": \"cuda:0\", \"sessions\": %d, \"us_per_call\": %.6g, "
+    std::printf("{\"implementation\": \"cuda:0\", \"kernel\": \"%s\", \"warps\": %d, \"stages\": %d, "
+                "\"sessions\": %d, \"us_per_call\": %.6g, "
                 "\"f16_us_per_call\": %.6g, \"cache_bytes\": %.0f, \"cache_gb_per_s\": %.6g, "
                 "\"f16_gb_per_s\": %.6g, \"device_copy_gb_per_s\": %.6g, \"fraction_of_device_copy\": %.6g, "
                 "\"speedup_vs_f16\": %.6g}\n",
-                sessions, c->us_per_call, f->us_per_call, bytes, cache_gb_per_s, f16_gb_per_s, c->copy_gb_per_s,
+                kernel.tensor_cores ? "tensor-cores" : "split", kernel.warps, kernel.stages, sessions, c->us_per_call,
+                f->us_per_call, bytes, cache_gb_per_s, f16_gb_per_s, c->copy_gb_per_s,
                 cache_gb_per_s / c->copy_gb_per_s, f->us_per_call / c->us_per_call);
     return 0;
   }
   std::printf("attend %s keys, %s values: %d session%s x %lld tokens, %d kv heads, %d q heads, d %d, %lld quer%s, "
-              "GPU 0\n",
+              "GPU 0, %s kernel\n",
               CodecName(compressed.buffer->descriptor().key_layout.kind),
               CodecName(compressed.buffer->descriptor().value_layout.kind), sessions, sessions == 1 ? "" : "s",
               static_cast<long long>(compressed.buffer->tokens()), compressed.buffer->descriptor().kv_heads,
               params.q_heads, compressed.buffer->descriptor().key_layout.head_dim,
-              static_cast<long long>(queries.n), queries.n == 1 ? "y" : "ies");
+              static_cast<long long>(queries.n), queries.n == 1 ? "y" : "ies",
+              kernel.tensor_cores ? "tensor-core" : "CUDA-core split");
   std::printf("  compressed %.1f us/call (%.0f GB/s of cache, %.0f%% of the device copy), f16 %.1f us/call "
               "(%.0f GB/s); speed-up %.2fx; device copy %.0f GB/s\n",
               c->us_per_call, cache_gb_per_s, 100 * cache_gb_per_s / c->copy_gb_per_s, f->us_per_call, f16_gb_per_s,
@@ -123,7 +128,7 @@ int RunAttend(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"k-codec", "v-codec", "tokens", "kv-heads", "q-heads", "head-dim", "queries",
-                      "threads", "page-tokens", "impl", "target", "chunk-tokens", "sessions"},
+                      "threads", "page-tokens", "impl", "target", "chunk-tokens", "sessions", "kernel", "variant"},
                      {"json", "few-tokens"}, &error)) {
     return UsageError(error);
   }
@@ -180,9 +185,23 @@ int RunAttend(int argc, char** argv) {
   const std::string impl = options.Get("impl", "cpu");
 #ifdef TURBOKV_WITH_CUDA
   if (impl == "cuda") {
-    return RunAttendCuda(compressed, f16, static_cast<int>(sessions), params, queries, options.Has("json"));
+    CudaKernelChoice kernel;
+    const std::string name = options.Get("kernel", "split");
+    if (name != "split" && name != "tensor-cores") return UsageError("--kernel must be split or tensor-cores");
+    kernel.tensor_cores = name == "tensor-cores";
+    if (options.Has("variant")) {
+      const std::string variant = options.Get("variant", "");
+      char rest = 0;
+      if (!kernel.tensor_cores ||
+          std::sscanf(variant.c_str(), "%d,%d%c", &kernel.warps, &kernel.stages, &rest) != 2 ||
+          kernel.warps < 1 || kernel.stages < 1) {
+        return UsageError("--variant takes WARPS,STAGES (4,2 say) with --kernel tensor-cores");
+      }
+    }
+    return RunAttendCuda(compressed, f16, static_cast<int>(sessions), params, queries, kernel, options.Has("json"));
   }
 #endif
+  if (options.Has("kernel") || options.Has("variant")) return UsageError("--kernel and --variant go with --impl cuda");
   if (impl != "cpu") return UsageError("--impl must be cpu or cuda (when built with CUDA)");
   ThreadPool pool(static_cast<int>(threads));
   AttentionOptions attend_options{AttentionPath::kSimd, &pool};

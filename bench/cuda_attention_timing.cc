@@ -10,15 +10,22 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/cuda_stream.h"
+#include "kernels/page_layout.h"
 
 namespace turbokv {
 
 absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cache, int sessions,
                                                          const AttentionParams& params,
-                                                         const AttentionQueries& queries, size_t cache_bytes) {
+                                                         const AttentionQueries& queries, size_t cache_bytes,
+                                                         CudaKernelChoice kernel) {
+  const PageOrder order = kernel.tensor_cores ? PageOrder::kTokenGroups : PageOrder::kCanonical;
+  if (kernel.tensor_cores && !TokenGroupsApply(cache.key_layout, cache.value_layout, cache.page_tokens)) {
+    return absl::InvalidArgumentError("the tensor-core kernel takes pages of a multiple of 16 tokens (--page-tokens)");
+  }
+  const cuda::TensorCoreVariant variant{kernel.warps, kernel.stages};
   std::vector<std::unique_ptr<cuda::DevicePagedCache>> copies;
   for (int i = 0; i < sessions; ++i) {
-    auto copy = cuda::DevicePagedCache::Upload(cache, 0);
+    auto copy = cuda::DevicePagedCache::Upload(cache, 0, order);
     if (!copy.ok()) return copy.status();
     copies.push_back(*std::move(copy));
   }
@@ -34,7 +41,7 @@ absl::StatusOr<CudaAttentionTiming> MeasureCudaAttention(const PagedKvCache& cac
   // The kernels' own time, call by call: the median of 21 calls after a warm-up.
   std::vector<double> seconds;
   for (int call = 0; call < 22; ++call) {
-    if (absl::Status s = (*stream)->Attend({batch.data(), sessions}, params); !s.ok()) return s;
+    if (absl::Status s = (*stream)->Attend({batch.data(), sessions}, params, variant); !s.ok()) return s;
     if (call > 0) seconds.push_back((*stream)->last_kernel_seconds());
   }
   std::sort(seconds.begin(), seconds.end());

@@ -5,9 +5,9 @@
 // empty gRPC round trip (a health check) on the same channel. With --batch B:
 // one decode step over every layer for B sessions through a Decode stream,
 // the same work as B x L unary Step calls, and the backend alone on the same
-// batches, interleaved. --device cpu (default) or cuda:N. With --spill: the
-// disk tier (RunSpill); with --redis-url too, the disk stacked over that
-// Redis (a redis-server you run).
+// batches, interleaved. --device cpu (default) or cuda:N (--cuda-attention
+// as turbokvd's flag). With --spill: the disk tier (RunSpill); with
+// --redis-url too, the disk stacked over that Redis (a redis-server you run).
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -406,7 +406,7 @@ int RunE2e(int argc, char** argv) {
   std::string error;
   if (!options.Parse(argc, argv,
                      {"tokens", "kv-heads", "q-heads", "head-dim", "layers", "threads", "chunk", "calls", "codec",
-                      "batch", "steps", "rounds", "device", "redis-url"},
+                      "batch", "steps", "rounds", "device", "redis-url", "cuda-attention"},
                      {"json", "spill"}, &error)) {
     return UsageError(error);
   }
@@ -440,6 +440,11 @@ int RunE2e(int argc, char** argv) {
   }
   ServerOptions server_options;
   server_options.device = options.Get("device", "cpu");
+  const std::string attention = options.Get("cuda-attention", "split");
+  if (attention != "split" && attention != "tensor-cores") {
+    return UsageError("--cuda-attention: split or tensor-cores (turbokvd's flag)");
+  }
+  server_options.cuda_tensor_cores = attention == "tensor-cores";
   server_options.threads = static_cast<int>(threads);
   server_options.metrics_listen = "";
   absl::StatusOr<BenchServer> started = StartBenchServer(server_options);

@@ -104,10 +104,10 @@ CoreAllowance AvailableCores(const std::string& cgroup_root, const std::string& 
 }
 
 absl::StatusOr<DeviceChoice> ChooseDevice(absl::string_view flag, ThreadPool* pool, size_t memory_budget,
-                                          int streams) {
+                                          int streams, bool tensor_cores) {
   DeviceChoice choice;
   if (flag == "auto") {
-    absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeBackend("cuda:0", pool, memory_budget, streams);
+    absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeBackend("cuda:0", pool, memory_budget, streams, tensor_cores);
     if (gpu.ok()) {
       choice.backend = *std::move(gpu);
       choice.why = "--device=auto: CUDA device 0 can serve";
@@ -118,7 +118,7 @@ absl::StatusOr<DeviceChoice> ChooseDevice(absl::string_view flag, ThreadPool* po
                               "); sessions in host memory, kernels on the CPU");
     return choice;
   }
-  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackend(flag, pool, memory_budget, streams);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackend(flag, pool, memory_budget, streams, tensor_cores);
   if (absl::IsInvalidArgument(backend.status())) {
     return absl::InvalidArgumentError(absl::StrCat("--device=", flag, ": expected auto, cpu or cuda:N"));
   }

@@ -27,7 +27,7 @@ struct DeviceChoice {
 //     found.
 // INVALID_ARGUMENT for anything else.
 absl::StatusOr<DeviceChoice> ChooseDevice(absl::string_view flag, ThreadPool* pool, size_t memory_budget,
-                                          int streams);
+                                          int streams, bool tensor_cores = false);
 
 // The cores this process may keep busy, for --threads=0: the CPUs of its
 // affinity mask, capped by the CPU quota of its cgroup (v2 cpu.max, v1

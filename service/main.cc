@@ -35,6 +35,11 @@ Flags (--name=value or --name value):
   --listen=ADDR            unix:///path or host:port (port 0: any); repeatable
                            (default unix:///tmp/turbokv.sock)
   --device=auto|cpu|cuda:N where sessions live and kernels run (default auto)
+  --cuda-attention=split|tensor-cores
+                           on a GPU, the attention kernel: split (CUDA cores,
+                           the one measured on an H100) or tensor-cores (mma
+                           on pages kept in token groups, head_dim 64, 128,
+                           256; not yet run on a GPU) (default split)
   --threads=N              kernel threads, 0 = one per core this process may
                            use: its CPU affinity, capped by its cgroup's CPU
                            quota (a container's CPU limit) (default 0)
@@ -209,6 +214,9 @@ int main(int argc, char** argv) {
       listen.push_back(value);
     } else if (name == "device") {
       options.device = value;
+    } else if (name == "cuda-attention") {
+      if (value != "split" && value != "tensor-cores") return Fail(flag + ": expected split or tensor-cores");
+      options.cuda_tensor_cores = value == "tensor-cores";
     } else if (name == "threads") {
       if (!absl::SimpleAtoi(value, &options.threads) || options.threads < 0) return Fail(flag + ": expected a count >= 0");
     } else if (name == "pin-threads") {

@@ -233,7 +233,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   // the device at once (a stream, with its own staging, each).
   const int workers = threads + 2;
   absl::StatusOr<DeviceChoice> device =
-      ChooseDevice(options.device, server->kernel_pool_.get(), options.memory_budget, std::min(workers, 4));
+      ChooseDevice(options.device, server->kernel_pool_.get(), options.memory_budget, std::min(workers, 4),
+                   options.cuda_tensor_cores);
   if (!device.ok()) return device.status();
   server->backend_ = std::move(device->backend);
   server->device_ = server->backend_->name();

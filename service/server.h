@@ -36,6 +36,9 @@ struct ServerOptions {
   // unix:///path or host:port (port 0: one the OS picks).
   std::vector<std::string> listen = {"unix:///tmp/turbokv.sock"};
   std::string device = "auto";  // auto, cpu or cuda:N
+  // On a GPU: pages in the token groups order, attention on the tensor-core
+  // kernel (CudaBackendOptions::tensor_cores).
+  bool cuda_tensor_cores = false;
   int threads = 0;              // kernel threads; 0: one per core
   bool pin_threads = false;     // each kernel thread kept to one CPU (ThreadPool's `pin`)
   // Bytes of compressed pages; 0: the device's default (on a GPU, the CUDA

@@ -15,6 +15,7 @@
 
 #include "kernels/block_math.h"
 #include "kernels/cuda/attention_kernels.cuh"
+#include "kernels/cuda/attention_launch.cuh"
 #include "kernels/cuda/codebooks.cuh"
 #include "kernels/cuda/warp.cuh"
 #include "kernels/rotation.h"
@@ -23,23 +24,6 @@ namespace turbokv::cuda {
 namespace {
 
 constexpr int kWarps = kAttentionWarps;
-
-// What every block of a launch shares.
-struct Launch {
-  const DeviceProblem* problems;
-  int64_t count;
-  int q_heads;
-  int group;       // q heads per kv head
-  int row_chunks;  // ceil(group / kRowsPerBlock)
-  int head_dim;
-  float scale;
-  float softcap;
-  int64_t window;
-  int top_k;
-  float* q_rot;     // [rows][head_dim], in the key domain
-  float* partials;  // [partials][head_dim + 2]: m, l, acc
-  float* logits;    // with top_k: [logits]
-};
 
 // The codebook centroids of a turbo layout (16 slots; zeros for the others).
 __device__ void LoadCentroids(const CodecLayout& layout, float* out, int i) {
@@ -535,7 +519,7 @@ __global__ void __launch_bounds__(kTopKThreads, 2) TopKKernel(Launch l) {
 
 cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProblem* device_problems, int64_t count,
                             const AttentionPlan& plan, const AttentionParams& params, void* workspace,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, TensorCoreVariant variant) {
   if (count == 0 || plan.rows == 0) return cudaSuccess;
   const PagedKvCache& first = host_problems[0].cache;
   const int d = first.key_layout.head_dim;
@@ -543,7 +527,7 @@ cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProb
   for (int64_t i = 0; i < count; ++i) {
     const PagedKvCache& c = host_problems[i].cache;
     if (c.kv_heads != first.kv_heads || c.key_layout.head_dim != d || c.value_layout.head_dim != d ||
-        params.q_heads % c.kv_heads != 0) {
+        params.q_heads % c.kv_heads != 0 || c.order != first.order) {
       return cudaErrorInvalidValue;
     }
   }
@@ -578,7 +562,11 @@ cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProb
   const size_t shared =
       (kRowsPerBlock * d + kWarps * kRowsPerBlock * d + kWarps * kRowsPerBlock * 2 + 32) * sizeof(float);
   const unsigned grid = static_cast<unsigned>(std::min(plan.units, kMaxGrid));
-  if (d == 128) {
+  if (first.order == PageOrder::kTokenGroups) {
+    if (const cudaError_t e = LaunchTensorCoreSplit(l, host_problems, plan.units, stream, variant); e != cudaSuccess) {
+      return e;
+    }
+  } else if (d == 128) {
     SplitKernel<true><<<grid, 32 * kWarps, shared, stream>>>(l, plan.units);
   } else {
     SplitKernel<false><<<grid, 32 * kWarps, shared, stream>>>(l, plan.units);

@@ -18,6 +18,22 @@
 
 namespace turbokv::cuda {
 
+// The tensor-core split kernel's shape (attention_tc.cu): warps a block and
+// cp.async stages a warp. {0, 0}: the one the kernel's table chose for the
+// batch's head dim and codecs.
+struct TensorCoreVariant {
+  int warps = 0;
+  int stages = 0;
+};
+
+// Whether the tensor-core split kernel is compiled in `variant` for caches
+// of this head dim and codec pair whose blocks take `rows_per_block` query
+// heads (RowsPerBlock): the default, {4, 2}, for every shape; the sweep's
+// others ({4, 3}, {8, 2}, {2, 4}) at head_dim 128 with 8 rows a block and
+// turbo4, turbo3 or f16 on both sides (the presets' and the f16 baseline).
+bool TensorCoreVariantCompiled(int head_dim, int rows_per_block, CodecKind keys, CodecKind values,
+                               TensorCoreVariant variant);
+
 // Runs a planned batch (PlanAttention) on `stream`. host_problems: the
 // planned problems on the host; device_problems: the same array in device
 // memory; every pointer in them is device memory. workspace:
@@ -26,9 +42,12 @@ namespace turbokv::cuda {
 // differ. Returns cudaErrorNotSupported for head_dim above kMaxCudaHeadDim
 // (or top_k above kMaxCudaTopK), cudaErrorInvalidValue for problems that do
 // not share their shape; the caller validated the rest (CheckAttention).
+// Caches in the token-group order run the tensor-core split kernel (in
+// `variant`), the others the CUDA-core one; a batch shares its order
+// (cudaErrorInvalidValue otherwise, and for a variant not compiled).
 cudaError_t LaunchAttention(const DeviceProblem* host_problems, const DeviceProblem* device_problems, int64_t count,
                             const AttentionPlan& plan, const AttentionParams& params, void* workspace,
-                            cudaStream_t stream);
+                            cudaStream_t stream, TensorCoreVariant variant = {});
 
 // Most top_k the top-k kernel selects (the service's limit).
 constexpr int kMaxCudaTopK = 1024;

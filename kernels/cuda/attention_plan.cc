@@ -16,7 +16,8 @@ AttentionPlan PlanAttention(DeviceProblem* problems, int64_t count, int q_heads,
   if (count == 0) return plan;
   const int kv_heads = problems[0].cache.kv_heads;
   const int group = q_heads / kv_heads;
-  plan.row_chunks = (group + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int rows_per_block = RowsPerBlock(problems[0].cache, group);
+  plan.row_chunks = (group + rows_per_block - 1) / rows_per_block;
   for (int64_t i = 0; i < count; ++i) {
     DeviceProblem& p = problems[i];
     const int64_t tokens = std::max<int64_t>(1, p.cache.tokens);

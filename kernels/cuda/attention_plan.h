@@ -23,7 +23,7 @@
 namespace turbokv::cuda {
 
 constexpr int kAttentionWarps = 4;  // warps per block of the split kernel
-constexpr int kRowsPerBlock = 4;    // query heads of one GQA group per block
+constexpr int kRowsPerBlock = 4;    // query heads of one GQA group per block (canonical caches)
 // Tokens of a split of a cache that kMaxSplits splits of kSplitTokens hold;
 // longer caches double it until they fit (SplitTokens).
 constexpr int64_t kSplitTokens = 512;
@@ -73,12 +73,22 @@ struct AttentionPlan {
   }
 };
 
+// Query heads of one GQA group a split-kernel block takes: kRowsPerBlock
+// for caches in the canonical order (the CUDA-core kernel); for the token
+// groups (the tensor-core kernel, an mma's N of 8 per n-tile) 8, or 16 when
+// the group has more than 8 and head_dim is at most 128.
+TURBOKV_HD int RowsPerBlock(const PagedKvCache& cache, int group) {
+  if (cache.order != PageOrder::kTokenGroups) return kRowsPerBlock;
+  return group > 8 && cache.key_layout.head_dim <= 128 ? 16 : 8;
+}
+
 // The spacing of a cache's split grid: kSplitTokens, doubled until at most
 // kMaxSplits splits hold `tokens`.
 int64_t SplitTokens(int64_t tokens);
 
-// Plans `count` problems sharing kv_heads, q_heads and head_dim (their
-// caches' tokens and query counts set): fills each problem's plan fields.
+// Plans `count` problems sharing kv_heads, q_heads, head_dim and page order
+// (their caches' tokens and query counts set): fills each problem's plan
+// fields.
 AttentionPlan PlanAttention(DeviceProblem* problems, int64_t count, int q_heads, int top_k);
 
 // The scratch a query of a problem takes in a launch: its rotated rows, its

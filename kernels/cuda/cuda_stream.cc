@@ -10,6 +10,8 @@
 #include "kernels/cuda/codec_kernels.cuh"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/cuda_staging.h"
+#include "kernels/mma_tile.h"
+#include "kernels/page_layout.h"
 
 namespace turbokv::cuda {
 namespace {
@@ -104,7 +106,8 @@ absl::Status CudaStream::Wait(const char* what) {
   return absl::OkStatus();
 }
 
-absl::Status CudaStream::Attend(const AttentionBatch& batch, const AttentionParams& params) {
+absl::Status CudaStream::Attend(const AttentionBatch& batch, const AttentionParams& params,
+                                TensorCoreVariant variant) {
   if (batch.count == 0) return absl::OkStatus();
   const AttentionProblem* problems = batch.problems;
   const size_t count = static_cast<size_t>(batch.count);
@@ -124,19 +127,40 @@ absl::Status CudaStream::Attend(const AttentionBatch& batch, const AttentionPara
     if (absl::Status s = CheckAttention(p.cache, params, p.queries, p.output); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("problem ", i, ": ", s.message()));
     }
-    if (p.cache.kv_heads != first.kv_heads || p.cache.key_layout.head_dim != d) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("problem ", i, " has ", p.cache.kv_heads, " kv heads and head_dim ", p.cache.key_layout.head_dim,
-                       "; problem 0 has ", first.kv_heads, " and ", d, ": a batch shares its shape"));
+    if (p.cache.kv_heads != first.kv_heads || p.cache.key_layout.head_dim != d || p.cache.order != first.order) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "problem ", i, " has ", p.cache.kv_heads, " kv heads, head_dim ", p.cache.key_layout.head_dim, " and pages in ",
+          PageOrderName(p.cache.order), " order; problem 0 has ", first.kv_heads, ", ", d, " and ",
+          PageOrderName(first.order), ": a batch shares its shape"));
+    }
+  }
+  if (variant.warps != 0 || variant.stages != 0) {
+    // The codec pair the launch picks a kernel by: every problem's, when
+    // they share one.
+    CodecKind keys = first.key_layout.kind, values = first.value_layout.kind;
+    for (size_t i = 0; i < count; ++i) {
+      if (problems[i].cache.key_layout.kind != keys || problems[i].cache.value_layout.kind != values) {
+        keys = values = mma::kAnyCodec;
+      }
+    }
+    if (first.order != PageOrder::kTokenGroups ||
+        !TensorCoreVariantCompiled(d, RowsPerBlock(first, params.q_heads / first.kv_heads), keys, values, variant)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the tensor-core kernel in ", variant.warps, " warps and ", variant.stages,
+          " stages is not compiled for this batch (pages in ", PageOrderName(first.order), " order, head_dim ", d,
+          ", ", params.q_heads / first.kv_heads,
+          " query heads a kv head): {4, 2} runs every batch in token-group order; {4, 3}, {8, 2} and {2, 4} head_dim "
+          "128 with at most 8 query heads a kv head and turbo4, turbo3 or f16 keys and values alike"));
     }
   }
   for (const std::vector<AttentionProblem>& pass : CutIntoPasses(problems, count, params, kScratchBytes)) {
-    if (absl::Status s = AttendPass(pass.data(), pass.size(), params); !s.ok()) return s;
+    if (absl::Status s = AttendPass(pass.data(), pass.size(), params, variant); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaStream::AttendPass(const AttentionProblem* problems, size_t count, const AttentionParams& params) {
+absl::Status CudaStream::AttendPass(const AttentionProblem* problems, size_t count, const AttentionParams& params,
+                                    TensorCoreVariant variant) {
   AttentionStaging staging(problems, count, params);
   const StagingLayout& layout = staging.layout();
   if (absl::Status s = Reserve(layout.device_bytes, layout.host_bytes); !s.ok()) return s;
@@ -152,7 +176,7 @@ absl::Status CudaStream::AttendPass(const AttentionProblem* problems, size_t cou
   cudaEventRecord(kernels_start_, stream_);
   if (absl::Status s = LaunchStatus(LaunchAttention(described.data(), staging.device_problems(device),
                                                     static_cast<int64_t>(count), staging.plan(), params,
-                                                    staging.workspace(device), stream_),
+                                                    staging.workspace(device), stream_, variant),
                                     "attention kernels");
       !s.ok()) {
     return s;

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/attention.h"
+#include "kernels/cuda/attention_kernels.cuh"
 #include "kernels/paged_cache.h"
 
 namespace turbokv::cuda {
@@ -38,8 +39,9 @@ class CudaStream {
   // head_dim above kMaxCudaHeadDim or top_k above kMaxCudaTopK. Checks
   // every problem first (CheckAttention). One launch when the kernels'
   // scratch fits kScratchBytes (a decode step of a batch does), passes of
-  // queries otherwise.
-  absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params);
+  // queries otherwise. The problems share their page order too (the token
+  // groups: the tensor-core kernel, in `variant`; attention_kernels.cuh).
+  absl::Status Attend(const AttentionBatch& batch, const AttentionParams& params, TensorCoreVariant variant = {});
   // Encodes every chunk (kernels/paged_cache.h; pages on this device): its
   // new pages zeroed, then one launch per codec layout among their keys and
   // values, the same bytes as the CPU codecs, and their quantization error
@@ -63,7 +65,8 @@ class CudaStream {
  private:
   explicit CudaStream(int device) : device_(device) {}
   // One launch over problems the caller checked.
-  absl::Status AttendPass(const AttentionProblem* problems, size_t count, const AttentionParams& params);
+  absl::Status AttendPass(const AttentionProblem* problems, size_t count, const AttentionParams& params,
+                          TensorCoreVariant variant);
   // Enqueues the copy of a call's results back to the pinned buffer.
   absl::Status CopyBack(const StagingLayout& layout, const char* what);
   // Makes the device current and both buffers at least this large.

@@ -71,9 +71,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   }
   const std::string name =
       absl::StrCat(label, " (", prop.name, ", compute ", prop.major, ".", prop.minor, ", page arena ", GiB(arena_bytes),
-                   " of ", GiB(free_bytes), " free, ", streams, streams == 1 ? " stream)" : " streams)");
-  std::unique_ptr<CudaBackend> backend(
-      new CudaBackend(name, label, options.device, static_cast<uint8_t*>(arena), arena_bytes));
+                   " of ", GiB(free_bytes), " free, ", streams, streams == 1 ? " stream" : " streams",
+                   options.tensor_cores ? ", tensor-core attention)" : ")");
+  std::unique_ptr<CudaBackend> backend(new CudaBackend(name, label, options.device, static_cast<uint8_t*>(arena),
+                                                       arena_bytes, options.tensor_cores));
   for (int i = 0; i < streams; ++i) {
     absl::StatusOr<std::unique_ptr<cuda::CudaStream>> stream = cuda::CudaStream::Create(options.device);
     if (!stream.ok()) return stream.status();
@@ -83,9 +84,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   return backend;
 }
 
-CudaBackend::CudaBackend(std::string name, std::string label, int device, uint8_t* arena, size_t arena_bytes)
+CudaBackend::CudaBackend(std::string name, std::string label, int device, uint8_t* arena, size_t arena_bytes,
+                         bool tensor_cores)
     : Backend(std::move(name), std::move(label)),
       device_(device),
+      tensor_cores_(tensor_cores),
       arena_(arena),
       allocator_(arena_bytes, kPageAlignment) {}
 
@@ -131,6 +134,14 @@ absl::StatusOr<uint8_t*> CudaBackend::AllocatePage(size_t bytes) {
 }
 
 void CudaBackend::FreePage(uint8_t* page, size_t bytes) { allocator_.Free(static_cast<size_t>(page - arena_), bytes); }
+
+PageOrder CudaBackend::NativeOrder(const CodecLayout& key_layout, const CodecLayout& value_layout,
+                                   int page_tokens) const {
+  const int d = key_layout.head_dim;
+  return tensor_cores_ && (d == 64 || d == 128 || d == 256) && TokenGroupsApply(key_layout, value_layout, page_tokens)
+             ? PageOrder::kTokenGroups
+             : PageOrder::kCanonical;
+}
 
 absl::Status CudaBackend::ReadPage(const PageFormat& format, const uint8_t* page,
                                    const std::function<absl::Status(absl::string_view)>& use) {

@@ -29,6 +29,11 @@ struct CudaBackendOptions {
   size_t arena_bytes = 0;
   // Calls that run on the device at once (a CUDA stream each); more wait.
   int streams = 4;
+  // Pages of head dims 64, 128 and 256 kept in the token groups order
+  // (kernels/page_layout.h), attended by the tensor-core kernel
+  // (kernels/mma_tile.h); false: the canonical order and the CUDA-core
+  // split kernel for every head dim.
+  bool tensor_cores = false;
 };
 
 class CudaBackend : public Backend {
@@ -49,6 +54,8 @@ class CudaBackend : public Backend {
   absl::Status CheckHeadDim(int head_dim) const override;
   absl::StatusOr<uint8_t*> AllocatePage(size_t bytes) override;
   void FreePage(uint8_t* page, size_t bytes) override;
+  PageOrder NativeOrder(const CodecLayout& key_layout, const CodecLayout& value_layout,
+                        int page_tokens) const override;
   absl::Status ReadPage(const PageFormat& format, const uint8_t* page,
                         const std::function<absl::Status(absl::string_view)>& use) override;
   absl::Status WritePage(const PageFormat& format, uint8_t* page,
@@ -73,12 +80,13 @@ class CudaBackend : public Backend {
     cuda::CudaStream* stream_;
   };
 
-  CudaBackend(std::string name, std::string label, int device, uint8_t* arena, size_t arena_bytes);
+  CudaBackend(std::string name, std::string label, int device, uint8_t* arena, size_t arena_bytes, bool tensor_cores);
   // A call's status, as it returns: a CUDA error (INTERNAL) makes Health
   // look at the device.
   absl::Status Watch(absl::Status status);
 
   const int device_;
+  const bool tensor_cores_;
   uint8_t* const arena_;
   ArenaAllocator allocator_;
   std::vector<std::unique_ptr<cuda::CudaStream>> streams_;

@@ -17,9 +17,11 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/cuda_stream.h"
+#include "kernels/page_layout.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/kernels/layer_testing.h"
 
 namespace turbokv {
 namespace {
@@ -36,7 +38,7 @@ struct Problem {
 };
 
 Problem MakeProblem(CodecKind keys, CodecKind values, int d, int kv_heads, int page, int64_t tokens, int q_heads,
-                    uint64_t seed) {
+                    uint64_t seed, PageOrder order = PageOrder::kCanonical) {
   Problem p;
   auto cache = PagedCacheBuffer::Create({keys, d, seed}, {values, d, seed + 1}, kv_heads, page);
   EXPECT_TRUE(cache.ok()) << cache.status();
@@ -44,7 +46,7 @@ Problem MakeProblem(CodecKind keys, CodecKind values, int d, int kv_heads, int p
   const std::vector<float> k = GaussianVectors(tokens * kv_heads, d, seed + 2);
   const std::vector<float> v = GaussianVectors(tokens * kv_heads, d, seed + 3);
   p.host->Append(tokens, k.data(), v.data());
-  auto device = cuda::DevicePagedCache::Upload(p.host->descriptor(), 0);
+  auto device = cuda::DevicePagedCache::Upload(p.host->descriptor(), 0, order);
   EXPECT_TRUE(device.ok()) << device.status();
   if (device.ok()) p.device = *std::move(device);
   p.positions = {tokens - 1, (tokens - 1) / 2, 0};
@@ -64,13 +66,30 @@ struct Result {
   }
 };
 
-// gpu against cpu (the scalar path): outputs within float rounding, lse to
-// 1e-4, top-k logits slot by slot and tokens where the CPU's logits leave no
+// How near the GPU's results come to the scalar path's: the CUDA-core
+// kernel's within float rounding; the tensor-core kernel's within the fp16
+// rounding of its units and the query's hi + lo (kernels/mma_tile.h), the
+// bounds its host emulation meets (tests/kernels/mma_tile_test.cc).
+struct Tolerance {
+  double out;    // relative L2 of the outputs
+  float lse;     // relative to max(1, |lse|)
+  float logits;  // relative to max(1, |logit|)
+};
+constexpr Tolerance kCudaCores{2e-5, 1e-4f, 1e-4f};
+constexpr Tolerance kTensorCores{5e-4, 1e-3f, 1e-3f};
+
+// gpu against cpu (the scalar path): outputs and lse within `tolerance`,
+// top-k logits slot by slot and tokens where the CPU's logits leave no
 // near-tie.
-void ExpectAgree(const Result& gpu, const Result& cpu, size_t rows, int top_k, const std::string& what) {
-  EXPECT_LT(RelativeL2(gpu.out, cpu.out), 2e-5) << what;
+void ExpectAgree(const Result& gpu, const Result& cpu, size_t rows, int top_k, const std::string& what,
+                 const Tolerance& tolerance = kCudaCores) {
+  EXPECT_LT(RelativeL2(gpu.out, cpu.out), tolerance.out) << what;
   for (size_t i = 0; i < rows; ++i) {
-    ASSERT_NEAR(gpu.lse[i], cpu.lse[i], 1e-4 * std::max(1.0f, std::fabs(cpu.lse[i]))) << what << " row " << i;
+    if (std::isinf(cpu.lse[i])) {
+      EXPECT_EQ(gpu.lse[i], cpu.lse[i]) << what << " row " << i;
+      continue;
+    }
+    ASSERT_NEAR(gpu.lse[i], cpu.lse[i], tolerance.lse * std::max(1.0f, std::fabs(cpu.lse[i]))) << what << " row " << i;
   }
   for (size_t i = 0; i < rows; ++i) {
     for (int j = 0; j < top_k; ++j) {
@@ -80,11 +99,11 @@ void ExpectAgree(const Result& gpu, const Result& cpu, size_t rows, int top_k, c
         EXPECT_EQ(gpu.top_logits[at], -INFINITY) << what;
         continue;
       }
-      const float tolerance = 1e-4f * std::max(1.0f, std::fabs(cpu.top_logits[at]));
-      ASSERT_NEAR(gpu.top_logits[at], cpu.top_logits[at], tolerance) << what << " row " << i << " slot " << j;
-      const bool apart = (j == 0 || cpu.top_logits[at - 1] - cpu.top_logits[at] > 2 * tolerance) &&
+      const float near = tolerance.logits * std::max(1.0f, std::fabs(cpu.top_logits[at]));
+      ASSERT_NEAR(gpu.top_logits[at], cpu.top_logits[at], near) << what << " row " << i << " slot " << j;
+      const bool apart = (j == 0 || cpu.top_logits[at - 1] - cpu.top_logits[at] > 2 * near) &&
                          (j + 1 == top_k || cpu.top_tokens[at + 1] < 0 ||
-                          cpu.top_logits[at] - cpu.top_logits[at + 1] > 2 * tolerance);
+                          cpu.top_logits[at] - cpu.top_logits[at + 1] > 2 * near);
       if (apart) {
         EXPECT_EQ(gpu.top_tokens[at], cpu.top_tokens[at]) << what << " row " << i << " slot " << j;
       }
@@ -92,24 +111,14 @@ void ExpectAgree(const Result& gpu, const Result& cpu, size_t rows, int top_k, c
   }
 }
 
-class CudaAttentionTest
-    : public ::testing::TestWithParam<std::tuple<std::pair<CodecKind, CodecKind>, int, int>> {
- protected:
-  void SetUp() override {
-    const absl::Status device = cuda::CheckDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
-    auto stream = cuda::CudaStream::Create(0);
-    ASSERT_TRUE(stream.ok()) << stream.status();
-    stream_ = *std::move(stream);
-  }
-  std::unique_ptr<cuda::CudaStream> stream_;
-};
-
-TEST_P(CudaAttentionTest, MatchesTheScalarCpuPath) {
-  const auto [codecs, d, group] = GetParam();
+// One codec pair, head dim and group against the CPU over awkward lengths,
+// a window with a softcap, and top_k, with the device's pages in `order`.
+void ExpectShapeAgrees(cuda::CudaStream& stream, std::pair<CodecKind, CodecKind> codecs, int d, int group,
+                       PageOrder order, const Tolerance& tolerance) {
   constexpr int kKvHeads = 2, kPage = 64;
   for (int64_t tokens : {int64_t{1}, int64_t{kPage - 1}, int64_t{kPage + 1}, int64_t{10000}}) {
-    Problem p = MakeProblem(codecs.first, codecs.second, d, kKvHeads, kPage, tokens, kKvHeads * group, 0x33 + tokens);
+    Problem p = MakeProblem(codecs.first, codecs.second, d, kKvHeads, kPage, tokens, kKvHeads * group, 0x33 + tokens,
+                            order);
     ASSERT_NE(p.device, nullptr);
     for (const auto& [window, softcap, top_k] :
          {std::make_tuple(int64_t{0}, 0.0f, 0), std::make_tuple(int64_t{37}, 4.0f, 0), std::make_tuple(int64_t{0}, 0.0f, 5)}) {
@@ -123,14 +132,40 @@ TEST_P(CudaAttentionTest, MatchesTheScalarCpuPath) {
       const AttentionQueries queries{static_cast<int64_t>(p.positions.size()), p.q.data(), p.positions.data()};
       ASSERT_TRUE(AttendCpu(p.host->descriptor(), params, queries, cpu.output(top_k), {AttentionPath::kScalar}).ok());
       const AttentionProblem problem{p.device->descriptor(), queries, gpu.output(top_k)};
-      const absl::Status s = stream_->Attend({&problem, 1}, params);
+      const absl::Status s = stream.Attend({&problem, 1}, params);
       ASSERT_TRUE(s.ok()) << s;
       ExpectAgree(gpu, cpu, rows, top_k,
                   std::string(CodecName(codecs.first)) + "/" + CodecName(codecs.second) + " d=" + std::to_string(d) +
                       " group=" + std::to_string(group) + " tokens=" + std::to_string(tokens) +
-                      " window=" + std::to_string(window) + " top_k=" + std::to_string(top_k));
+                      " window=" + std::to_string(window) + " top_k=" + std::to_string(top_k),
+                  tolerance);
     }
   }
+}
+
+using ShapeParam = std::tuple<std::pair<CodecKind, CodecKind>, int, int>;
+
+std::string ShapeName(const ::testing::TestParamInfo<ShapeParam>& info) {
+  const auto& codecs = std::get<0>(info.param);
+  return std::string(CodecName(codecs.first)) + "_" + CodecName(codecs.second) + "_d" +
+         std::to_string(std::get<1>(info.param)) + "_g" + std::to_string(std::get<2>(info.param));
+}
+
+class CudaAttentionTest : public ::testing::TestWithParam<ShapeParam> {
+ protected:
+  void SetUp() override {
+    const absl::Status device = cuda::CheckDevice(0);
+    if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
+    auto stream = cuda::CudaStream::Create(0);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    stream_ = *std::move(stream);
+  }
+  std::unique_ptr<cuda::CudaStream> stream_;
+};
+
+TEST_P(CudaAttentionTest, MatchesTheScalarCpuPath) {
+  const auto [codecs, d, group] = GetParam();
+  ExpectShapeAgrees(*stream_, codecs, d, group, PageOrder::kCanonical, kCudaCores);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -140,15 +175,97 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::make_pair(CodecKind::kF16, CodecKind::kF16),
                                          std::make_pair(CodecKind::kQ8_0, CodecKind::kQ4_0)),
                        ::testing::Values(64, 128, 256, 576), ::testing::Values(1, 4, 8)),
-    [](const auto& info) {
-      const auto& codecs = std::get<0>(info.param);
-      return std::string(CodecName(codecs.first)) + "_" + CodecName(codecs.second) + "_d" +
-             std::to_string(std::get<1>(info.param)) + "_g" + std::to_string(std::get<2>(info.param));
-    });
+    ShapeName);
+
+// The tensor-core split kernel: caches uploaded in the token-group order,
+// every head dim it takes, the pairs with kernels of their own and two that
+// run the one reading every codec, groups of one n-tile (up to 8 query
+// heads) and of two (12, 16 at head_dim 128 and below).
+using CudaTensorCoreTest = CudaAttentionTest;
+
+TEST_P(CudaTensorCoreTest, MatchesTheScalarCpuPath) {
+  const auto [codecs, d, group] = GetParam();
+  ExpectShapeAgrees(*stream_, codecs, d, group, PageOrder::kTokenGroups, kTensorCores);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaTensorCoreTest,
+    ::testing::Combine(::testing::Values(std::make_pair(CodecKind::kTurbo4, CodecKind::kTurbo4),
+                                         std::make_pair(CodecKind::kTurbo3, CodecKind::kTurbo3),
+                                         std::make_pair(CodecKind::kF16, CodecKind::kF16),
+                                         std::make_pair(CodecKind::kTurbo2, CodecKind::kTurbo4),
+                                         std::make_pair(CodecKind::kQ8_0, CodecKind::kQ4_0)),
+                       ::testing::Values(64, 128, 256), ::testing::Values(1, 4, 8, 12, 16)),
+    ShapeName);
+
+// Every compiled variant of the tensor-core kernel gives the scalar path's
+// results; one not compiled for the batch is refused before anything runs.
+TEST(CudaTensorCoreVariantTest, EveryCompiledVariantAgreesAndOthersAreRefused) {
+  const absl::Status device = cuda::CheckDevice(0);
+  if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
+  auto stream = cuda::CudaStream::Create(0);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  constexpr int kKvHeads = 2, kGroup = 4, kDim = 128, kPage = 64;
+  AttentionParams params;
+  params.q_heads = kKvHeads * kGroup;
+  for (CodecKind kind : {CodecKind::kTurbo4, CodecKind::kTurbo3, CodecKind::kF16}) {
+    Problem p = MakeProblem(kind, kind, kDim, kKvHeads, kPage, 3000, params.q_heads, 0x91, PageOrder::kTokenGroups);
+    ASSERT_NE(p.device, nullptr);
+    const size_t rows = p.positions.size() * params.q_heads;
+    const AttentionQueries queries{static_cast<int64_t>(p.positions.size()), p.q.data(), p.positions.data()};
+    Result cpu(rows, kDim, 0);
+    ASSERT_TRUE(AttendCpu(p.host->descriptor(), params, queries, cpu.output(0), {AttentionPath::kScalar}).ok());
+    for (const cuda::TensorCoreVariant variant : {cuda::TensorCoreVariant{4, 2}, cuda::TensorCoreVariant{4, 3},
+                                                  cuda::TensorCoreVariant{8, 2}, cuda::TensorCoreVariant{2, 4}}) {
+      ASSERT_TRUE(cuda::TensorCoreVariantCompiled(kDim, 8, kind, kind, variant));
+      Result gpu(rows, kDim, 0);
+      const AttentionProblem problem{p.device->descriptor(), queries, gpu.output(0)};
+      const absl::Status s = (*stream)->Attend({&problem, 1}, params, variant);
+      ASSERT_TRUE(s.ok()) << s;
+      ExpectAgree(gpu, cpu, rows, 0,
+                  std::string(CodecName(kind)) + " in " + std::to_string(variant.warps) + " warps, " +
+                      std::to_string(variant.stages) + " stages",
+                  kTensorCores);
+    }
+  }
+  // {8, 2} is compiled for the pairs of their own at head_dim 128 only.
+  Problem mixed = MakeProblem(CodecKind::kTurbo2, CodecKind::kTurbo4, kDim, kKvHeads, kPage, 100, params.q_heads, 0x92,
+                              PageOrder::kTokenGroups);
+  Problem canonical = MakeProblem(CodecKind::kTurbo4, CodecKind::kTurbo4, kDim, kKvHeads, kPage, 100, params.q_heads,
+                                  0x93);
+  for (Problem* p : {&mixed, &canonical}) {
+    Result gpu(p->positions.size() * params.q_heads, kDim, 0);
+    const AttentionProblem problem{p->device->descriptor(),
+                                   {static_cast<int64_t>(p->positions.size()), p->q.data(), p->positions.data()},
+                                   gpu.output(0)};
+    const absl::Status s = (*stream)->Attend({&problem, 1}, params, cuda::TensorCoreVariant{8, 2});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find("not compiled"), std::string::npos) << s;
+  }
+}
+
+// The variants on the host: what the GPU run's sweep may name.
+TEST(TensorCoreVariantTest, TheSweptVariantsAreCompiledForTheirShapesOnly) {
+  const cuda::TensorCoreVariant kDefault{}, kSwept{8, 2}, kOther{3, 3};
+  for (int d : {64, 128, 256}) {
+    EXPECT_TRUE(cuda::TensorCoreVariantCompiled(d, 16, CodecKind::kQ8_0, CodecKind::kQ4_0, kDefault));
+    EXPECT_TRUE(cuda::TensorCoreVariantCompiled(d, 8, CodecKind::kTurbo2, CodecKind::kTurbo4, {4, 2}));
+    EXPECT_EQ(cuda::TensorCoreVariantCompiled(d, 8, CodecKind::kTurbo4, CodecKind::kTurbo4, kSwept), d == 128);
+  }
+  EXPECT_FALSE(cuda::TensorCoreVariantCompiled(128, 16, CodecKind::kTurbo4, CodecKind::kTurbo4, kSwept));
+  EXPECT_FALSE(cuda::TensorCoreVariantCompiled(128, 8, CodecKind::kTurbo2, CodecKind::kTurbo4, kSwept));
+  EXPECT_FALSE(cuda::TensorCoreVariantCompiled(128, 8, CodecKind::kTurbo4, CodecKind::kTurbo4, kOther));
+}
 
 // A decode step of many sessions of different lengths and codecs is one
-// batch: every problem's result equals the same problem on the CPU alone.
-TEST(CudaAttentionBatchTest, EveryProblemOfABatchMatchesItsOwnCpuResult) {
+// batch: every problem's result equals the same problem on the CPU alone,
+// with the pages in either order (the token groups run the tensor-core
+// kernel that reads every codec).
+class CudaAttentionBatchTest : public ::testing::TestWithParam<PageOrder> {};
+
+TEST_P(CudaAttentionBatchTest, EveryProblemOfABatchMatchesItsOwnCpuResult) {
+  const PageOrder order = GetParam();
+  const Tolerance& tolerance = order == PageOrder::kTokenGroups ? kTensorCores : kCudaCores;
   const absl::Status device = cuda::CheckDevice(0);
   if (!device.ok()) GTEST_SKIP() << "CUDA tests skipped: " << device.message();
   auto stream = cuda::CudaStream::Create(0);
@@ -161,7 +278,7 @@ TEST(CudaAttentionBatchTest, EveryProblemOfABatchMatchesItsOwnCpuResult) {
   const std::vector<int64_t> lengths = {1, 63, 64, 65, 500, 4097, 20000, 7};
   for (size_t i = 0; i < lengths.size(); ++i) {
     const auto& [k, v] = codecs[i % codecs.size()];
-    problems.push_back(MakeProblem(k, v, kDim, kKvHeads, kPage, lengths[i], kQHeads, 100 + 10 * i));
+    problems.push_back(MakeProblem(k, v, kDim, kKvHeads, kPage, lengths[i], kQHeads, 100 + 10 * i, order));
     ASSERT_NE(problems.back().device, nullptr);
   }
   for (const int top_k : {0, 3}) {
@@ -187,10 +304,15 @@ TEST(CudaAttentionBatchTest, EveryProblemOfABatchMatchesItsOwnCpuResult) {
     for (size_t i = 0; i < problems.size(); ++i) {
       ExpectAgree(gpu[i], cpu[i], problems[i].positions.size() * kQHeads, top_k,
                   "problem " + std::to_string(i) + " (" + std::to_string(lengths[i]) + " tokens) top_k=" +
-                      std::to_string(top_k));
+                      std::to_string(top_k),
+                  tolerance);
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Orders, CudaAttentionBatchTest,
+                         ::testing::Values(PageOrder::kCanonical, PageOrder::kTokenGroups),
+                         [](const auto& info) { return testing::PageOrderParamName(info.param); });
 
 TEST(CudaAttentionLimitsTest, WhatTheKernelsDoNotTakeIsUnimplementedOrInvalid) {
   const absl::Status device = cuda::CheckDevice(0);
@@ -214,6 +336,12 @@ TEST(CudaAttentionLimitsTest, WhatTheKernelsDoNotTakeIsUnimplementedOrInvalid) {
                                     {b.device->descriptor(), {3, b.q.data(), b.positions.data()}, rb.output(0)}};
   s = (*stream)->Attend({mixed, 2}, params);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+
+  // Pages of 24 tokens hold no whole 16-token groups.
+  auto odd = PagedCacheBuffer::Create({CodecKind::kTurbo4, 128, 1}, {CodecKind::kTurbo4, 128, 2}, 1, 24);
+  ASSERT_TRUE(odd.ok()) << odd.status();
+  auto grouped = cuda::DevicePagedCache::Upload((*odd)->descriptor(), 0, PageOrder::kTokenGroups);
+  EXPECT_EQ(grouped.status().code(), absl::StatusCode::kInvalidArgument) << grouped.status();
 }
 
 // The plan, run on the CPU: every (problem, query, row chunk, kv head,

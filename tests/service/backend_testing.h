@@ -16,12 +16,15 @@
 namespace turbokv::testing {
 
 inline std::vector<std::string> TestDevices() { return {"cpu", "cuda:0"}; }
+// The same, and GPU 0 with its pages in token groups and attention on the
+// tensor-core kernel (TestBackend's "cuda:0+tensor-cores").
+inline std::vector<std::string> TestBackends() { return {"cpu", "cuda:0", "cuda:0+tensor-cores"}; }
 
 // "cpu", "cuda_0": the device as a test name.
 inline std::string DeviceName(const std::string& device) {
   std::string name = device;
   for (char& c : name) {
-    if (c == ':') c = '_';
+    if (c == ':' || c == '+' || c == '-') c = '_';
   }
   return name;
 }
@@ -31,7 +34,10 @@ inline std::string DeviceTestName(const ::testing::TestParamInfo<std::string>& i
 // the same size), two calls at once on a GPU.
 inline absl::StatusOr<std::unique_ptr<Backend>> TestBackend(const std::string& device, ThreadPool* pool,
                                                             size_t budget) {
-  return MakeBackend(device, pool, device == "cpu" ? 0 : budget, 2);
+  const std::string suffix = "+tensor-cores";
+  const bool tensor_cores = device.size() > suffix.size() && device.compare(device.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const std::string name = tensor_cores ? device.substr(0, device.size() - suffix.size()) : device;
+  return MakeBackend(name, pool, name == "cpu" ? 0 : budget, 2, tensor_cores);
 }
 
 }  // namespace turbokv::testing

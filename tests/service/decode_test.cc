@@ -158,7 +158,7 @@ TEST_P(DecodeEqualsStepTest, BitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Batches, DecodeEqualsStepTest,
-                         ::testing::Combine(::testing::ValuesIn(testing::TestDevices()), ::testing::Values(1, 3, 32),
+                         ::testing::Combine(::testing::ValuesIn(testing::TestBackends()), ::testing::Values(1, 3, 32),
                                             ::testing::Values(1, 4), ::testing::Bool()),
                          [](const auto& info) {
                            return testing::DeviceName(std::get<0>(info.param)) + "_b" +
@@ -167,7 +167,7 @@ INSTANTIATE_TEST_SUITE_P(Batches, DecodeEqualsStepTest,
                                   (std::get<3>(info.param) ? "_window_softcap" : "");
                          });
 
-INSTANTIATE_TEST_SUITE_P(Devices, DecodeTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
+INSTANTIATE_TEST_SUITE_P(Devices, DecodeTest, ::testing::ValuesIn(testing::TestBackends()), testing::DeviceTestName);
 
 // Sessions that start empty: Decode's first tokens go to a copy of the sink
 // page, which its attention reads before the layer holds it, then past the

@@ -824,7 +824,7 @@ TEST_P(HandlerTest, SnapshotIsForTheAdminTenantOnly) {
   EXPECT_EQ(handler_->Snapshot(v1::SnapshotRequest(), "ops").status().code(), absl::StatusCode::kPermissionDenied);
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, HandlerTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
+INSTANTIATE_TEST_SUITE_P(Devices, HandlerTest, ::testing::ValuesIn(testing::TestBackends()), testing::DeviceTestName);
 
 // The reply a call will produce counts against the tenant's in-flight bound
 // from its admission: queries x heads x (4 x head_dim + 4 + 12 x top_k)

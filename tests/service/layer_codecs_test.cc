@@ -865,9 +865,9 @@ TEST_P(StorageTest, ShortPromptsAreHeldExactUntilTheFirstPageFills) {
   EXPECT_LT(RelativeError(keys, sent, 4 * row, 70 * row), 0.02);
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, StorageTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
+INSTANTIATE_TEST_SUITE_P(Devices, StorageTest, ::testing::ValuesIn(testing::TestBackends()), testing::DeviceTestName);
 
-INSTANTIATE_TEST_SUITE_P(Devices, LayerCodecsTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
+INSTANTIATE_TEST_SUITE_P(Devices, LayerCodecsTest, ::testing::ValuesIn(testing::TestBackends()), testing::DeviceTestName);
 
 }  // namespace
 }  // namespace turbokv

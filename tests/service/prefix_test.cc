@@ -362,7 +362,7 @@ TEST(PrefixIndexTest, ItTellsWhenAHashComesToBeHeldInAMediumAndWhenItStops) {
   EXPECT_EQ(index.blocks(), 2u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, PrefixTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
+INSTANTIATE_TEST_SUITE_P(Devices, PrefixTest, ::testing::ValuesIn(testing::TestBackends()), testing::DeviceTestName);
 
 }  // namespace
 }  // namespace turbokv

@@ -587,7 +587,7 @@ TEST_P(SpillTest, ADirectoryThatCannotBeWrittenIsRefusedNamingIt) {
   EXPECT_TRUE(absl::StrContains(tier.status().message(), dir)) << tier.status();
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, SpillTest, ::testing::ValuesIn(testing::TestDevices()), testing::DeviceTestName);
+INSTANTIATE_TEST_SUITE_P(Devices, SpillTest, ::testing::ValuesIn(testing::TestBackends()), testing::DeviceTestName);
 
 }  // namespace
 }  // namespace turbokv

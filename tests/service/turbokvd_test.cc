@@ -333,6 +333,7 @@ TEST(TurbokvdTest, BadFlagsExitWithAMessage) {
       {{"--eviction=random"}, "--eviction=random: expected reject or lru"},
       {{"--pin-threads=yes"}, "--pin-threads=yes: expected on or off"},
       {{"--device=tpu"}, "--device=tpu: expected auto, cpu or cuda:N"},
+      {{"--cuda-attention=mma"}, "--cuda-attention=mma: expected split or tensor-cores"},
       {{"--no-such-flag=1"}, "unknown flag --no-such-flag"},
       {{"--listen=nowhere"}, "--listen=nowhere: expected unix:///path or host:port"},
       {{"--session-ttl=soon"}, "--session-ttl=soon"},
@@ -362,6 +363,12 @@ TEST(TurbokvdTest, TheGpuServesOrTheDaemonSaysWhyNot) {
     EXPECT_THAT(client->Stats()->device(), HasSubstr("cuda:0 ("));
     EXPECT_EQ(daemon.Stop(SIGTERM), 0);
     EXPECT_THAT(daemon.Log(), HasSubstr("--device=auto: CUDA device 0 can serve"));
+    Daemon tensor_cores(
+        {"--listen=" + Socket(), "--device=cuda:0", "--cuda-attention=tensor-cores", "--memory-budget=64MiB"});
+    client = Client::Connect(Socket());
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << tensor_cores.Log();
+    EXPECT_THAT(client->Stats()->device(), HasSubstr("tensor-core attention"));
+    EXPECT_EQ(tensor_cores.Stop(SIGTERM), 0);
     return;
   }
   const std::string why(gpu.status().message());
