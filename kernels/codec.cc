@@ -46,7 +46,8 @@ absl::StatusOr<CodecLayout> CheckCodecSpec(const CodecSpec& spec) {
   if (layout.blocks == 0 || spec.head_dim > kMaxHeadDim) {
     return absl::InvalidArgumentError(absl::StrCat(
         "head_dim ", spec.head_dim, " is not supported; supported head dims are multiples of 64 from 64 to ",
-        kMaxHeadDim, " (rotation blocks of 128 when head_dim % 128 == 0, else 64)"));
+        kMaxHeadDim, " (rotation blocks of 128 when head_dim % 128 == 0, else 64): pad keys, values and queries "
+        "with zeros to the next multiple of 64 and pass the model's softmax scale (turbokv.transformers does)"));
   }
   return layout;
 }

@@ -160,6 +160,40 @@ class TransformersIntegrationTest(unittest.TestCase):
                 self.assertGreater(cosine(logits, eager), 0.99, (name, options))
             model.set_attn_implementation("eager")
 
+    def test_head_dims_off_the_multiples_of_64_are_stored_padded(self):
+        torch.manual_seed(9)
+        configs = {
+            # Phi-3's head_dim of 96, and the 80 of some Llama variants.
+            "phi3-d96": transformers.Phi3Config(
+                vocab_size=512, hidden_size=384, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0),
+            "llama-d80": transformers.LlamaConfig(
+                vocab_size=512, hidden_size=320, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024),
+        }
+        for name, config in configs.items():
+            config._attn_implementation = "eager"
+            model = hf_generate.randomized(transformers.AutoModelForCausalLM.from_config(config)).eval()
+            ids = prompt(512, 20, 11)
+            with tt.TurbokvCache(self.client, model.config, key_codec="f16", value_codec="f16") as cache:
+                self.assertEqual(cache.stored_head_dim, 128, name)
+                (eager_tokens, eager_logits) = hf_generate.generate(model, ids, torch.ones_like(ids), 16)
+                tokens, logits = hf_generate.generate(model, ids, torch.ones_like(ids), 16, cache)
+                self.assertEqual(cache.sessions[0].head_dim, 128, name)
+            self.assertTrue(torch.equal(tokens, eager_tokens), name)
+            span = float(eager_logits.max() - eager_logits.min())
+            self.assertLess(float((logits - eager_logits).abs().max()), 1e-3 * span, name)
+            # The default preset, on a prompt long enough to fit its transform.
+            ids = prompt(512, 64, 12)
+            model.set_attn_implementation("eager")
+            with torch.no_grad():
+                eager = model(ids).logits
+            model.set_attn_implementation(tt.ATTN_IMPLEMENTATION)
+            with tt.TurbokvCache(self.client, model.config) as cache, torch.no_grad():
+                served = model(ids, use_cache=True, **{tt.CACHE_ARGUMENT: cache}).logits
+            model.set_attn_implementation("eager")
+            self.assertGreater(cosine(served, eager), 0.99, name)
+
     def test_a_padded_batch_equals_its_sequences_alone(self):
         model = self.models["qwen2-d128"]
         lengths = (7, 19, 12)

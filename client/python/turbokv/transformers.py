@@ -25,6 +25,14 @@ positions; a decoding step of the whole batch is one Decode message per
 layer. Keys arrive after RoPE, as the model computed them; GQA, the model's
 softmax scale, sliding-window layers and logit softcapping are passed on.
 
+**Head dims.** turbokvd stores head dims that are multiples of 64 (up to
+576). A model whose head_dim is not (Phi-3's 96, the 80 of some Llama
+variants) is stored padded with zeros to the next multiple of 64: the
+padded channels add nothing to any dot product and their outputs are
+dropped, so attention is the model's own, under every codec and on every
+device; the cost is the padding's bytes (``stored_head_dim /
+head_dim``: 1.33x at 96, 1.6x at 80).
+
 **Shared prefixes.** Given the prompt's token ids (``token_ids=``, one row
 per sequence, no padding) and a ``salt`` naming the model, the cache starts
 each session with the longest prefix of its prompt that a session of the
@@ -105,6 +113,7 @@ cache}`` passes it on every supported version without a warning."""
 _CHUNK = 1024    # tokens per Append message of a prefill
 _FIT = 512       # tokens of the first Append of a prefill whose blocks are named (token_ids=)
 _QUERIES = 256   # queries per Attend message
+_HEAD_DIM_STEP = 64  # turbokvd's head dims are its multiples (padded up to one: TurbokvCache.stored_head_dim)
 
 # The cache whose update() ran last in this thread: the attention function
 # that transformers calls right after it finds it here.
@@ -190,6 +199,8 @@ class TurbokvCache(Cache):
         self.q_heads = int(text.num_attention_heads)
         self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.q_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.q_heads)
+        self.stored_head_dim = -(-self.head_dim // _HEAD_DIM_STEP) * _HEAD_DIM_STEP
+        """The head dim of the sessions: head_dim, or the next multiple of 64 (zeros padding it)."""
         self.sessions: List[Session] = []
         self.closed = False
         # Per sequence, per layer: tokens stored in its session.
@@ -219,7 +230,7 @@ class TurbokvCache(Cache):
         self._hashes = [block_hashes(row, self._block, salt) for row in rows]
         for hashes in self._hashes:
             self.sessions.append(self.client.create_session(
-                self.num_layers, self.kv_heads, self.q_heads, self.head_dim, prefix_blocks=hashes,
+                self.num_layers, self.kv_heads, self.q_heads, self.stored_head_dim, prefix_blocks=hashes,
                 **self.session_options))
         # One length for the batch, and at least one token left for the model.
         start = min(min(s.prefix_tokens for s in self.sessions), (self._prompt - 1) // self._block * self._block)
@@ -251,7 +262,7 @@ class TurbokvCache(Cache):
         if not self.sessions:
             for _ in range(batch):
                 self.sessions.append(self.client.create_session(
-                    self.num_layers, self.kv_heads, self.q_heads, self.head_dim, **self.session_options))
+                    self.num_layers, self.kv_heads, self.q_heads, self.stored_head_dim, **self.session_options))
             self._stored = np.zeros((batch, self.num_layers), dtype=np.int64)
         elif len(self.sessions) != batch:
             raise LayoutMismatch(f"the batch has {batch} sequences, the cache {len(self.sessions)}: use one cache "
@@ -315,11 +326,13 @@ class TurbokvCache(Cache):
                 f"expected [batch, {self.q_heads}, tokens, {self.head_dim}] and [batch, {self.kv_heads}, tokens, "
                 f"{self.head_dim}]")
         sessions = self._sessions_for(batch)
+        pad = self.stored_head_dim - d
+        if pad and not scaling:
+            scaling = d ** -0.5  # the model's head_dim, not the padded one turbokvd would take
         options = dict(softmax_scale=float(scaling or 0.0), softcap=float(softcap or 0.0), window=int(window or 0))
-        # [B, n, heads, d] on the host, in the model's dtype (sent as it is).
-        q = query.detach().transpose(1, 2).cpu()
-        k = key.detach().transpose(1, 2).cpu()
-        v = value.detach().transpose(1, 2).cpu()
+        # [B, n, heads, stored_head_dim] on the host, in the model's dtype
+        # (sent as it is).
+        q, k, v = (torch.nn.functional.pad(x.detach().transpose(1, 2).cpu(), (0, pad)) for x in (query, key, value))
         mask = np.ones((batch, n), dtype=bool) if real is None else real.cpu().numpy().astype(bool)
         out = torch.zeros((batch, n, q_heads, d), dtype=torch.float32)
         stored = self._stored[:, layer]
@@ -332,7 +345,7 @@ class TurbokvCache(Cache):
             result = self._decode_stream().step(layer, sessions, k[:, 0], v[:, 0], q[:, 0],
                                                 stored[:, None].copy(), **options)
             result.raise_for_status()
-            out[:, 0] = result.output[:, 0].float()
+            out[:, 0] = result.output[:, 0, :, :d].float()
             stored += 1
         else:
             for i, session in enumerate(sessions):
@@ -350,7 +363,7 @@ class TurbokvCache(Cache):
                 for c in range(0, rows.numel(), _QUERIES):
                     positions = list(range(start + c, start + min(rows.numel(), c + _QUERIES)))
                     result = session.attend(layer, qi[c:c + _QUERIES], positions, **options)
-                    out[i, rows[c:c + _QUERIES]] = result.output.float()
+                    out[i, rows[c:c + _QUERIES]] = result.output[..., :d].float()
                 stored[i] += rows.numel()
         if self._hashes is not None and layer == self.num_layers - 1 and int(self._stored.min()) >= self._prompt:
             # The prompt is in every layer: its full blocks are named for
