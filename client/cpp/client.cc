@@ -526,7 +526,12 @@ absl::Status Session::Delete() const {
   return Call(&v1::KvCacheService::Stub::DeleteSession, *stub_, *options_, request).status();
 }
 
-std::unique_ptr<Client> Client::Connect(const std::string& target, const ClientOptions& options) {
+std::string ChannelTarget(const std::string& target) {
+  return !target.empty() && target[0] == '/' ? "unix://" + target : target;
+}
+
+std::unique_ptr<Client> Client::Connect(const std::string& given, const ClientOptions& options) {
+  const std::string target = ChannelTarget(given);
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options.max_message_bytes);
   arguments.SetMaxSendMessageSize(options.max_message_bytes);

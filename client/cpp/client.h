@@ -283,9 +283,14 @@ class Session {
 };
 
 
+// The gRPC target `target` names: a bare absolute path is the unix socket
+// there (unix://PATH; never a host name to look up), anything else itself.
+std::string ChannelTarget(const std::string& target);
+
 class Client {
  public:
-  // target: unix:///path or host:port. Does not wait for the daemon.
+  // target: unix:///path (or the bare absolute path) or host:port. Does not
+  // wait for the daemon.
   static std::unique_ptr<Client> Connect(const std::string& target, const ClientOptions& options = {});
 
   // Waits until the daemon answers its health check as SERVING; past the

@@ -902,7 +902,7 @@ std::string DefaultTarget() {
 
 std::vector<FlagSpec> GlobalFlags(const Command* command) {
   return {OtherFlag("target", Kind::kText, DefaultTarget(),
-                    "unix:///path or host:port of turbokvd, $TURBOKV_TARGET when set"),
+                    "unix:///path (or the bare absolute path) or host:port of turbokvd, $TURBOKV_TARGET when set"),
           DurationFlag("timeout", command != nullptr ? command->timeout : "5s", absl::Milliseconds(1), absl::Hours(1),
                        "deadline to reach the daemon, and of each unary call (streams have none)"),
           OtherFlag("wait", Kind::kBool, "false",
@@ -1130,7 +1130,7 @@ int main(int argc, char** argv) {
   options.tls_root_certs = args.Text("tls-ca");
   options.tls_client_cert = args.Text("tls-cert");
   options.tls_client_key = args.Text("tls-key");
-  const std::string& target = args.Text("target");
+  const std::string target = turbokv::ChannelTarget(args.Text("target"));
   // A unix socket that is not there: nothing listens (a wrong path, a daemon
   // not started), said at once; --wait waits for one still starting.
   if (!args.Bool("wait") && absl::StartsWith(target, "unix:")) {

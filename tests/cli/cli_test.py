@@ -112,12 +112,14 @@ class CliTest(unittest.TestCase):
             self.assertRegex(out.stderr, "DEADLINE_EXCEEDED|UNAVAILABLE")
             self.assertIn(target, out.stderr)
             self.assertLess(elapsed, 10, out.stderr)  # it waited a fixed 30 s
-        # Without --wait a unix socket that is not there fails at once, naming it.
-        start = time.monotonic()
-        out = self.run_cli("stats", target=f"unix://{self.tmp.name}/nobody.sock")
-        self.assertEqual(out.returncode, 3, out.stderr)
-        self.assertIn(f"UNAVAILABLE: no socket at {self.tmp.name}/nobody.sock", out.stderr)
-        self.assertLess(time.monotonic() - start, 1.0, out.stderr)
+        # Without --wait a unix socket that is not there fails at once, naming
+        # it, the bare path too (a unix socket, never a host name).
+        for target in (f"unix://{self.tmp.name}/nobody.sock", f"{self.tmp.name}/nobody.sock"):
+            start = time.monotonic()
+            out = self.run_cli("stats", target=target)
+            self.assertEqual(out.returncode, 3, out.stderr)
+            self.assertIn(f"UNAVAILABLE: no socket at {self.tmp.name}/nobody.sock", out.stderr)
+            self.assertLess(time.monotonic() - start, 1.0, out.stderr)
         # With it, a daemon that comes up while the CLI waits is reached.
         late = f"unix://{self.tmp.name}/late.sock"
         waiting = subprocess.Popen([CLI, f"--target={late}", "stats", "--timeout=30s", "--wait", "--output=json"],
@@ -243,6 +245,10 @@ class CliTest(unittest.TestCase):
         self.assertIn("sessions", json.loads(out.stdout))
         help_text = subprocess.run([CLI, "help", "stats"], capture_output=True, text=True, timeout=30, env=env).stdout
         self.assertIn(f"(default {self.target})", help_text)
+        # The daemon's socket by its bare path.
+        out = self.run_cli("stats", "--output=json", target=self.target[len("unix://"):])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("sessions", json.loads(out.stdout))
 
     def test_the_demo_takes_a_preset_and_defaults_to_the_daemons(self):
         small = ["demo", "--layers=2", "--kv-heads=1", "--q-heads=2", "--head-dim=64", "--tokens=64", "--chunk=32",

@@ -242,6 +242,19 @@ TEST(TurbokvdTest, AHealthOnlyListenerAnswersProbesAndNothingElse) {
   EXPECT_EQ(daemon.Stop(SIGTERM), 0);
 }
 
+// A target that is a bare absolute path is the unix socket there (issue
+// 59 item 8: never a host name for the resolver), shared memory included.
+TEST(TurbokvdTest, ABareSocketPathIsTheUnixSocket) {
+  Daemon daemon({"--listen=" + Socket(), "--device=cpu"});
+  const std::string path = Socket().substr(std::string("unix://").size());
+  ASSERT_EQ(path.front(), '/');
+  auto client = Client::Connect(path);
+  ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
+  auto session = client->CreateSession(SmallSession());
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ(daemon.Stop(SIGTERM), 0);
+}
+
 // Every decoded key and value of layer 0.
 std::vector<float> Contents(const Session& session) {
   auto kv = session.ReadKv(0);
