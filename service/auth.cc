@@ -1,6 +1,7 @@
 #include "service/auth.h"
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -50,6 +51,12 @@ absl::StatusOr<std::string> Authenticator::Authenticate(const absl::string_view*
   auto it = tenants_.find(absl::StripAsciiWhitespace(token));
   if (it == tenants_.end()) return absl::UnauthenticatedError("unknown bearer token");
   return it->second;
+}
+
+std::vector<std::string> Authenticator::tenant_names() const {
+  std::set<std::string> names;
+  for (const auto& [token, tenant] : tenants_) names.insert(tenant);
+  return {names.begin(), names.end()};
 }
 
 }  // namespace turbokv

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -24,6 +25,8 @@ class Authenticator {
   absl::StatusOr<std::string> Authenticate(const absl::string_view* authorization) const;
 
   size_t tokens() const { return tenants_.size(); }
+  // Every tenant of the tokens, once each, sorted.
+  std::vector<std::string> tenant_names() const;
 
  private:
   absl::flat_hash_map<std::string, std::string> tenants_;

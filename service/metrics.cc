@@ -120,7 +120,8 @@ class ProcessCollector : public prometheus::Collectable {
 
 }  // namespace
 
-Metrics::Metrics(std::string device, const std::vector<std::string>& tiers) : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(std::string device, const std::vector<std::string>& tiers, const std::vector<std::string>& tenants)
+    : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
@@ -146,6 +147,8 @@ Metrics::Metrics(std::string device, const std::vector<std::string>& tiers) : de
   for (int i = 0; i < service->method_count(); ++i) {
     const std::string& name = service->method(i)->name();
     inflight_.emplace(name, &inflight.Add({{"method", name}}));
+    rpc_errors_->Add({{"method", name}, {"code", "INTERNAL"}, {"side", "server"}});
+    rpc_errors_->Add({{"method", name}, {"code", "INVALID_ARGUMENT"}, {"side", "client"}});
   }
   BuildGauge()
       .Name("turbokv_build_info")
@@ -161,6 +164,10 @@ Metrics::Metrics(std::string device, const std::vector<std::string>& tiers) : de
                        .Name("turbokv_tenant_memory_bytes")
                        .Help("Bytes of pages in memory per tenant (a page its forks share counted for each)")
                        .Register(r);
+  known_tenants_.insert(tenants.begin(), tenants.end());
+  for (const std::string& tenant : known_tenants_) {
+    tenants_[tenant] = {&tenant_sessions_->Add({{"tenant", tenant}}), &tenant_bytes_->Add({{"tenant", tenant}})};
+  }
   process_ = std::make_shared<ProcessCollector>();
   appended_tokens_ = &BuildCounter()
                           .Name("turbokv_appended_tokens_total")
@@ -471,12 +478,16 @@ void Advance(prometheus::Counter* counter, int64_t total, int64_t* seen) {
 void Metrics::SetStore(const StoreSnapshot& s) {
   prefix_blocks_->Set(static_cast<double>(s.named_blocks));
   for (auto it = tenants_.begin(); it != tenants_.end();) {
-    if (s.tenants.count(it->first) == 0) {
+    if (s.tenants.count(it->first) != 0) {
+      ++it;
+    } else if (known_tenants_.count(it->first) != 0) {
+      it->second.first->Set(0);
+      it->second.second->Set(0);
+      ++it;
+    } else {
       tenant_sessions_->Remove(it->second.first);
       tenant_bytes_->Remove(it->second.second);
       it = tenants_.erase(it);
-    } else {
-      ++it;
     }
   }
   for (const auto& [tenant, use] : s.tenants) {

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,8 +40,15 @@ class Metrics {
   // device: the label of the memory and kernel series, e.g. "cpu"; tiers:
   // where demoted sessions are, top first (Tier::Parts): "disk", "redis",
   // or both stacked ("redis" also gets turbokv_tier_up and
-  // turbokv_takeovers_total).
-  explicit Metrics(std::string device, const std::vector<std::string>& tiers = {"disk"});
+  // turbokv_takeovers_total); none without a tier. tenants: those the
+  // daemon knows from the start ("" without --auth-tokens-file, else every
+  // tenant of the file), whose series are exported at 0 before their first
+  // session. Every method's turbokv_rpc_errors_total is exported from the
+  // start too, at 0: code INTERNAL on the server side and INVALID_ARGUMENT
+  // on the client side, so that sums and rates of it are 0, not absent,
+  // before the first error.
+  explicit Metrics(std::string device, const std::vector<std::string>& tiers = {"disk"},
+                   const std::vector<std::string>& tenants = {""});
   ~Metrics();
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
@@ -103,6 +111,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* tenant_sessions_;
   prometheus::Family<prometheus::Gauge>* tenant_bytes_;
   std::map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> tenants_;
+  std::set<std::string> known_tenants_;  // kept at 0 without sessions (read-only after start)
   prometheus::Counter* appended_tokens_;
   prometheus::Counter* attended_queries_;
   prometheus::Counter* prefix_lookups_[2] = {};  // miss, hit

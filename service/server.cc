@@ -245,9 +245,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                                                               : kDefaultHostBudget;
   // The tiers below memory, top first (a stack: the disk, then Redis).
   std::vector<std::string> tiers;
-  if (!options.spill_dir.empty() || options.redis_url.empty()) tiers.push_back("disk");
+  if (!options.spill_dir.empty()) tiers.push_back("disk");
   if (!options.redis_url.empty()) tiers.push_back("redis");
-  server->metrics_ = std::make_unique<Metrics>(server->backend_->label(), tiers);
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromFile(options.auth_tokens_file);
     if (!authenticator.ok()) return authenticator.status();
@@ -256,6 +255,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     }
     server->authenticator_ = *std::move(authenticator);
   }
+  server->metrics_ = std::make_unique<Metrics>(
+      server->backend_->label(), tiers,
+      server->authenticator_ != nullptr ? server->authenticator_->tenant_names() : std::vector<std::string>{""});
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TcpCredentials(options);
   if (!credentials.ok()) return credentials.status();
   server->tcp_credentials_ = *std::move(credentials);

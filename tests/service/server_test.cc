@@ -395,6 +395,63 @@ TEST_P(ServerTest, MetricsCountWhatHappened) {
   EXPECT_THAT(text, ::testing::Not(HasSubstr(session.id())));
 }
 
+// Before its first event, a series an alert or a dashboard sums is there
+// at 0 (issue 59 item 11): every method's errors on both sides, the
+// tenant's gauges; and no tier is exported that the daemon does not have
+// (here none: no --spill-dir, no --redis-url).
+TEST_P(ServerTest, SeriesThatAreSummedAreThereBeforeTheirFirstEvent) {
+  absl::SleepFor(absl::Milliseconds(100));  // the gauges refresh every 20 ms here
+  const std::string text = testing::Scrape(MetricsAddress(*server_));
+  for (const char* method : {"CreateSession", "Append", "Attend", "Decode", "Step", "ReadKv"}) {
+    const std::string m(method);
+    EXPECT_EQ(testing::Sample(text, "turbokv_rpc_errors_total{code=\"INTERNAL\",method=\"" + m + "\",side=\"server\"}"),
+              0)
+        << m;
+    EXPECT_EQ(testing::Sample(
+                  text, "turbokv_rpc_errors_total{code=\"INVALID_ARGUMENT\",method=\"" + m + "\",side=\"client\"}"),
+              0)
+        << m;
+  }
+  EXPECT_THAT(text, HasSubstr("turbokv_tenant_sessions{tenant=\"\"} 0"));
+  EXPECT_THAT(text, HasSubstr("turbokv_tenant_memory_bytes{tenant=\"\"} 0"));
+  EXPECT_THAT(text, HasSubstr("turbokv_tier_sessions{tier=\"memory\"} 0"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("tier=\"disk\"")));
+  // A session's tenant, then none again: the known tenant stays, at 0.
+  {
+    Session session = NewSession();
+    absl::SleepFor(absl::Milliseconds(100));
+    EXPECT_THAT(testing::Scrape(MetricsAddress(*server_)), HasSubstr("turbokv_tenant_sessions{tenant=\"\"} 1"));
+    ASSERT_TRUE(session.Delete().ok());
+  }
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_THAT(testing::Scrape(MetricsAddress(*server_)), HasSubstr("turbokv_tenant_sessions{tenant=\"\"} 0"));
+}
+
+// The tenants of --auth-tokens-file are exported from the start.
+TEST(ServerMetricsTest, TheTenantsOfTheTokensFileAreThereFromTheStart) {
+  const std::string tokens = SocketPath() + ".tokens";
+  {
+    std::ofstream file(tokens);
+    file << "alpha-secret alpha\nbeta-secret beta\nalpha-2 alpha\n";
+  }
+  ServerOptions options;
+  options.listen = {"unix://" + SocketPath()};
+  options.device = "cpu";
+  options.auth_tokens_file = tokens;
+  options.expiry_interval = absl::Milliseconds(20);
+  options.metrics_listen = "127.0.0.1:0";
+  auto server = Server::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  const std::string text = testing::Scrape(MetricsAddress(**server));
+  EXPECT_THAT(text, HasSubstr("turbokv_tenant_sessions{tenant=\"alpha\"} 0"));
+  EXPECT_THAT(text, HasSubstr("turbokv_tenant_sessions{tenant=\"beta\"} 0"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("turbokv_tenant_sessions{tenant=\"\"}")));
+  EXPECT_TRUE((*server)->Shutdown(absl::Seconds(1)).ok());
+  std::remove(tokens.c_str());
+}
+
 // A stream counts in turbokv_inflight_calls while it is open; failures are
 // counted by side: a session's own max_tokens is the client's, the memory
 // budget the server's.
