@@ -37,4 +37,24 @@ void Log(LogLevel level, absl::string_view message) {
   }
 }
 
+void RateLimitedLog::Log(LogLevel level, absl::string_view message) {
+  int64_t left_out = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const absl::Time now = absl::Now();
+    if (now - last_ < interval_) {
+      ++left_out_;
+      return;
+    }
+    last_ = now;
+    left_out = left_out_;
+    left_out_ = 0;
+  }
+  if (left_out == 0) {
+    turbokv::Log(level, message);
+  } else {
+    turbokv::Log(level, absl::StrCat(message, " (and ", left_out, " more like it since the last such line)"));
+  }
+}
+
 }  // namespace turbokv

@@ -1,7 +1,11 @@
 // turbokvd: flags -> ServerOptions, start, wait for a termination signal, drain.
 // The only place that reads flags.
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <malloc.h>
 #include <iterator>
 #include <cstdio>
@@ -392,6 +396,33 @@ int main(int argc, char** argv) {
   if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, 2);
   google::protobuf::SetLogHandler(&DropProtobufLog);
   turbokv::RouteGrpcLog();
+  // Every connection, stream and file takes a descriptor: the soft limit
+  // (1024 under systemd and most shells) is raised to the hard one, so that
+  // a thousand idle connections cannot stop the listeners accepting.
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    const rlim_t soft = files.rlim_cur;
+    if (files.rlim_max == RLIM_INFINITY) {
+      // No descriptor limit may pass the kernel's fs.nr_open.
+      unsigned long long nr_open = 1 << 20;
+      if (FILE* f = std::fopen("/proc/sys/fs/nr_open", "r")) {
+        if (std::fscanf(f, "%llu", &nr_open) != 1) nr_open = 1 << 20;
+        std::fclose(f);
+      }
+      files.rlim_max = static_cast<rlim_t>(nr_open);
+    }
+    files.rlim_cur = files.rlim_max;
+    if (soft == files.rlim_max) {
+      Logf(LogLevel::kInfo, "open files: up to %llu (the hard limit)", static_cast<unsigned long long>(soft));
+    } else if (setrlimit(RLIMIT_NOFILE, &files) == 0) {
+      Logf(LogLevel::kInfo, "open files: soft limit raised from %llu to the hard limit, %llu",
+           static_cast<unsigned long long>(soft), static_cast<unsigned long long>(files.rlim_max));
+    } else {
+      Logf(LogLevel::kWarning, "open files: the soft limit stays %llu (raising it to %llu failed: %s)",
+           static_cast<unsigned long long>(soft), static_cast<unsigned long long>(files.rlim_max),
+           std::strerror(errno));
+    }
+  }
 
   absl::StatusOr<std::unique_ptr<turbokv::Server>> server = turbokv::Server::Create(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

@@ -250,6 +250,14 @@ Metrics::Metrics(std::string device, const std::vector<std::string>& tiers, cons
                                       "connected over a unix socket that uses them)")
                                 .Register(r)
                                 .Add({});
+  auto& refused = BuildCounter()
+                      .Name("turbokv_shared_memory_refused_connections_total")
+                      .Help("Connections the shared-memory socket turned away: descriptors (the process was out of "
+                            "file descriptors; accepting rests 100 ms), limits (too many open, or waiting to "
+                            "register: closed with the reason), timeout (not registered in time: closed)")
+                      .Register(r);
+  const char* reasons[3] = {"descriptors", "limits", "timeout"};
+  for (int i = 0; i < 3; ++i) shared_memory_refused_[i] = &refused.Add({{"reason", reasons[i]}});
   tokens_ = &BuildGauge()
                  .Name("turbokv_tokens_stored")
                  .Help("Tokens stored, summed over sessions and layers")
@@ -474,6 +482,11 @@ void Advance(prometheus::Counter* counter, int64_t total, int64_t* seen) {
 }
 
 }  // namespace
+
+void Metrics::SetSharedMemoryRefusals(int64_t descriptors, int64_t limits, int64_t timeouts) {
+  const int64_t totals[3] = {descriptors, limits, timeouts};
+  for (int i = 0; i < 3; ++i) Advance(shared_memory_refused_[i], totals[i], &shared_memory_refused_seen_[i]);
+}
 
 void Metrics::SetStore(const StoreSnapshot& s) {
   prefix_blocks_->Set(static_cast<double>(s.named_blocks));

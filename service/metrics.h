@@ -83,6 +83,9 @@ class Metrics {
   // Requests and replies in flight (KvCacheService::in_flight_bytes).
   void SetInFlightBytes(int64_t bytes);
   void SetSharedMemoryRegions(size_t regions);
+  // The shared-memory listener's refusals so far (SharedMemoryRefusals),
+  // from SetStore's thread.
+  void SetSharedMemoryRefusals(int64_t descriptors, int64_t limits, int64_t timeouts);
   // A demoted session brought back into memory by a call.
   void ObservePromotion(double seconds);
   // How a claim from the shared tier ended (StoreOptions::on_takeover).
@@ -126,6 +129,8 @@ class Metrics {
   prometheus::Gauge* queued_;
   prometheus::Gauge* in_flight_bytes_;
   prometheus::Gauge* shared_memory_regions_;
+  prometheus::Counter* shared_memory_refused_[3] = {};  // descriptors, limits, timeouts
+  int64_t shared_memory_refused_seen_[3] = {};         // under SetStore's single caller
   prometheus::Gauge* sessions_;
   prometheus::Gauge* tokens_;
   prometheus::Gauge* bytes_used_;

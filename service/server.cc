@@ -571,7 +571,11 @@ void Server::ExpireLoop() {
     metrics_->SetStore(store_->Snapshot());
     metrics_->SetQueued(static_cast<int64_t>(executor_->queued()));
     metrics_->SetInFlightBytes(service_->in_flight_bytes());
-    if (shared_memory_ != nullptr) metrics_->SetSharedMemoryRegions(shared_memory_->regions());
+    if (shared_memory_ != nullptr) {
+      metrics_->SetSharedMemoryRegions(shared_memory_->regions());
+      const SharedMemoryRefusals refused = shared_memory_->refusals();
+      metrics_->SetSharedMemoryRefusals(refused.descriptors, refused.limits, refused.timeouts);
+    }
     lock.lock();
   }
 }

@@ -88,7 +88,9 @@ std::shared_ptr<SharedRegionMapping> SharedRegionMapping::Register(const std::st
   }
   region->base_ = static_cast<uint8_t*>(base);
   region->size_ = bytes;
-  region->connection_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  // Non-blocking for connect: a daemon whose backlog is full is not waited
+  // for (the tensors go in the messages; Allocate tries again later).
+  region->connection_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   if (region->connection_ < 0 || socket_path.size() >= sizeof(address.sun_path)) {
@@ -96,13 +98,16 @@ std::shared_ptr<SharedRegionMapping> SharedRegionMapping::Register(const std::st
     return nullptr;
   }
   std::memcpy(address.sun_path, socket_path.data(), socket_path.size());
-  // The daemon answers at once, or not at all when it is stuck: no wait past a few seconds.
-  const timeval timeout{5, 0};
-  setsockopt(region->connection_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  if (connect(region->connection_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+  if (connect(region->connection_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0 ||
+      fcntl(region->connection_, F_SETFL, fcntl(region->connection_, F_GETFL) & ~O_NONBLOCK) != 0) {
     close(memfd);
     return nullptr;
   }
+  // The daemon answers at once, or turns the connection away saying why:
+  // no wait past a second (a daemon that is stuck).
+  const timeval timeout{1, 0};
+  setsockopt(region->connection_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  setsockopt(region->connection_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
   const bool sent = SendRegistration(region->connection_, token, memfd);
   close(memfd);  // the daemon holds its own copy now
   if (!sent) return nullptr;

@@ -9,12 +9,14 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "service/log.h"
 #include "service/store/session_id.h"
 
@@ -93,14 +95,26 @@ size_t SharedMemory::regions() const {
   return regions_.size();
 }
 
+SharedMemoryRefusals SharedMemory::refusals() const {
+  return {refused_descriptors_.load(), refused_limits_.load(), refused_timeouts_.load()};
+}
+
 void SharedMemory::Loop() {
   std::vector<pollfd> polled;
   for (;;) {
+    const absl::Time now = absl::Now();
+    absl::Time wake_by = CloseOverdue(now);
     polled.clear();
     polled.push_back({wake_, POLLIN, 0});
-    if (static_cast<int>(connections_.size()) < options_.max_connections) polled.push_back({listener_, POLLIN, 0});
-    for (const auto& [fd, id] : connections_) polled.push_back({fd, POLLIN, 0});
-    if (poll(polled.data(), polled.size(), -1) < 0) {
+    if (now >= accept_after_) {
+      polled.push_back({listener_, POLLIN, 0});
+    } else {
+      wake_by = std::min(wake_by, accept_after_);
+    }
+    for (const auto& [fd, connection] : connections_) polled.push_back({fd, POLLIN, 0});
+    const int timeout_ms =
+        wake_by == absl::InfiniteFuture() ? -1 : static_cast<int>(absl::ToInt64Milliseconds(wake_by - now) + 1);
+    if (poll(polled.data(), polled.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       Logf(LogLevel::kError, "shared-memory socket: poll: %s", std::strerror(errno));
       return;
@@ -110,11 +124,10 @@ void SharedMemory::Loop() {
       if (polled[i].revents == 0) continue;
       const int fd = polled[i].fd;
       if (fd == listener_) {
-        const int connection = accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (connection >= 0) connections_.emplace(connection, "");
+        Accept(absl::Now());
         continue;
       }
-      if (connections_[fd].empty()) {
+      if (connections_[fd].id.empty()) {
         if (!Register(fd)) Close(fd);
         continue;
       }
@@ -123,6 +136,70 @@ void SharedMemory::Loop() {
       Close(fd);
     }
   }
+}
+
+void SharedMemory::Accept(absl::Time now) {
+  static RateLimitedLog out_of_descriptors(absl::Seconds(10));
+  static RateLimitedLog turned_away(absl::Seconds(10));
+  const int connection = accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (connection < 0) {
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      // The connection waits in the backlog; accepting again at once would
+      // only fail again, at full speed.
+      refused_descriptors_.fetch_add(1);
+      accept_after_ = now + absl::Milliseconds(100);
+      out_of_descriptors.Log(LogLevel::kWarning,
+                             absl::StrCat("shared-memory socket: cannot accept a connection: ", std::strerror(errno),
+                                          " (turbokv_shared_memory_refused_connections_total{reason=\"descriptors\"}); "
+                                          "trying again every 100 ms"));
+    }
+    return;
+  }
+  ucred peer{};
+  socklen_t length = sizeof(peer);
+  (void)getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &length);
+  int unregistered = 0, from_peer = 0;
+  for (const auto& [fd, c] : connections_) {
+    if (!c.id.empty()) continue;
+    ++unregistered;
+    if (c.peer == peer.pid) ++from_peer;
+  }
+  std::string why;
+  if (static_cast<int>(connections_.size()) >= options_.max_connections) {
+    why = absl::StrCat(options_.max_connections, " connections are open");
+  } else if (unregistered >= options_.max_unregistered) {
+    why = absl::StrCat(unregistered, " connections wait to register");
+  } else if (from_peer >= options_.max_unregistered_per_peer) {
+    why = absl::StrCat("process ", peer.pid, " has ", from_peer, " connections waiting to register");
+  }
+  if (!why.empty()) {
+    refused_limits_.fetch_add(1);
+    Answer(connection, absl::StrCat("ERROR ", why, "; try again later (the client sends its tensors in the "
+                                    "messages meanwhile)"));
+    close(connection);
+    turned_away.Log(LogLevel::kWarning, absl::StrCat("shared-memory socket: turned a connection away: ", why));
+    return;
+  }
+  connections_.emplace(connection, Connection{"", now + options_.register_timeout, peer.pid});
+}
+
+absl::Time SharedMemory::CloseOverdue(absl::Time now) {
+  absl::Time earliest = absl::InfiniteFuture();
+  std::vector<int> overdue;
+  for (const auto& [fd, c] : connections_) {
+    if (!c.id.empty()) continue;
+    if (c.deadline <= now) {
+      overdue.push_back(fd);
+    } else {
+      earliest = std::min(earliest, c.deadline);
+    }
+  }
+  for (int fd : overdue) {
+    refused_timeouts_.fetch_add(1);
+    Answer(fd, absl::StrCat("ERROR no registration within ", absl::FormatDuration(options_.register_timeout)));
+    Close(fd);
+  }
+  return earliest;
 }
 
 bool SharedMemory::Register(int connection) {
@@ -185,7 +262,7 @@ bool SharedMemory::Register(int connection) {
     std::lock_guard<std::mutex> lock(mutex_);
     regions_.emplace(id, std::make_shared<const SharedRegion>(tenant, static_cast<uint8_t*>(base), size));
   }
-  connections_[connection] = id;
+  connections_[connection].id = id;
   Answer(connection, absl::StrCat("OK ", id, " ", size));
   return true;
 }
@@ -193,9 +270,9 @@ bool SharedMemory::Register(int connection) {
 void SharedMemory::Close(int connection) {
   auto it = connections_.find(connection);
   if (it == connections_.end()) return;
-  if (!it->second.empty()) {
+  if (!it->second.id.empty()) {
     std::lock_guard<std::mutex> lock(mutex_);
-    regions_.erase(it->second);
+    regions_.erase(it->second.id);
   }
   connections_.erase(it);
   close(connection);

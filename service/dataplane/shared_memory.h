@@ -15,9 +15,15 @@
 // checked against the region's size.
 //
 // One thread accepts connections and registers regions (fstat, mmap): it
-// never blocks on a client.
+// never blocks on a client. Connections that do not register are bounded
+// (in all, per process) and timed out; the listener never stops answering
+// because of them, and rests for a moment, counted, when the process is
+// out of descriptors.
 #pragma once
 
+#include <sys/types.h>
+
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -28,6 +34,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 
 namespace turbokv {
@@ -39,9 +46,23 @@ struct SharedMemoryOptions {
   std::string socket_path;                    // where clients connect
   size_t max_region_bytes = size_t{1} << 30;  // the largest region a client may register
   int max_connections = 1024;                 // connections open at once, registered or not
+  // Connections that have not registered yet: at most this many in all and
+  // from one process (SO_PEERCRED), each closed past register_timeout. A
+  // client registers as it connects; one that holds connections open
+  // without registering cannot keep others out.
+  int max_unregistered = 64;
+  int max_unregistered_per_peer = 8;
+  absl::Duration register_timeout = absl::Seconds(2);
   // The tenant of a client's bearer token, or UNAUTHENTICATED (empty: no
   // tokens, one tenant, "").
   std::function<absl::StatusOr<std::string>(absl::string_view token)> tenant_of;
+};
+
+// Connections the listener turned away, by why, since it started.
+struct SharedMemoryRefusals {
+  int64_t descriptors = 0;  // accept failed: the process (or system) is out of descriptors
+  int64_t limits = 0;       // over max_connections or an unregistered bound: closed at once, answered why
+  int64_t timeouts = 0;     // not registered within register_timeout: closed
 };
 
 // One client's mapped memfd.
@@ -83,10 +104,23 @@ class SharedMemory {
   absl::StatusOr<std::shared_ptr<const SharedRegion>> Find(absl::string_view tenant, absl::string_view id) const;
   // Regions registered and not yet released.
   size_t regions() const;
+  SharedMemoryRefusals refusals() const;
   const std::string& socket_path() const { return options_.socket_path; }
 
  private:
+  struct Connection {
+    std::string id;          // its region's, "" until registered
+    absl::Time deadline;     // to register by
+    pid_t peer = 0;          // the connecting process (SO_PEERCRED)
+  };
+
   void Loop();
+  // Takes one connection the listener has, or turns it away (a bound, or no
+  // descriptor left: then the listener rests for a moment, not spinning).
+  void Accept(absl::Time now);
+  // Closes the unregistered connections past their deadline; the earliest
+  // deadline left.
+  absl::Time CloseOverdue(absl::Time now);
   // A connection's first message: its token and memfd. Registers the region
   // or answers why not; false when the connection is to be closed.
   bool Register(int connection);
@@ -96,8 +130,10 @@ class SharedMemory {
   int listener_ = -1;
   int wake_ = -1;  // eventfd: the destructor stops the loop
   std::thread thread_;
-  // The loop's: connection -> its region id ("" until registered).
-  std::unordered_map<int, std::string> connections_;
+  // The loop's.
+  std::unordered_map<int, Connection> connections_;
+  absl::Time accept_after_ = absl::InfinitePast();  // the listener rests until then
+  std::atomic<int64_t> refused_descriptors_{0}, refused_limits_{0}, refused_timeouts_{0};
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<const SharedRegion>> regions_;
 };

@@ -41,7 +41,8 @@ class Daemon {
  public:
   // Starts turbokvd with `flags`, its stderr going to a file. file_size_limit
   // > 0: the largest file it may write (RLIMIT_FSIZE), for a full disk.
-  explicit Daemon(std::vector<std::string> flags, size_t file_size_limit = 0) {
+  // open_files: its RLIMIT_NOFILE {soft, hard} ({0, 0}: this process's).
+  explicit Daemon(std::vector<std::string> flags, size_t file_size_limit = 0, rlimit open_files = {0, 0}) {
     log_ = absl::StrCat(::testing::TempDir(), "turbokvd-", getpid(), "-", count_++, ".log");
     pid_ = fork();
     if (pid_ == 0) {
@@ -51,6 +52,7 @@ class Daemon {
         const rlimit limit = {file_size_limit, file_size_limit};
         setrlimit(RLIMIT_FSIZE, &limit);
       }
+      if (open_files.rlim_max > 0) setrlimit(RLIMIT_NOFILE, &open_files);
       // $TURBOKVD, where set, is the binary (a bundle run on another machine:
       // scripts/gpu-bundle.sh); else this build's.
       const char* binary = std::getenv("TURBOKVD") != nullptr ? std::getenv("TURBOKVD") : TURBOKVD_PATH;

@@ -429,5 +429,58 @@ TEST(SharedMemoryFallbackTest, WithoutSharedMemoryTheClientSendsBytes) {
   EXPECT_TRUE((*server)->Shutdown(absl::Seconds(1)).ok());
 }
 
+
+// A shared-memory socket that takes no client (its backlog full) or takes
+// one and never answers: the C++ client's first call falls back to the
+// messages at once, or within a second (issue 58 item 3: it hung in
+// connect, or stalled 5 s).
+TEST(SharedMemoryFallbackTest, AShmSocketThatDoesNotAnswerCostsTheClientAtMostASecond) {
+  ServerOptions options;
+  options.listen = {absl::StrCat("unix://", Dir(), "/stuck.sock")};
+  options.device = "cpu";
+  options.threads = 2;
+  options.metrics_listen = "";
+  options.shared_memory_socket = Dir() + "/elsewhere.shm";  // the client looks for stuck.sock.shm
+  auto server = Server::Create(options);
+  ASSERT_TRUE(server.ok());
+  ASSERT_TRUE((*server)->Start().ok());
+  const std::string stuck = Dir() + "/stuck.sock.shm";
+  for (const bool full : {true, false}) {
+    (void)unlink(stuck.c_str());
+    const int listener = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, stuck.data(), stuck.size());
+    ASSERT_EQ(bind(listener, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
+    ASSERT_EQ(listen(listener, 0), 0);
+    std::vector<int> filling;  // a backlog of 0 still takes one or two: filled
+    for (int i = 0; full && i < 4; ++i) {
+      const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0) {
+        filling.push_back(fd);
+      } else {
+        close(fd);
+      }
+    }
+    ClientOptions client_options;
+    client_options.shared_memory_bytes = size_t{1} << 20;
+    auto client = Client::Connect(options.listen[0], client_options);
+    ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(10)).ok());
+    auto session = client->CreateSession(Shape(v1::CODEC_TURBO3));
+    ASSERT_TRUE(session.ok());
+    const std::vector<float> key = GaussianVectors(kKv, kDim, 1), query = GaussianVectors(kQ, kDim, 2);
+    const absl::Time start = absl::Now();
+    auto step = session->Step(0, 0, TensorData::F32(key), TensorData::F32(key), TensorData::F32(query));
+    const absl::Duration took = absl::Now() - start;
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(step->attention.output.size(), static_cast<size_t>(kQ * kDim));
+    EXPECT_LT(took, full ? absl::Milliseconds(500) : absl::Milliseconds(1800)) << (full ? "backlog full" : "no answer");
+    for (int fd : filling) close(fd);
+    close(listener);
+  }
+  (void)unlink(stuck.c_str());
+  EXPECT_TRUE((*server)->Shutdown(absl::Seconds(1)).ok());
+}
+
 }  // namespace
 }  // namespace turbokv
