@@ -26,23 +26,24 @@ std::string PrefixScope(const std::string& tenant, const SessionConfig& config) 
   return scope;
 }
 
-std::string PrefixIndex::Key(const std::string& scope, size_t block, const std::string& hash) {
-  std::string key = scope;
-  Put<uint64_t>(&key, block);
+std::string PrefixIndex::ChildKey(const std::string& scope, int64_t parent, const std::string& hash) {
+  std::string key;
+  Put<int64_t>(&key, parent);
+  if (parent == 0) PutString(&key, scope);
   key += hash;
   return key;
 }
 
 PrefixIndex::Holding PrefixIndex::Get(const std::string& id) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = holdings_.find(id);
-  return it == holdings_.end() ? Holding() : it->second;
+  auto it = entries_.find(id);
+  return it == entries_.end() ? Holding() : it->second.holding;
 }
 
 size_t PrefixIndex::named(const std::string& id) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = holdings_.find(id);
-  return it == holdings_.end() ? 0 : it->second.hashes.size();
+  auto it = entries_.find(id);
+  return it == entries_.end() ? 0 : it->second.holding.hashes.size();
 }
 
 namespace {
@@ -56,11 +57,32 @@ std::string HeldKey(const std::string& medium, const std::string& hash) {
 
 }  // namespace
 
-void PrefixIndex::Link(const std::string& id, const Holding& holding, size_t from, size_t to,
-                       std::vector<BlockEvent>* events) {
+void PrefixIndex::Link(const std::string& id, Entry* entry) {
+  const Holding& holding = entry->holding;
+  for (size_t i = entry->path.size(); i < holding.hashes.size(); ++i) {
+    const int64_t parent = i == 0 ? 0 : entry->path[i - 1];
+    auto [child, added] = children_.try_emplace(ChildKey(holding.scope, parent, holding.hashes[i]), next_node_);
+    if (added) nodes_[next_node_++].key = child->first;
+    nodes_[child->second].holders.insert(id);
+    entry->path.push_back(child->second);
+  }
+}
+
+void PrefixIndex::Unlink(const std::string& id, Entry* entry, size_t from) {
+  for (size_t i = entry->path.size(); i-- > from;) {
+    auto node = nodes_.find(entry->path[i]);
+    node->second.holders.erase(id);
+    if (node->second.holders.empty()) {  // nor any deeper prefix: every holder of one holds this
+      children_.erase(node->second.key);
+      nodes_.erase(node);
+    }
+  }
+  entry->path.resize(std::min(from, entry->path.size()));
+}
+
+void PrefixIndex::Count(const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events) {
   size_t run_end = 0;  // one past the last block of the open BlockStored event
   for (size_t i = from; i < to; ++i) {
-    holders_[Key(holding.scope, i, holding.hashes[i])].push_back(id);
     if (++held_[HeldKey(holding.medium, holding.hashes[i])] != 1) continue;
     if (events->empty() || events->back().kind != BlockEvent::kStored || run_end != i) {
       BlockEvent stored;
@@ -74,18 +96,11 @@ void PrefixIndex::Link(const std::string& id, const Holding& holding, size_t fro
   }
 }
 
-void PrefixIndex::Unlink(const std::string& id, const Holding& holding, size_t from, size_t to,
-                         std::vector<BlockEvent>* events) {
+void PrefixIndex::Uncount(const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events) {
   BlockEvent removed;
   removed.kind = BlockEvent::kRemoved;
   removed.medium = holding.medium;
   for (size_t i = from; i < to; ++i) {
-    auto it = holders_.find(Key(holding.scope, i, holding.hashes[i]));
-    if (it != holders_.end()) {
-      std::vector<std::string>& ids = it->second;
-      ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
-      if (ids.empty()) holders_.erase(it);
-    }
     auto held = held_.find(HeldKey(holding.medium, holding.hashes[i]));
     if (held != held_.end() && --held->second == 0) {
       held_.erase(held);
@@ -98,51 +113,57 @@ void PrefixIndex::Unlink(const std::string& id, const Holding& holding, size_t f
 void PrefixIndex::Set(const std::string& id, Holding holding) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<BlockEvent> events;
-  auto it = holdings_.find(id);
+  Entry entry;
   size_t kept = 0;  // blocks held already, as the new holding holds them
-  if (it != holdings_.end()) {
-    const Holding& old = it->second;
+  if (auto it = entries_.find(id); it != entries_.end()) {
+    entry = std::move(it->second);
+    entries_.erase(it);
+    const Holding& old = entry.holding;
     if (old.scope == holding.scope && old.medium == holding.medium && old.seed == holding.seed &&
         old.hashes.size() <= holding.hashes.size() &&
         std::equal(old.hashes.begin(), old.hashes.end(), holding.hashes.begin())) {
       kept = old.hashes.size();
     } else {
-      Unlink(id, old, 0, old.hashes.size(), &events);
+      Unlink(id, &entry, 0);
+      Uncount(old, 0, old.hashes.size(), &events);
     }
-    holdings_.erase(it);
   }
   if (!holding.hashes.empty()) {
-    Link(id, holding, kept, holding.hashes.size(), &events);
-    holdings_.emplace(id, std::move(holding));
+    entry.holding = std::move(holding);
+    Link(id, &entry);
+    Count(entry.holding, kept, entry.holding.hashes.size(), &events);
+    entries_.emplace(id, std::move(entry));
   }
   Emit(std::move(events));
 }
 
 void PrefixIndex::Truncate(const std::string& id, size_t blocks, int64_t tokens) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = holdings_.find(id);
-  if (it == holdings_.end()) return;
-  if (tokens < it->second.reuse_from_tokens) it->second.reuse_from_tokens = kNeverReused;
-  if (it->second.hashes.size() <= blocks) return;
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  Holding& holding = it->second.holding;
+  if (tokens < holding.reuse_from_tokens) holding.reuse_from_tokens = kNeverReused;
+  if (holding.hashes.size() <= blocks) return;
   std::vector<BlockEvent> events;
-  Unlink(id, it->second, blocks, it->second.hashes.size(), &events);
+  Unlink(id, &it->second, blocks);
+  Uncount(holding, blocks, holding.hashes.size(), &events);
   if (blocks == 0) {
-    holdings_.erase(it);
+    entries_.erase(it);
   } else {
-    it->second.hashes.resize(blocks);
+    holding.hashes.resize(blocks);
   }
   Emit(std::move(events));
 }
 
 void PrefixIndex::Move(const std::string& id, const std::string& medium) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = holdings_.find(id);
-  if (it == holdings_.end() || it->second.medium == medium) return;
+  auto it = entries_.find(id);
+  if (it == entries_.end() || it->second.holding.medium == medium) return;
   std::vector<BlockEvent> events;
-  Holding& holding = it->second;
-  Unlink(id, holding, 0, holding.hashes.size(), &events);
+  Holding& holding = it->second.holding;
+  Uncount(holding, 0, holding.hashes.size(), &events);
   holding.medium = medium;
-  Link(id, holding, 0, holding.hashes.size(), &events);
+  Count(holding, 0, holding.hashes.size(), &events);
   Emit(std::move(events));
 }
 
@@ -167,35 +188,37 @@ void PrefixIndex::Snapshot(const std::function<void(std::vector<BlockEvent>)>& f
 std::vector<PrefixIndex::Match> PrefixIndex::Find(const std::string& scope, const uint64_t* seed,
                                                   absl::Span<const std::string> hashes, int page_tokens) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  // Walks the blocks in order keeping the sessions that hold every block so
-  // far: a session found at block i holds the whole prefix up to it.
-  std::vector<std::string> alive;
-  std::vector<Match> found;  // by increasing blocks
-  for (size_t i = 0; i < hashes.size(); ++i) {
-    auto it = holders_.find(Key(scope, i, hashes[i]));
-    if (it == holders_.end()) break;
-    std::vector<std::string> next;
-    for (const std::string& id : it->second) {
-      if (i > 0 && std::find(alive.begin(), alive.end(), id) == alive.end()) continue;
-      const Holding& holding = holdings_.at(id);
-      if (seed != nullptr && holding.seed != *seed) continue;
-      next.push_back(id);
-      if (static_cast<int64_t>(i + 1) * page_tokens >= holding.reuse_from_tokens) found.push_back({id, i + 1});
-    }
-    if (next.empty()) break;
-    alive = std::move(next);
+  // Down the tree: the nodes of the longest held prefix of `hashes` (every
+  // holder of node i holds blocks 0..i as asked).
+  std::vector<const Node*> path;
+  int64_t parent = 0;
+  for (const std::string& hash : hashes) {
+    auto child = children_.find(ChildKey(scope, parent, hash));
+    if (child == children_.end()) break;
+    parent = child->second;
+    path.push_back(&nodes_.at(parent));
   }
-  std::vector<Match> longest_first;
+  // Back up it: the holders that may share each prefix, longest first.
+  std::vector<Match> found;
   std::unordered_set<std::string> seen;
-  for (auto match = found.rbegin(); match != found.rend(); ++match) {
-    if (seen.insert(match->session_id).second) longest_first.push_back(*match);
+  for (size_t blocks = path.size(); blocks > 0 && found.size() < kMaxMatches; --blocks) {
+    size_t examined = 0;
+    for (const std::string& id : path[blocks - 1]->holders) {
+      if (++examined > kExaminedPerBlock || found.size() == kMaxMatches) break;
+      if (seen.count(id) != 0) continue;
+      const Holding& holding = entries_.at(id).holding;
+      if (seed != nullptr && holding.seed != *seed) continue;
+      if (static_cast<int64_t>(blocks) * page_tokens < holding.reuse_from_tokens) continue;
+      seen.insert(id);
+      found.push_back({id, blocks});
+    }
   }
-  return longest_first;
+  return found;
 }
 
 size_t PrefixIndex::blocks() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return holders_.size();
+  return nodes_.size();
 }
 
 }  // namespace turbokv

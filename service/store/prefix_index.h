@@ -29,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -93,29 +94,53 @@ class PrefixIndex {
   // events that build them from nothing (a cleared state first).
   void Snapshot(const std::function<void(std::vector<BlockEvent>)>& fill) const;
 
-  // The sessions of `scope` (and `seed`, when given) holding a prefix of
-  // `hashes` that they may share, longest first; each session once.
+  // Sessions of `scope` (and `seed`, when given) holding a prefix of
+  // `hashes` that they may share, longest first, each session once: at
+  // most kMaxMatches, looking at most at kExaminedPerBlock holders of each
+  // block. Linear in the blocks of `hashes`, however many sessions hold
+  // them (a walk down the tree of held prefixes, then back up it).
   std::vector<Match> Find(const std::string& scope, const uint64_t* seed, absl::Span<const std::string> hashes,
                           int page_tokens) const;
+  static constexpr size_t kMaxMatches = 8;
+  static constexpr size_t kExaminedPerBlock = 32;
 
-  // Distinct blocks held (a block several sessions hold counts once).
+  // Distinct prefixes held (a block several sessions hold, after the same
+  // blocks, counts once).
   size_t blocks() const;
 
  private:
-  static std::string Key(const std::string& scope, size_t block, const std::string& hash);
-  // Under mutex_: adds / removes `id` as a holder of its blocks [from, to),
-  // adding the events of the blocks that come to be held in the holding's
-  // medium or stop being.
-  void Link(const std::string& id, const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events);
-  void Unlink(const std::string& id, const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events);
+  // A held prefix: the blocks 0..i of some holding, one node of a tree per
+  // scope, with the sessions holding at least that prefix.
+  struct Node {
+    std::string key;  // in children_
+    std::unordered_set<std::string> holders;
+  };
+  // A holding and the nodes of its blocks.
+  struct Entry {
+    Holding holding;
+    std::vector<int64_t> path;
+  };
+  // The key of the node of `hash` after node `parent` (0: block 0 of `scope`).
+  static std::string ChildKey(const std::string& scope, int64_t parent, const std::string& hash);
+  // Under mutex_: adds `id` as a holder of its blocks from path.size() to
+  // the holding's end / removes it from its blocks from `from` on.
+  void Link(const std::string& id, Entry* entry);
+  void Unlink(const std::string& id, Entry* entry, size_t from);
+  // Under mutex_: counts the holding's blocks [from, to) in its medium, or
+  // stops counting them, adding the events of the blocks that come to be
+  // held in the medium or stop being.
+  void Count(const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events);
+  void Uncount(const Holding& holding, size_t from, size_t to, std::vector<BlockEvent>* events);
   void Emit(std::vector<BlockEvent> events) const {
     if (sink_ != nullptr && !events.empty()) sink_(std::move(events));
   }
 
   const BlockEventSink sink_;
   mutable std::mutex mutex_;
-  std::unordered_map<std::string, Holding> holdings_;                // by session id
-  std::unordered_map<std::string, std::vector<std::string>> holders_;  // by Key(): session ids
+  std::unordered_map<std::string, Entry> entries_;       // by session id
+  std::unordered_map<std::string, int64_t> children_;    // by ChildKey(): node id
+  std::unordered_map<int64_t, Node> nodes_;
+  int64_t next_node_ = 1;
   // Holdings of each hash in each medium (medium, NUL, hash), over scopes.
   std::unordered_map<std::string, int> held_;
 };
