@@ -2,6 +2,7 @@
 
 #include <zmq.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -144,12 +145,14 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(const 
   publisher->context_ = zmq_ctx_new();
   if (publisher->context_ == nullptr) return absl::InternalError("cannot make a ZeroMQ context");
   const int linger_ms = 1000;
-  const int hwm = static_cast<int>(std::min<size_t>(options.buffer_batches + 16, 1 << 30));
+  const int hwm = kSendQueueBatches;
+  const int64_t max_message = kMaxPeerMessageBytes;
   auto open = [&](int type, const std::string& endpoint, const char* flag) -> absl::StatusOr<void*> {
     void* socket = zmq_socket(publisher->context_, type);
     if (socket == nullptr) return absl::InternalError(absl::StrCat("cannot make a ZeroMQ socket: ", zmq_strerror(errno)));
     zmq_setsockopt(socket, ZMQ_LINGER, &linger_ms, sizeof(linger_ms));
     zmq_setsockopt(socket, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(socket, ZMQ_MAXMSGSIZE, &max_message, sizeof(max_message));
     if (zmq_bind(socket, endpoint.c_str()) != 0) {
       const std::string why = zmq_strerror(errno);
       zmq_close(socket);
@@ -185,9 +188,35 @@ KvEventPublisher::~KvEventPublisher() {
 }
 
 void KvEventPublisher::Publish(const std::vector<BlockEvent>& events) {
-  std::string batch = EncodeKvEventBatch(Now(), events, options_.block_tokens);
+  // Cut into batches of at most kMaxBatchHashes hashes (a stored chain cut
+  // in two: the second part's parent is the first part's last hash).
+  std::vector<std::vector<BlockEvent>> batches(1);
+  size_t hashes = 0;
+  for (const BlockEvent& event : events) {
+    size_t from = 0;
+    do {
+      if (hashes == kMaxBatchHashes) {
+        batches.emplace_back();
+        hashes = 0;
+      }
+      const size_t take = std::min(event.hashes.size() - from, kMaxBatchHashes - hashes);
+      BlockEvent part = event;
+      part.hashes.assign(event.hashes.begin() + static_cast<std::ptrdiff_t>(from),
+                         event.hashes.begin() + static_cast<std::ptrdiff_t>(from + take));
+      if (from > 0) {
+        part.has_parent = true;
+        part.parent = event.hashes[from - 1];
+      }
+      batches.back().push_back(std::move(part));
+      hashes += take;
+      from += take;
+    } while (from < event.hashes.size());
+  }
+  const double now = Now();
+  std::vector<std::string> encoded;
+  for (const std::vector<BlockEvent>& batch : batches) encoded.push_back(EncodeKvEventBatch(now, batch, options_.block_tokens));
   std::lock_guard<std::mutex> lock(mutex_);
-  queued_.emplace_back(next_seq_.fetch_add(1), std::move(batch));
+  for (std::string& batch : encoded) queued_.emplace_back(next_seq_.fetch_add(1), std::move(batch));
 }
 
 void KvEventPublisher::SetSnapshot(SnapshotFn snapshot) {
@@ -217,8 +246,13 @@ void KvEventPublisher::SendQueued() {
     // A subscriber too slow for the send queue misses batches: the gap in
     // the numbers tells it to ask for a replay.
     SendFrames(pub_, {&options_.topic, &seq_bytes, &batch});
+    size_t kept_bytes = kept_bytes_.load() + batch.size();
     kept_.emplace_back(seq, std::move(batch));
-    if (kept_.size() > options_.buffer_batches) kept_.pop_front();
+    while (kept_.size() > 1 && (kept_.size() > options_.buffer_batches || kept_bytes > options_.buffer_bytes)) {
+      kept_bytes -= kept_.front().second.size();
+      kept_.pop_front();
+    }
+    kept_bytes_.store(kept_bytes);
   }
 }
 
@@ -238,8 +272,9 @@ void KvEventPublisher::ServeReplay() {
   }
   // [identity, empty, start]
   if (frames.size() != 3 || !frames[1].empty() || frames[2].size() != 8) {
-    Logf(LogLevel::kWarning, "kv events: a replay request of %zu frames is not [empty, 8-byte start]: ignored",
-         frames.size() > 0 ? frames.size() - 1 : 0);
+    static RateLimitedLog malformed(absl::Seconds(10));
+    malformed.Log(LogLevel::kWarning, absl::StrCat("kv events: a replay request of ", frames.empty() ? 0 : frames.size() - 1,
+                                                   " frames is not [empty, 8-byte start]: ignored"));
     return;
   }
   uint64_t start = 0;

@@ -26,6 +26,7 @@
 // no store types beyond the events.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -46,9 +47,28 @@ struct KvEventsOptions {
   std::string endpoint;         // PUB, e.g. tcp://*:5557 (empty: no events)
   std::string replay_endpoint;  // ROUTER (empty: no replay)
   std::string topic = "kv-events";
-  size_t buffer_batches = 10000;  // kept for replay
-  int block_tokens = 0;           // BlockStored's block_size
+  size_t buffer_batches = 10000;  // kept for replay, at most
+  size_t buffer_bytes = 0;        // and at most these bytes of them (0: the server's default, KvEventsBufferBytes)
+  int block_tokens = 0;                       // BlockStored's block_size
 };
+
+// The replay buffer's bytes when none are given: a 64th of the memory
+// budget, from 1 MiB to 64 MiB.
+inline size_t KvEventsBufferBytes(size_t memory_budget) {
+  return std::clamp(memory_budget / 64, size_t{1} << 20, size_t{64} << 20);
+}
+
+// Hashes in one batch at most: a change of more (NameBlocks of a long
+// prompt) goes out as several consecutive batches, so that each message a
+// slow subscriber's send queue holds stays small.
+constexpr size_t kMaxBatchHashes = 1024;
+// Messages a subscriber's send queue holds at most (ZMQ_SNDHWM); past them
+// the subscriber misses batches and asks for a replay.
+constexpr int kSendQueueBatches = 1000;
+// The largest message either socket takes from a peer (ZMQ_MAXMSGSIZE): a
+// replay request is 8 bytes, a subscription its topic; a peer that sends
+// more is disconnected before the daemon buffers it.
+constexpr int64_t kMaxPeerMessageBytes = 1024;
 
 // msgpack of a batch of events at time `ts` (seconds since the epoch).
 std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events, int block_tokens);
@@ -74,6 +94,8 @@ class KvEventPublisher {
   using SnapshotFn = std::function<void(const std::function<void(std::vector<BlockEvent>)>&)>;
   void SetSnapshot(SnapshotFn snapshot);
   uint64_t batches() const { return next_seq_.load(); }
+  // Bytes of the batches kept for replay (within options.buffer_bytes).
+  size_t kept_bytes() const { return kept_bytes_.load(); }
 
  private:
   explicit KvEventPublisher(const KvEventsOptions& options) : options_(options) {}
@@ -92,6 +114,7 @@ class KvEventPublisher {
   SnapshotFn snapshot_;
   std::atomic<bool> stop_{false};
   std::deque<std::pair<uint64_t, std::string>> kept_;  // the thread's
+  std::atomic<size_t> kept_bytes_{0};
   std::thread thread_;
 };
 

@@ -144,6 +144,8 @@ Flags (--name=value or --name value):
   --kv-events-topic=TOPIC  the first frame of every event message (default
                            kv-events)
   --kv-events-buffer=N     batches kept for replay (default 10000)
+  --kv-events-buffer-bytes=SIZE  and at most these bytes of them (default: a
+                           64th of the memory budget, from 1MiB to 64MiB)
   --snapshot-dir=DIR       load sessions from DIR at start, write them there on
                            SIGTERM and on the Snapshot call (default none)
   --auth-tokens-file=PATH  lines "TOKEN TENANT": calls need "authorization:
@@ -255,6 +257,11 @@ int main(int argc, char** argv) {
           options.kv_events.buffer_batches > (size_t{1} << 24)) {
         return Fail(flag + ": expected a count in [1, 16777216]");
       }
+    } else if (name == "kv-events-buffer-bytes") {
+      absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
+      if (!bytes.ok()) return Fail(absl::StrCat("--kv-events-buffer-bytes: ", bytes.status().message()));
+      if (*bytes == 0) return Fail("--kv-events-buffer-bytes must be more than 0");
+      options.kv_events.buffer_bytes = *bytes;
     } else if (name == "snapshot-dir") {
       options.snapshot_dir = value;
     } else if (name == "spill-dir") {

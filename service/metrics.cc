@@ -250,6 +250,12 @@ Metrics::Metrics(std::string device, const std::vector<std::string>& tiers, cons
                                       "connected over a unix socket that uses them)")
                                 .Register(r)
                                 .Add({});
+  kv_events_buffer_bytes_ = &BuildGauge()
+                                 .Name("turbokv_kv_events_buffer_bytes")
+                                 .Help("Bytes of KV event batches kept for replay (--kv-events-buffer-bytes bounds "
+                                       "them; 0 without --kv-events-endpoint)")
+                                 .Register(r)
+                                 .Add({});
   auto& refused = BuildCounter()
                       .Name("turbokv_shared_memory_refused_connections_total")
                       .Help("Connections the shared-memory socket turned away: descriptors (the process was out of "
@@ -453,6 +459,8 @@ void Metrics::SetQueued(int64_t work) { queued_->Set(static_cast<double>(work));
 void Metrics::SetInFlightBytes(int64_t bytes) { in_flight_bytes_->Set(static_cast<double>(bytes)); }
 
 void Metrics::SetSharedMemoryRegions(size_t regions) { shared_memory_regions_->Set(static_cast<double>(regions)); }
+
+void Metrics::SetKvEventsBufferBytes(size_t bytes) { kv_events_buffer_bytes_->Set(static_cast<double>(bytes)); }
 
 void Metrics::ObservePromotion(double seconds) { promotion_duration_->Observe(seconds); }
 

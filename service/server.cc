@@ -275,6 +275,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   if (!options.kv_events.endpoint.empty()) {
     KvEventsOptions kv_events = options.kv_events;
     kv_events.block_tokens = options.page_tokens;
+    if (kv_events.buffer_bytes == 0) kv_events.buffer_bytes = KvEventsBufferBytes(server->budget_);
     absl::StatusOr<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(kv_events);
     if (!publisher.ok()) return publisher.status();
     server->kv_events_ = *std::move(publisher);
@@ -571,6 +572,7 @@ void Server::ExpireLoop() {
     metrics_->SetStore(store_->Snapshot());
     metrics_->SetQueued(static_cast<int64_t>(executor_->queued()));
     metrics_->SetInFlightBytes(service_->in_flight_bytes());
+    if (kv_events_ != nullptr) metrics_->SetKvEventsBufferBytes(kv_events_->kept_bytes());
     if (shared_memory_ != nullptr) {
       metrics_->SetSharedMemoryRegions(shared_memory_->regions());
       const SharedMemoryRefusals refused = shared_memory_->refusals();

@@ -11,6 +11,7 @@ must rebuild the same. Needs $TURBOKVD and the turbokv package on the path."""
 
 import os
 import random
+import socket
 import subprocess
 import tempfile
 import threading
@@ -26,6 +27,13 @@ import turbokv
 BLOCK = 64
 MEDIUM = {turbokv.RESIDENCY_MEMORY: "memory", turbokv.RESIDENCY_MEMORY_AND_DISK: "memory",
           turbokv.RESIDENCY_DISK: "disk"}
+
+
+def free_port():
+    """A free TCP port of 127.0.0.1 (for the metrics endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Reconstruction:
@@ -257,6 +265,107 @@ class KvEventsTest(unittest.TestCase):
         print(f"ops {ops}, batches {len(subscriber.state.seqs)}, replays {subscriber.replays}, "
               f"demotions {stats.demotions}, evictions {stats.evictions}, "
               f"blocks held {({m: len(b) for m, b in want.items()})}")
+
+
+def metric(port, name):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+def rss_bytes(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class KvEventsBoundsTest(unittest.TestCase):
+    """Issue 58 item 5: what peers of the endpoints and the replay buffer
+    cost the daemon is bounded."""
+
+    def test_peers_and_the_replay_buffer_are_bounded(self):
+        with tempfile.TemporaryDirectory(prefix="turbokv-events-") as tmp:
+            target = f"unix://{tmp}/turbokv.sock"
+            events, replay_at = f"ipc://{tmp}/events", f"ipc://{tmp}/replay"
+            port = free_port()
+            log_path = os.path.join(tmp, "turbokvd.log")
+            log = open(log_path, "w")
+            daemon = subprocess.Popen(
+                [os.environ["TURBOKVD"], f"--listen={target}", "--device=cpu", "--threads=1",
+                 f"--metrics-listen=127.0.0.1:{port}", f"--kv-events-endpoint={events}",
+                 f"--kv-events-replay-endpoint={replay_at}", "--kv-events-buffer-bytes=64KiB"], stderr=log)
+            context = zmq.Context()
+            try:
+                client = turbokv.Client(target)
+                client.wait_until_ready(30)
+                sub = context.socket(zmq.SUB)
+                sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+                sub.connect(events)
+                time.sleep(0.3)
+                # One NameBlocks of 2,500 blocks: three batches of at most
+                # 1,024 hashes, each chained to the one before.
+                chain = turbokv.block_hashes(range(2500 * BLOCK), BLOCK, salt="bounds")
+                session = client.create_session(1, 1, 1, 64, key_codec="turbo2", value_codec="turbo2",
+                                                key_transform="none", sink_tokens=0)
+                data = np.ones((2500 * BLOCK, 1, 64), np.float32)
+                for at in range(0, len(data), 16384):
+                    session.append(0, at, data[at:at + 16384], data[at:at + 16384])
+                session.name_blocks(0, chain)
+                stored = []
+                while sum(len(e["block_hashes"]) for e in stored) < 2500:
+                    self.assertTrue(sub.poll(10000), "the stored blocks did not arrive")
+                    _, _, payload = sub.recv_multipart()
+                    batch = [e for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"]
+                    self.assertLessEqual(sum(len(e["block_hashes"]) for e in batch), 1024)
+                    stored += batch
+                self.assertEqual([h for e in stored for h in e["block_hashes"]], chain)
+                for before, after in zip(stored, stored[1:]):
+                    self.assertEqual(after["parent_block_hash"], before["block_hashes"][-1])
+                sub.close(linger=0)
+
+                # The buffer holds at most 64 KiB of batches (these three
+                # are about 90 KB): a replay from 0 starts with a snapshot.
+                deadline = time.time() + 10
+                while (metric(port, "turbokv_kv_events_buffer_bytes") or 0) == 0 and time.time() < deadline:
+                    time.sleep(0.2)
+                kept = metric(port, "turbokv_kv_events_buffer_bytes")
+                self.assertGreater(kept, 0)
+                self.assertLessEqual(kept, 64 * 1024)
+                batches = replay(context, replay_at, 0)
+                self.assertEqual(msgpack.unpackb(batches[0][1])[1][0], {"type": "AllBlocksCleared"})
+
+                # 2,000 malformed replay requests: a warning line or two, not 2,000.
+                dealer = context.socket(zmq.DEALER)
+                dealer.connect(replay_at)
+                for _ in range(2000):
+                    dealer.send_multipart([b"", b"bad"])
+                time.sleep(1)
+                dealer.close(linger=0)
+                with open(log_path) as f:
+                    warnings = [line for line in f if "is not [empty, 8-byte start]" in line]
+                self.assertGreaterEqual(len(warnings), 1)
+                self.assertLessEqual(len(warnings), 2)
+
+                # A 64 MiB request is refused before it is buffered (it took
+                # 384 MiB to 544 MiB of resident memory before).
+                before = rss_bytes(daemon.pid)
+                big = context.socket(zmq.DEALER)
+                big.connect(replay_at)
+                big.send_multipart([b"", b"x" * (64 << 20)])
+                time.sleep(2)
+                big.close(linger=0)
+                self.assertLess(rss_bytes(daemon.pid) - before, 16 << 20)
+                self.assertTrue(replay(context, replay_at, 0))  # still answering
+            finally:
+                daemon.terminate()
+                self.assertEqual(daemon.wait(60), 0)
+                log.close()
+                context.term()
 
 
 if __name__ == "__main__":
