@@ -1,11 +1,13 @@
 #include "service/auth.h"
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -45,10 +47,13 @@ absl::StatusOr<std::string> Authenticator::Authenticate(const absl::string_view*
     return absl::UnauthenticatedError("no bearer token: send metadata \"authorization: Bearer TOKEN\"");
   }
   absl::string_view token = *authorization;
-  if (!absl::ConsumePrefix(&token, "Bearer ")) {
-    return absl::UnauthenticatedError("the authorization metadata is not \"Bearer TOKEN\"");
+  // Exactly "Bearer", one space and the token: the tokens of the file hold
+  // no whitespace, and nothing else is taken for one of them.
+  if (!absl::ConsumePrefix(&token, "Bearer ") || token.empty() ||
+      std::any_of(token.begin(), token.end(), [](char c) { return absl::ascii_isspace(static_cast<unsigned char>(c)); })) {
+    return absl::UnauthenticatedError("the authorization metadata is not \"Bearer TOKEN\" (one space, no other whitespace)");
   }
-  auto it = tenants_.find(absl::StripAsciiWhitespace(token));
+  auto it = tenants_.find(token);
   if (it == tenants_.end()) return absl::UnauthenticatedError("unknown bearer token");
   return it->second;
 }

@@ -84,7 +84,7 @@ absl::StatusOr<std::shared_ptr<const SharedRegion>> SharedMemory::Find(absl::str
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = regions_.find(std::string(id));
   if (it == regions_.end() || it->second->tenant() != tenant) {
-    return absl::NotFoundError(absl::StrCat("no shared-memory region '", id,
+    return absl::NotFoundError(absl::StrCat("no shared-memory region '", ShowId(id),
                                             "' for this caller (never registered, or its client has gone)"));
   }
   return it->second;

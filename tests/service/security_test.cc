@@ -97,6 +97,12 @@ TEST(SecurityTest, TokensNameTenantsAndTenantsSeeOnlyTheirSessions) {
   auto guessed = wrong->CreateSession(Small());
   EXPECT_EQ(guessed.status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_THAT(std::string(guessed.status().message()), HasSubstr("unknown bearer token"));
+  // Nothing but "Bearer", one space and the token: two spaces or a token
+  // with a space after it are not the token.
+  for (const char* almost : {" alpha-secret", "alpha-secret "}) {
+    auto refused = connect(almost)->Stats();
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << "'" << almost << "'";
+  }
 
   auto session = alpha->CreateSession(Small());
   ASSERT_TRUE(session.ok()) << session.status();
