@@ -24,10 +24,18 @@ absl::Status Handler::GoneStatus(const std::string& id, const std::string& tenan
   return again.ok() ? absl::NotFoundError(absl::StrCat("no session ", ShowId(id))) : again.status();
 }
 
+namespace {
+thread_local absl::Time call_deadline = absl::InfiniteFuture();
+}  // namespace
+
+CallDeadline::CallDeadline(absl::Time deadline) : previous_(call_deadline) { call_deadline = deadline; }
+CallDeadline::~CallDeadline() { call_deadline = previous_; }
+absl::Time CallDeadline::Current() { return call_deadline; }
+
 absl::Status Handler::Promote(SessionCache& session, absl::Span<const SessionCache* const> held) {
   if (session.resident()) return absl::OkStatus();
   const absl::Time start = absl::Now();
-  const absl::Status status = store_->Promote(session, held, options_.kernel_pool);
+  const absl::Status status = store_->Promote(session, held, options_.kernel_pool, CallDeadline::Current());
   if (status.ok() && options_.metrics != nullptr) {
     options_.metrics->ObservePromotion(absl::ToDoubleSeconds(absl::Now() - start));
   }

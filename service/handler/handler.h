@@ -61,6 +61,23 @@ struct ReadKvCursor {
   int64_t position = 0;
 };
 
+// The deadline of the call this thread runs, for the waits inside it (a
+// demoted session waiting for room in memory): the rpc layer sets it around
+// each handler call, for as long as the object lives. Without one
+// (absl::InfiniteFuture()), a wait lasts at most
+// StoreOptions::promotion_patience.
+class CallDeadline {
+ public:
+  explicit CallDeadline(absl::Time deadline);
+  ~CallDeadline();
+  CallDeadline(const CallDeadline&) = delete;
+  CallDeadline& operator=(const CallDeadline&) = delete;
+  static absl::Time Current();
+
+ private:
+  const absl::Time previous_;
+};
+
 // Every call takes the caller's tenant (from its bearer token; empty when the
 // daemon runs without --auth-tokens-file) and sees only that tenant's
 // sessions.

@@ -1,5 +1,6 @@
 #include "service/rpc/kv_cache_service.h"
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -22,6 +23,12 @@ absl::Status Draining() { return absl::UnavailableError(kDraining.error_message(
 
 absl::Status CancelledBeforeRun() {
   return absl::CancelledError("the client cancelled the call (or went away) before it ran; nothing was applied");
+}
+
+// The call's deadline as the handler's waits take it (CallDeadline).
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  const std::chrono::system_clock::time_point deadline = context.deadline();
+  return deadline == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture() : absl::FromChrono(deadline);
 }
 
 void Observe(Metrics* metrics, const char* method, const absl::Status& status, absl::Time start) {
@@ -261,6 +268,7 @@ class UnaryCall {
 
   void Run() {
     if (context_->IsCancelled()) return Done(CancelledBeforeRun());
+    const CallDeadline deadline(DeadlineOf(*context_));
     absl::StatusOr<Response> result = (parts_->handler->*method_)(request_, tenant_);
     if (!result.ok()) return Done(result.status());
     Done(Serialize(*result, out_));
@@ -411,6 +419,7 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
 
   void Run() {
     if (context_->IsCancelled()) return Fail(CancelledBeforeRun());
+    const CallDeadline deadline(DeadlineOf(*context_));
     absl::StatusOr<Response> response = (parts_->handler->*method_)(request_, tenant_);
     Request().Swap(&request_);  // its memory goes now, not at the next message
     absl::Status status = response.status();
@@ -538,6 +547,7 @@ class ReadKvCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void StartCursor() {
     if (context_->IsCancelled()) return Done(CancelledBeforeRun());
+    const CallDeadline deadline(DeadlineOf(*context_));
     absl::StatusOr<ReadKvCursor> cursor = parts_->handler->StartReadKv(request_, tenant_);
     if (!cursor.ok()) return Done(cursor.status());
     cursor_ = *std::move(cursor);
@@ -549,6 +559,7 @@ class ReadKvCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (context_->IsCancelled()) return Done(absl::CancelledError("the client went away"));
     response_.Clear();
     out_.Clear();
+    const CallDeadline deadline(DeadlineOf(*context_));
     absl::StatusOr<bool> more = parts_->handler->NextReadKv(cursor_, &response_);
     if (!more.ok()) return Done(more.status());
     if (!*more) return Done(absl::OkStatus());

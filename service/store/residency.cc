@@ -374,7 +374,7 @@ absl::Status SessionStore::Demote(SessionCache& session) {
 }
 
 absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
-                                   ThreadPool* pool) {
+                                   ThreadPool* pool, absl::Time call_deadline) {
   if (session.resident()) return absl::OkStatus();
   const TierSession& image = *session.demoted_;
   const SessionConfig& config = session.config();
@@ -390,7 +390,8 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
     }
   }
   const absl::Time start = absl::Now();
-  const absl::Time deadline = start + options_.promotion_patience;
+  const absl::Time deadline =
+      call_deadline == absl::InfiniteFuture() ? start + options_.promotion_patience : call_deadline;
   uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(line_mutex_);
@@ -409,7 +410,8 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
     if (!turn) {
       status = absl::ResourceExhaustedError(
           absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(), " tier and waited ",
-                       absl::FormatDuration(options_.promotion_patience), " behind ", ahead,
+                       absl::FormatDuration(absl::Now() - start), " (until its call's deadline, or ",
+                       absl::FormatDuration(options_.promotion_patience), " without one) behind ", ahead,
                        " other sessions coming back into memory (the memory budget holds too few of them at once)"));
       break;
     }

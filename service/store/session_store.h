@@ -305,10 +305,11 @@ class SessionStore {
   // `held`). DATA_LOSS when a record fails its CRC, RESOURCE_EXHAUSTED
   // naming both tiers when memory cannot take it. Reads layers on `pool`
   // when given. Promotions take turns, first come first served: one that
-  // finds the room held by sessions in calls waits for them, up to
-  // StoreOptions::promotion_patience, and later promotions wait behind it.
+  // finds the room held by sessions in calls waits for them, until
+  // `deadline` (its call's; absl::InfiniteFuture(): for
+  // StoreOptions::promotion_patience), and later promotions wait behind it.
   absl::Status Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
-                       ThreadPool* pool = nullptr);
+                       ThreadPool* pool = nullptr, absl::Time deadline = absl::InfiniteFuture());
   // Queues the session's sealed pages that are not on the tier yet (under
   // its mutex); with !force only while the writer's queue has room.
   absl::Status WriteThrough(SessionCache& session, bool force);

@@ -452,6 +452,49 @@ TEST_P(SpillTest, APromotionWaitsForTheCallHoldingItsRoom) {
   EXPECT_FALSE((*busy)->resident());
 }
 
+// A promotion waits for room until its call's deadline, not a fixed
+// patience (issue 58 item 8): one whose deadline comes first fails then,
+// saying how long it waited; one with time left comes back once the call
+// holding the room ends.
+TEST_P(SpillTest, APromotionWaitsForRoomUntilItsCallsDeadline) {
+  size_t one = 0;
+  {
+    Store probe = OpenStore(FreshDir("probe-deadline"));
+    auto session = probe.store->Create(Config(), "tenant", absl::Now());
+    ASSERT_TRUE(session.ok());
+    Append(*probe.store, **session, 200, 1);
+    one = probe.store->pool().used_bytes();
+  }
+  Store s = OpenStore(FreshDir("deadline"), one + one / 2);  // holds one, not two
+  auto waiting = s.store->Create(Config(), "tenant", absl::Now());
+  ASSERT_TRUE(waiting.ok());
+  Append(*s.store, **waiting, 200, 1);
+  {
+    std::lock_guard<std::mutex> lock((*waiting)->mutex());
+    ASSERT_TRUE(s.store->Demote(**waiting).ok());
+  }
+  auto busy = s.store->Create(Config(), "tenant", absl::Now());
+  ASSERT_TRUE(busy.ok());
+  Append(*s.store, **busy, 200, 2);
+  std::unique_lock<std::mutex> call((*busy)->mutex());  // a call on it, for 1.5 s
+  std::thread ends([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    call.unlock();
+  });
+  std::lock_guard<std::mutex> lock((*waiting)->mutex());
+  const SessionCache* held[] = {waiting->get()};
+  absl::Time start = absl::Now();
+  const absl::Status hurried = s.store->Promote(**waiting, held, nullptr, start + absl::Milliseconds(200));
+  EXPECT_EQ(hurried.code(), absl::StatusCode::kResourceExhausted) << hurried;
+  EXPECT_TRUE(absl::StrContains(hurried.message(), "for the calls holding memory to end")) << hurried;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  start = absl::Now();
+  const absl::Status patient = s.store->Promote(**waiting, held, nullptr, start + absl::Seconds(30));
+  EXPECT_TRUE(patient.ok()) << patient;
+  EXPECT_TRUE((*waiting)->resident());
+  ends.join();
+}
+
 TEST_P(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
   const std::string dir = FreshDir("full");
   Store s = OpenStore(dir, size_t{1} << 20, size_t{1} << 20);
