@@ -250,6 +250,13 @@ Metrics::Metrics(std::string device, const std::vector<std::string>& tiers, cons
                                       "connected over a unix socket that uses them)")
                                 .Register(r)
                                 .Add({});
+  shared_memory_bytes_ = &BuildGauge()
+                              .Name("turbokv_shared_memory_bytes")
+                              .Help("Bytes of the shared-memory regions registered: client memory the daemon maps "
+                                    "and writes results into (its resident memory counts the pages it touched, as "
+                                    "RssShmem), each region at most --shared-memory-max-bytes")
+                              .Register(r)
+                              .Add({});
   kv_events_buffer_bytes_ = &BuildGauge()
                                  .Name("turbokv_kv_events_buffer_bytes")
                                  .Help("Bytes of KV event batches kept for replay (--kv-events-buffer-bytes bounds "
@@ -458,7 +465,10 @@ void Metrics::SetQueued(int64_t work) { queued_->Set(static_cast<double>(work));
 
 void Metrics::SetInFlightBytes(int64_t bytes) { in_flight_bytes_->Set(static_cast<double>(bytes)); }
 
-void Metrics::SetSharedMemoryRegions(size_t regions) { shared_memory_regions_->Set(static_cast<double>(regions)); }
+void Metrics::SetSharedMemoryRegions(size_t regions, size_t bytes) {
+  shared_memory_regions_->Set(static_cast<double>(regions));
+  shared_memory_bytes_->Set(static_cast<double>(bytes));
+}
 
 void Metrics::SetKvEventsBufferBytes(size_t bytes) { kv_events_buffer_bytes_->Set(static_cast<double>(bytes)); }
 

@@ -82,7 +82,7 @@ class Metrics {
   void SetQueued(int64_t work);
   // Requests and replies in flight (KvCacheService::in_flight_bytes).
   void SetInFlightBytes(int64_t bytes);
-  void SetSharedMemoryRegions(size_t regions);
+  void SetSharedMemoryRegions(size_t regions, size_t bytes);
   // Bytes of KV event batches kept for replay (KvEventPublisher::kept_bytes).
   void SetKvEventsBufferBytes(size_t bytes);
   // The shared-memory listener's refusals so far (SharedMemoryRefusals),
@@ -131,6 +131,7 @@ class Metrics {
   prometheus::Gauge* queued_;
   prometheus::Gauge* in_flight_bytes_;
   prometheus::Gauge* shared_memory_regions_;
+  prometheus::Gauge* shared_memory_bytes_;
   prometheus::Gauge* kv_events_buffer_bytes_;
   prometheus::Counter* shared_memory_refused_[3] = {};  // descriptors, limits, timeouts
   int64_t shared_memory_refused_seen_[3] = {};         // under SetStore's single caller

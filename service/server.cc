@@ -574,7 +574,7 @@ void Server::ExpireLoop() {
     metrics_->SetInFlightBytes(service_->in_flight_bytes());
     if (kv_events_ != nullptr) metrics_->SetKvEventsBufferBytes(kv_events_->kept_bytes());
     if (shared_memory_ != nullptr) {
-      metrics_->SetSharedMemoryRegions(shared_memory_->regions());
+      metrics_->SetSharedMemoryRegions(shared_memory_->regions(), shared_memory_->region_bytes());
       const SharedMemoryRefusals refused = shared_memory_->refusals();
       metrics_->SetSharedMemoryRefusals(refused.descriptors, refused.limits, refused.timeouts);
     }

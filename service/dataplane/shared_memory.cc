@@ -95,6 +95,13 @@ size_t SharedMemory::regions() const {
   return regions_.size();
 }
 
+size_t SharedMemory::region_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t bytes = 0;
+  for (const auto& [id, region] : regions_) bytes += region->size();
+  return bytes;
+}
+
 SharedMemoryRefusals SharedMemory::refusals() const {
   return {refused_descriptors_.load(), refused_limits_.load(), refused_timeouts_.load()};
 }

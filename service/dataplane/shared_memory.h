@@ -102,8 +102,11 @@ class SharedMemory {
   // NOT_FOUND when there is none: never registered, released, or another
   // tenant's.
   absl::StatusOr<std::shared_ptr<const SharedRegion>> Find(absl::string_view tenant, absl::string_view id) const;
-  // Regions registered and not yet released.
+  // Regions registered and not yet released, and their bytes: what the
+  // daemon may map and touch of its clients' memory (each region at most
+  // max_region_bytes).
   size_t regions() const;
+  size_t region_bytes() const;
   SharedMemoryRefusals refusals() const;
   const std::string& socket_path() const { return options_.socket_path; }
 

@@ -266,6 +266,7 @@ TEST_F(SharedMemoryTest, SlicesOutsideTheRegionOrNotTheCallersAreRefusedAndChang
   close(beta_fd);
   ASSERT_THAT(beta.answer, ::testing::StartsWith("OK "));
   EXPECT_EQ(shared().regions(), 2u);
+  EXPECT_EQ(shared().region_bytes(), 2 * size);  // turbokv_shared_memory_bytes
 
   const uint64_t kv_bytes = kKv * kDim * 4, q_bytes = kQ * kDim * 4;
   auto request = [&](const std::string& region, uint64_t key_offset, uint64_t key_length) {
@@ -368,6 +369,7 @@ TEST_F(SharedMemoryTest, RegionsAreReleasedWhenTheirClientsGo) {
   }
   for (int i = 0; i < 500 && shared().regions() > 0; ++i) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(shared().regions(), 0u);
+  EXPECT_EQ(shared().region_bytes(), 0u);
   EXPECT_LE(OpenFds(), fds_before + 2) << "connections or memfds left open";
   // Clients that come and go through the C++ client, each with a call.
   auto session = Connect("alpha-secret", 0)->CreateSession(Shape(v1::CODEC_TURBO3));
