@@ -342,18 +342,28 @@ TURBOKV_HD uint32_t ThreeBitNibbles(uint32_t low, uint32_t high, bool odd, bool 
   return n;
 }
 
+// Where chunk k (16 dimensions) of a turbo side lies for a lane: the
+// lane's quad and group, the chunk's index within its rotation block, and
+// the byte (within a record) of that block's first plane.
+template <CodecKind K, int D>
+struct TurboChunk {
+  static constexpr CodecLayout kLayout = MakeCodecLayout(K, D);
+  static constexpr int B = kLayout.block_values, kBits = TurboBits(K);
+  int q, g, kb, plane;
+  TURBOKV_HD TurboChunk(int lane, int k)
+      : q(lane & 3), g(lane >> 2), kb(k % (B / 16)), plane(k / (B / 16) * kLayout.block_bytes + kTurboScaleBytes) {}
+};
+
 // A lane's A fragments of chunk k of the key side, as KeyFragmentOneByOne
 // gives them, from whole plane words for the fast codecs (lo: nothing
 // written when the codec has no part 1).
 template <CodecKind K, int D>
 TURBOKV_HD void KeyFragment(const Group<K, D>& keys, const UnitTable& table, int lane, int k, uint32_t* a,
                             uint32_t* lo) {
-  if constexpr (K == CodecKind::kTurbo4 || K == CodecKind::kTurbo3 || K == CodecKind::kTurbo2) {
-    constexpr CodecLayout l = MakeCodecLayout(K, D);
-    constexpr int B = l.block_values, bits = TurboBits(K);
-    const int q = lane & 3, g = lane >> 2;
-    const int block = k / (B / 16), kb = k % (B / 16);
-    const int plane = block * l.block_bytes + kTurboScaleBytes;
+  if constexpr (TurboBits(K) != 0) {
+    constexpr int B = TurboChunk<K, D>::B, bits = TurboBits(K);
+    const TurboChunk<K, D> c(lane, k);
+    const int q = c.q, g = c.g, kb = c.kb, plane = c.plane;
     TURBOKV_UNROLL
     for (int row = 0; row < 2; ++row) {
       const int t = g + 8 * row;
@@ -398,12 +408,10 @@ TURBOKV_HD void KeyFragment(const Group<K, D>& keys, const UnitTable& table, int
 // tokens' codes of one dimension put side by side, then looked up together.
 template <CodecKind K, int D>
 TURBOKV_HD void ValueFragment(const Group<K, D>& values, const UnitTable& table, int lane, int k, uint32_t* a) {
-  if constexpr (K == CodecKind::kTurbo4 || K == CodecKind::kTurbo3 || K == CodecKind::kTurbo2) {
-    constexpr CodecLayout l = MakeCodecLayout(K, D);
-    constexpr int B = l.block_values, bits = TurboBits(K);
-    const int q = lane & 3, g = lane >> 2;
-    const int block = k / (B / 16), kb = k % (B / 16);
-    const int plane = block * l.block_bytes + kTurboScaleBytes;
+  if constexpr (TurboBits(K) != 0) {
+    constexpr int B = TurboChunk<K, D>::B, bits = TurboBits(K);
+    const TurboChunk<K, D> c(lane, k);
+    const int q = c.q, g = c.g, kb = c.kb, plane = c.plane;
     TURBOKV_UNROLL
     for (int pair = 0; pair < 2; ++pair) {
       const int t = 2 * q + 8 * pair;  // tokens t and t + 1

@@ -54,20 +54,21 @@ struct DeviceWarp {
 
   template <class X>
   __device__ __forceinline__ void MaxOverGroups(X x, int n) {
-    float* v = x(lane);
-    TURBOKV_UNROLL
-    for (int i = 0; i < n; ++i) {
-      TURBOKV_UNROLL
-      for (int step = 4; step < 32; step *= 2) v[i] = fmaxf(v[i], __shfl_xor_sync(kFullMask, v[i], step));
-    }
+    OverGroups(x, n, [](float a, float b) { return fmaxf(a, b); });
   }
   template <class X>
   __device__ __forceinline__ void SumOverGroups(X x, int n) {
+    OverGroups(x, n, [](float a, float b) { return a + b; });
+  }
+  // Each of the lane's n values combined with `op` over the 8 groups (the
+  // lanes of its quad position).
+  template <class X, class Op>
+  __device__ __forceinline__ void OverGroups(X x, int n, Op op) {
     float* v = x(lane);
     TURBOKV_UNROLL
     for (int i = 0; i < n; ++i) {
       TURBOKV_UNROLL
-      for (int step = 4; step < 32; step *= 2) v[i] += __shfl_xor_sync(kFullMask, v[i], step);
+      for (int step = 4; step < 32; step *= 2) v[i] = op(v[i], __shfl_xor_sync(kFullMask, v[i], step));
     }
   }
 

@@ -405,12 +405,18 @@ TEST_F(SharedMemoryTest, ARegionStaysMappedWhileACallHoldsIt) {
   EXPECT_EQ((*slice)[4095], 0x5a);
 }
 
-TEST(SharedMemoryFallbackTest, WithoutSharedMemoryTheClientSendsBytes) {
+// A CPU server on Dir()/NAME.sock, without metrics.
+ServerOptions Plain(const std::string& name) {
   ServerOptions options;
-  options.listen = {absl::StrCat("unix://", Dir(), "/plain.sock")};
+  options.listen = {absl::StrCat("unix://", Dir(), "/", name, ".sock")};
   options.device = "cpu";
   options.threads = 2;
   options.metrics_listen = "";
+  return options;
+}
+
+TEST(SharedMemoryFallbackTest, WithoutSharedMemoryTheClientSendsBytes) {
+  ServerOptions options = Plain("plain");
   options.shared_memory_socket = "";
   auto server = Server::Create(options);
   ASSERT_TRUE(server.ok());
@@ -442,11 +448,7 @@ TEST(SharedMemoryFallbackTest, WithoutSharedMemoryTheClientSendsBytes) {
 // messages at once, or within a second (issue 58 item 3: it hung in
 // connect, or stalled 5 s).
 TEST(SharedMemoryFallbackTest, AShmSocketThatDoesNotAnswerCostsTheClientAtMostASecond) {
-  ServerOptions options;
-  options.listen = {absl::StrCat("unix://", Dir(), "/stuck.sock")};
-  options.device = "cpu";
-  options.threads = 2;
-  options.metrics_listen = "";
+  ServerOptions options = Plain("stuck");
   options.shared_memory_socket = Dir() + "/elsewhere.shm";  // the client looks for stuck.sock.shm
   auto server = Server::Create(options);
   ASSERT_TRUE(server.ok());

@@ -87,6 +87,14 @@ class SpillTest : public ::testing::TestWithParam<std::string> {
     return out;
   }
 
+  // A store that holds one session of 200 tokens, not two: `waiting`
+  // demoted, `busy` resident; bringing `waiting` back takes busy's room.
+  struct RoomHeld {
+    Store s;
+    std::shared_ptr<SessionCache> waiting, busy;
+  };
+  RoomHeld HoldTheRoom(const std::string& name);
+
   std::unique_ptr<Backend> backend_;
 };
 
@@ -117,6 +125,31 @@ void Append(SessionStore& store, SessionCache& session, int64_t n, uint64_t seed
     ASSERT_TRUE(appended.ok()) << appended.status();
   }
   EXPECT_TRUE(store.WriteThrough(session, false).ok());
+}
+
+SpillTest::RoomHeld SpillTest::HoldTheRoom(const std::string& name) {
+  size_t one = 0;  // what one session of 200 tokens holds
+  {
+    Store probe = OpenStore(FreshDir(name + "-probe"));
+    auto session = probe.store->Create(Config(), "tenant", absl::Now());
+    EXPECT_TRUE(session.ok());
+    Append(*probe.store, **session, 200, 1);
+    one = probe.store->pool().used_bytes();
+  }
+  RoomHeld r{OpenStore(FreshDir(name), one + one / 2), nullptr, nullptr};
+  auto waiting = r.s.store->Create(Config(), "tenant", absl::Now());
+  EXPECT_TRUE(waiting.ok());
+  r.waiting = *waiting;
+  Append(*r.s.store, *r.waiting, 200, 1);
+  {
+    std::lock_guard<std::mutex> lock(r.waiting->mutex());
+    EXPECT_TRUE(r.s.store->Demote(*r.waiting).ok());
+  }
+  auto busy = r.s.store->Create(Config(), "tenant", absl::Now());
+  EXPECT_TRUE(busy.ok());
+  r.busy = *busy;
+  Append(*r.s.store, *r.busy, 200, 2);
+  return r;
 }
 
 // Every layer's keys and values as decoded, after promoting the session.
@@ -414,25 +447,10 @@ TEST_P(SpillTest, APinnedSessionIsNeverDemoted) {
 // A promotion whose room is held by a session in a call waits for the call
 // to end, then demotes it and comes back (before: RESOURCE_EXHAUSTED at once).
 TEST_P(SpillTest, APromotionWaitsForTheCallHoldingItsRoom) {
-  size_t one = 0;  // what one session of 200 tokens holds
-  {
-    Store probe = OpenStore(FreshDir("probe"));
-    auto session = probe.store->Create(Config(), "tenant", absl::Now());
-    ASSERT_TRUE(session.ok());
-    Append(*probe.store, **session, 200, 1);
-    one = probe.store->pool().used_bytes();
-  }
-  Store s = OpenStore(FreshDir("wait"), one + one / 2);  // holds one, not two
-  auto waiting = s.store->Create(Config(), "tenant", absl::Now());
-  ASSERT_TRUE(waiting.ok());
-  Append(*s.store, **waiting, 200, 1);
-  {
-    std::lock_guard<std::mutex> lock((*waiting)->mutex());
-    ASSERT_TRUE(s.store->Demote(**waiting).ok());
-  }
-  auto busy = s.store->Create(Config(), "tenant", absl::Now());
-  ASSERT_TRUE(busy.ok());
-  Append(*s.store, **busy, 200, 2);
+  RoomHeld r = HoldTheRoom("wait");
+  Store& s = r.s;
+  std::shared_ptr<SessionCache>* waiting = &r.waiting;
+  std::shared_ptr<SessionCache>* busy = &r.busy;
   std::unique_lock<std::mutex> call((*busy)->mutex());  // a call on it
   std::thread ends([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -457,25 +475,10 @@ TEST_P(SpillTest, APromotionWaitsForTheCallHoldingItsRoom) {
 // saying how long it waited; one with time left comes back once the call
 // holding the room ends.
 TEST_P(SpillTest, APromotionWaitsForRoomUntilItsCallsDeadline) {
-  size_t one = 0;
-  {
-    Store probe = OpenStore(FreshDir("probe-deadline"));
-    auto session = probe.store->Create(Config(), "tenant", absl::Now());
-    ASSERT_TRUE(session.ok());
-    Append(*probe.store, **session, 200, 1);
-    one = probe.store->pool().used_bytes();
-  }
-  Store s = OpenStore(FreshDir("deadline"), one + one / 2);  // holds one, not two
-  auto waiting = s.store->Create(Config(), "tenant", absl::Now());
-  ASSERT_TRUE(waiting.ok());
-  Append(*s.store, **waiting, 200, 1);
-  {
-    std::lock_guard<std::mutex> lock((*waiting)->mutex());
-    ASSERT_TRUE(s.store->Demote(**waiting).ok());
-  }
-  auto busy = s.store->Create(Config(), "tenant", absl::Now());
-  ASSERT_TRUE(busy.ok());
-  Append(*s.store, **busy, 200, 2);
+  RoomHeld r = HoldTheRoom("deadline");
+  Store& s = r.s;
+  std::shared_ptr<SessionCache>* waiting = &r.waiting;
+  std::shared_ptr<SessionCache>* busy = &r.busy;
   std::unique_lock<std::mutex> call((*busy)->mutex());  // a call on it, for 1.5 s
   std::thread ends([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));
