@@ -693,6 +693,13 @@ TEST(HardeningTest, IdleSharedMemoryConnectionsAreBoundedTimedOutAndKeepNobodyOu
 // the shared-memory socket rests instead of spinning, counts it, says so
 // once, and registers again as soon as descriptors are free.
 TEST(HardeningTest, OutOfDescriptorsTheSharedMemorySocketRestsCountsAndRecovers) {
+  if (::turbokv::testing::kAddressSanitizer) {
+    // The sanitizers' runtime needs descriptors of its own: on a cache miss,
+    // UndefinedBehaviorSanitizer's vptr check validates the vtable with
+    // calls that open one, and out of descriptors it reports a virtual call
+    // on a live object as "invalid vptr" and stops the daemon (CI, 7 Dec).
+    GTEST_SKIP() << "out of descriptors, the sanitizer runtime fails before the daemon does";
+  }
   Daemon daemon({"--listen=" + Socket(), "--device=cpu", "--threads=1"}, 0, rlimit{96, 96});
   auto client = Client::Connect(Socket());
   ASSERT_TRUE(client->WaitUntilServing(absl::Seconds(20)).ok()) << daemon.Log();
