@@ -243,6 +243,14 @@ TEST(RedisClusterTest, AMasterDownRefusesItsSessionsAppendsUntilItIsBack) {
   ASSERT_EQ(Appended(sequence.Append(*session, 0, 200)), 200);
   const int master = cluster.MasterOf(SlotOf(session->id()), 0);
   ASSERT_GE(master, 0);
+  // A session on another master, written to while this one is down.
+  absl::StatusOr<Session> other = client->CreateSession(Shape());
+  for (int i = 0; i < 32 && other.ok() && cluster.MasterOf(SlotOf(other->id()), 0) == master; ++i) {
+    other = client->CreateSession(Shape());
+  }
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_NE(cluster.MasterOf(SlotOf(other->id()), 0), master);
+  ASSERT_EQ(Appended(sequence.Append(*other, 0, 200)), 200);
   cluster.Kill(master);
   // Without a replica the cluster cannot serve that slot: the append is
   // refused (never held past the timeouts), attention goes on.
@@ -251,6 +259,21 @@ TEST(RedisClusterTest, AMasterDownRefusesItsSessionsAppendsUntilItIsBack) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
   EXPECT_LT(absl::Now() - sent, absl::Seconds(10));
   EXPECT_TRUE(session->Attend(1, TensorData::F32(testing::GaussianVectors(kQHeads, kDim, 13))).ok());
+  // The tier reads down (the gauge is refreshed every second), and then
+  // the whole time the master is, although writes to the other masters go
+  // through (it read up between two renewals before).
+  const std::string tier_up = "turbokv_tier_up{tier=\"redis\"}";
+  for (absl::Time until = absl::Now() + absl::Seconds(5);
+       Sample(Scrape(a.MetricsAddress()), tier_up) != 0 && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  int64_t other_tokens = 200;
+  for (absl::Time until = absl::Now() + absl::Seconds(4); absl::Now() < until;) {
+    absl::StatusOr<int64_t> appended = sequence.Append(*other, other_tokens, 10);
+    if (appended.ok()) other_tokens = *appended;
+    EXPECT_EQ(Sample(Scrape(a.MetricsAddress()), tier_up), 0) << a.Log();
+    absl::SleepFor(absl::Milliseconds(200));
+  }
   cluster.Start(master);
   ASSERT_TRUE(cluster.WaitUntilHealthy(absl::Seconds(20)));
   EXPECT_EQ(AppendedOnceRedisTakesIt(sequence, *session, 200, 100, absl::Seconds(20)), 300) << a.Log();
@@ -258,7 +281,7 @@ TEST(RedisClusterTest, AMasterDownRefusesItsSessionsAppendsUntilItIsBack) {
   double up = 0;
   for (absl::Time until = absl::Now() + absl::Seconds(5); up != 1 && absl::Now() < until;) {
     absl::SleepFor(absl::Milliseconds(200));
-    up = Sample(Scrape(a.MetricsAddress()), "turbokv_tier_up{tier=\"redis\"}");
+    up = Sample(Scrape(a.MetricsAddress()), tier_up);
   }
   EXPECT_EQ(up, 1);
   TakenOverWhole(a, cluster, session->id(), reference, sequence, 300);

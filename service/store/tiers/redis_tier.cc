@@ -957,10 +957,11 @@ void RedisTier::Renew() {
   absl::StatusOr<std::vector<RedisValue>> replies =
       absl::IsUnavailable(facts.status()) ? facts.status() : writer_connection_.Run(commands);
   std::lock_guard<std::mutex> lock(mutex_);
+  silent_ = replies.ok() ? silent : std::string(replies.status().message());
   if (!replies.ok()) {
-    if (up_) Logf(LogLevel::kWarning, "Redis tier unreachable: %s", std::string(replies.status().message()).c_str());
+    if (up_) Logf(LogLevel::kWarning, "Redis tier unreachable: %s", silent_.c_str());
     up_ = false;
-    down_reason_ = std::string(replies.status().message());
+    down_reason_ = silent_;
     written_.notify_all();
     return;
   }
@@ -1123,12 +1124,15 @@ void RedisTier::WriterLoop() {
       lock.lock();
       continue;
     }
-    if (!up_ && wanted) {
+    // A write that went does not bring back a tier that did not answer the
+    // last renewal (a cluster's other master, not yet failed over): that
+    // renewal's view stands until the next one.
+    if (!up_ && wanted && silent_.empty()) {
       Logf(LogLevel::kInfo, "Redis tier reachable again; sending the %s queued",
            FormatByteSize(static_cast<size_t>(queued_bytes_)).c_str());
     }
     if (wanted) {
-      up_ = true;
+      up_ = silent_.empty();
       backoff = absl::Milliseconds(50);
       // A write refused because another daemon claimed the session is the
       // fencing at work, not a failing tier.

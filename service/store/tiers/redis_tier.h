@@ -167,6 +167,7 @@ class RedisTier final : public Tier {
   bool probe_ = false;     // a claim found Redis down: the writer tries it at once
   std::string down_reason_;
   std::string refusal_;  // why Redis is refused (its eviction policy), while it is
+  std::string silent_;   // why the last renewal went unanswered (a cluster's master, or Redis), or empty
   std::map<std::string, std::string> run_ids_;  // each master's process (by host:port), as last seen
   std::vector<std::shared_ptr<SessionState>> lost_;  // sessions whose records Redis lost, not yet taken
   int64_t rewrites_ = 0;
