@@ -182,10 +182,14 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
 // Attention on the CPU over a whole batch: every problem is checked first
 // (INVALID_ARGUMENT naming the problem and field, nothing computed), then the
 // work items of all problems (kv head x token chunk) run as one parallel job.
-// Problems with a transform or sinks go through AttendTransformed, their
-// sinks in the same job. On the SIMD path a problem marked few_tokens (a
-// layer's sinks) is attended by AttendFewCpu, one work item per kv head and
-// pass of queries; INVALID_ARGUMENT when its cache does not qualify.
+// A problem's transform is applied in its items (its queries scaled and
+// offset as each takes its head's rows; the offsets and value means added
+// by the item finishing the head), and so are its sinks on the SIMD path
+// when AttendFewCpu takes them (f16, q8_0, q4_0): attended and merged by that
+// item. Other sinks make the batch go through AttendTransformed, as problems
+// of their own in the same job. On the SIMD path a problem marked few_tokens
+// (a layer's sinks) is attended by AttendFewCpu, one work item per kv head
+// and pass of queries; INVALID_ARGUMENT when its cache does not qualify.
 absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& params,
                        const AttentionOptions& options = {});
 
@@ -203,6 +207,23 @@ using PlainAttention = std::function<absl::Status(const AttentionBatch&, const A
 // match their cache.
 absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParams& params,
                                const PlainAttention& pages, const PlainAttention& sinks);
+
+// AttendTransformed's pieces, which the CPU driver applies in its work items
+// instead (a kv head's rows at a time), to the same bits:
+// - the checks of a problem's transform and sinks against its cache
+//   (INVALID_ARGUMENT naming problem `index`);
+absl::Status CheckTransformAndSinks(const AttentionProblem& problem, int64_t index);
+// - a query row of kv head `kv_head` times its key scales (out != q);
+void ScaleQueryRow(const KeyTransform& transform, int kv_head, const float* q, float* out);
+// - that row's logit offset: scale * <q, key mean> + given (q unscaled);
+float KeyMeanOffset(const KeyTransform& transform, int kv_head, const float* q, float scale, float given);
+// - after the pages, a row with a result (lse finite): `offset` (nullptr:
+//   none, the kernel had it) into its lse and top-k logits, the kv head's
+//   value mean into its output;
+void FinishTransformedRow(const KeyTransform* transform, int kv_head, const float* offset, int top_k, float* out,
+                          float* lse, const int64_t* topk_tokens, float* topk_logits);
+// - a row's top-k list and its sinks' merged into the first (k entries each).
+void MergeTopK(int k, int64_t* tokens, float* logits, const int64_t* sink_tokens, const float* sink_logits);
 
 // The most tokens AttendFewCpu takes (a layer's sinks hold at most 64).
 constexpr int64_t kMaxFewTokens = 64;

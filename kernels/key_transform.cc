@@ -177,7 +177,9 @@ struct Prepared {
   std::unique_ptr<int64_t[]> sink_tokens;
 };
 
-absl::Status CheckExtras(const AttentionProblem& p, int64_t index) {
+}  // namespace
+
+absl::Status CheckTransformAndSinks(const AttentionProblem& p, int64_t index) {
   const auto invalid = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("problem ", index, ": ", what));
   };
@@ -200,7 +202,58 @@ absl::Status CheckExtras(const AttentionProblem& p, int64_t index) {
   return absl::OkStatus();
 }
 
-}  // namespace
+
+void ScaleQueryRow(const KeyTransform& transform, int kv_head, const float* q, float* out) {
+  const int d = transform.head_dim;
+  const float* s = transform.key_scale.data() + static_cast<size_t>(kv_head) * d;
+  for (int c = 0; c < d; ++c) out[c] = q[c] * s[c];
+}
+
+float KeyMeanOffset(const KeyTransform& transform, int kv_head, const float* q, float scale, float given) {
+  const int d = transform.head_dim;
+  const float* m = transform.key_mean.data() + static_cast<size_t>(kv_head) * d;
+  return static_cast<float>(scale * DotDouble(q, m, d)) + given;
+}
+
+void FinishTransformedRow(const KeyTransform* transform, int kv_head, const float* offset, int top_k, float* out,
+                          float* lse, const int64_t* topk_tokens, float* topk_logits) {
+  if (*lse == -INFINITY) return;  // the pages held nothing this row sees
+  if (offset != nullptr) {
+    *lse += *offset;
+    for (int j = 0; j < top_k; ++j) {
+      if (topk_tokens[j] >= 0) topk_logits[j] += *offset;
+    }
+  }
+  if (transform != nullptr && !transform->value_mean.empty()) {
+    const int d = transform->head_dim;
+    const float* m = transform->value_mean.data() + static_cast<size_t>(kv_head) * d;
+    for (int c = 0; c < d; ++c) out[c] += m[c];
+  }
+}
+
+void MergeTopK(int k, int64_t* tokens, float* logits, const int64_t* sink_tokens, const float* sink_logits) {
+  thread_local std::vector<int64_t> merged_tokens;
+  thread_local std::vector<float> merged_logits;
+  merged_tokens.resize(static_cast<size_t>(k));
+  merged_logits.resize(static_cast<size_t>(k));
+  int a = 0, b = 0;
+  for (int j = 0; j < k; ++j) {
+    const bool have_a = a < k && tokens[a] >= 0;
+    const bool have_b = b < k && sink_tokens[b] >= 0;
+    if (have_a && (!have_b || RanksBefore(logits[a], tokens[a], sink_logits[b], sink_tokens[b]))) {
+      merged_tokens[j] = tokens[a];
+      merged_logits[j] = logits[a++];
+    } else if (have_b) {
+      merged_tokens[j] = sink_tokens[b];
+      merged_logits[j] = sink_logits[b++];
+    } else {
+      merged_tokens[j] = -1;
+      merged_logits[j] = -INFINITY;
+    }
+  }
+  std::copy(merged_tokens.begin(), merged_tokens.end(), tokens);
+  std::copy(merged_logits.begin(), merged_logits.end(), logits);
+}
 
 absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParams& params,
                                const PlainAttention& pages, const PlainAttention& sinks) {
@@ -211,7 +264,7 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
     if (p.transform == nullptr && p.sinks.tokens == 0) continue;
-    if (absl::Status s = CheckExtras(p, i); !s.ok()) return s;
+    if (absl::Status s = CheckTransformAndSinks(p, i); !s.ok()) return s;
     if (p.cache.kv_heads <= 0 || q_heads % p.cache.kv_heads != 0) {
       return absl::InvalidArgumentError(absl::StrCat("problem ", i, ": q_heads ", q_heads,
                                                      " is not a multiple of kv_heads ", p.cache.kv_heads));
@@ -230,20 +283,15 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
       // every session's queries on the caller's thread.
       prep.q.reset(new float[rows * d]);
       for (size_t r = 0; r < rows; ++r) {
-        const float* s = t->key_scale.data() + static_cast<size_t>(r % q_heads / group) * d;
-        const float* q = p.queries.q + r * d;
-        float* scaled = prep.q.get() + r * d;
-        for (int c = 0; c < d; ++c) scaled[c] = q[c] * s[c];
+        ScaleQueryRow(*t, static_cast<int>(r % q_heads / group), p.queries.q + r * d, prep.q.get() + r * d);
       }
       out.queries.q = prep.q.get();
     }
     if (t != nullptr && !t->key_mean.empty()) {
       prep.offsets.resize(rows);
       for (size_t r = 0; r < rows; ++r) {
-        const float* q = p.queries.q + r * d;
-        const float* m = t->key_mean.data() + static_cast<size_t>(r % q_heads / group) * d;
-        prep.offsets[r] = static_cast<float>(scale * DotDouble(q, m, d)) +
-                          (p.queries.logit_offset != nullptr ? p.queries.logit_offset[r] : 0.0f);
+        prep.offsets[r] = KeyMeanOffset(*t, static_cast<int>(r % q_heads / group), p.queries.q + r * d, scale,
+                                        p.queries.logit_offset != nullptr ? p.queries.logit_offset[r] : 0.0f);
       }
       // Without a softcap the offset only shifts every logit of a row: it
       // goes to the results after, keeping the kernels' logits small.
@@ -292,45 +340,16 @@ absl::Status AttendTransformed(const AttentionBatch& batch, const AttentionParam
     const size_t rows = static_cast<size_t>(p.queries.n) * q_heads;
     const int k = params.top_k;
     for (size_t r = 0; r < rows; ++r) {
-      float& lse = p.output.lse[r];
-      if (lse == -INFINITY) continue;  // the pages held nothing this row sees
-      if (!prep.offsets.empty() && !prep.offsets_in_kernel) {
-        lse += prep.offsets[r];
-        for (int j = 0; j < k; ++j) {
-          if (p.output.topk_tokens[r * k + j] >= 0) p.output.topk_logits[r * k + j] += prep.offsets[r];
-        }
-      }
-      if (p.transform != nullptr && !p.transform->value_mean.empty()) {
-        const float* m = p.transform->value_mean.data() + static_cast<size_t>(r % q_heads / group) * d;
-        for (int c = 0; c < d; ++c) p.output.out[r * d + c] += m[c];
-      }
+      const bool offset = !prep.offsets.empty() && !prep.offsets_in_kernel;
+      FinishTransformedRow(p.transform, static_cast<int>(r % q_heads / group), offset ? &prep.offsets[r] : nullptr, k,
+                           p.output.out + r * d, p.output.lse + r, k ? p.output.topk_tokens + r * k : nullptr,
+                           k ? p.output.topk_logits + r * k : nullptr);
     }
     if (p.sinks.tokens == 0) continue;
     MergeAttention(rows, d, p.output.out, p.output.lse, prep.sink_out.get(), prep.sink_lse.get());
-    std::vector<int64_t> tokens(static_cast<size_t>(k));
-    std::vector<float> logits(static_cast<size_t>(k));
     for (size_t r = 0; r < rows && k > 0; ++r) {
-      int64_t* out_tokens = p.output.topk_tokens + r * k;
-      float* out_logits = p.output.topk_logits + r * k;
-      const int64_t* sink_tokens = prep.sink_tokens.get() + r * k;
-      const float* sink_logits = prep.sink_logits.get() + r * k;
-      int a = 0, b = 0;
-      for (int j = 0; j < k; ++j) {
-        const bool have_a = a < k && out_tokens[a] >= 0;
-        const bool have_b = b < k && sink_tokens[b] >= 0;
-        if (have_a && (!have_b || RanksBefore(out_logits[a], out_tokens[a], sink_logits[b], sink_tokens[b]))) {
-          tokens[j] = out_tokens[a];
-          logits[j] = out_logits[a++];
-        } else if (have_b) {
-          tokens[j] = sink_tokens[b];
-          logits[j] = sink_logits[b++];
-        } else {
-          tokens[j] = -1;
-          logits[j] = -INFINITY;
-        }
-      }
-      std::copy(tokens.begin(), tokens.end(), out_tokens);
-      std::copy(logits.begin(), logits.end(), out_logits);
+      MergeTopK(k, p.output.topk_tokens + r * k, p.output.topk_logits + r * k, prep.sink_tokens.get() + r * k,
+                prep.sink_logits.get() + r * k);
     }
   }
   return absl::OkStatus();

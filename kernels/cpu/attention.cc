@@ -21,6 +21,7 @@
 #include "kernels/codec.h"
 #include "kernels/codebooks.h"
 #include "kernels/half.h"
+#include "kernels/key_transform.h"
 #include "kernels/paged_cache.h"
 #include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/cpu_codecs.h"
@@ -192,6 +193,13 @@ struct Pass {
   int64_t first_chunk = 0, chunks = 0;
   int64_t first_item = 0;            // index of its first work item in the batch
   std::shared_ptr<const HadamardRotation> key_rotation, value_rotation;
+  // A problem's transform and sinks, applied in its work items: queries
+  // scaled and offset as each head's rows are taken, and each head's rows
+  // finished, then merged with the head's sinks (AttendFewCpu), by the item
+  // that finishes the head.
+  const KeyTransform* transform = nullptr;
+  bool offsets_in_kernel = false;  // the key means' offsets go into the kernel (a softcap)
+  const PagedKvCache* sinks = nullptr;
   std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
   // Per kv head, its chunks not yet scanned: the item that scans the last
   // one finishes the head.
@@ -268,16 +276,80 @@ void HeadQueries(const AttentionParams& params, AttentionPath path, const Pass& 
                  std::vector<float>* q, std::vector<float>* offsets) {
   const int d = pass.cache->key_layout.head_dim;
   const int group = params.q_heads / pass.cache->kv_heads;
+  const KeyTransform* t = pass.transform;
+  const bool scaled = t != nullptr && !t->key_scale.empty();
+  const bool mean_offsets = t != nullptr && !t->key_mean.empty() && pass.offsets_in_kernel;
+  const float scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   q->resize(static_cast<size_t>(pass.rows) * d);
-  offsets->resize(pass.queries.logit_offset != nullptr ? pass.rows : 0);
+  offsets->resize(pass.queries.logit_offset != nullptr || mean_offsets ? pass.rows : 0);
   for (int r = 0; r < pass.rows; ++r) {
     const int64_t query = r / group;
     const int q_head = h * group + r % group;
     const size_t row = static_cast<size_t>(query) * params.q_heads + q_head;
-    std::memcpy(q->data() + static_cast<size_t>(r) * d, pass.queries.q + row * d, d * sizeof(float));
-    if (!offsets->empty()) (*offsets)[r] = pass.queries.logit_offset[row];
+    const float* given = pass.queries.q + row * d;
+    if (scaled) {
+      ScaleQueryRow(*t, h, given, q->data() + static_cast<size_t>(r) * d);
+    } else {
+      std::memcpy(q->data() + static_cast<size_t>(r) * d, given, d * sizeof(float));
+    }
+    const float offset = pass.queries.logit_offset != nullptr ? pass.queries.logit_offset[row] : 0.0f;
+    if (mean_offsets) {
+      (*offsets)[r] = KeyMeanOffset(*t, h, given, scale, offset);
+    } else if (!offsets->empty()) {
+      (*offsets)[r] = offset;
+    }
   }
   if (pass.key_rotation) Rotate(*pass.key_rotation, path, /*inverse=*/false, q->data(), pass.rows);
+}
+
+// Kv head h's rows of the pass, finished as AttendTransformed finishes them:
+// the key means' offsets (when the kernel did not have them) and the value
+// means.
+void FinishTransformedHead(const AttentionParams& params, const Pass& pass, int h) {
+  const KeyTransform& t = *pass.transform;
+  const int d = pass.cache->key_layout.head_dim;
+  const int group = params.q_heads / pass.cache->kv_heads;
+  const int k = params.top_k;
+  const bool offsets = !t.key_mean.empty() && !pass.offsets_in_kernel;
+  const float scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+  for (int r = 0; r < pass.rows; ++r) {
+    const size_t o = static_cast<size_t>(r / group) * params.q_heads + h * group + r % group;
+    const float offset =
+        offsets ? KeyMeanOffset(t, h, pass.queries.q + o * d, scale,
+                                pass.queries.logit_offset != nullptr ? pass.queries.logit_offset[o] : 0.0f)
+                : 0.0f;
+    FinishTransformedRow(&t, h, offsets ? &offset : nullptr, k, pass.output.out + o * d, pass.output.lse + o,
+                         k ? pass.output.topk_tokens + o * k : nullptr, k ? pass.output.topk_logits + o * k : nullptr);
+  }
+}
+
+// Kv head h's sinks attended (AttendFewCpu: the queries as given) and merged
+// into the pass's finished rows of that head.
+void MergeSinks(const AttentionParams& params, const Pass& pass, int h) {
+  const int d = pass.cache->key_layout.head_dim;
+  const int group = params.q_heads / pass.cache->kv_heads;
+  const int k = params.top_k;
+  const size_t rows = static_cast<size_t>(pass.queries.n) * params.q_heads;
+  thread_local std::vector<float> out, lse, logits;
+  thread_local std::vector<int64_t> tokens;
+  out.resize(rows * d);
+  lse.resize(rows);
+  logits.resize(rows * k);
+  tokens.resize(rows * k);
+  AttentionProblem sinks;
+  sinks.cache = *pass.sinks;
+  sinks.queries = pass.queries;
+  sinks.output = {out.data(), lse.data(), k ? tokens.data() : nullptr, k ? logits.data() : nullptr};
+  sinks.few_tokens = true;
+  AttendFewCpu(sinks, params, h, 0, pass.queries.n);
+  for (int64_t i = 0; i < pass.queries.n; ++i) {
+    const size_t o = static_cast<size_t>(i) * params.q_heads + h * group;
+    MergeAttention(group, d, pass.output.out + o * d, pass.output.lse + o, out.data() + o * d, lse.data() + o);
+    for (int g = 0; g < group && k > 0; ++g) {
+      MergeTopK(k, pass.output.topk_tokens + (o + g) * k, pass.output.topk_logits + (o + g) * k,
+                tokens.data() + (o + g) * k, logits.data() + (o + g) * k);
+    }
+  }
 }
 
 // Merges kv head h's chunks in order, normalizes, rotates the values back and
@@ -312,6 +384,8 @@ void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, i
   }
   // The chunks' states are merged: their memory goes now, not with the batch.
   for (int64_t c = 0; c < pass.chunks; ++c) pass.states[h * pass.chunks + c].reset();
+  if (pass.transform != nullptr) FinishTransformedHead(params, pass, h);
+  if (pass.sinks != nullptr) MergeSinks(params, pass, h);
 }
 
 // fn(i) for i in [0, n), on the pool when there is one (`heavy` as
@@ -328,9 +402,23 @@ void ForEach(ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& fn
 
 namespace {
 
-// A batch of plain problems (no transform, no sinks).
-absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& params,
+// A batch of problems, their transforms and sinks applied in the work items
+// (sinks only those AttendFewCpu takes, on the SIMD path: AttendCpu).
+absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& params,
                             const AttentionOptions& options) {
+  for (int64_t i = 0; i < batch.count; ++i) {
+    const AttentionProblem& p = batch.problems[i];
+    if (p.transform == nullptr && p.sinks.tokens == 0) continue;
+    if (absl::Status s = CheckTransformAndSinks(p, i); !s.ok()) return s;
+    if (p.cache.kv_heads <= 0 || params.q_heads % p.cache.kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("problem ", i, ": q_heads ", params.q_heads,
+                                                     " is not a multiple of kv_heads ", p.cache.kv_heads));
+    }
+    if (p.sinks.tokens == 0) continue;
+    if (absl::Status s = CheckAttention(p.sinks, params, p.queries, p.output); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("problem ", i, ", its sinks: ", s.message()));
+    }
+  }
   for (int64_t i = 0; i < batch.count; ++i) {
     const AttentionProblem& p = batch.problems[i];
     absl::Status s = CheckAttention(p.cache, params, p.queries, p.output);
@@ -371,6 +459,9 @@ absl::Status AttendPlainCpu(const AttentionBatch& batch, const AttentionParams& 
     for (int64_t first = 0; first < p.queries.n; first += kQueriesPerPass) {
       Pass pass;
       pass.cache = &p.cache;
+      pass.transform = p.transform != nullptr && !p.transform->empty() ? p.transform : nullptr;
+      pass.offsets_in_kernel = params.softcap > 0.0f;
+      if (p.sinks.tokens > 0) pass.sinks = &p.sinks;
       const size_t row = static_cast<size_t>(first) * q_heads;
       pass.queries = {std::min(kQueriesPerPass, p.queries.n - first), p.queries.q + row * d,
                       p.queries.positions + first,
@@ -483,11 +574,18 @@ absl::Status AttendCpu(const AttentionBatch& batch, const AttentionParams& param
   if (batch.count < 0 || (batch.count > 0 && batch.problems == nullptr)) {
     return Invalid("batch", "missing problems");
   }
-  const bool plain = std::none_of(batch.problems, batch.problems + batch.count,
-                                  [](const AttentionProblem& p) { return p.transform != nullptr || p.sinks.tokens > 0; });
-  if (plain) return AttendPlainCpu(batch, params, options);
+  // On the SIMD path, sinks that AttendFewCpu takes (the layers' own, f16 by
+  // default) are attended by the item finishing their head: a Decode batch
+  // of 32 sessions then has no problems of 4 tokens of its own, and no
+  // per-session preparation on the caller's thread. Else the sinks are
+  // problems of their own (AttendTransformed).
+  const bool within_items =
+      std::all_of(batch.problems, batch.problems + batch.count, [&](const AttentionProblem& p) {
+        return p.sinks.tokens == 0 || (options.path == AttentionPath::kSimd && FewTokensApply(p.sinks));
+      });
+  if (within_items) return AttendItemsCpu(batch, params, options);
   return AttendTransformed(
-      batch, params, [&](const AttentionBatch& b, const AttentionParams& p) { return AttendPlainCpu(b, p, options); },
+      batch, params, [&](const AttentionBatch& b, const AttentionParams& p) { return AttendItemsCpu(b, p, options); },
       nullptr);
 }
 

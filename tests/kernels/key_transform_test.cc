@@ -498,7 +498,8 @@ TEST(AttendFewTest, AMarkedCacheItCannotTakeIsRefused) {
 }
 
 // A device runs the pages and the CPU the sinks (PlainAttention callbacks):
-// the same results, to the bit, as the CPU running both in one batch.
+// the same results, to the bit, as the CPU running both in one batch, where
+// the transform and the f16 sinks are applied in the work items.
 TEST(TransformedAttentionTest, PagesAndSinksApartGiveTheSameBits) {
   Stored b = MakeStored(CodecKind::kQ8_0, CodecKind::kTurbo3, 128, 2, 4, 90, 2, kCenterScale);
   for (float softcap : {0.0f, 25.0f}) {
