@@ -29,12 +29,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 import numpy as np
 
 import turbokv
-from hostile_load import start_daemon
+from hostile_load import scrape, start_daemon
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, CHUNK, SESSION_TOKENS = 4, 8, 32, 128, 64, 2048
 
@@ -171,8 +170,7 @@ class Writers:
 
 
 def tier_up(metrics):
-    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=2) as reply:
-        match = re.search(r"^turbokv_tier_up(?:\{[^}]*\})? (\S+)$", reply.read().decode(), re.M)
+    match = re.search(r"^turbokv_tier_up(?:\{[^}]*\})? (\S+)$", scrape(metrics), re.M)
     return None if match is None else float(match.group(1))
 
 

@@ -198,7 +198,6 @@ struct Pass {
   // finished, then merged with the head's sinks (AttendFewCpu), by the item
   // that finishes the head.
   const KeyTransform* transform = nullptr;
-  bool offsets_in_kernel = false;  // the key means' offsets go into the kernel (a softcap)
   const PagedKvCache* sinks = nullptr;
   std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
   // Per kv head, its chunks not yet scanned: the item that scans the last
@@ -278,7 +277,9 @@ void HeadQueries(const AttentionParams& params, AttentionPath path, const Pass& 
   const int group = params.q_heads / pass.cache->kv_heads;
   const KeyTransform* t = pass.transform;
   const bool scaled = t != nullptr && !t->key_scale.empty();
-  const bool mean_offsets = t != nullptr && !t->key_mean.empty() && pass.offsets_in_kernel;
+  // With a softcap the key means' offsets go into the kernel (the cap sees
+  // them); without, to the finished rows (FinishTransformedHead).
+  const bool mean_offsets = t != nullptr && !t->key_mean.empty() && params.softcap > 0.0f;
   const float scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   q->resize(static_cast<size_t>(pass.rows) * d);
   offsets->resize(pass.queries.logit_offset != nullptr || mean_offsets ? pass.rows : 0);
@@ -310,7 +311,7 @@ void FinishTransformedHead(const AttentionParams& params, const Pass& pass, int 
   const int d = pass.cache->key_layout.head_dim;
   const int group = params.q_heads / pass.cache->kv_heads;
   const int k = params.top_k;
-  const bool offsets = !t.key_mean.empty() && !pass.offsets_in_kernel;
+  const bool offsets = !t.key_mean.empty() && params.softcap <= 0.0f;
   const float scale = params.softmax_scale > 0.0f ? params.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   for (int r = 0; r < pass.rows; ++r) {
     const size_t o = static_cast<size_t>(r / group) * params.q_heads + h * group + r % group;
@@ -460,7 +461,6 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
       Pass pass;
       pass.cache = &p.cache;
       pass.transform = p.transform != nullptr && !p.transform->empty() ? p.transform : nullptr;
-      pass.offsets_in_kernel = params.softcap > 0.0f;
       if (p.sinks.tokens > 0) pass.sinks = &p.sinks;
       const size_t row = static_cast<size_t>(first) * q_heads;
       pass.queries = {std::min(kQueriesPerPass, p.queries.n - first), p.queries.q + row * d,
