@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?=
 
 .PHONY: all deps configure build test fuzz asan-configure test-asan arm64-deps test-arm64 demo bench \
-	real-model-deps real-model clean
+	real-model-deps real-model vllm-deps clean
 
 all: build
 
@@ -23,8 +23,9 @@ configure: deps $(BUILD_DIR)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
-# Every test, then a minute of libFuzzer on the request handler.
-test: build
+# Every test (vLLM's CPU build included: vllm-deps), then a minute of
+# libFuzzer on the request handler.
+test: build vllm-deps
 	cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS) -E '^handler_fuzz$$'
 	$(MAKE) fuzz
 
@@ -38,11 +39,12 @@ fuzz: asan-configure
 	cmake --build $(ASAN_DIR) -j$(JOBS) --target handler_fuzz
 	cd $(ASAN_DIR) && ctest --output-on-failure -R '^handler_fuzz$$'
 
-# The unit, integration and Python tests again, under the sanitizers.
+# The unit, integration and Python tests again, under the sanitizers (not
+# the vLLM one: seven minutes of vLLM's own work around a few calls).
 test-asan: asan-configure
 	cmake --build $(ASAN_DIR) -j$(JOBS)
 	cd $(ASAN_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  ctest --output-on-failure -j$(JOBS) -E '^handler_fuzz$$'
+	  ctest --output-on-failure -j$(JOBS) -E '^(handler_fuzz|python_vllm)$$'
 
 # The kernels and their tests cross-built for aarch64 (Debian's cross
 # compiler and arm64 libraries) and run under qemu-user: the NEON path against
@@ -76,6 +78,12 @@ real-model-deps: deps
 real-model: real-model-deps build
 	PYTHONPATH=$(BUILD_DIR)/client/python/package TURBOKVD=$(BUILD_DIR)/service/turbokvd \
 	  .venv/bin/python bench/real_model.py --quick
+
+# vLLM's CPU build in a venv of its own (.venv-vllm, constraints-vllm.txt,
+# about 6.4 GB) and the model directory it loads (.models/smollm2-135m), for
+# turbokv.vllm's tests and client/python/examples/vllm_offload.py.
+vllm-deps: deps
+	@scripts/vllm-venv.sh
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(ARM64_DIR)

@@ -48,6 +48,7 @@ class Daemon:
         if self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+        self._log.close()
         self._dir.cleanup()
 
 

@@ -1,0 +1,138 @@
+"""turbokv.vllm.TurbokvConnector end to end: vLLM's CPU build (.venv-vllm,
+`make vllm-deps`) runs SmolLM2-135M through examples/vllm_offload.py, in its
+own processes, against a real turbokvd. vLLM's own prefix cache is off, so a
+run's cached tokens come from turbokvd only.
+
+Skips, saying why, when .venv-vllm or the model directory is missing."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from daemon import Daemon
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+EXAMPLE = os.path.join(HERE, "..", "examples", "vllm_offload.py")
+PYTHON = os.environ.get("TURBOKV_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
+MODEL = os.path.join(REPO, ".models", "smollm2-135m")
+
+
+def missing() -> str:
+    if not os.path.exists(PYTHON):
+        return f"no vLLM venv at {PYTHON} (make vllm-deps)"
+    if not os.path.exists(os.path.join(MODEL, ".turbokv-model")):
+        return f"no model directory {MODEL} (make vllm-deps)"
+    return ""
+
+
+@unittest.skipIf(missing(), missing())
+class VllmConnectorTest(unittest.TestCase):
+    def engine(self, target, *flags, env=None):
+        """examples/vllm_offload.py in a process of its own: its runs as JSON."""
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [os.environ.get("TURBOKV_PACKAGE_DIR", os.path.join(HERE, "..")), HERE]), **(env or {}))
+            run = subprocess.run([PYTHON, EXAMPLE, "--target", target, "--model", MODEL, "--json", out.name, *flags],
+                                 capture_output=True, text=True, timeout=600, env=environment)
+            self.assertEqual(run.returncode, 0, run.stdout + run.stderr[-6000:])
+            with open(out.name) as f:
+                result = json.load(f)
+        result["stdout"], result["stderr"] = run.stdout, run.stderr
+        return result
+
+    def test_f16_prefix_is_reused_exactly_in_the_engine_and_by_a_fresh_one(self):
+        daemon = Daemon()
+        try:
+            first = self.engine(daemon.target, "--check")
+            self.assertIn("check passed", first["stdout"])
+            cold, warm = first["runs"]
+            self.assertEqual(cold["cached_tokens"], 0)
+            # 1,000 prompt tokens: whole blocks of 128 (vLLM's) short of the last token.
+            self.assertEqual(warm["cached_tokens"], 896)
+            self.assertEqual(warm["tokens"], cold["tokens"])
+            self.assertEqual(first["metrics"]["vllm:turbokv_loaded_tokens"], 896)
+            self.assertEqual(first["metrics"]["vllm:turbokv_save_errors"], 0)
+            fresh = self.engine(daemon.target, "--runs", "1")
+            self.assertEqual(fresh["runs"][0]["cached_tokens"], 896)
+            self.assertEqual(fresh["runs"][0]["tokens"], cold["tokens"])
+            # Another salt: another engine's prefixes are not its own.
+            other = self.engine(daemon.target, "--runs", "1", "--salt", "another deployment")
+            self.assertEqual(other["runs"][0]["cached_tokens"], 0)
+            self.assertEqual(other["runs"][0]["tokens"], cold["tokens"])
+            self.assertEqual(daemon.stop(), 0)
+        finally:
+            daemon.close()
+
+    def test_bf16_prefix_is_reused_exactly(self):
+        daemon = Daemon()
+        try:
+            result = self.engine(daemon.target, "--dtype", "bfloat16", "--check")
+            cold, warm = result["runs"]
+            self.assertEqual(warm["cached_tokens"], 896)
+            self.assertEqual(warm["tokens"], cold["tokens"])
+        finally:
+            daemon.close()
+
+    def test_default_preset_keeps_the_first_tokens(self):
+        daemon = Daemon()
+        try:
+            result = self.engine(daemon.target, "--codec", "k4v4", "--rotation-seed", "1")
+            cold, warm = result["runs"]
+            self.assertEqual(warm["cached_tokens"], 896)
+            self.assertEqual(warm["tokens"][:8], cold["tokens"][:8])
+            # The first token's distribution, renormalized over the tokens in both runs' top 20.
+            common = sorted(set(cold["first_logprobs"]) & set(warm["first_logprobs"]))
+            p = [math.exp(cold["first_logprobs"][t]) for t in common]
+            q = [math.exp(warm["first_logprobs"][t]) for t in common]
+            kl = sum(a / sum(p) * math.log((a / sum(p)) / (b / sum(q))) for a, b in zip(p, q))
+            print(f"k4v4: first token KL {kl:.5f} over the {len(common)} tokens in both runs' top 20; "
+                  f"{sum(a == b for a, b in zip(cold['tokens'], warm['tokens']))} of {len(cold['tokens'])} "
+                  f"greedy tokens equal")
+        finally:
+            daemon.close()
+
+    def test_a_wrong_layout_changes_the_output(self):
+        daemon = Daemon()
+        try:
+            result = self.engine(daemon.target, "--connector", "vllm_faults:ScrambledLoadConnector")
+            cold, warm = result["runs"]
+            self.assertEqual(warm["cached_tokens"], 896)
+            self.assertNotEqual(warm["tokens"], cold["tokens"])
+        finally:
+            daemon.close()
+
+    def test_faults_become_misses_with_correct_tokens(self):
+        daemon = Daemon()
+        try:
+            killed = self.engine(daemon.target, "--connector", "vllm_faults:KillDaemonBeforeLoadConnector",
+                                 env={"TURBOKV_TEST_DAEMON_PID": str(daemon._process.pid)})
+        finally:
+            daemon.close()
+        cold, warm = killed["runs"]
+        self.assertEqual(warm["tokens"], cold["tokens"])
+        self.assertGreaterEqual(killed["metrics"]["vllm:turbokv_load_errors"], 1)
+        self.assertIn("not loaded, vLLM computes them", killed["stderr"])
+
+        daemon = Daemon()
+        try:
+            deleted = self.engine(daemon.target, "--connector", "vllm_faults:DeleteBeforeLoadConnector")
+        finally:
+            daemon.close()
+        self.assertEqual([r["tokens"] for r in deleted["runs"]], [cold["tokens"]] * 2)
+        self.assertGreaterEqual(deleted["metrics"]["vllm:turbokv_load_errors"], 1)
+
+        with tempfile.TemporaryDirectory() as folder:
+            absent = self.engine(f"unix://{folder}/nothing-listens.sock")
+        self.assertEqual([r["tokens"] for r in absent["runs"]], [cold["tokens"]] * 2)
+        self.assertEqual([r["cached_tokens"] for r in absent["runs"]], [0, 0])
+        self.assertGreaterEqual(absent["metrics"]["vllm:turbokv_lookup_errors"], 1)
+        self.assertIn("computes its prompt: turbokvd", absent["stderr"])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,45 @@
+"""TurbokvConnector with a fault injected, for vllm_connector_test.py (vLLM
+loads a connector by module path, in its own processes)."""
+import os
+import signal
+
+import torch
+
+from turbokv.vllm import TurbokvConnector, _Layout
+
+
+class ScrambledLoadConnector(TurbokvConnector):
+    """Saves through vLLM's layout as learned but loads with every block's
+    tokens shifted by one: the negative control (a wrong layout must change
+    the output)."""
+
+    def start_load_kv(self, forward_context, **kwargs):
+        layout = self._layout
+        rows = layout.to_row
+        tokens = layout.block_size * layout.head_dim
+        shifted = torch.where(rows < tokens, (rows + layout.head_dim) % tokens,
+                              tokens + (rows - tokens + layout.head_dim) % tokens)
+        self._layout = _Layout(layout.block_size, layout.kv_heads, layout.head_dim, shifted, torch.argsort(shifted))
+        try:
+            super().start_load_kv(forward_context, **kwargs)
+        finally:
+            self._layout = layout
+
+
+class KillDaemonBeforeLoadConnector(TurbokvConnector):
+    """SIGKILLs turbokvd ($TURBOKV_TEST_DAEMON_PID) after the scheduler found
+    a prefix and before the worker loads it."""
+
+    def start_load_kv(self, forward_context, **kwargs):
+        if self._get_connector_metadata().loads:
+            os.kill(int(os.environ["TURBOKV_TEST_DAEMON_PID"]), signal.SIGKILL)
+        super().start_load_kv(forward_context, **kwargs)
+
+
+class DeleteBeforeLoadConnector(TurbokvConnector):
+    """Deletes the session between the lookup and the load (as an eviction would)."""
+
+    def start_load_kv(self, forward_context, **kwargs):
+        for load in self._get_connector_metadata().loads:
+            self._connect().delete_session(load.session)
+        super().start_load_kv(forward_context, **kwargs)
