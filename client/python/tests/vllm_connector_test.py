@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 from daemon import Daemon
@@ -106,32 +107,76 @@ class VllmConnectorTest(unittest.TestCase):
         finally:
             daemon.close()
 
-    def test_faults_become_misses_with_correct_tokens(self):
+    reference_tokens = None
+
+    def reference(self):
+        """The greedy tokens vLLM computes itself (no daemon where the connector looks)."""
+        cls = type(self)
+        if cls.reference_tokens is None:
+            with tempfile.TemporaryDirectory() as folder:
+                absent = self.engine(f"unix://{folder}/nothing-listens.sock")
+            runs = absent["runs"]
+            self.assertEqual([r["cached_tokens"] for r in runs], [0, 0])
+            self.assertEqual(runs[0]["tokens"], runs[1]["tokens"])
+            self.assertGreaterEqual(absent["metrics"]["vllm:turbokv_lookup_errors"], 1)
+            self.assertIn("computes its prompt: turbokvd", absent["stderr"])
+            cls.reference_tokens = runs[0]["tokens"]
+        return cls.reference_tokens
+
+    def test_an_absent_daemon_is_a_miss(self):
+        self.assertEqual(len(self.reference()), 16)
+
+    def test_a_daemon_killed_between_lookup_and_load_is_recomputed(self):
         daemon = Daemon()
         try:
             killed = self.engine(daemon.target, "--connector", "vllm_faults:KillDaemonBeforeLoadConnector",
                                  env={"TURBOKV_TEST_DAEMON_PID": str(daemon._process.pid)})
         finally:
             daemon.close()
-        cold, warm = killed["runs"]
-        self.assertEqual(warm["tokens"], cold["tokens"])
+        self.assertEqual([r["tokens"] for r in killed["runs"]], [self.reference()] * 2)
         self.assertGreaterEqual(killed["metrics"]["vllm:turbokv_load_errors"], 1)
+        self.assertEqual(killed["metrics"]["vllm:turbokv_hits"], 0)
         self.assertIn("not loaded, vLLM computes them", killed["stderr"])
 
+    def test_a_session_deleted_between_lookup_and_load_is_recomputed(self):
         daemon = Daemon()
         try:
             deleted = self.engine(daemon.target, "--connector", "vllm_faults:DeleteBeforeLoadConnector")
         finally:
             daemon.close()
-        self.assertEqual([r["tokens"] for r in deleted["runs"]], [cold["tokens"]] * 2)
+        self.assertEqual([r["tokens"] for r in deleted["runs"]], [self.reference()] * 2)
         self.assertGreaterEqual(deleted["metrics"]["vllm:turbokv_load_errors"], 1)
 
-        with tempfile.TemporaryDirectory() as folder:
-            absent = self.engine(f"unix://{folder}/nothing-listens.sock")
-        self.assertEqual([r["tokens"] for r in absent["runs"]], [cold["tokens"]] * 2)
-        self.assertEqual([r["cached_tokens"] for r in absent["runs"]], [0, 0])
-        self.assertGreaterEqual(absent["metrics"]["vllm:turbokv_lookup_errors"], 1)
-        self.assertIn("computes its prompt: turbokvd", absent["stderr"])
+    def test_a_paused_daemon_is_a_miss_after_the_timeout(self):
+        daemon = Daemon()
+        try:
+            socket = daemon.target[len("unix://"):]
+            deadline = time.monotonic() + 30
+            while not os.path.exists(socket) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertTrue(os.path.exists(socket), daemon.log())
+            daemon.pause()
+            paused = self.engine(daemon.target)
+            daemon.resume()
+        finally:
+            daemon.close()
+        self.assertEqual([r["tokens"] for r in paused["runs"]], [self.reference()] * 2)
+        self.assertGreaterEqual(paused["metrics"]["vllm:turbokv_lookup_errors"], 1)
+        # A daemon that hangs before the connection is up: gRPC gives up on the connection.
+        self.assertIn("computes its prompt: turbokvd", paused["stderr"])
+        self.assertIn("timed out", paused["stderr"])
+
+    def test_a_layout_it_cannot_learn_turns_it_off(self):
+        daemon = Daemon()
+        try:
+            off = self.engine(daemon.target, "--connector", "vllm_faults:UnknownLayoutConnector")
+        finally:
+            daemon.close()
+        self.assertEqual([r["tokens"] for r in off["runs"]], [self.reference()] * 2)
+        self.assertEqual([r["cached_tokens"] for r in off["runs"]], [0, 0])
+        self.assertEqual(off["metrics"].get("vllm:turbokv_saved_tokens", 0), 0)
+        self.assertIn("off for this engine, every load fails over to computing: vLLM's KV buffer: "
+                      "this test's buffer", off["stderr"])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import signal
 
 import torch
 
-from turbokv.vllm import TurbokvConnector, _Layout
+from turbokv.vllm import LayoutUnknown, TurbokvConnector, _Layout
 
 
 class ScrambledLoadConnector(TurbokvConnector):
@@ -43,3 +43,10 @@ class DeleteBeforeLoadConnector(TurbokvConnector):
         for load in self._get_connector_metadata().loads:
             self._connect().delete_session(load.session)
         super().start_load_kv(forward_context, **kwargs)
+
+
+class UnknownLayoutConnector(TurbokvConnector):
+    """A buffer whose layout cannot be learned: the connector must turn off."""
+
+    def _learn(self, kv_layer):
+        raise LayoutUnknown("this test's buffer")

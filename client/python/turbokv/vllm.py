@@ -55,7 +55,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -63,7 +63,7 @@ import turbokv
 from turbokv.v1 import turbokv_pb2 as pb
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -82,6 +82,7 @@ logger = logging.getLogger("turbokv.vllm")
 # vLLM's metrics on, the Prometheus counters vllm:turbokv_<name>_total).
 COUNTERS = {
     "lookups": "requests the scheduler asked turbokvd about",
+    "skipped": "requests neither looked up nor stored: multimodal inputs, prompt embeddings or a LoRA adapter",
     "hits": "requests that loaded a stored prefix",
     "loaded_tokens": "tokens loaded into vLLM's buffer from turbokvd",
     "misses": "lookups that found no stored prefix to load",
@@ -135,8 +136,9 @@ class _Shape:
             why = f"kv_cache_dtype {cache.cache_dtype}"
         elif model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             why = f"dtype {model.dtype}"
-        elif kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-            why = "several KV cache groups (sliding-window or hybrid models)"
+        elif model.get_sliding_window() is not None or (
+                kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1):
+            why = "a sliding window or several KV cache groups (hybrid models)"
         return _Shape(layers, kv_heads, q_heads, head_dim, cache.block_size, model.dtype, why)
 
     def salt(self, vllm_config: "VllmConfig", extra: str) -> str:
@@ -177,6 +179,18 @@ class _Save:
 class TurbokvConnectorMetadata(KVConnectorMetadata):
     loads: List[_Load] = field(default_factory=list)
     saves: List[_Save] = field(default_factory=list)
+
+
+@dataclass
+class TurbokvWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker tells the scheduler after a step: the sessions it
+    stopped loading from and saving to, and why it is off, if it is."""
+    broken: Set[str] = field(default_factory=set)
+    off: str = ""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "TurbokvWorkerMetadata":
+        assert isinstance(other, TurbokvWorkerMetadata)
+        return TurbokvWorkerMetadata(self.broken | other.broken, self.off or other.off)
 
 
 @dataclass
@@ -357,6 +371,7 @@ class TurbokvConnector(KVConnectorBase_V1):
             logger.warning("turbokv.vllm: off for this engine, every lookup a miss: %s", self._disabled)
         # Scheduler side.
         self._requests: Dict[str, _Request] = {}
+        self._untracked: Set[str] = set()   # requests answered 0 without a session, counted once
         self._block_tokens = 0          # turbokvd's, from its Stats
         self._quiet_until = 0.0         # after a failed lookup, misses without asking until then
         if role == KVConnectorRole.SCHEDULER:
@@ -368,6 +383,8 @@ class TurbokvConnector(KVConnectorBase_V1):
         self._layout: Optional[_Layout] = None
         self._pending: Dict[int, List[Optional[Tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._broken: Set[str] = set()
+        self._newly_broken: Set[str] = set()
+        self._off_reported = False
         self._load_errors: Set[int] = set()
 
     # -- shared ---------------------------------------------------------------
@@ -420,10 +437,13 @@ class TurbokvConnector(KVConnectorBase_V1):
         return math.lcm(self._shape.block_size, self._block_tokens)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
+        if request.request_id in self._untracked:
+            return 0, False
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             tracked = self._open(request)
             if tracked is None:
+                self._untracked.add(request.request_id)
                 return 0, False
         # At least the last token is computed by vLLM (it yields the logits).
         usable = (min(tracked.stored, request.num_tokens - 1) // self._unit()) * self._unit()
@@ -432,12 +452,16 @@ class TurbokvConnector(KVConnectorBase_V1):
     def _open(self, request: "Request") -> Optional[_Request]:
         """The request's session, started with the longest stored prefix of
         its tokens; None (a miss) when there can be none."""
-        if self._disabled or time.monotonic() < self._quiet_until:
-            if not self._disabled:
-                self._count("lookups")
-                self._count("lookup_errors")
+        if self._disabled:
+            return None
+        if request.mm_features or request.prompt_embeds is not None or request.lora_request is not None:
+            # Their KV depends on more than the token ids the hashes cover.
+            self._count("skipped")
             return None
         self._count("lookups")
+        if time.monotonic() < self._quiet_until:
+            self._count("lookup_errors")
+            return None
         shape = self._shape
         try:
             client = self._connect()
@@ -497,8 +521,9 @@ class TurbokvConnector(KVConnectorBase_V1):
             tracked.load = None
             block = self._shape.block_size
             meta.loads.append(_Load(tracked.session, start, end, tracked.block_ids[start // block:end // block]))
-            self._count("hits")
-            self._count("loaded_tokens", end - start)
+        # Draft tokens of speculative decoding are not the request's yet (as
+        # vLLM's own prefix cache, only tokens up to num_tokens are kept).
+        computed = min(computed, tracked.request.num_tokens)
         end = (computed // self._block_tokens) * self._block_tokens
         if end <= tracked.stored:
             return
@@ -509,13 +534,27 @@ class TurbokvConnector(KVConnectorBase_V1):
                                 tracked.named, hashes, self._block_tokens))
         tracked.stored, tracked.named = end, end // self._block_tokens
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, TurbokvWorkerMetadata):
+            return
+        if meta.off and not self._disabled:
+            self._disabled = meta.off
+            logger.warning("turbokv.vllm: off for this engine, every lookup a miss: %s", meta.off)
+        for req_id in [r for r, tracked in self._requests.items() if tracked.session in meta.broken]:
+            # Nothing more is loaded from or saved to it; what it named stays valid.
+            self._requests.pop(req_id)
+            self._untracked.add(req_id)
+
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self._untracked.discard(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
-        if tracked is not None and tracked.stored <= tracked.started_with:
-            # Nothing of its own to share: the prefix stays with the sessions that named it.
+        if tracked is not None and tracked.stored <= tracked.started_with and time.monotonic() >= self._quiet_until:
+            # Nothing of its own to share: the prefix stays with the sessions
+            # that named it (and this one expires by its TTL if the call fails).
             try:
-                self._connect().delete_session(tracked.session)
-            except turbokv.TurbokvError as error:
+                self._connect().delete_session(tracked.session, timeout=1.0)
+            except Exception as error:  # noqa: BLE001 (the request is done either way)
                 logger.info("turbokv.vllm: session %s of request %s not deleted: %s",
                             tracked.session, request.request_id, error)
         return False, None
@@ -536,7 +575,7 @@ class TurbokvConnector(KVConnectorBase_V1):
             self._layout = self._learn(self._layers[0])
             for layer in self._layers:
                 self._layout.chunks(layer)
-        except (LayoutUnknown, ImportError, RuntimeError) as error:
+        except Exception as error:  # noqa: BLE001 (a buffer the connector cannot use turns it off)
             self._disabled = f"vLLM's KV buffer: {error}"
             logger.warning("turbokv.vllm: off for this engine, every load fails over to computing: %s",
                            self._disabled)
@@ -559,7 +598,6 @@ class TurbokvConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TurbokvConnectorMetadata)
-        block = self._shape.block_size
         for load in meta.loads:
             try:
                 if self._disabled:
@@ -570,12 +608,32 @@ class TurbokvConnector(KVConnectorBase_V1):
                 ids = torch.tensor(load.block_ids, dtype=torch.int64)
                 for layer, k, v in zip(self._layers, keys, values):
                     self._layout.write(layer, ids, k, v)
-            except (turbokv.TurbokvError, LayoutUnknown, ValueError, RuntimeError) as error:
+                self._count("hits")
+                self._count("loaded_tokens", load.end - load.start)
+            except Exception as error:  # noqa: BLE001 (vLLM recomputes what was not loaded)
                 self._count("load_errors")
                 self._load_errors.update(load.block_ids)
-                self._broken.add(load.session)
                 logger.warning("turbokv.vllm: tokens %d..%d of session %s not loaded, vLLM computes them: %s",
                                load.start, load.end, load.session, error)
+        if self._load_errors:
+            # vLLM recomputes the failed blocks and every request of the step
+            # that shares them: nothing this step computes is saved.
+            self._stop_saving(save.session for save in meta.saves)
+            self._stop_saving(load.session for load in meta.loads)
+
+    def _stop_saving(self, sessions: Iterable[str]) -> None:
+        for session in sessions:
+            if session not in self._broken:
+                self._broken.add(session)
+                self._newly_broken.add(session)
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        off = self._disabled if self._disabled and not self._off_reported else ""
+        if not off and not self._newly_broken:
+            return None
+        self._off_reported = self._off_reported or bool(off)
+        meta, self._newly_broken = TurbokvWorkerMetadata(self._newly_broken, off), set()
+        return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer before the forward pass
@@ -591,7 +649,14 @@ class TurbokvConnector(KVConnectorBase_V1):
         for i, save in enumerate(meta.saves):
             if save.session in self._broken:
                 continue
-            keys, values = self._layout.read(kv_layer, torch.tensor(save.block_ids, dtype=torch.int64))
+            try:
+                keys, values = self._layout.read(kv_layer, torch.tensor(save.block_ids, dtype=torch.int64))
+            except Exception as error:  # noqa: BLE001 (the blocks are not stored, the engine goes on)
+                self._count("save_errors")
+                self._stop_saving([save.session])
+                logger.warning("turbokv.vllm: tokens %d..%d not read from vLLM's buffer for session %s (its "
+                               "later blocks are not stored either): %s", save.start, save.end, save.session, error)
+                continue
             skip = save.start - (save.start // block) * block
             rows = self._pending.setdefault(i, [None] * len(self._layers))
             rows[layer] = (keys[skip:skip + save.end - save.start], values[skip:skip + save.end - save.start])
@@ -615,9 +680,9 @@ class TurbokvConnector(KVConnectorBase_V1):
                 session.append_stream(self._messages(save, keys, values), timeout=self._transfer_timeout)
                 session.name_blocks(save.first_block, save.hashes)
                 self._count("saved_tokens", save.end - save.start)
-            except (turbokv.TurbokvError, LayoutUnknown, ValueError) as error:
+            except Exception as error:  # noqa: BLE001 (the blocks are not stored, the engine goes on)
                 self._count("save_errors")
-                self._broken.add(save.session)
+                self._stop_saving([save.session])
                 logger.warning("turbokv.vllm: tokens %d..%d not stored in session %s (its later blocks are not "
                                "stored either): %s", save.start, save.end, save.session, error)
 
