@@ -445,9 +445,12 @@ class TurbokvConnector(KVConnectorBase_V1):
             if tracked is None:
                 self._untracked.add(request.request_id)
                 return 0, False
-        # At least the last token is computed by vLLM (it yields the logits).
-        usable = (min(tracked.stored, request.num_tokens - 1) // self._unit()) * self._unit()
-        return max(0, usable - num_computed_tokens), False
+        return max(0, self._loadable(tracked, request) - num_computed_tokens), False
+
+    def _loadable(self, tracked: _Request, request: "Request") -> int:
+        """The tokens vLLM may load from the session: whole units of what it
+        holds, and at least the last token left for vLLM (it yields the logits)."""
+        return (min(tracked.stored, request.num_tokens - 1) // self._unit()) * self._unit()
 
     def _open(self, request: "Request") -> Optional[_Request]:
         """The request's session, started with the longest stored prefix of
@@ -491,7 +494,7 @@ class TurbokvConnector(KVConnectorBase_V1):
         tracked = self._requests.get(request.request_id)
         if tracked is None or num_external_tokens <= 0:
             return
-        end = (min(tracked.stored, request.num_tokens - 1) // self._unit()) * self._unit()
+        end = self._loadable(tracked, request)
         tracked.load = (end - num_external_tokens, end)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
