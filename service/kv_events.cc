@@ -32,12 +32,20 @@ class Msgpack {
   }
   void Nil() { out_.push_back(static_cast<char>(0xc0)); }
   void Int(int64_t v) {
-    if (v >= 0 && v <= 127) {
-      out_.push_back(static_cast<char>(v));
+    if (v >= 0) {
+      UInt(static_cast<uint64_t>(v));
       return;
     }
     out_.push_back(static_cast<char>(0xd3));
     BigEndian(static_cast<uint64_t>(v), 8);
+  }
+  void UInt(uint64_t v) {
+    if (v <= 127) {
+      out_.push_back(static_cast<char>(v));
+      return;
+    }
+    out_.push_back(static_cast<char>(0xcf));
+    BigEndian(v, 8);
   }
   void Double(double v) {
     uint64_t bits = 0;
@@ -90,45 +98,63 @@ double Now() { return absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()); }
 
 }  // namespace
 
-std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events, int block_tokens) {
+std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events, const KvEventsOptions& options) {
   Msgpack m;
-  m.Array(2);  // ts, events (no data-parallel rank)
+  m.Array(3);  // ts, events, data-parallel rank
   m.Double(ts);
   m.Array(events.size());
+  const auto hash = [&m, &options](const std::string& name) {
+    if (!options.int_hashes) {
+      m.Bin(name);
+      return;
+    }
+    // vLLM's int.from_bytes(name, "big") & (2**64 - 1): the last 8 bytes.
+    uint64_t value = 0;
+    for (size_t i = name.size() > 8 ? name.size() - 8 : 0; i < name.size(); ++i) {
+      value = (value << 8) | static_cast<uint8_t>(name[i]);
+    }
+    m.UInt(value);
+  };
   // An event's map of `fields` entries, its type and its hashes first.
-  const auto start_event = [&m](size_t fields, const char* type, const BlockEvent& event) {
+  const auto start_event = [&m, &hash](size_t fields, const char* type, const BlockEvent& event) {
     m.Map(fields);
     m.Str("type");
     m.Str(type);
     m.Str("block_hashes");
     m.Array(event.hashes.size());
-    for (const std::string& hash : event.hashes) m.Bin(hash);
+    for (const std::string& name : event.hashes) hash(name);
   };
   for (const BlockEvent& event : events) {
     switch (event.kind) {
       case BlockEvent::kStored:
-        start_event(8, "BlockStored", event);
+        start_event(10, "BlockStored", event);
         m.Str("parent_block_hash");
         if (event.has_parent) {
-          m.Bin(event.parent);
+          hash(event.parent);
         } else {
           m.Nil();
         }
         m.Str("token_ids");
         m.Array(0);  // the daemon never sees them
         m.Str("block_size");
-        m.Int(block_tokens);
+        m.Int(options.block_tokens);
         m.Str("lora_id");
         m.Nil();
         m.Str("medium");
         m.Str(event.medium);
         m.Str("lora_name");
         m.Nil();
+        m.Str("group_idx");
+        m.Int(0);
+        m.Str("kv_cache_spec_kind");
+        m.Str("full_attention");
         break;
       case BlockEvent::kRemoved:
-        start_event(3, "BlockRemoved", event);
+        start_event(4, "BlockRemoved", event);
         m.Str("medium");
         m.Str(event.medium);
+        m.Str("group_idx");
+        m.Int(0);
         break;
       case BlockEvent::kCleared:
         m.Map(1);
@@ -137,6 +163,7 @@ std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events,
         break;
     }
   }
+  m.Int(options.data_parallel_rank);
   return m.Take();
 }
 
@@ -214,7 +241,7 @@ void KvEventPublisher::Publish(const std::vector<BlockEvent>& events) {
   }
   const double now = Now();
   std::vector<std::string> encoded;
-  for (const std::vector<BlockEvent>& batch : batches) encoded.push_back(EncodeKvEventBatch(now, batch, options_.block_tokens));
+  for (const std::vector<BlockEvent>& batch : batches) encoded.push_back(EncodeKvEventBatch(now, batch, options_));
   std::lock_guard<std::mutex> lock(mutex_);
   for (std::string& batch : encoded) queued_.emplace_back(next_seq_.fetch_add(1), std::move(batch));
 }
@@ -297,7 +324,7 @@ void KvEventPublisher::ServeReplay() {
     snapshot([&](std::vector<BlockEvent> events) {
       // Under the index's lock: no batch is numbered meanwhile.
       seq = next_seq_.load() - 1;
-      batch = EncodeKvEventBatch(Now(), events, options_.block_tokens);
+      batch = EncodeKvEventBatch(Now(), events, options_);
     });
     if (!reply(seq, batch)) return;
     SendQueued();

@@ -4,15 +4,21 @@
 //
 //   PUB socket, each message three frames: the topic, the sequence number
 //   (8 bytes, big-endian, from 0, one per batch), and the batch in msgpack:
-//   [ts, [event, ...]], each event a map tagged by its "type", as vLLM
-//   encodes them since its events became maps (vLLM PR 42892, vLLM 0.26):
+//   [ts, [event, ...], data_parallel_rank], each event a map tagged by its
+//   "type", as vLLM 0.32 encodes them (KVEventBatch, its events maps since
+//   vLLM 0.26):
 //     {type: "BlockStored", block_hashes: [hash, ...], parent_block_hash:
 //      hash | nil, token_ids: [], block_size, lora_id: nil, medium,
-//      lora_name: nil}
-//     {type: "BlockRemoved", block_hashes: [hash, ...], medium}
+//      lora_name: nil, group_idx: 0, kv_cache_spec_kind: "full_attention"}
+//     {type: "BlockRemoved", block_hashes: [hash, ...], medium, group_idx: 0}
 //     {type: "AllBlocksCleared"}
-//   hashes as the clients named the blocks (msgpack bin); token_ids empty
-//   (the daemon never sees tokens); medium "memory", "disk" or "redis".
+//   hashes as the clients named the blocks (msgpack bin), or with
+//   int_hashes the unsigned 64-bit integer of each name's last 8 bytes
+//   (big-endian), which is how vLLM publishes its own (its default,
+//   VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): a client that names blocks by
+//   vLLM's block hashes gets vLLM's integers. token_ids empty (the daemon
+//   never sees tokens); medium "memory", "disk" or "redis"; one cache group
+//   holding every layer.
 //
 //   Replay (optional): a ROUTER socket; a request [empty, start seq (8
 //   bytes, big-endian)] (what a REQ socket sends) is answered with
@@ -49,7 +55,9 @@ struct KvEventsOptions {
   std::string topic = "kv-events";
   size_t buffer_batches = 10000;  // kept for replay, at most
   size_t buffer_bytes = 0;        // and at most these bytes of them (0: the server's default, KvEventsBufferBytes)
-  int block_tokens = 0;                       // BlockStored's block_size
+  int block_tokens = 0;         // BlockStored's block_size
+  bool int_hashes = false;      // hashes as vLLM's integers (above), not bytes
+  int64_t data_parallel_rank = 0;  // the batch's third element
 };
 
 // The replay buffer's bytes when none are given: a 64th of the memory
@@ -70,8 +78,9 @@ constexpr int kSendQueueBatches = 1000;
 // more is disconnected before the daemon buffers it.
 constexpr int64_t kMaxPeerMessageBytes = 1024;
 
-// msgpack of a batch of events at time `ts` (seconds since the epoch).
-std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events, int block_tokens);
+// msgpack of a batch of events at time `ts` (seconds since the epoch), as
+// `options` say (block_tokens, int_hashes, data_parallel_rank).
+std::string EncodeKvEventBatch(double ts, const std::vector<BlockEvent>& events, const KvEventsOptions& options);
 
 class KvEventPublisher {
  public:

@@ -135,8 +135,9 @@ Flags (--name=value or --name value):
   --kv-events-endpoint=ADDR  publish KV events for routers on a ZeroMQ PUB
                            socket bound here, e.g. tcp://127.0.0.1:5557: the
                            blocks named for reuse, stored and removed, per
-                           medium (memory, disk, redis), in vLLM's format
-                           (docs/OPERATIONS.md "KV events") (default none)
+                           medium (memory, disk, redis), in vLLM 0.32's
+                           format (docs/OPERATIONS.md "KV events") (default
+                           none)
   --kv-events-replay-endpoint=ADDR  a ZeroMQ ROUTER socket bound here answers
                            replay requests (from a sequence number; older
                            than the last --kv-events-buffer batches: a
@@ -146,6 +147,12 @@ Flags (--name=value or --name value):
   --kv-events-buffer=N     batches kept for replay (default 10000)
   --kv-events-buffer-bytes=SIZE  and at most these bytes of them (default: a
                            64th of the memory budget, from 1MiB to 64MiB)
+  --kv-events-hashes=bytes|int  block hashes as the clients named them
+                           (bytes), or as vLLM publishes its own (int: the
+                           64-bit integer of a name's last 8 bytes, what
+                           vLLM 0.32 sends by default) (default bytes)
+  --kv-events-dp-rank=N    the data-parallel rank each batch carries, that of
+                           the vLLM engine beside it (default 0)
   --snapshot-dir=DIR       load sessions from DIR at start, write them there on
                            SIGTERM and on the Snapshot call (default none)
   --auth-tokens-file=PATH  lines "TOKEN TENANT": calls need "authorization:
@@ -262,6 +269,13 @@ int main(int argc, char** argv) {
       if (!bytes.ok()) return Fail(absl::StrCat("--kv-events-buffer-bytes: ", bytes.status().message()));
       if (*bytes == 0) return Fail("--kv-events-buffer-bytes must be more than 0");
       options.kv_events.buffer_bytes = *bytes;
+    } else if (name == "kv-events-hashes") {
+      if (value != "bytes" && value != "int") return Fail(flag + ": expected bytes or int");
+      options.kv_events.int_hashes = value == "int";
+    } else if (name == "kv-events-dp-rank") {
+      if (!absl::SimpleAtoi(value, &options.kv_events.data_parallel_rank) || options.kv_events.data_parallel_rank < 0) {
+        return Fail(flag + ": expected a rank >= 0");
+      }
     } else if (name == "snapshot-dir") {
       options.snapshot_dir = value;
     } else if (name == "spill-dir") {

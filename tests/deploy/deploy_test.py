@@ -874,7 +874,7 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(sidecar["args"][-1], "--max-sessions=2000")
         # KV events on the pod's address, their ports named for a router to dial.
         for flag in ("--kv-events-endpoint=tcp://$(POD_IP):5557", "--kv-events-replay-endpoint=tcp://$(POD_IP):5558",
-                     "--kv-events-topic=kv@$(POD_IP)@demo-model"):
+                     "--kv-events-topic=kv@$(POD_IP)@demo-model", "--kv-events-hashes=bytes"):
             self.assertIn(flag, sidecar["args"])
         self.assertLessEqual({"kv-events": 5557, "kv-replay": 5558}.items(),
                              {p["name"]: p["containerPort"] for p in sidecar["ports"]}.items())

@@ -44,20 +44,21 @@ class Reconstruction:
         self.seqs = []
 
     def apply(self, seq, payload):
-        ts, events = msgpack.unpackb(payload, raw=False)
-        assert isinstance(ts, float)
+        ts, events, rank = msgpack.unpackb(payload, raw=False)
+        assert isinstance(ts, float) and rank == 0
         for event in events:
             kind = event["type"]
             if kind == "BlockStored":
                 self.check_fields(event, {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                                          "lora_id", "medium", "lora_name"})
+                                          "lora_id", "medium", "lora_name", "group_idx", "kv_cache_spec_kind"})
                 parent = event["parent_block_hash"]
                 assert parent is None or isinstance(parent, bytes)
-                assert (event["token_ids"], event["block_size"], event["lora_id"], event["lora_name"]) == \
-                    ([], BLOCK, None, None)
+                assert (event["token_ids"], event["block_size"], event["lora_id"], event["lora_name"],
+                        event["group_idx"], event["kv_cache_spec_kind"]) == ([], BLOCK, None, None, 0, "full_attention")
                 self.media.setdefault(event["medium"], set()).update(event["block_hashes"])
             elif kind == "BlockRemoved":
-                self.check_fields(event, {"type", "block_hashes", "medium"})
+                self.check_fields(event, {"type", "block_hashes", "medium", "group_idx"})
+                assert event["group_idx"] == 0
                 held = self.media.setdefault(event["medium"], set())
                 missing = set(event["block_hashes"]) - held
                 assert not missing, f"BlockRemoved of {len(missing)} blocks not held in {event['medium']}"
@@ -365,6 +366,63 @@ class KvEventsBoundsTest(unittest.TestCase):
                 daemon.terminate()
                 self.assertEqual(daemon.wait(60), 0)
                 log.close()
+                context.term()
+
+
+class KvEventsVllmIntegersTest(unittest.TestCase):
+    """Issue 53 item 3: with --kv-events-hashes=int the hashes are the
+    integers vLLM 0.32 publishes for the same names (its
+    maybe_convert_block_hash: the last 8 bytes, big-endian), and every batch
+    carries --kv-events-dp-rank."""
+
+    def test_hashes_are_vllms_integers_and_batches_carry_the_rank(self):
+        with tempfile.TemporaryDirectory(prefix="turbokv-events-") as tmp:
+            target, events = f"unix://{tmp}/turbokv.sock", f"ipc://{tmp}/events"
+            for flag, why in (("--kv-events-hashes=hex", "--kv-events-hashes=hex: expected bytes or int"),
+                              ("--kv-events-dp-rank=-1", "--kv-events-dp-rank=-1: expected a rank >= 0")):
+                bad = subprocess.run([os.environ["TURBOKVD"], f"--listen={target}", "--metrics-listen=",
+                                      f"--kv-events-endpoint={events}", flag], capture_output=True, text=True,
+                                     timeout=60)
+                self.assertNotEqual(bad.returncode, 0)
+                self.assertIn(why, bad.stderr)
+            daemon = subprocess.Popen(
+                [os.environ["TURBOKVD"], f"--listen={target}", "--device=cpu", "--threads=1", "--metrics-listen=",
+                 f"--kv-events-endpoint={events}", "--kv-events-hashes=int", "--kv-events-dp-rank=3"])
+            context = zmq.Context()
+            sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+            try:
+                client = turbokv.Client(target)
+                client.wait_until_ready(30)
+                sub.connect(events)
+                time.sleep(0.3)
+                # Names of 32 bytes (as vLLM's SHA-256 hashes) and of 5 (fewer than 8).
+                chain = turbokv.block_hashes(range(3 * BLOCK), BLOCK, salt="integers") + [b"\x01\x02\x03\x04\x05"]
+                session = client.create_session(1, 1, 1, 64, key_codec="turbo2", value_codec="turbo2",
+                                                key_transform="none", sink_tokens=0)
+                data = np.ones((4 * BLOCK, 1, 64), np.float32)
+                session.append(0, 0, data, data)
+                session.name_blocks(0, chain)
+                client.delete_session(session.id)
+                as_int = [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in chain]
+                self.assertEqual(as_int[3], 0x0102030405)
+                received = []
+                while not any(e["type"] == "BlockRemoved" for e in received):
+                    self.assertTrue(sub.poll(10000), "the events did not arrive")
+                    _, _, payload = sub.recv_multipart()
+                    ts, batch, rank = msgpack.unpackb(payload)
+                    self.assertEqual(rank, 3)
+                    received += batch
+                stored = [e for e in received if e["type"] == "BlockStored"]
+                removed = [e for e in received if e["type"] == "BlockRemoved"]
+                self.assertEqual([h for e in stored for h in e["block_hashes"]], as_int)
+                self.assertIsNone(stored[0]["parent_block_hash"])
+                self.assertEqual({h for e in removed for h in e["block_hashes"]}, set(as_int))
+                self.assertGreater(min(as_int), 127)  # msgpack's 64-bit form, not a fixint
+            finally:
+                sub.close(linger=0)
+                daemon.terminate()
+                self.assertEqual(daemon.wait(60), 0)
                 context.term()
 
 
