@@ -396,16 +396,18 @@ class KvEventsVllmIntegersTest(unittest.TestCase):
                 client.wait_until_ready(30)
                 sub.connect(events)
                 time.sleep(0.3)
-                # Names of 32 bytes (as vLLM's SHA-256 hashes) and of 5 (fewer than 8).
-                chain = turbokv.block_hashes(range(3 * BLOCK), BLOCK, salt="integers") + [b"\x01\x02\x03\x04\x05"]
+                # Names of 32 bytes (as vLLM's SHA-256 hashes), 64 (the most),
+                # 5 (fewer than 8) and 1.
+                chain = turbokv.block_hashes(range(3 * BLOCK), BLOCK, salt="integers") + [
+                    bytes(range(64)), b"\x01\x02\x03\x04\x05", b"\xff"]
                 session = client.create_session(1, 1, 1, 64, key_codec="turbo2", value_codec="turbo2",
                                                 key_transform="none", sink_tokens=0)
-                data = np.ones((4 * BLOCK, 1, 64), np.float32)
+                data = np.ones((len(chain) * BLOCK, 1, 64), np.float32)
                 session.append(0, 0, data, data)
                 session.name_blocks(0, chain)
                 client.delete_session(session.id)
                 as_int = [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in chain]
-                self.assertEqual(as_int[3], 0x0102030405)
+                self.assertEqual(as_int[3:], [int.from_bytes(bytes(range(56, 64)), "big"), 0x0102030405, 255])
                 received = []
                 while not any(e["type"] == "BlockRemoved" for e in received):
                     self.assertTrue(sub.poll(10000), "the events did not arrive")

@@ -19,6 +19,7 @@ from daemon import Daemon
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 EXAMPLE = os.path.join(HERE, "..", "examples", "vllm_offload.py")
+EVENTS = os.path.join(HERE, "vllm_events.py")
 PYTHON = os.environ.get("TURBOKV_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
 MODEL = os.path.join(REPO, ".models", "smollm2-135m")
 
@@ -33,12 +34,13 @@ def missing() -> str:
 
 @unittest.skipIf(missing(), missing())
 class VllmConnectorTest(unittest.TestCase):
-    def engine(self, target, *flags, env=None):
-        """examples/vllm_offload.py in a process of its own: its runs as JSON."""
+    def engine(self, target, *flags, env=None, script=EXAMPLE):
+        """examples/vllm_offload.py (or `script`) in a process of its own: its runs as JSON."""
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.environ.get("TURBOKV_PACKAGE_DIR", os.path.join(HERE, "..")), HERE]), **(env or {}))
-            run = subprocess.run([PYTHON, EXAMPLE, "--target", target, "--model", MODEL, "--json", out.name, *flags],
+            output = ["--json", out.name] if script == EXAMPLE else ["--out", out.name]
+            run = subprocess.run([PYTHON, script, "--target", target, "--model", MODEL, *output, *flags],
                                  capture_output=True, text=True, timeout=600, env=environment)
             self.assertEqual(run.returncode, 0, run.stdout + run.stderr[-6000:])
             with open(out.name) as f:
@@ -177,6 +179,50 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual(off["metrics"].get("vllm:turbokv_saved_tokens", 0), 0)
         self.assertIn("off for this engine, every load fails over to computing: vLLM's KV buffer: "
                       "this test's buffer", off["stderr"])
+
+    def test_vllms_events_and_turbokvds_name_the_same_blocks(self):
+        # Issue 53 item 3: vLLM's stream (its own blocks, and the connector's
+        # stores through take_events) and turbokvd's, both decoded with
+        # vLLM's decoder, carry the same integers for the prompt's blocks
+        # (turbokvd's names are vLLM's hashes after 16 bytes of the salt's).
+        with tempfile.TemporaryDirectory() as folder:
+            daemon = Daemon(f"--kv-events-endpoint=ipc://{folder}/turbokvd-events", "--kv-events-hashes=int")
+            try:
+                streams = self.engine(daemon.target, "--daemon-events", f"ipc://{folder}/turbokvd-events",
+                                      "--text", os.path.join(REPO, "docs", "OPERATIONS.md"), script=EVENTS)
+            finally:
+                daemon.close()
+
+        def stored(stream):
+            media = {}
+            for batch in streams[stream]:
+                self.assertEqual(batch["dp_rank"], 0)
+                for event in batch["events"]:
+                    if event["type"] == "BlockStored":
+                        media.setdefault(event["medium"], []).append(event)
+            return media
+
+        engine, daemon_media = stored("vllm"), stored("turbokvd")
+        self.assertEqual(set(daemon_media), {"memory"}, streams["turbokvd"])
+        self.assertIn("memory", engine, streams["vllm"])  # the connector's stores, as turbokvd's medium
+        own = [m for m in engine if m != "memory"]
+        self.assertEqual(len(own), 1, sorted(engine))
+
+        def chain(events):
+            hashes = [h for e in events for h in e["hashes"]]
+            self.assertTrue(all(isinstance(h, int) for h in hashes))
+            self.assertIsNone(events[0]["parent"])
+            for before, after in zip(events, events[1:]):
+                self.assertEqual(after["parent"], before["hashes"][-1])
+            return hashes
+
+        # 1,000 prompt and 16 generated tokens: 15 full blocks of 64.
+        vllms = chain(engine[own[0]])
+        self.assertEqual(len(vllms), 15)
+        self.assertEqual(chain(engine["memory"]), vllms)
+        self.assertEqual(chain(daemon_media["memory"]), vllms)
+        for event in engine["memory"]:
+            self.assertEqual((event["block_size"], event["tokens"]), (64, 64 * len(event["hashes"])))
 
 
 if __name__ == "__main__":

