@@ -277,8 +277,8 @@ int RunSpill(const Shape& shape, long long rounds, long long calls, const Sessio
   server_options.device = "cpu";
   server_options.threads = static_cast<int>(shape.threads);
   server_options.metrics_listen = "";
-  server_options.spill_dir = dir;
-  server_options.redis_url = redis_url;
+  server_options.tiers.spill_dir = dir;
+  server_options.tiers.redis_url = redis_url;
   absl::StatusOr<BenchServer> started = StartBenchServer(server_options);
   if (!started.ok()) {
     std::fprintf(stderr, "turbokv-bench e2e --spill: the server did not start: %s\n",

@@ -1,5 +1,5 @@
-// Attention computed directly on a compressed, paged KV cache (DESIGN.md
-// section 1, "Attention on compressed data"). Keys and values are never
+// Attention computed directly on a compressed, paged KV cache (docs/
+// ARCHITECTURE.md, "The method": attention without decoding back). Keys and values are never
 // expanded to fp16: turbo keys are scored against the query rotated once into
 // the key domain, values accumulate in the value-rotated domain, and each
 // output is rotated back once.

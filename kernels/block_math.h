@@ -127,7 +127,7 @@ TURBOKV_HD void DecodeQ4Block(const uint8_t* in, float* x) {
 // z holds B values of H*S*x (unnormalized, so ||z|| = sqrt(B) * ||x||). The
 // coordinates of u = z * sqrt(B) / ||z|| are quantized to the codebook, and the
 // stored scale s = <z, c> / ||c||^2 equals ||x|| * <u, c> / ||c||^2, the
-// MSE-optimal scale of DESIGN.md section 1. Decoding computes
+// MSE-optimal scale of docs/ARCHITECTURE.md, "The method". Decoding computes
 // x_hat = S * H * (s * c) / B.
 
 // 1 / ||z|| scaled to unit-variance coordinates; 0 for a zero block.

@@ -1,6 +1,6 @@
 // A per-channel affine map of one layer's keys (and values) applied before
-// the codec, which attention undoes exactly (DESIGN.md section 1, "Keys made
-// safe"). Keys of many open models carry a large component shared by every
+// the codec, which attention undoes exactly (docs/ARCHITECTURE.md, "The method":
+// keys made safe). Keys of many open models carry a large component shared by every
 // token (Qwen's key biases: norms near 300 against deviations near 15); a
 // codec's error scales with the whole vector while softmax sees only the
 // differences between keys. Stored keys are therefore

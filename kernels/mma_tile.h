@@ -1,5 +1,5 @@
 // The tensor-core decode kernel's arithmetic, written once for the GPU and
-// for a host emulation of it (DESIGN.md section 7): one warp attends one
+// for a host emulation of it (docs/ARCHITECTURE.md, "GPU kernel notes"): one warp attends one
 // group of kTokenGroup tokens of one kv head at a time (a page's token group,
 // kernels/page_layout.h), for up to 8 * NT query heads of its GQA group.
 //

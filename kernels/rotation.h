@@ -1,4 +1,4 @@
-// The randomized Hadamard rotation of TurboQuant (DESIGN.md section 1): the
+// The randomized Hadamard rotation of TurboQuant (docs/ARCHITECTURE.md, "The method"): the
 // orthogonal map y = H * S * x / sqrt(B) per block of B values, where
 // S = diag(+-1) is drawn from a 64-bit seed and H is the B x B Walsh-Hadamard
 // matrix in Sylvester order, applied with the fast transform. The code keeps

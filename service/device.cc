@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "service/backend/cpu_backend.h"
+#include "service/backend/make_backend.h"
 #include "service/text_file.h"
 
 namespace turbokv {

@@ -279,44 +279,44 @@ int main(int argc, char** argv) {
     } else if (name == "snapshot-dir") {
       options.snapshot_dir = value;
     } else if (name == "spill-dir") {
-      options.spill_dir = value;
+      options.tiers.spill_dir = value;
     } else if (name == "spill-budget") {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
       if (!bytes.ok()) return Fail(absl::StrCat("--spill-budget: ", bytes.status().message()));
-      options.spill_budget = *bytes;
+      options.tiers.spill_budget = *bytes;
     } else if (name == "redis-url") {
-      options.redis_url = value;
+      options.tiers.redis_url = value;
     } else if (name == "redis-orphan-ttl") {
-      if (!absl::ParseDuration(value, &options.redis_orphan_ttl)) return Fail(flag + ": expected a duration like 168h");
+      if (!absl::ParseDuration(value, &options.tiers.redis_orphan_ttl)) return Fail(flag + ": expected a duration like 168h");
     } else if (name == "redis-acknowledge") {
       if (value != "written" && value != "queued") return Fail(flag + ": expected written or queued");
-      options.redis_acknowledge_written = value == "written";
+      options.tiers.redis_acknowledge_written = value == "written";
     } else if (name == "redis-user") {
-      options.redis_user = value;
+      options.tiers.redis_user = value;
     } else if (name == "redis-tls-ca") {
-      options.redis_tls_ca = value;
+      options.tiers.redis_tls_ca = value;
     } else if (name == "redis-tls-cert") {
-      options.redis_tls_cert = value;
+      options.tiers.redis_tls_cert = value;
     } else if (name == "redis-tls-key") {
-      options.redis_tls_key = value;
+      options.tiers.redis_tls_key = value;
     } else if (name == "redis-password-file") {
       redis_password_file = value;
     } else if (name == "redis-budget") {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
       if (!bytes.ok()) return Fail(absl::StrCat("--redis-budget: ", bytes.status().message()));
-      options.redis_budget = *bytes;
+      options.tiers.redis_budget = *bytes;
     } else if (name == "redis-queue") {
       absl::StatusOr<size_t> bytes = turbokv::ParseByteSize(value);
       if (!bytes.ok() || *bytes == 0) {
         return Fail(absl::StrCat("--redis-queue: ", bytes.ok() ? "must be more than 0" : bytes.status().message()));
       }
-      options.redis_queue = *bytes;
+      options.tiers.redis_queue = *bytes;
     } else if (name == "redis-lease") {
-      if (!absl::ParseDuration(value, &options.redis_lease) || options.redis_lease < absl::Milliseconds(300)) {
+      if (!absl::ParseDuration(value, &options.tiers.redis_lease) || options.tiers.redis_lease < absl::Milliseconds(300)) {
         return Fail(flag + ": expected a duration of at least 300ms, like 10s");
       }
     } else if (name == "redis-timeout") {
-      if (!absl::ParseDuration(value, &options.redis_timeout) || options.redis_timeout < absl::Milliseconds(1)) {
+      if (!absl::ParseDuration(value, &options.tiers.redis_timeout) || options.tiers.redis_timeout < absl::Milliseconds(1)) {
         return Fail(flag + ": expected a duration of at least 1ms, like 1s");
       }
     } else if (name == "memory-watermarks") {
@@ -384,12 +384,12 @@ int main(int argc, char** argv) {
   if (!redis_password_file.empty()) {
     std::optional<std::string> text = turbokv::ReadTextFile(redis_password_file);
     if (!text.has_value()) return Fail(absl::StrCat("--redis-password-file ", redis_password_file, ": cannot read it"));
-    options.redis_password = std::string(absl::StripTrailingAsciiWhitespace(text->substr(0, text->find('\n'))));
-    if (options.redis_password.empty()) return Fail(absl::StrCat("--redis-password-file ", redis_password_file, " is empty"));
+    options.tiers.redis_password = std::string(absl::StripTrailingAsciiWhitespace(text->substr(0, text->find('\n'))));
+    if (options.tiers.redis_password.empty()) return Fail(absl::StrCat("--redis-password-file ", redis_password_file, " is empty"));
   } else if (const char* password = std::getenv("TURBOKV_REDIS_PASSWORD"); password != nullptr) {
-    options.redis_password = password;
+    options.tiers.redis_password = password;
   }
-  if (!options.redis_user.empty() && options.redis_password.empty()) {
+  if (!options.tiers.redis_user.empty() && options.tiers.redis_password.empty()) {
     return Fail("--redis-user needs a password: --redis-password-file or $TURBOKV_REDIS_PASSWORD");
   }
 
@@ -470,12 +470,12 @@ int main(int argc, char** argv) {
                    loaded.unverified.size(), absl::StrJoin(loaded.unverified, ", ").c_str());
     }
   }
-  if (!options.spill_dir.empty()) {
+  if (!options.tiers.spill_dir.empty()) {
     const turbokv::TierScanReport& spilled = (*server)->spilled();
     Logf(LogLevel::kInfo,
                  "spill tier %s (budget %s): %lld session(s) restored, %s of live records; %lld record(s) "
                  "read, %lld torn or failing their CRC (skipped)",
-                 options.spill_dir.c_str(), turbokv::FormatByteSize(options.spill_budget).c_str(),
+                 options.tiers.spill_dir.c_str(), turbokv::FormatByteSize(options.tiers.spill_budget).c_str(),
                  static_cast<long long>(spilled.loaded), turbokv::FormatByteSize(static_cast<size_t>(spilled.bytes)).c_str(),
                  static_cast<long long>(spilled.records), static_cast<long long>(spilled.torn));
     for (const auto& [id, status] : spilled.damaged) {

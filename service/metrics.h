@@ -1,5 +1,5 @@
 // The daemon's Prometheus metrics: one registry, every family built once at
-// start-up (DESIGN.md section 5). Names start with turbokv_, use base units
+// start-up (docs/ARCHITECTURE.md, "The daemon"). Names start with turbokv_, use base units
 // (bytes, seconds) and end in _total for counters; no label carries a session
 // id. Thread-safe.
 #pragma once

@@ -14,13 +14,13 @@
 #include <sstream>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "absl/cleanup/cleanup.h"
 #include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -29,18 +29,17 @@
 #include "openssl/pem.h"
 #include "openssl/x509.h"
 #include "prometheus/registry.h"
-#include "service/metrics.h"
-#include "service/metrics_page.h"
 #include "service/auth.h"
 #include "service/byte_size.h"
 #include "service/device.h"
 #include "service/executor.h"
 #include "service/handler/handler.h"
 #include "service/log.h"
+#include "service/metrics.h"
+#include "service/metrics_page.h"
 #include "service/rpc/kv_cache_service.h"
-#include "service/store/tiers/disk_tier.h"
 #include "service/store/tiers/redis_tier.h"
-#include "service/store/tiers/stacked_tier.h"
+#include "service/store/tiers/tier_chain.h"
 #include "service/text_file.h"
 
 namespace turbokv {
@@ -244,9 +243,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                     : server->backend_->capacity_bytes() != 0 ? server->backend_->capacity_bytes()
                                                               : kDefaultHostBudget;
   // The tiers below memory, top first (a stack: the disk, then Redis).
-  std::vector<std::string> tiers;
-  if (!options.spill_dir.empty()) tiers.push_back("disk");
-  if (!options.redis_url.empty()) tiers.push_back("redis");
+  if (!options.tiers.redis_url.empty() && !options.snapshot_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--redis-url and --snapshot-dir cannot go together: Redis keeps the sessions across restarts (the drain "
+        "hands them over), and a snapshot loaded at start would bring back a copy of a session another daemon may "
+        "hold by then");
+  }
+  absl::StatusOr<TierChain> chain = MakeTierChain(options.tiers, options.page_tokens);
+  if (!chain.ok()) return chain.status();
+  server->redis_tier_ = chain->redis;
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromFile(options.auth_tokens_file);
     if (!authenticator.ok()) return authenticator.status();
@@ -256,7 +261,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     server->authenticator_ = *std::move(authenticator);
   }
   server->metrics_ = std::make_unique<Metrics>(
-      server->backend_->label(), tiers,
+      server->backend_->label(), chain->names,
       server->authenticator_ != nullptr ? server->authenticator_->tenant_names() : std::vector<std::string>{""});
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TcpCredentials(options);
   if (!credentials.ok()) return credentials.status();
@@ -283,65 +288,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
       publisher->Publish(events);
     };
   }
-  std::unique_ptr<Tier> tier;
-  if (!options.redis_url.empty() && !options.snapshot_dir.empty()) {
-    return absl::InvalidArgumentError(
-        "--redis-url and --snapshot-dir cannot go together: Redis keeps the sessions across restarts (the drain "
-        "hands them over), and a snapshot loaded at start would bring back a copy of a session another daemon may "
-        "hold by then");
-  }
-  if (!options.redis_url.empty()) {
-    absl::StatusOr<RedisAddress> address = ParseRedisUrl(options.redis_url);
-    if (!address.ok()) return address.status();
-    RedisTierOptions redis;
-    redis.address = *std::move(address);
-    redis.address.user = options.redis_user;
-    redis.address.password = options.redis_password;
-    if (!redis.address.tls && !(options.redis_tls_ca + options.redis_tls_cert + options.redis_tls_key).empty()) {
-      return absl::InvalidArgumentError("--redis-tls-ca, --redis-tls-cert and --redis-tls-key need a rediss:// URL");
-    }
-    if (options.redis_tls_cert.empty() != options.redis_tls_key.empty()) {
-      return absl::InvalidArgumentError("--redis-tls-cert and --redis-tls-key go together");
-    }
-    redis.address.tls_ca = options.redis_tls_ca;
-    redis.address.tls_cert = options.redis_tls_cert;
-    redis.address.tls_key = options.redis_tls_key;
-    redis.budget_bytes = options.redis_budget;
-    redis.page_tokens = options.page_tokens;
-    redis.lease = options.redis_lease;
-    redis.timeout = options.redis_timeout;
-    if (options.redis_timeout * 3 >= options.redis_lease) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--redis-timeout ", absl::FormatDuration(options.redis_timeout), " is not under a third of --redis-lease (",
-          absl::FormatDuration(options.redis_lease),
-          "): one slow reply would cost this daemon its leases, since they are renewed every third of it"));
-    }
-    if (options.redis_orphan_ttl < 3 * options.redis_lease) {
-      return absl::InvalidArgumentError(absl::StrCat("--redis-orphan-ttl ", absl::FormatDuration(options.redis_orphan_ttl),
-                                                     " is shorter than 3 x --redis-lease (",
-                                                     absl::FormatDuration(3 * options.redis_lease), ")"));
-    }
-    redis.orphan_ttl = options.redis_orphan_ttl;
-    redis.acknowledge_written = options.redis_acknowledge_written;
-    redis.max_queued_bytes = options.redis_queue;
-    absl::StatusOr<std::unique_ptr<RedisTier>> opened = RedisTier::Open(redis);
-    if (!opened.ok()) return opened.status();
-    server->redis_tier_ = opened->get();
-    tier = *std::move(opened);
-  }
-  if (!options.spill_dir.empty()) {
-    DiskTierOptions disk;
-    disk.dir = options.spill_dir;
-    disk.budget_bytes = options.spill_budget;
-    disk.page_tokens = options.page_tokens;
-    absl::StatusOr<std::unique_ptr<DiskTier>> opened = DiskTier::Open(disk);
-    if (!opened.ok()) return opened.status();
-    // With Redis too, the disk sits between memory and Redis: promotion
-    // reads it first, Redis holds the truth.
-    tier = tier == nullptr ? std::unique_ptr<Tier>(*std::move(opened))
-                           : std::make_unique<StackedTier>(*std::move(opened), std::move(tier));
-  }
-  server->store_ = std::make_unique<SessionStore>(store, std::move(tier));
+  server->store_ = std::make_unique<SessionStore>(store, std::move(chain->top));
   if (server->kv_events_ != nullptr) {
     server->kv_events_->SetSnapshot(
         [index = &server->store_->prefix_index()](const std::function<void(std::vector<BlockEvent>)>& fill) {
@@ -395,7 +342,7 @@ absl::Status Server::Start() {
     loaded_ = *std::move(loaded);
     metrics_->SetRestored(loaded_);
   }
-  if (!options_.spill_dir.empty()) {
+  if (!options_.tiers.spill_dir.empty()) {
     absl::StatusOr<TierScanReport> spilled = store_->LoadTier(absl::Now());
     if (!spilled.ok()) return spilled.status();
     spilled_ = *std::move(spilled);
@@ -490,15 +437,15 @@ absl::Status Server::Start() {
   server_->GetHealthCheckService()->SetServingStatus(true);
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   SetTierHealth();
-  if (!options_.redis_url.empty()) {
+  if (!options_.tiers.redis_url.empty()) {
     const RedisTier* redis = redis_tier_;
     const absl::Status health = redis->Health();
-    Logf(LogLevel::kInfo, "Redis tier %s%s (budget %s, lease %s, timeout %s) as owner %s: %s", options_.redis_url.c_str(),
-         options_.redis_password.empty()
+    Logf(LogLevel::kInfo, "Redis tier %s%s (budget %s, lease %s, timeout %s) as owner %s: %s", options_.tiers.redis_url.c_str(),
+         options_.tiers.redis_password.empty()
              ? ""
-             : absl::StrCat(" as user '", options_.redis_user.empty() ? "default" : options_.redis_user, "'").c_str(),
-         FormatByteSize(options_.redis_budget).c_str(), absl::FormatDuration(options_.redis_lease).c_str(),
-         absl::FormatDuration(options_.redis_timeout).c_str(), redis->owner().c_str(),
+             : absl::StrCat(" as user '", options_.tiers.redis_user.empty() ? "default" : options_.tiers.redis_user, "'").c_str(),
+         FormatByteSize(options_.tiers.redis_budget).c_str(), absl::FormatDuration(options_.tiers.redis_lease).c_str(),
+         absl::FormatDuration(options_.tiers.redis_timeout).c_str(), redis->owner().c_str(),
          health.ok() ? "answering" : absl::StrCat("not answering yet (", health.message(), "); writes wait").c_str());
   }
   expiry_thread_ = std::thread([this] { ExpireLoop(); });
@@ -519,7 +466,7 @@ void Server::SetDeviceHealth() {
 }
 
 void Server::SetTierHealth() {
-  if (options_.redis_url.empty()) return;
+  if (options_.tiers.redis_url.empty()) return;
   const bool up = store_->tier()->Health().ok();
   for (grpc::Server* server : {server_.get(), health_server_.get()}) {
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(kRemoteTierService, up);
@@ -621,10 +568,11 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
     if (!status.ok()) {
       Logf(LogLevel::kError, "%s tier not flushed: %s", store_->tier()->name(), std::string(status.message()).c_str());
     }
-    if (absl::Status released = store_->tier()->ReleaseAll(); !released.ok()) {
+    SharedTier* shared = store_->shared_tier();
+    if (absl::Status released = shared != nullptr ? shared->ReleaseAll() : absl::OkStatus(); !released.ok()) {
       Logf(LogLevel::kError, "%s", std::string(released.message()).c_str());
       if (status.ok()) status = released;
-    } else if (!options_.redis_url.empty()) {
+    } else if (!options_.tiers.redis_url.empty()) {
       Logf(LogLevel::kInfo, "sessions handed over: their leases in Redis are let go");
     }
   }

@@ -14,6 +14,7 @@
 #include "service/dataplane/shared_memory.h"
 #include "service/kv_events.h"
 #include "service/store/session_store.h"
+#include "service/store/tiers/tier_chain.h"
 
 namespace grpc {
 class Server;
@@ -64,33 +65,9 @@ struct ServerOptions {
   // Sessions are loaded from here at start and written here on Shutdown and
   // on the Snapshot call (empty: in memory only).
   std::string snapshot_dir;
-  // The disk tier (empty: none): sealed pages are written through to
-  // segment files here, idle sessions are demoted here instead of evicted,
-  // and a restart brings back what it holds. At most spill_budget bytes of
-  // live records.
-  std::string spill_dir;
-  size_t spill_budget = size_t{64} << 30;
-  // The Redis tier (empty: none), instead of the disk tier: sealed pages
-  // are written through to Redis, idle sessions demoted there, sessions
-  // this daemon does not hold taken over from it, and the drain hands every
-  // session over. At most redis_budget bytes; leases of redis_lease; each
-  // command within redis_timeout.
-  std::string redis_url;
-  // AUTH on every connection when the password is set (never logged).
-  std::string redis_user;
-  std::string redis_password;
-  // With a rediss:// URL: the CA file (empty: the system's), and a client
-  // certificate and key (PEM files; both or neither).
-  std::string redis_tls_ca;
-  std::string redis_tls_cert;
-  std::string redis_tls_key;
-  size_t redis_budget = size_t{64} << 30;
-  absl::Duration redis_lease = absl::Seconds(10);
-  absl::Duration redis_timeout = absl::Seconds(1);
-  absl::Duration redis_orphan_ttl = absl::Hours(24 * 7);
-  bool redis_acknowledge_written = true;  // --redis-acknowledge
-  size_t redis_queue = size_t{64} << 20;  // --redis-queue
-  // Of the memory budget (and of spill_budget): past high, the background
+  // The tiers below memory (MakeTierChain): the disk, Redis, or both.
+  TierChainOptions tiers;
+  // Of the memory budget (and of tiers.spill_budget): past high, the background
   // pass demotes idle sessions (drops the oldest on disk) down to low.
   double high_watermark = 0.90;
   double low_watermark = 0.80;

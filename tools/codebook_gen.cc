@@ -1,5 +1,5 @@
 // Generates kernels/codebooks.inc: Lloyd-Max codebooks for the coordinates of a
-// randomly rotated, normalized block (DESIGN.md section 1).
+// randomly rotated, normalized block (docs/ARCHITECTURE.md, "The method").
 //
 // After a random rotation a block of B values, scaled to norm sqrt(B), is a
 // uniform point on the sphere of radius sqrt(B). One coordinate t then has the

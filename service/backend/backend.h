@@ -1,4 +1,4 @@
-// Where pages live and kernels run (DESIGN.md section 2): the one part of the
+// Where pages live and kernels run (docs/ARCHITECTURE.md, "Backends"): the one part of the
 // daemon that knows whether a page's bytes are host or device memory. The
 // store keeps page lists, the budget and reference counts the same for every
 // backend and asks its backend to allocate, fill, read, encode and decode
@@ -114,17 +114,5 @@ class Backend {
   const std::string name_;
   const std::string label_;
 };
-
-class ThreadPool;
-
-// The backend of `device`: "cpu" (host memory, kernels over `pool`) or
-// "cuda:N" (GPU N, a page arena of arena_bytes, 0: CudaBackend's default
-// share of its free memory; `streams` calls at once on it; tensor_cores:
-// its pages in the token groups order and attention on the tensor-core
-// kernel, CudaBackendOptions). FAILED_PRECONDITION naming why a GPU cannot
-// serve (a build without CUDA, no driver or device, too old a GPU, too
-// little free memory); INVALID_ARGUMENT for another name.
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(absl::string_view device, ThreadPool* pool, size_t arena_bytes = 0,
-                                                     int streams = 4, bool tensor_cores = false);
 
 }  // namespace turbokv

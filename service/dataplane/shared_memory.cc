@@ -18,7 +18,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "service/log.h"
-#include "service/store/session_id.h"
+#include "service/records/session_id.h"
 
 namespace turbokv {
 namespace {

@@ -30,8 +30,8 @@
 #include "kernels/codec.h"
 #include "kernels/key_transform.h"
 #include "kernels/paged_cache.h"
+#include "service/records/record_io.h"
 #include "service/store/page_pool.h"
-#include "service/store/record_io.h"
 
 namespace turbokv {
 

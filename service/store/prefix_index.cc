@@ -4,7 +4,7 @@
 #include <unordered_set>
 #include <utility>
 
-#include "service/store/record_io.h"
+#include "service/records/record_io.h"
 
 namespace turbokv {
 

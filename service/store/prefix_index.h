@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "service/store/session_config.h"
+#include "service/records/session_config.h"
 
 namespace turbokv {
 

@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "service/store/session_config.h"
+#include "service/records/session_config.h"
 
 namespace turbokv {
 

@@ -1,4 +1,4 @@
-// The store's residency (docs/DESIGN §2, store/residency): sealed pages
+// The store's residency (docs/ARCHITECTURE.md, "Rooms and layers"): sealed pages
 // written through to the tier below memory, demotion and promotion, claims
 // of sessions from a shared tier, the background rebalance, the drain's
 // flush and the scan at start. Members of SessionStore, kept apart from the
@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/thread_pool.h"
 #include "service/log.h"
+#include "service/records/session_id.h"
 #include "service/status_macros.h"
-#include "service/store/session_id.h"
 #include "service/store/session_store.h"
 
 namespace turbokv {
@@ -32,7 +32,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
     }
     if (absl::Status room = HasRoomFor(tenant); !room.ok()) return room;
   }
-  absl::StatusOr<TierSession> image = tier_->Claim(id, tenant, /*if_epoch=*/0);
+  absl::StatusOr<TierSession> image = shared_->Claim(id, tenant, /*if_epoch=*/0);
   if (!image.ok()) {
     if (absl::IsNotFound(image.status())) {
       CountTakeover(kTakeoverNotFound);
@@ -56,7 +56,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::
     if (inserted.ok()) prefix_index_.Set(id, std::move(holding));
   }
   if (!inserted.ok()) {
-    tier_->LetGo(std::move(*session->demoted_));  // its pages stay on the tier
+    shared_->LetGo(std::move(*session->demoted_));  // its pages stay on the tier
     return inserted;
   }
   CountTakeover(kTakeoverOk);
@@ -125,7 +125,7 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
                                                                      absl::Span<const LayerGrowth> growth) {
   TierWrites writes;
   if (tier_ == nullptr || !session.resident() || session.gone()) return writes;
-  if (!tier_->holds_every_append()) {
+  if (!HoldsEveryAppend()) {
     WriteThrough(session, /*force=*/false).IgnoreError();
     return writes;
   }
@@ -172,7 +172,7 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
   }
   if (!tails.empty()) {
     TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record,
-                             tier_->PutTails(session.id(), session.tenant(), std::move(tails)));
+                             shared_->PutTails(session.id(), session.tenant(), std::move(tails)));
     writes.push_back(std::move(record));
   }
   return writes;
@@ -184,7 +184,7 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
   for (size_t i = 0; status.ok() && i < queued->size(); ++i) {
     if ((*queued)[i] != nullptr) status = tier_->Wait(*(*queued)[i]);
   }
-  if (status.ok() && tier_ != nullptr && tier_->holds_every_append()) {
+  if (status.ok() && HoldsEveryAppend()) {
     // Written, but to a tier that lost the rest of the session (Redis
     // restarted empty): acknowledged once the session is whole there again.
     NoteLost();
@@ -255,7 +255,7 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
 }
 
 absl::Status SessionStore::WriteTierManifest(SessionCache& session) {
-  if (tier_->holds_every_append()) {
+  if (HoldsEveryAppend()) {
     // It holds every layer whole: sealed pages without records get theirs
     // first, for it (not entered as sealed since the manifest before it,
     // which a claim still reads until this one is written).
@@ -276,7 +276,7 @@ absl::Status SessionStore::WriteTierManifest(SessionCache& session) {
       }
     }
   }
-  absl::StatusOr<TierSession> image = TierImage(session, tier_->holds_every_append());
+  absl::StatusOr<TierSession> image = TierImage(session, HoldsEveryAppend());
   if (!image.ok()) return image.status();
   session.manifest_ = tier_->PutManifest(*image);
   NoteManifestExtras(session);
@@ -524,7 +524,7 @@ absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
     session.kept_records_.insert(session.kept_records_.end(), held.begin(), held.end());
   }
   held.clear();  // the pages cut off go after the manifest
-  if (!tier_->holds_every_append() || !session.resident()) return absl::OkStatus();
+  if (!HoldsEveryAppend() || !session.resident()) return absl::OkStatus();
   TURBOKV_RETURN_IF_ERROR(manifest);
   // The slots each layer's last page was written with past n are no longer
   // its: a cut (from == to) after them says so to a claim.
@@ -539,7 +539,7 @@ absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
     cuts.push_back(std::move(cut));
   }
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record,
-                           tier_->PutTails(session.id(), session.tenant(), std::move(cuts)));
+                           shared_->PutTails(session.id(), session.tenant(), std::move(cuts)));
   if (session.manifest_ != nullptr) TURBOKV_RETURN_IF_ERROR(tier_->Wait(*session.manifest_));
   return tier_->Wait(*record);
 }
@@ -619,7 +619,7 @@ absl::Status SessionStore::Rewrite(SessionCache& session) {
     }
   }
   session.manifest_extras_.clear();
-  session.manifest_lacks_tails_ = tier_->holds_every_append();
+  session.manifest_lacks_tails_ = HoldsEveryAppend();
   absl::Status status = WriteTierManifest(session);
   if (status.ok()) status = WriteThrough(session, true);
   // Its sealed pages have records now: a manifest that holds the tails too
@@ -640,8 +640,9 @@ void SessionStore::NoteLost() {
   // Under mutex_: an id the tier hands over is in lost_ before any call can
   // look for it there (an append of that session acknowledged meanwhile
   // would skip its rewrite).
+  if (shared_ == nullptr) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  for (std::string& id : tier_->TakeLost()) lost_.insert(std::move(id));
+  for (std::string& id : shared_->TakeLost()) lost_.insert(std::move(id));
 }
 
 absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
@@ -668,17 +669,17 @@ absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
 SessionStore::RebalanceReport SessionStore::Rebalance() {
   RebalanceReport report;
   if (tier_ == nullptr) return report;
-  for (const auto& disowned : tier_->TakeDisowned()) {
-    // Another daemon claimed it: this copy goes, without a tombstone.
-    std::lock_guard<std::mutex> lock(mutex_);
-    Erase(disowned.first);
-  }
-  {
+  if (shared_ != nullptr) {
+    for (const auto& disowned : shared_->TakeDisowned()) {
+      // Another daemon claimed it: this copy goes, without a tombstone.
+      std::lock_guard<std::mutex> lock(mutex_);
+      Erase(disowned.first);
+    }
     // Sessions the tier claimed by itself (a stacked daemon's copies on its
     // disk, once the lease of its run before lapsed), one claim at a time
     // with calls' takeovers.
     std::lock_guard<std::mutex> claiming(claim_mutex_);
-    for (TierSession& image : tier_->TakeClaimed()) {
+    for (TierSession& image : shared_->TakeClaimed()) {
       const std::string id = image.header.id;
       bool kept_on_tier = false;
       if (absl::Status status = RegisterDemoted(std::move(image), absl::Now(), &kept_on_tier); !status.ok()) {
@@ -818,7 +819,12 @@ absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bo
     inserted = Insert(session);
     if (inserted.ok()) prefix_index_.Set(session->id(), std::move(holding));
   }
-  if (!inserted.ok()) *kept_on_tier = tier_->LetGo(std::move(*session->demoted_));
+  if (!inserted.ok()) {
+    // A shared tier keeps it for a later claim; a local one's records die
+    // with their handles.
+    *kept_on_tier = shared_ != nullptr;
+    if (shared_ != nullptr) shared_->LetGo(std::move(*session->demoted_));
+  }
   return inserted;
 }
 

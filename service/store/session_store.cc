@@ -17,12 +17,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/rotation.h"
 #include "service/backend/cpu_backend.h"
 #include "service/error_side.h"
 #include "service/log.h"
 #include "service/status_macros.h"
 #include "service/store/snapshot.h"
-#include "kernels/rotation.h"
 
 namespace turbokv {
 namespace {
@@ -38,52 +38,6 @@ std::string Who(const std::string& tenant) {
 }
 
 }  // namespace
-
-SessionCache::SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now)
-    : id_(std::move(id)),
-      tenant_(std::move(tenant)),
-      config_(config),
-      created_(now),
-      last_used_ns_(absl::ToUnixNanos(now)),
-      errors_(static_cast<size_t>(config.layers)) {}
-
-SessionCache::~SessionCache() = default;
-
-size_t SessionCache::bytes_used() const {
-  size_t bytes = 0;
-  for (const LayerCache& layer : layers_) bytes += layer.bytes();
-  return bytes;
-}
-
-int64_t SessionCache::layer_tokens(int layer) const {
-  const size_t l = static_cast<size_t>(layer);
-  return resident() ? layers_[l].tokens() : demoted_->layers[l].tokens;
-}
-
-int64_t SessionCache::tokens() const {
-  int64_t tokens = 0;
-  if (!resident()) {
-    for (const TierLayer& layer : demoted_->layers) tokens += layer.tokens;
-    return tokens;
-  }
-  for (const LayerCache& layer : layers_) tokens += layer.tokens();
-  return tokens;
-}
-
-int SessionCache::transformed_layers() const {
-  int count = 0;
-  if (resident()) {
-    for (const LayerCache& layer : layers_) count += layer.transformed() ? 1 : 0;
-  } else {
-    for (const TierLayer& layer : demoted_->layers) count += layer.extras.transform.empty() ? 0 : 1;
-  }
-  return count;
-}
-
-size_t SessionCache::fp16_bytes() const {
-  // Keys and values, two bytes a value.
-  return static_cast<size_t>(tokens()) * config_.kv_heads * config_.head_dim * 2 * 2;
-}
 
 size_t SessionMetadataBytes(const SessionConfig& config) {
   // The session object, then per layer its LayerCache and allocator
@@ -106,6 +60,7 @@ SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> ti
       own_backend_(options.backend == nullptr ? std::make_unique<CpuBackend>() : nullptr),
       pool_(options.backend != nullptr ? options.backend : own_backend_.get(), options.budget_bytes),
       tier_(std::move(tier)),
+      shared_(dynamic_cast<SharedTier*>(tier_.get())),
       prefix_index_(options.on_block_events) {}
 
 SessionStore::~SessionStore() {
@@ -196,8 +151,8 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::stri
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(id);
     if (it != sessions_.end() && it->second->tenant() == tenant) {
-      if (tier_ != nullptr) {
-        if (absl::Status owned = tier_->Owned(id); !owned.ok()) {
+      if (shared_ != nullptr) {
+        if (absl::Status owned = shared_->Owned(id); !owned.ok()) {
           // Another daemon claimed it: this copy goes, without a tombstone.
           Erase(id);
           return owned;
@@ -206,7 +161,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::stri
       it->second->Touch(now);
       return it->second;
     }
-    if (tier_ == nullptr || it != sessions_.end() || damaged_.count(id) != 0) return NotFound(id, tenant);
+    if (shared_ == nullptr || it != sessions_.end() || damaged_.count(id) != 0) return NotFound(id, tenant);
   }
   return TakeOver(id, tenant, now);
 }
@@ -269,7 +224,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::ForkAs(SessionCache&
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
   fork->errors_ = source.errors_;
   absl::Status written = tier_ != nullptr ? WriteTierManifest(*fork) : absl::OkStatus();
-  if (written.ok() && tier_ != nullptr && tier_->holds_every_append()) {
+  if (written.ok() && HoldsEveryAppend()) {
     // Acknowledged once the tier holds it, as an append is.
     written = tier_->Wait(*fork->manifest_);
   }

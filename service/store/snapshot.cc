@@ -16,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kernels/codec.h"
+#include "service/records/record_io.h"
 #include "service/status_macros.h"
-#include "service/store/record_io.h"
 
 namespace turbokv {
 namespace {

@@ -17,8 +17,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "service/store/record_io.h"
-#include "service/store/session_store.h"
+#include "service/backend/backend.h"
+#include "service/records/record_io.h"
+#include "service/store/layer_cache.h"
+#include "service/store/session_cache.h"
 
 namespace turbokv {
 

@@ -377,7 +377,7 @@ TEST(DecodeValueAtTest, PlainLaneValuesMatch) {
   }
 }
 
-// DESIGN.md section 1: relative MSE on 100,000 random unit vectors, d = 128.
+// docs/ARCHITECTURE.md, "The method": relative MSE on 100,000 random unit vectors, d = 128.
 // The addressing the CUDA codecs use for a batch of chunks (vector_chunks.h)
 // finds the records PagedKvCache lays out: encoding each located vector with
 // the CPU codec writes the pages EncodeChunkCpu writes.

@@ -138,7 +138,7 @@ inline CodeComparison CompareCodes(const CodecSpec& spec, const CodecLayout& lay
   return c;
 }
 
-// DESIGN.md section 1: relative MSE bars on 100,000 random unit vectors, d = 128.
+// docs/ARCHITECTURE.md, "The method": relative MSE bars on 100,000 random unit vectors, d = 128.
 struct FidelityBar {
   CodecKind kind;
   double max_rel_mse;

@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
-#include "service/backend/backend.h"
+#include "service/backend/make_backend.h"
 
 namespace turbokv::testing {
 

@@ -19,11 +19,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "tests/service/backend_testing.h"
-#include "service/store/record_io.h"
+#include "service/records/record_io.h"
 #include "service/store/session_store.h"
 #include "service/store/tiers/disk_tier.h"
 #include "tests/kernels/codec_testing.h"
+#include "tests/service/backend_testing.h"
 
 namespace turbokv {
 namespace {

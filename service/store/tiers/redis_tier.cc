@@ -16,7 +16,7 @@
 #include "absl/strings/strip.h"
 #include "service/byte_size.h"
 #include "service/log.h"
-#include "service/store/session_id.h"
+#include "service/records/session_id.h"
 
 namespace turbokv {
 namespace {
@@ -1587,19 +1587,18 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   return session;
 }
 
-bool RedisTier::LetGo(TierSession image) {
+void RedisTier::LetGo(TierSession image) {
   std::vector<std::string> release;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(TenantSessionKey(image.header.tenant, image.header.id));
-    if (it == sessions_.end()) return true;
+    if (it == sessions_.end()) return;
     SessionState& state = *it->second;
     state.let_go = true;
     release = {"EVAL", kRelease, "1", state.Key("l"), state.LeaseValue(owner_)};
     sessions_.erase(it);  // neither renewed nor refreshed any more
   }
   Borrow()->Run(release).IgnoreError();
-  return true;
 }
 
 std::vector<std::pair<std::string, absl::Status>> RedisTier::TakeDisowned() {

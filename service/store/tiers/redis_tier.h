@@ -60,7 +60,7 @@ struct RedisTierOptions {
   bool acknowledge_written = true;
 };
 
-class RedisTier final : public Tier {
+class RedisTier final : public SharedTier {
  public:
   // Starts the writer. A Redis that does not answer is no error (the tier
   // is unhealthy until it does); one that evicts keys under memory
@@ -87,7 +87,8 @@ class RedisTier final : public Tier {
   TierStats Stats() const override;
   absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant, int64_t if_epoch) override;
   int64_t Epoch(const std::string& id, const std::string& tenant) const override;
-  bool LetGo(TierSession image) override;
+  std::vector<TierSession> TakeClaimed() override { return {}; }  // claims name their sessions
+  void LetGo(TierSession image) override;
   std::vector<std::pair<std::string, absl::Status>> TakeDisowned() override;
   std::vector<std::string> TakeLost() override;
   absl::Status Owned(const std::string& id) const override;

@@ -7,7 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "service/log.h"
-#include "service/store/session_id.h"
+#include "service/records/session_id.h"
 
 namespace turbokv {
 // A page or manifest on both tiers, or on the shared one only (local null:
@@ -22,7 +22,7 @@ class StackedTier::Record final : public TierRecord {
   const std::shared_ptr<TierRecord> local;
 };
 
-StackedTier::StackedTier(std::unique_ptr<Tier> local, std::unique_ptr<Tier> shared)
+StackedTier::StackedTier(std::unique_ptr<Tier> local, std::unique_ptr<SharedTier> shared)
     : local_(std::move(local)), shared_(std::move(shared)) {}
 
 TierSession StackedTier::SharedView(const TierSession& session) {

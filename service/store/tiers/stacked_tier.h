@@ -1,4 +1,4 @@
-// Two tiers stacked (--spill-dir with --redis-url, docs/DESIGN §8): a local
+// Two tiers stacked (--spill-dir with --redis-url, docs/ARCHITECTURE.md, "Tiers"): a local
 // tier (the disk) under memory and a shared one (Redis) under it, seen by
 // the store as one tier. Every page and manifest goes to both; the shared
 // tier is the truth (claims, leases, the acknowledgement of appends, the
@@ -25,9 +25,9 @@
 
 namespace turbokv {
 
-class StackedTier final : public Tier {
+class StackedTier final : public SharedTier {
  public:
-  StackedTier(std::unique_ptr<Tier> local, std::unique_ptr<Tier> shared);
+  StackedTier(std::unique_ptr<Tier> local, std::unique_ptr<SharedTier> shared);
 
   // Messages name the shared tier: it holds every session, and its budget
   // is the one that drops them.
@@ -60,7 +60,7 @@ class StackedTier final : public Tier {
     return shared_->Epoch(id, tenant);
   }
   std::vector<TierSession> TakeClaimed() override;
-  bool LetGo(TierSession image) override { return shared_->LetGo(SharedView(image)); }
+  void LetGo(TierSession image) override { shared_->LetGo(SharedView(image)); }
   std::vector<std::pair<std::string, absl::Status>> TakeDisowned() override {
     return shared_->TakeDisowned();
   }
@@ -110,7 +110,7 @@ class StackedTier final : public Tier {
   static TierSession LocalView(const TierSession& session);
 
   const std::unique_ptr<Tier> local_;
-  const std::unique_ptr<Tier> shared_;
+  const std::unique_ptr<SharedTier> shared_;
   std::mutex mutex_;
   // Copies waiting for their claim, by "tenant\0id" (declared after the
   // tiers: their records go first).

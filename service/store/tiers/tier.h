@@ -1,8 +1,10 @@
-// Where pages go below memory (docs/DESIGN §8): a tier holds records of
-// sealed pages, session manifests and tombstones, written behind the request
-// path, read back on promotion, and scanned at start. The disk segment log
-// (disk_tier.h) is one; Redis, shared with other daemons (redis_tier.h), is
-// another. No gRPC types.
+// Where pages go below memory: a tier holds records of sealed pages,
+// session manifests and tombstones, written behind the request path, read
+// back on promotion, and scanned at start. The disk segment log
+// (disk_tier.h) is a Tier; Redis, shared with other daemons (redis_tier.h),
+// and the disk stacked over it (stacked_tier.h) are SharedTiers, which add
+// claims, epochs and leases. Tiers know the record format and the kernels'
+// page shapes, never the store above them; no gRPC types.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/codec.h"
-#include "service/store/page_pool.h"
-#include "service/store/record_io.h"
+#include "service/records/record_io.h"
 
 namespace turbokv {
 
@@ -188,26 +189,31 @@ class Tier {
   virtual void Close() = 0;
 
   virtual TierStats Stats() const = 0;
+  // OK while the tier answers; why not otherwise.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
 
+  // The tiers this one is made of, top first, each with its own name and
+  // Stats (for metrics): itself, but for a stack of tiers.
+  virtual std::vector<const Tier*> Parts() const { return {this}; }
+};
+
+// A tier shared with other daemons (Redis, or the disk stacked over it): it
+// holds sessions this daemon may not, handed over by claims that raise each
+// session's epoch, and this daemon's by leases it renews.
+class SharedTier : public Tier {
+ public:
   // A tier that holds every append (Redis, unless --redis-acknowledge=queued):
   // the store acknowledges new tokens only once they are written, the
   // partly filled last pages through PutTails, and its manifests carry
   // tails. A local tier keeps these defaults (tails are written at the
   // drain and at demotion only).
-  virtual bool holds_every_append() const { return false; }
+  virtual bool holds_every_append() const = 0;
   // Queues, as one write, new slots of some of a session's layers' last
   // pages; its handle is for Wait only (it names no page to Read).
+  // UNIMPLEMENTED unless holds_every_append().
   virtual absl::StatusOr<std::shared_ptr<TierRecord>> PutTails(const std::string& session, const std::string& tenant,
-                                                                std::vector<TailWrite> tails) {
-    (void)session;
-    (void)tenant;
-    (void)tails;
-    return absl::UnimplementedError("this tier does not hold every append");
-  }
+                                                                std::vector<TailWrite> tails) = 0;
 
-  // A tier shared with other daemons (Redis) holds sessions this daemon may
-  // not; a local tier never does, and keeps these defaults.
-  //
   // The session with this id of this tenant, which this daemon does not
   // hold, claimed for it: from now on this daemon is its only writer, and
   // the writes of the daemon that held it before are refused. NOT_FOUND
@@ -216,53 +222,31 @@ class Tier {
   // With if_epoch > 0, only when the session's epoch there is still
   // if_epoch (nobody claimed it since a copy written under it): ABORTED
   // otherwise. The session returned carries the epoch the claim raised.
-  virtual absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant, int64_t if_epoch) {
-    (void)id;
-    (void)tenant;
-    (void)if_epoch;
-    return absl::NotFoundError("no shared tier");
-  }
+  virtual absl::StatusOr<TierSession> Claim(const std::string& id, const std::string& tenant, int64_t if_epoch) = 0;
   // The session's epoch on the tier as this daemon knows it (0: none yet).
-  virtual int64_t Epoch(const std::string& id, const std::string& tenant) const {
-    (void)id;
-    (void)tenant;
-    return 0;
-  }
+  virtual int64_t Epoch(const std::string& id, const std::string& tenant) const = 0;
   // Sessions claimed since the last call outside a call naming them (a
   // stacked daemon's local copies, once the lease of the run before
   // lapses): the store registers them, on the tier only.
-  virtual std::vector<TierSession> TakeClaimed() { return {}; }
+  virtual std::vector<TierSession> TakeClaimed() = 0;
   // A session the tier handed over (Scan, Claim, TakeClaimed) that the
-  // store could not take (its limits). A shared tier lets it go without
-  // deleting anything (its lease released, its records' handles going
-  // without their pages) and returns true: a later claim finds it. A local
-  // tier returns false: its records die with their handles.
-  virtual bool LetGo(TierSession image) {
-    (void)image;
-    return false;
-  }
+  // store could not take (its limits): let go without deleting anything
+  // (its lease released, its records' handles going without their pages),
+  // so that a later claim finds it.
+  virtual void LetGo(TierSession image) = 0;
   // The sessions another daemon has claimed since the last call, each with
   // the FAILED_PRECONDITION that says so: this daemon drops them (without a
   // tombstone: they are the other daemon's now).
-  virtual std::vector<std::pair<std::string, absl::Status>> TakeDisowned() { return {}; }
+  virtual std::vector<std::pair<std::string, absl::Status>> TakeDisowned() = 0;
   // The sessions whose records the tier lost since the last call (Redis
   // restarted without its append-only file, or from an older one), their
   // ownership restored: this daemon writes those it holds in memory again.
-  virtual std::vector<std::string> TakeLost() { return {}; }
+  virtual std::vector<std::string> TakeLost() = 0;
   // FAILED_PRECONDITION when another daemon has claimed the session; OK otherwise.
-  virtual absl::Status Owned(const std::string& id) const {
-    (void)id;
-    return absl::OkStatus();
-  }
+  virtual absl::Status Owned(const std::string& id) const = 0;
   // Lets go of every session this daemon holds on the tier (the drain,
   // after the store's FlushTier): another daemon may claim them at once.
-  virtual absl::Status ReleaseAll() { return absl::OkStatus(); }
-  // OK while the tier answers; why not otherwise.
-  virtual absl::Status Health() const { return absl::OkStatus(); }
-
-  // The tiers this one is made of, top first, each with its own name and
-  // Stats (for metrics): itself, but for a stack of tiers.
-  virtual std::vector<const Tier*> Parts() const { return {this}; }
+  virtual absl::Status ReleaseAll() = 0;
 };
 
 }  // namespace turbokv

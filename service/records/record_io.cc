@@ -1,4 +1,4 @@
-#include "service/store/record_io.h"
+#include "service/records/record_io.h"
 
 #include <algorithm>
 #include <array>

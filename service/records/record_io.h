@@ -12,7 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/page_layout.h"
-#include "service/store/session_config.h"
+#include "service/records/session_config.h"
 
 namespace turbokv {
 

@@ -1,4 +1,4 @@
-#include "service/store/session_id.h"
+#include "service/records/session_id.h"
 
 #include <sys/random.h>
 

@@ -1,0 +1,53 @@
+#include "service/store/session_cache.h"
+
+#include <utility>
+
+namespace turbokv {
+
+SessionCache::SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now)
+    : id_(std::move(id)),
+      tenant_(std::move(tenant)),
+      config_(config),
+      created_(now),
+      last_used_ns_(absl::ToUnixNanos(now)),
+      errors_(static_cast<size_t>(config.layers)) {}
+
+SessionCache::~SessionCache() = default;
+
+size_t SessionCache::bytes_used() const {
+  size_t bytes = 0;
+  for (const LayerCache& layer : layers_) bytes += layer.bytes();
+  return bytes;
+}
+
+int64_t SessionCache::layer_tokens(int layer) const {
+  const size_t l = static_cast<size_t>(layer);
+  return resident() ? layers_[l].tokens() : demoted_->layers[l].tokens;
+}
+
+int64_t SessionCache::tokens() const {
+  int64_t tokens = 0;
+  if (!resident()) {
+    for (const TierLayer& layer : demoted_->layers) tokens += layer.tokens;
+    return tokens;
+  }
+  for (const LayerCache& layer : layers_) tokens += layer.tokens();
+  return tokens;
+}
+
+int SessionCache::transformed_layers() const {
+  int count = 0;
+  if (resident()) {
+    for (const LayerCache& layer : layers_) count += layer.transformed() ? 1 : 0;
+  } else {
+    for (const TierLayer& layer : demoted_->layers) count += layer.extras.transform.empty() ? 0 : 1;
+  }
+  return count;
+}
+
+size_t SessionCache::fp16_bytes() const {
+  // Keys and values, two bytes a value.
+  return static_cast<size_t>(tokens()) * config_.kv_heads * config_.head_dim * 2 * 2;
+}
+
+}  // namespace turbokv
