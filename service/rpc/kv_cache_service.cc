@@ -35,11 +35,6 @@ void Observe(Metrics* metrics, const char* method, const absl::Status& status, a
   if (metrics != nullptr) metrics->ObserveRpc(method, status, absl::ToDoubleSeconds(absl::Now() - start));
 }
 
-// The method's index in the service, as the generated code numbers them.
-int MethodIndex(const char* name) {
-  return v1::CreateSessionRequest::descriptor()->file()->FindServiceByName("KvCacheService")->FindMethodByName(name)->index();
-}
-
 // Parses (and empties) `buffer`; false when it is not a valid message.
 template <typename Message>
 bool Parse(grpc::ByteBuffer* buffer, Message* message) {
@@ -588,23 +583,7 @@ class ReadKvCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 KvCacheService::KvCacheService(Handler* handler, Executor* executor, Metrics* metrics,
                                const Authenticator* authenticator, const ServiceLimits& limits)
-    : authenticator_(authenticator), parts_(std::make_unique<Parts>(handler, executor, metrics, limits)) {
-  RegisterUnary("CreateSession", &Handler::CreateSession);
-  RegisterUnary("GetSession", &Handler::GetSession);
-  RegisterUnary("ListSessions", &Handler::ListSessions);
-  RegisterUnary("DeleteSession", &Handler::DeleteSession);
-  RegisterUnary("TruncateSession", &Handler::TruncateSession);
-  RegisterUnary("ForkSession", &Handler::ForkSession);
-  RegisterUnary("NameBlocks", &Handler::NameBlocks);
-  RegisterStream("Append", &Handler::Append, /*drainable=*/false);
-  RegisterStream("Attend", &Handler::Attend, /*drainable=*/false);
-  RegisterUnary("Step", &Handler::Step);
-  RegisterStream("Decode", &Handler::Decode, /*drainable=*/true);
-  RegisterReadKv();
-  RegisterUnary("Stats", &Handler::Stats);
-  RegisterUnary("Snapshot", &Handler::Snapshot);
-  RegisterUnary("Prefetch", &Handler::Prefetch);
-}
+    : authenticator_(authenticator), parts_(std::make_unique<Parts>(handler, executor, metrics, limits)) {}
 
 KvCacheService::~KvCacheService() = default;
 
@@ -613,39 +592,95 @@ int KvCacheService::active_calls() const { return parts_->active.load(); }
 int64_t KvCacheService::in_flight_bytes() const { return parts_->in_flight.bytes(); }
 
 template <typename Request, typename Response>
-void KvCacheService::RegisterUnary(const char* name,
-                                   absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&)) {
-  MarkMethodRawCallback(
-      MethodIndex(name),
-      new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
-          [this, name, method](grpc::CallbackServerContext* context, const grpc::ByteBuffer* in,
-                               grpc::ByteBuffer* out) {
-            parts_->Began(name);
-            auto* call = new UnaryCall<Request, Response>(parts_.get(), context, in, out, method, name);
-            return call->Start(Tenant(context));
-          }));
+grpc::ServerUnaryReactor* KvCacheService::Unary(const char* name,
+                                                absl::StatusOr<Response> (Handler::*method)(const Request&,
+                                                                                            const std::string&),
+                                                grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                grpc::ByteBuffer* response) {
+  parts_->Began(name);
+  auto* call = new UnaryCall<Request, Response>(parts_.get(), context, request, response, method, name);
+  return call->Start(Tenant(context));
 }
 
 template <typename Request, typename Response>
-void KvCacheService::RegisterStream(const char* name,
-                                    absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&),
-                                    bool drainable) {
-  MarkMethodRawCallback(MethodIndex(name),
-                        new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
-                            [this, name, method, drainable](grpc::CallbackServerContext* context) {
-                              parts_->Began(name);
-                              return new StreamCall<Request, Response>(parts_.get(), context, method, Tenant(context),
-                                                                       drainable, name);
-                            }));
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Stream(
+    const char* name, absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&), bool drainable,
+    grpc::CallbackServerContext* context) {
+  parts_->Began(name);
+  return new StreamCall<Request, Response>(parts_.get(), context, method, Tenant(context), drainable, name);
 }
 
-void KvCacheService::RegisterReadKv() {
-  MarkMethodRawCallback(MethodIndex("ReadKv"),
-                        new grpc::internal::CallbackServerStreamingHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
-                            [this](grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-                              parts_->Began("ReadKv");
-                              return new ReadKvCall(parts_.get(), context, request, Tenant(context));
-                            }));
+grpc::ServerUnaryReactor* KvCacheService::CreateSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return Unary("CreateSession", &Handler::CreateSession, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) {
+  return Unary("GetSession", &Handler::GetSession, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ListSessions(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return Unary("ListSessions", &Handler::ListSessions, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::DeleteSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return Unary("DeleteSession", &Handler::DeleteSession, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::TruncateSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* response) {
+  return Unary("TruncateSession", &Handler::TruncateSession, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ForkSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return Unary("ForkSession", &Handler::ForkSession, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::NameBlocks(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) {
+  return Unary("NameBlocks", &Handler::NameBlocks, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) {
+  return Unary("Step", &Handler::Step, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                grpc::ByteBuffer* response) {
+  return Unary("Stats", &Handler::Stats, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::Snapshot(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return Unary("Snapshot", &Handler::Snapshot, context, request, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::Prefetch(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return Unary("Prefetch", &Handler::Prefetch, context, request, response);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Append(grpc::CallbackServerContext* context) {
+  return Stream("Append", &Handler::Append, /*drainable=*/false, context);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Attend(grpc::CallbackServerContext* context) {
+  return Stream("Attend", &Handler::Attend, /*drainable=*/false, context);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Decode(grpc::CallbackServerContext* context) {
+  return Stream("Decode", &Handler::Decode, /*drainable=*/true, context);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvCacheService::ReadKv(grpc::CallbackServerContext* context,
+                                                                   const grpc::ByteBuffer* request) {
+  parts_->Began("ReadKv");
+  return new ReadKvCall(parts_.get(), context, request, Tenant(context));
 }
 
 void KvCacheService::StartDraining() {

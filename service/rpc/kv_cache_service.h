@@ -35,7 +35,26 @@ struct ServiceLimits {
   int64_t tenant_bytes = int64_t{1} << 30;
 };
 
-class KvCacheService final : public v1::KvCacheService::Service {
+// Every method raw and on the callback API, through the classes gRPC
+// generates for that (WithRawCallbackMethod_*).
+using RawKvCacheService = v1::KvCacheService::WithRawCallbackMethod_CreateSession<
+    v1::KvCacheService::WithRawCallbackMethod_GetSession<
+    v1::KvCacheService::WithRawCallbackMethod_ListSessions<
+    v1::KvCacheService::WithRawCallbackMethod_DeleteSession<
+    v1::KvCacheService::WithRawCallbackMethod_TruncateSession<
+    v1::KvCacheService::WithRawCallbackMethod_ForkSession<
+    v1::KvCacheService::WithRawCallbackMethod_NameBlocks<
+    v1::KvCacheService::WithRawCallbackMethod_Append<
+    v1::KvCacheService::WithRawCallbackMethod_Attend<
+    v1::KvCacheService::WithRawCallbackMethod_Step<
+    v1::KvCacheService::WithRawCallbackMethod_Decode<
+    v1::KvCacheService::WithRawCallbackMethod_ReadKv<
+    v1::KvCacheService::WithRawCallbackMethod_Stats<
+    v1::KvCacheService::WithRawCallbackMethod_Snapshot<
+    v1::KvCacheService::WithRawCallbackMethod_Prefetch<
+    v1::KvCacheService::Service>>>>>>>>>>>>>>>;
+
+class KvCacheService final : public RawKvCacheService {
  public:
   // metrics: RPC durations and errors (nullptr: none). authenticator: every
   // call needs a bearer token naming its tenant (nullptr: no tokens, one
@@ -58,18 +77,64 @@ class KvCacheService final : public v1::KvCacheService::Service {
   // the calls and bytes in flight per tenant (rpc/kv_cache_service.cc).
   struct Parts;
 
+  // The methods' reactors (each hides the base's synchronous overload, which
+  // the raw callback class already disables).
+  using RawKvCacheService::CreateSession;
+  using RawKvCacheService::GetSession;
+  using RawKvCacheService::ListSessions;
+  using RawKvCacheService::DeleteSession;
+  using RawKvCacheService::TruncateSession;
+  using RawKvCacheService::ForkSession;
+  using RawKvCacheService::NameBlocks;
+  using RawKvCacheService::Append;
+  using RawKvCacheService::Attend;
+  using RawKvCacheService::Step;
+  using RawKvCacheService::Decode;
+  using RawKvCacheService::ReadKv;
+  using RawKvCacheService::Stats;
+  using RawKvCacheService::Snapshot;
+  using RawKvCacheService::Prefetch;
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* NameBlocks(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Prefetch(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Append(grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Attend(grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Decode(grpc::CallbackServerContext* context) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ReadKv(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request) override;
+
  private:
   // The caller's tenant from its metadata, or UNAUTHENTICATED.
   absl::StatusOr<std::string> Tenant(grpc::CallbackServerContext* context) const;
 
   template <typename Request, typename Response>
-  void RegisterUnary(const char* name,
-                     absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&));
+  grpc::ServerUnaryReactor* Unary(const char* name,
+                                  absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&),
+                                  grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response);
   template <typename Request, typename Response>
-  void RegisterStream(const char* name,
-                      absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&),
-                      bool drainable);
-  void RegisterReadKv();
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
+      const char* name, absl::StatusOr<Response> (Handler::*method)(const Request&, const std::string&),
+      bool drainable, grpc::CallbackServerContext* context);
 
   const Authenticator* authenticator_;
   std::atomic<bool> draining_{false};
