@@ -1307,35 +1307,81 @@ TierStats RedisTier::Stats() const {
   return stats;
 }
 
+namespace {
+
+absl::Status ClaimUnavailable(const std::string& id, absl::string_view why) {
+  return absl::UnavailableError(absl::StrCat("session ", ShowId(id), " is not in this daemon and taking it over needs ", why));
+}
+
+}  // namespace
+
+// What a claim read of a session in Redis, worked out step by step before
+// any record is made of it (so that a damaged session leaves nothing).
+struct RedisTier::ClaimRead {
+  int64_t epoch = 0;          // the one the claim raised the session to
+  bool has_manifest = false;  // Redis returned one
+  std::string manifest;       // its bytes
+  // Sealed pages written since the manifest, by layer and index: key, bytes.
+  std::map<std::pair<int, int>, std::pair<std::string, uint32_t>> sealed;
+  TierSession session;  // its header, pinned and named blocks
+  // Per layer: its pages (key, bytes) in order, its length and extras,
+  // whether the manifest's tail is the last of its pages, and then whether
+  // new slots changed that last page (rebuilt) and the page they made
+  // (empty when the layer was cut back to a page's start).
+  std::vector<std::vector<std::pair<std::string, uint32_t>>> pages;
+  std::vector<int64_t> lengths;
+  std::vector<LayerExtras> extras;
+  std::vector<bool> has_tail;
+  std::vector<bool> rebuilt;
+  std::vector<std::string> tails;
+  std::vector<std::string> superseded;  // tails a page sealed since holds: their keys go
+};
+
 absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::string& tenant, int64_t if_epoch) {
   if (!PlausibleSessionId(id)) return absl::NotFoundError("not a session id");
   std::shared_ptr<SessionState> state = std::make_shared<SessionState>();
   state->id = id;
   state->tenant = tenant;
   state->base = absl::StrCat("turbokv:{", id, "}:", absl::BytesToHexString(tenant));
-  auto unavailable = [&](absl::string_view why) {
-    return absl::UnavailableError(
-        absl::StrCat("session ", ShowId(id), " is not in this daemon and taking it over needs ", why));
-  };
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(TenantSessionKey(tenant, id));
     if (it != sessions_.end() && it->second->tombstoned) return absl::NotFoundError("deleted");
     // Known down: no call waits for Redis's timeout again until it answers.
-    if (!up_) return unavailable(down_reason_);
+    if (!up_) return ClaimUnavailable(id, down_reason_);
   }
-  const std::vector<std::vector<std::string>> commands = {
-      {"EVAL", kAcquire, "3", state->Key("l"), state->Key("e"), state->Key("m"), owner_,
-       std::to_string(absl::ToInt64Milliseconds(options_.lease)), "1", OrphanTtlMs(),
-       if_epoch > 0 ? std::to_string(if_epoch) : ""},
-      {"HGETALL", state->Key("h")}};
   const absl::Time sent = absl::Now();
   Borrowed connection = Borrow();
-  absl::StatusOr<std::vector<RedisValue>> replies = connection->Run(commands);
-  if (!replies.ok()) return unavailable(MarkDown(replies.status()));
+  ClaimRead read;
+  if (absl::Status acquired = AcquireForClaim(*state, if_epoch, *connection.connection, &read); !acquired.ok()) {
+    return acquired;
+  }
+  state->epoch = read.epoch;
+  // A claim that fails from here on raised the epoch: its lease is let go
+  // and the error says to what epoch (ClaimedEpoch), so that a copy written
+  // under the old one knows that nobody else claimed the session since.
+  absl::Status status = ReadManifest(id, tenant, &read);
+  if (status.ok()) status = CheckClaimedPages(*state, *connection.connection, &read);
+  if (!status.ok()) {
+    connection->Run({"EVAL", kRelease, "1", state->Key("l"), state->LeaseValue(owner_)}).IgnoreError();
+    return WithClaimedEpoch(std::move(status), read.epoch);
+  }
+  return RegisterClaimed(std::move(state), std::move(read), sent);
+}
+
+absl::Status RedisTier::AcquireForClaim(const SessionState& state, int64_t if_epoch, RedisConnection& connection,
+                                        ClaimRead* read) {
+  const std::string& id = state.id;
+  const std::vector<std::vector<std::string>> commands = {
+      {"EVAL", kAcquire, "3", state.Key("l"), state.Key("e"), state.Key("m"), owner_,
+       std::to_string(absl::ToInt64Milliseconds(options_.lease)), "1", OrphanTtlMs(),
+       if_epoch > 0 ? std::to_string(if_epoch) : ""},
+      {"HGETALL", state.Key("h")}};
+  absl::StatusOr<std::vector<RedisValue>> replies = connection.Run(commands);
+  if (!replies.ok()) return ClaimUnavailable(id, MarkDown(replies.status()));
   const RedisValue& acquired = (*replies)[0];
   if (acquired.type == RedisValue::kError && TransientRefusal(acquired.str)) {
-    return unavailable(absl::StrCat("Redis, which refused it for now: ", acquired.str));
+    return ClaimUnavailable(id, absl::StrCat("Redis, which refused it for now: ", acquired.str));
   }
   if (acquired.type != RedisValue::kArray || acquired.elements.empty() ||
       acquired.elements[0].type != RedisValue::kInteger) {
@@ -1367,20 +1413,29 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
                                                       " (owner and epoch); its lease lapses in ", left,
                                                       " ms unless that daemon renews it"));
   }
-  state->epoch = epoch;
-  // A claim that fails from here on raised the epoch: the error says to
-  // what (ClaimedEpoch), so that a copy written under the old one knows
-  // that nobody else claimed the session since.
-  auto release = [&](absl::Status why) {
-    connection->Run({"EVAL", kRelease, "1", state->Key("l"), state->LeaseValue(owner_)}).IgnoreError();
-    return WithClaimedEpoch(std::move(why), epoch);
-  };
-  if (acquired.elements.size() < 2 || acquired.elements[1].type != RedisValue::kString) {
-    return release(absl::InternalError("Redis returned no manifest"));
+  read->epoch = epoch;
+  if (acquired.elements.size() >= 2 && acquired.elements[1].type == RedisValue::kString) {
+    read->has_manifest = true;
+    read->manifest = acquired.elements[1].str;
   }
-  const std::string& manifest = acquired.elements[1].str;
+  const RedisValue& hash = (*replies)[1];
+  for (size_t i = 0; i + 1 < hash.elements.size(); i += 2) {
+    std::pair<std::string, std::string> field = absl::StrSplit(hash.elements[i].str, absl::MaxSplits(':', 1));
+    int layer = 0, index = 0;
+    if (!absl::SimpleAtoi(field.first, &layer) || !absl::SimpleAtoi(field.second, &index)) continue;
+    Reader entry(hash.elements[i + 1].str);
+    std::string key = entry.GetString();
+    const uint32_t bytes = entry.Get<uint32_t>();
+    if (!entry.short_read()) read->sealed[{layer, index}] = {std::move(key), bytes};
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedisTier::ReadManifest(const std::string& id, const std::string& tenant, ClaimRead* read) const {
+  const std::string& manifest = read->manifest;
+  if (!read->has_manifest) return absl::InternalError("Redis returned no manifest");
   auto damaged = [&](absl::string_view why) {
-    return release(absl::DataLossError(absl::StrCat("session ", id, " in Redis: its manifest ", why)));
+    return absl::DataLossError(absl::StrCat("session ", id, " in Redis: its manifest ", why));
   };
   if (manifest.size() < 16 || std::memcmp(manifest.data(), kManifestMagic, sizeof(kManifestMagic)) != 0) {
     return damaged("is not a turbokv manifest");
@@ -1396,34 +1451,20 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   in.Get<int64_t>();
   absl::StatusOr<SessionHeader> header = GetSessionHeader(in, options_.page_tokens, "the Redis manifest",
                                                           version >= 2 ? kHeaderStorage : kHeaderLayerCodecs);
-  if (!header.ok()) return release(header.status());
+  if (!header.ok()) return header.status();
   if (header->id != id || header->tenant != tenant) return damaged("names another session");
-  // Sealed pages written since the manifest, by layer and index.
-  std::map<std::pair<int, int>, std::pair<std::string, uint32_t>> sealed;
-  const RedisValue& hash = (*replies)[1];
-  for (size_t i = 0; i + 1 < hash.elements.size(); i += 2) {
-    std::pair<std::string, std::string> field = absl::StrSplit(hash.elements[i].str, absl::MaxSplits(':', 1));
-    int layer = 0, index = 0;
-    if (!absl::SimpleAtoi(field.first, &layer) || !absl::SimpleAtoi(field.second, &index)) continue;
-    Reader entry(hash.elements[i + 1].str);
-    std::string key = entry.GetString();
-    const uint32_t bytes = entry.Get<uint32_t>();
-    if (!entry.short_read()) sealed[{layer, index}] = {std::move(key), bytes};
-  }
-  TierSession session;
+  TierSession& session = read->session;
   session.header = *std::move(header);
   session.pinned = in.Get<uint8_t>() != 0;
   const uint32_t layers = in.Get<uint32_t>();
   if (in.short_read() || static_cast<int>(layers) != session.header.config.layers) return damaged("is cut short");
   // Each layer's pages (key, bytes), and tails that a page sealed since
-  // holds: read in full before any record is made, so that a damaged
-  // manifest leaves nothing behind.
+  // holds: read in full before any record is made.
   const int64_t pt = options_.page_tokens;
-  std::vector<std::vector<std::pair<std::string, uint32_t>>> pages(layers);
-  std::vector<int64_t> lengths(layers);
-  std::vector<LayerExtras> extras(layers);
-  std::vector<bool> has_tail(layers, false);  // the manifest's tail is pages[l].back()
-  std::vector<std::string> superseded;
+  read->pages.assign(layers, {});
+  read->lengths.assign(layers, 0);
+  read->extras.assign(layers, LayerExtras());
+  read->has_tail.assign(layers, false);
   for (uint32_t l = 0; l < layers; ++l) {
     const int64_t tokens = in.Get<int64_t>();
     const uint32_t count = in.Get<uint32_t>();
@@ -1436,110 +1477,117 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
       std::string key = in.GetString();
       const uint32_t bytes = in.Get<uint32_t>();
       if (static_cast<int64_t>(i) < full) {
-        pages[l].emplace_back(std::move(key), bytes);
+        read->pages[l].emplace_back(std::move(key), bytes);
       } else {
         tail = {std::move(key), bytes};
       }
     }
-    if (version >= 2 && !GetLayerExtras(in, "the Redis manifest", &extras[l]).ok()) {
+    if (version >= 2 && !GetLayerExtras(in, "the Redis manifest", &read->extras[l]).ok()) {
       return damaged(absl::StrCat("holds a malformed transform or sinks of layer ", l));
     }
     // Then the pages sealed after the manifest, in order; the first of them
     // holds the tail.
     int64_t next = full;
-    for (auto it = sealed.find({static_cast<int>(l), static_cast<int>(next)}); it != sealed.end();
-         it = sealed.find({static_cast<int>(l), static_cast<int>(++next)})) {
-      pages[l].push_back(it->second);
+    for (auto it = read->sealed.find({static_cast<int>(l), static_cast<int>(next)}); it != read->sealed.end();
+         it = read->sealed.find({static_cast<int>(l), static_cast<int>(++next)})) {
+      read->pages[l].push_back(it->second);
     }
-    if (auto after = sealed.lower_bound({static_cast<int>(l), static_cast<int>(next)});
-        after != sealed.end() && after->first.first == static_cast<int>(l)) {
-      return release(absl::DataLossError(absl::StrCat(
+    if (auto after = read->sealed.lower_bound({static_cast<int>(l), static_cast<int>(next)});
+        after != read->sealed.end() && after->first.first == static_cast<int>(l)) {
+      return absl::DataLossError(absl::StrCat(
           "session ", id, " in Redis: page ", after->first.second, " of layer ", l, " is there but page ", next,
-          " before it is not; Redis lost records (evicted, deleted, or restarted without its append-only file)")));
+          " before it is not; Redis lost records (evicted, deleted, or restarted without its append-only file)"));
     }
-    lengths[l] = next * pt;
+    read->lengths[l] = next * pt;
     if (next == full && !tail.first.empty()) {
-      pages[l].push_back(std::move(tail));
-      lengths[l] = tokens;
-      has_tail[l] = true;
+      read->pages[l].push_back(std::move(tail));
+      read->lengths[l] = tokens;
+      read->has_tail[l] = true;
     } else if (!tail.first.empty()) {
-      superseded.push_back(std::move(tail.first));
+      read->superseded.push_back(std::move(tail.first));
     }
   }
   if (version >= kVersionNamed && !GetNamedBlocks(in, "the Redis manifest", &session.named).ok()) {
     return damaged("holds malformed named blocks");
   }
   if (in.short_read()) return damaged("is cut short");
+  return absl::OkStatus();
+}
+
+absl::Status RedisTier::CheckClaimedPages(const SessionState& state, RedisConnection& connection, ClaimRead* read) {
+  const std::string& id = state.id;
+  const size_t layers = read->pages.size();
+  const int64_t pt = options_.page_tokens;
   // Every page the session is said to have is there (PEXPIRE answers 0 for
   // a key that is not): a claim that would come back with fewer tokens than
   // were written is DATA_LOSS instead. Its keys' expiry starts again.
   const std::string ttl = OrphanTtlMs();
-  std::vector<std::vector<std::string>> exists = {{"PEXPIRE", state->Key("m"), ttl}, {"PEXPIRE", state->Key("h"), ttl}};
+  std::vector<std::vector<std::string>> exists = {{"PEXPIRE", state.Key("m"), ttl}, {"PEXPIRE", state.Key("h"), ttl}};
   const size_t own = exists.size();
-  for (const auto& layer : pages) {
+  for (const auto& layer : read->pages) {
     for (const auto& page : layer) exists.push_back({"PEXPIRE", page.first, ttl});
   }
   const size_t listed = exists.size();
   // And each layer's new slots since, with the tail they go on.
-  for (uint32_t l = 0; l < layers; ++l) {
-    exists.push_back({"GET", state->Key(TailsSuffix(static_cast<int>(l)))});
-    exists.push_back({"PEXPIRE", state->Key(TailsSuffix(static_cast<int>(l))), ttl});
-    if (has_tail[l]) exists.push_back({"GET", pages[l].back().first});
+  for (size_t l = 0; l < layers; ++l) {
+    exists.push_back({"GET", state.Key(TailsSuffix(static_cast<int>(l)))});
+    exists.push_back({"PEXPIRE", state.Key(TailsSuffix(static_cast<int>(l))), ttl});
+    if (read->has_tail[l]) exists.push_back({"GET", read->pages[l].back().first});
   }
-  // Per layer, whether new slots changed its last page, and that page
-  // (empty when the layer was cut back to a page's start).
-  std::vector<bool> rebuilt(layers, false);
-  std::vector<std::string> tails(layers);
-  {
-    absl::StatusOr<std::vector<RedisValue>> there = connection->Run(exists);
-    if (!there.ok()) return release(unavailable(MarkDown(there.status())));
-    size_t missing = 0;
-    std::string first;
-    for (size_t i = own; i < listed; ++i) {
-      if ((*there)[i].type == RedisValue::kInteger && (*there)[i].integer == 1) continue;
-      if (missing++ == 0) first = exists[i][1];
-    }
-    if (missing > 0) {
-      return release(absl::DataLossError(absl::StrCat(
-          "session ", id, " in Redis: ", missing, " of its ", listed - own, " pages are missing (", first,
-          " first); Redis lost records (evicted, deleted, or restarted without its append-only file)")));
-    }
-    size_t at = listed;
-    for (uint32_t l = 0; l < layers; ++l) {
-      const RedisValue& log = (*there)[at];
-      at += 2;
-      std::string page;
-      const int32_t index = static_cast<int32_t>(lengths[l] / pt);
-      int32_t slots = static_cast<int32_t>(lengths[l] - index * pt);
-      if (has_tail[l]) {
-        const RedisValue& value = (*there)[at++];
-        if (log.type != RedisValue::kString || log.str.empty()) continue;
-        // A damaged tail with new slots to replay on it: the layer cannot
-        // be rebuilt (left as listed, a copy of the tail elsewhere, on a
-        // stacked daemon's disk, would serve it without them).
-        if (value.type != RedisValue::kString ||
-            !PageProblem(value.str, pages[l].back().second - kPageHeaderBytes).empty()) {
-          return release(absl::DataLossError(absl::StrCat(
-              "session ", id, " in Redis: the last page of layer ", l, " (", pages[l].back().first,
-              ") is missing or damaged, and new slots were written on it; Redis lost records (evicted, deleted, or "
-              "restarted without its append-only file)")));
-        }
-        page = value.str.substr(kPageHeaderBytes);
-      }
+  read->rebuilt.assign(layers, false);
+  read->tails.assign(layers, "");
+  absl::StatusOr<std::vector<RedisValue>> there = connection.Run(exists);
+  if (!there.ok()) return ClaimUnavailable(id, MarkDown(there.status()));
+  size_t missing = 0;
+  std::string first;
+  for (size_t i = own; i < listed; ++i) {
+    if ((*there)[i].type == RedisValue::kInteger && (*there)[i].integer == 1) continue;
+    if (missing++ == 0) first = exists[i][1];
+  }
+  if (missing > 0) {
+    return absl::DataLossError(absl::StrCat(
+        "session ", id, " in Redis: ", missing, " of its ", listed - own, " pages are missing (", first,
+        " first); Redis lost records (evicted, deleted, or restarted without its append-only file)"));
+  }
+  size_t at = listed;
+  for (size_t l = 0; l < layers; ++l) {
+    const RedisValue& log = (*there)[at];
+    at += 2;
+    std::string page;
+    const int32_t index = static_cast<int32_t>(read->lengths[l] / pt);
+    int32_t slots = static_cast<int32_t>(read->lengths[l] - index * pt);
+    if (read->has_tail[l]) {
+      const RedisValue& value = (*there)[at++];
       if (log.type != RedisValue::kString || log.str.empty()) continue;
-      bool changed = false;
-      if (absl::Status replayed = ReplayTails(log.str, index, static_cast<int32_t>(pt), session.header.config, &page, &slots,
-                                                     &changed);
-          !replayed.ok()) {
-        return release(absl::DataLossError(
-            absl::StrCat("session ", id, " in Redis: the new slots of layer ", l, " ", replayed.message())));
+      // A damaged tail with new slots to replay on it: the layer cannot
+      // be rebuilt (left as listed, a copy of the tail elsewhere, on a
+      // stacked daemon's disk, would serve it without them).
+      if (value.type != RedisValue::kString ||
+          !PageProblem(value.str, read->pages[l].back().second - kPageHeaderBytes).empty()) {
+        return absl::DataLossError(absl::StrCat(
+            "session ", id, " in Redis: the last page of layer ", l, " (", read->pages[l].back().first,
+            ") is missing or damaged, and new slots were written on it; Redis lost records (evicted, deleted, or "
+            "restarted without its append-only file)"));
       }
-      if (!changed) continue;
-      lengths[l] = index * pt + slots;
-      rebuilt[l] = true;
-      if (slots > 0) tails[l] = std::move(page);
+      page = value.str.substr(kPageHeaderBytes);
     }
+    if (log.type != RedisValue::kString || log.str.empty()) continue;
+    bool changed = false;
+    if (absl::Status replayed = ReplayTails(log.str, index, static_cast<int32_t>(pt), read->session.header.config,
+                                            &page, &slots, &changed);
+        !replayed.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("session ", id, " in Redis: the new slots of layer ", l, " ", replayed.message()));
+    }
+    if (!changed) continue;
+    read->lengths[l] = index * pt + slots;
+    read->rebuilt[l] = true;
+    if (slots > 0) read->tails[l] = std::move(page);
   }
+  return absl::OkStatus();
+}
+
+TierSession RedisTier::RegisterClaimed(std::shared_ptr<SessionState> state, ClaimRead read, absl::Time sent) {
   std::lock_guard<std::mutex> lock(mutex_);
   state->confirmed = sent;
   auto record = [&](std::string key, size_t bytes, bool page) {
@@ -1552,24 +1600,26 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
     }
     return r;
   };
+  TierSession session = std::move(read.session);
+  const size_t layers = read.pages.size();
   // The manifest keeps what it lists (the tail, once the pages are in memory).
-  auto claimed = record(state->Key("m"), manifest.size(), false);
-  for (uint32_t l = 0; l < layers; ++l) {
+  auto claimed = record(state->Key("m"), read.manifest.size(), false);
+  for (size_t l = 0; l < layers; ++l) {
     TierLayer layer;
-    layer.tokens = lengths[l];
-    layer.extras = std::move(extras[l]);
-    for (auto& [key, bytes] : pages[l]) {
+    layer.tokens = read.lengths[l];
+    layer.extras = std::move(read.extras[l]);
+    for (auto& [key, bytes] : read.pages[l]) {
       layer.pages.push_back(record(std::move(key), bytes, true));
       claimed->listed.push_back(std::static_pointer_cast<Record>(layer.pages.back()));
     }
-    if (rebuilt[l]) {
+    if (read.rebuilt[l]) {
       // The manifest still lists its tail (kept for it); the layer's last
       // page is the one rebuilt.
-      if (has_tail[l]) layer.pages.pop_back();
-      if (!tails[l].empty()) {
-        auto tail = std::make_shared<Record>(this, next_lsn_++, tails[l].size(), state, "", false);
+      if (read.has_tail[l]) layer.pages.pop_back();
+      if (!read.tails[l].empty()) {
+        auto tail = std::make_shared<Record>(this, next_lsn_++, read.tails[l].size(), state, "", false);
         tail->done = true;
-        tail->payload = std::move(tails[l]);
+        tail->payload = std::move(read.tails[l]);
         layer.pages.push_back(std::move(tail));
       }
     }
@@ -1577,9 +1627,10 @@ absl::StatusOr<TierSession> RedisTier::Claim(const std::string& id, const std::s
   }
   state->layers = static_cast<int>(layers);
   session.manifest = std::move(claimed);
-  session.shared_epoch = epoch;
-  for (std::string& key : superseded) Enqueue(Job::Of(Job::kDelete, state, std::move(key)));  // its older copy goes
-  sessions_[TenantSessionKey(tenant, id)] = state;
+  session.shared_epoch = read.epoch;
+  for (std::string& key : read.superseded) Enqueue(Job::Of(Job::kDelete, state, std::move(key)));  // its older copy goes
+  const std::string id = state->id;
+  sessions_[TenantSessionKey(state->tenant, id)] = std::move(state);
   // This daemon's again: the store must not drop it for an older claim.
   disowned_why_.erase(id);
   disowned_.erase(std::remove_if(disowned_.begin(), disowned_.end(), [&](const auto& d) { return d.first == id; }),

@@ -154,6 +154,17 @@ class RedisTier final : public SharedTier {
   // pool when the holder goes.
   struct Borrowed;
   Borrowed Borrow();
+  // A claim (Claim), in steps: the lease and a raised epoch, with the
+  // manifest and the pages sealed since (NOT_FOUND, ABORTED, DATA_LOSS,
+  // FAILED_PRECONDITION or UNAVAILABLE as Claim says); the manifest read;
+  // every page found and each layer's new slots replayed on its last page;
+  // then, under mutex_, the records made and the session held.
+  struct ClaimRead;
+  absl::Status AcquireForClaim(const SessionState& state, int64_t if_epoch, RedisConnection& connection,
+                               ClaimRead* read);
+  absl::Status ReadManifest(const std::string& id, const std::string& tenant, ClaimRead* read) const;
+  absl::Status CheckClaimedPages(const SessionState& state, RedisConnection& connection, ClaimRead* read);
+  TierSession RegisterClaimed(std::shared_ptr<SessionState> state, ClaimRead read, absl::Time sent);
 
   const RedisTierOptions options_;
   const std::string owner_;
