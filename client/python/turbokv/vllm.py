@@ -399,7 +399,10 @@ class TurbokvConnector(KVConnectorBase_V1):
         self._disabled = self._shape.unsupported
         self._transfer_timeout = float(self._settings.get("transfer_timeout", 60.0))
         self._fit_tokens = int(self._settings.get("fit_tokens", 512))
-        self._vllm_names = self._settings.get("block_names") == "vllm"
+        # With block_names "vllm": the 16 bytes before each of vLLM's hashes
+        # (vLLM's cover the tokens and the cache_salt, not the model).
+        self._vllm_scope = (hashlib.sha256(self._salt.encode()).digest()[:16]
+                            if self._settings.get("block_names") == "vllm" else None)
         self._event_medium = self._settings.get("event_medium")
         events = vllm_config.kv_events_config
         self._events_on = bool(events is not None and events.enable_kv_cache_events and self._event_medium)
@@ -470,10 +473,8 @@ class TurbokvConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------
 
     def _hashes(self, request: "Request", tokens: int) -> List[bytes]:
-        if self._vllm_names:
-            # vLLM's hashes cover the tokens and the cache_salt, not the model.
-            scope = hashlib.sha256(self._salt.encode()).digest()[:16]
-            return [scope + h for h in request.block_hashes[:tokens // self._block_tokens]]
+        if self._vllm_scope is not None:
+            return [self._vllm_scope + h for h in request.block_hashes[:tokens // self._block_tokens]]
         salt = self._salt + (f" cache_salt={request.cache_salt}" if request.cache_salt else "")
         return turbokv.block_hashes(list(request.all_token_ids[:tokens]), self._block_tokens, salt)
 
@@ -515,7 +516,7 @@ class TurbokvConnector(KVConnectorBase_V1):
             client = self._connect()
             if not self._block_tokens:
                 self._block_tokens = client.stats().block_tokens
-                if self._vllm_names and self._block_tokens != shape.block_size:
+                if self._vllm_scope is not None and self._block_tokens != shape.block_size:
                     self._disabled = (f"block_names 'vllm' names turbokvd's blocks of {self._block_tokens} tokens "
                                       f"by vLLM's hashes of {shape.block_size}: run vLLM with "
                                       f"block_size={self._block_tokens}")
