@@ -109,6 +109,17 @@ class VllmConnectorTest(unittest.TestCase):
         finally:
             daemon.close()
 
+    def test_the_engine_steps_while_a_prefix_loads(self):
+        daemon = Daemon()
+        try:
+            result = self.engine(daemon.target, "--connector", "vllm_faults:SteppingWhileLoadingConnector")
+        finally:
+            daemon.close()
+        cold, warm = result["runs"]
+        self.assertEqual(warm["cached_tokens"], 896, result["stderr"][-3000:])
+        self.assertEqual(warm["tokens"], cold["tokens"])
+        self.assertEqual(result["metrics"]["vllm:turbokv_load_errors"], 0)
+
     reference_tokens = None
 
     def reference(self):

@@ -2,10 +2,11 @@
 loads a connector by module path, in its own processes)."""
 import os
 import signal
+import threading
 
 import torch
 
-from turbokv.vllm import LayoutUnknown, TurbokvConnector, _Layout
+from turbokv.vllm import LayoutUnknown, TurbokvConnector, _Layout, logger
 
 
 class ScrambledLoadConnector(TurbokvConnector):
@@ -50,3 +51,29 @@ class UnknownLayoutConnector(TurbokvConnector):
 
     def _learn(self, kv_layer):
         raise LayoutUnknown("this test's buffer")
+
+
+class SteppingWhileLoadingConnector(TurbokvConnector):
+    """Loads only once vLLM has asked for the transfer results three times
+    since the load began: a load that held up the engine's steps would see
+    none of them, and fail after 30 s."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._steps = 0
+        self._stepped = threading.Condition()
+
+    def get_transfer_results(self, finished_req_ids):
+        with self._stepped:
+            self._steps += 1
+            self._stepped.notify_all()
+        return super().get_transfer_results(finished_req_ids)
+
+    def _load(self, load, layout):
+        with self._stepped:
+            begun = self._steps
+            if not self._stepped.wait_for(lambda: self._steps >= begun + 3, timeout=30):
+                self._count("load_errors")
+                logger.warning("turbokv.vllm test: the engine did not step while loading")
+                return False
+        return super()._load(load, layout)

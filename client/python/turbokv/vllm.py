@@ -49,19 +49,22 @@ cannot learn, a platform other than the CPU, a shape turbokvd cannot store or
 a daemon that fails become cache misses (vLLM computes the prompt), with one
 log line and a count in the connector's metrics: never wrong KV in vLLM's
 buffer. A load that fails after the scheduler counted on it is reported to
-vLLM as failed blocks, which vLLM recomputes (the connector sets
-kv_load_failure_policy to "recompute").
+vLLM as a failed receive: vLLM computes the request's prompt (the connector
+sets kv_load_failure_policy to "recompute").
 
 Each request gets a session created with the chained hashes of its prompt's
 blocks (turbokv.block_hashes over turbokvd's block size, salted by the model,
 its dtype and shape, the salt above and the request's cache_salt; or vLLM's
 own, with block_names "vllm"): turbokvd
 starts it with the longest prefix another session named, sharing its pages.
-vLLM loads whole blocks of that prefix (of its own block size and turbokvd's);
-then every step's newly full blocks of every layer are appended in one message
-and named, so later requests, and other engines on the same daemon, reuse
-them. A session that added nothing to the prefix it started with is deleted
-when its request finishes; the others stay for reuse until their idle TTL.
+vLLM loads whole blocks of that prefix (of its own block size and turbokvd's)
+asynchronously: the request waits (WAITING_FOR_REMOTE_KVS) while a thread of
+the worker reads the blocks from turbokvd and writes them into its buffer, and
+vLLM goes on running the other requests. Then every step's newly full
+blocks of every layer are appended in one message and named, so later
+requests, and other engines on the same daemon, reuse them. A session that
+added nothing to the prefix it started with is deleted when its request
+finishes; the others stay for reuse until their idle TTL.
 
 With vLLM's KV events on (kv_events_config) and event_medium set, the
 connector hands vLLM's publisher a BlockStored event (vLLM's hashes, medium
@@ -76,6 +79,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -85,7 +89,7 @@ import turbokv
 from turbokv.v1 import turbokv_pb2 as pb
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -109,7 +113,7 @@ COUNTERS = {
     "loaded_tokens": "tokens loaded into vLLM's buffer from turbokvd",
     "misses": "lookups that found no stored prefix to load",
     "lookup_errors": "lookups that failed (daemon down, slow or refusing): counted as misses",
-    "load_errors": "loads that failed after the lookup: vLLM recomputed the blocks",
+    "load_errors": "loads that failed after the lookup: vLLM computed the prompt",
     "saved_tokens": "tokens appended to turbokvd",
     "save_errors": "saves that failed: the request's later blocks are not stored",
 }
@@ -183,6 +187,7 @@ def _client(settings: Dict[str, Any]) -> turbokv.Client:
 
 @dataclass
 class _Load:
+    request: str
     session: str
     start: int            # tokens [start, end) into the request's blocks
     end: int
@@ -380,7 +385,6 @@ class _Request:
     named: int                # turbokvd blocks named
     started_with: int         # tokens it started with (its prefix)
     announced: int = 0        # vLLM blocks its events cover
-    load: Optional[Tuple[int, int]] = None
     block_ids: List[int] = field(default_factory=list)
 
 
@@ -417,6 +421,7 @@ class TurbokvConnector(KVConnectorBase_V1):
         # acknowledge first; then those ready for vLLM's publisher.
         self._announcing: Dict[str, List[Tuple[int, Any]]] = {}
         self._events: List[Any] = []
+        self._loads: List[_Load] = []   # the loads of the requests admitted this step
         if role == KVConnectorRole.SCHEDULER:
             # A load that fails after the lookup counted on it is recomputed.
             vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -428,8 +433,11 @@ class TurbokvConnector(KVConnectorBase_V1):
         self._broken: Set[str] = set()
         self._newly_broken: Set[str] = set()
         self._off_reported = False
-        self._load_errors: Set[int] = set()
         self._acknowledged: Dict[str, int] = {}
+        # Loads run on a thread of their own while vLLM goes on stepping;
+        # each reported finished (or failed) once done.
+        self._loader: Optional[ThreadPoolExecutor] = None
+        self._loading: Dict[str, Tuple[_Load, "Future[bool]"]] = {}
 
     # -- shared ---------------------------------------------------------------
 
@@ -466,6 +474,9 @@ class TurbokvConnector(KVConnectorBase_V1):
         return TurbokvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
+            self._loader = None
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -491,7 +502,10 @@ class TurbokvConnector(KVConnectorBase_V1):
             if tracked is None:
                 self._untracked.add(request.request_id)
                 return 0, False
-        return max(0, self._loadable(tracked, request) - num_computed_tokens), False
+        # Loaded asynchronously: vLLM holds the request (WAITING_FOR_REMOTE_KVS)
+        # and runs the others until the worker reports the load finished.
+        tokens = max(0, self._loadable(tracked, request) - num_computed_tokens)
+        return tokens, tokens > 0
 
     def _loadable(self, tracked: _Request, request: "Request") -> int:
         """The tokens vLLM may load from the session: whole units of what it
@@ -547,10 +561,15 @@ class TurbokvConnector(KVConnectorBase_V1):
         if tracked is None or num_external_tokens <= 0:
             return
         end = self._loadable(tracked, request)
-        tracked.load = (end - num_external_tokens, end)
+        start, block = end - num_external_tokens, self._shape.block_size
+        # The request is not among the step's scheduled ones while it loads:
+        # its blocks are taken from here.
+        block_ids = blocks.get_block_ids()[0][start // block:end // block]
+        self._loads.append(_Load(request.request_id, tracked.session, start, end, block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = TurbokvConnectorMetadata()
+        meta = TurbokvConnectorMetadata(loads=self._loads)
+        self._loads = []
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
@@ -570,12 +589,7 @@ class TurbokvConnector(KVConnectorBase_V1):
         return meta
 
     def _plan(self, meta: TurbokvConnectorMetadata, tracked: _Request, computed: int) -> None:
-        """This step's load, and the save of the blocks full once it ran."""
-        if tracked.load is not None:
-            start, end = tracked.load
-            tracked.load = None
-            block = self._shape.block_size
-            meta.loads.append(_Load(tracked.session, start, end, tracked.block_ids[start // block:end // block]))
+        """The save of the blocks full once this step ran."""
         # Draft tokens of speculative decoding are not the request's yet (as
         # vLLM's own prefix cache, only tokens up to num_tokens are kept).
         computed = min(computed, tracked.request.num_tokens)
@@ -692,28 +706,46 @@ class TurbokvConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TurbokvConnectorMetadata)
+        if meta.loads and self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turbokv-load")
         for load in meta.loads:
-            try:
-                if self._disabled:
-                    raise LayoutUnknown(self._disabled)
-                session = self._session(load.session)
-                keys, values = session.read_kv(None, load.start, load.end, dtype=self._layers[0].dtype,
-                                               timeout=self._transfer_timeout)
-                ids = torch.tensor(load.block_ids, dtype=torch.int64)
-                for layer, k, v in zip(self._layers, keys, values):
-                    self._layout.write(layer, ids, k, v)
-                self._count("hits")
-                self._count("loaded_tokens", load.end - load.start)
-            except Exception as error:  # noqa: BLE001 (vLLM recomputes what was not loaded)
-                self._count("load_errors")
-                self._load_errors.update(load.block_ids)
-                logger.warning("turbokv.vllm: tokens %d..%d of session %s not loaded, vLLM computes them: %s",
-                               load.start, load.end, load.session, error)
-        if self._load_errors:
-            # vLLM recomputes the failed blocks and every request of the step
-            # that shares them: nothing this step computes is saved.
-            self._stop_saving(save.session for save in meta.saves)
-            self._stop_saving(load.session for load in meta.loads)
+            self._loading[load.request] = (load, self._loader.submit(self._load, load, self._layout))
+
+    def _load(self, load: _Load, layout: Optional[_Layout]) -> bool:
+        """Writes the stored tokens of a load into vLLM's blocks (the loader
+        thread; vLLM does not touch them until the load is reported): whether
+        they are all there."""
+        try:
+            if self._disabled or layout is None:
+                raise LayoutUnknown(self._disabled or "vLLM's KV buffer was not registered")
+            session = self._session(load.session)
+            keys, values = session.read_kv(None, load.start, load.end, dtype=self._layers[0].dtype,
+                                           timeout=self._transfer_timeout)
+            ids = torch.tensor(load.block_ids, dtype=torch.int64)
+            for layer, k, v in zip(self._layers, keys, values):
+                layout.write(layer, ids, k, v)
+        except Exception as error:  # noqa: BLE001 (vLLM recomputes what was not loaded)
+            self._count("load_errors")
+            logger.warning("turbokv.vllm: tokens %d..%d of session %s not loaded, vLLM computes them: %s",
+                           load.start, load.end, load.session, error)
+            return False
+        self._count("hits")
+        self._count("loaded_tokens", load.end - load.start)
+        return True
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        for request, (load, future) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[request]
+            results.finished_recving.add(request)
+            if not future.result():
+                # vLLM computes the request's prompt; nothing more is loaded
+                # from or saved to its session.
+                results.failed_recving.add(request)
+                self._stop_saving([load.session])
+        return results
 
     def _stop_saving(self, sessions: Iterable[str]) -> None:
         for session in sessions:
@@ -731,7 +763,7 @@ class TurbokvConnector(KVConnectorBase_V1):
         return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        return  # a request computes nothing before its load is reported finished
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -799,7 +831,3 @@ class TurbokvConnector(KVConnectorBase_V1):
             cuts.append(cuts[-1] + step)
         cuts.append(tokens)
         return [(None, save.start + a, keys[:, a:b], values[:, a:b]) for a, b in zip(cuts, cuts[1:])]
-
-    def get_block_ids_with_load_errors(self) -> Set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
