@@ -164,19 +164,22 @@ absl::StatusOr<v1::StepResponse> Handler::Step(const v1::StepRequest& request,
   TURBOKV_RETURN_IF_ERROR(CheckScoresFinite(params, query, config.head_dim, "query"));
   TURBOKV_ASSIGN_OR_RETURN(ResultSink sink, OpenResultSink(request, tenant, 1, config.q_heads, config.head_dim));
 
-  TURBOKV_ASSIGN_OR_RETURN(StoredChunk chunk,
-                           StoreChunk(*session, {request.layer()}, request.position(), 1, key.data(), value.data(),
-                                      query.data()));
-  LayerCache& layer = session->layers()[request.layer()];
+  TURBOKV_RETURN_IF_ERROR(
+      CheckKvStorable(config, key.data(), value.data(), {request.layer()}, request.position(), 1, "keys", "values"));
+  const SessionCache* held[] = {session.get()};
+  WriteBatch batch(*store_, held);
+  TURBOKV_RETURN_IF_ERROR(
+      batch.Add(*session, {request.layer()}, request.position(), 1, key.data(), value.data(), query.data()).status());
+  TURBOKV_RETURN_IF_ERROR(EncodeAndApply(batch));
   v1::StepResponse response;
-  response.set_tokens(chunk.after[0]);
-  const absl::Status status =
-      RunAttention(layer, params, 1, query, {request.position()}, sink, response.mutable_result());
+  response.set_tokens(batch.writes()[0].after);
+  const absl::Status status = RunAttention(session->layers()[request.layer()], params, 1, query,
+                                           {request.position()}, sink, response.mutable_result());
   if (!status.ok()) {
-    layer.Restore(chunk.undo[0]);  // a failed call changes nothing
+    batch.Undo();  // a failed call changes nothing
     return status;
   }
-  TURBOKV_RETURN_IF_ERROR(Persist(*session, {request.layer()}, chunk));
+  TURBOKV_RETURN_IF_ERROR(batch.Commit()[0]);
   session->Touch(absl::Now());
   return response;
 }
@@ -352,33 +355,28 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
 
   // Appends: each item's pages taken first (an item the budget cannot hold
   // fails alone); every item's tokens are encoded by the attention's call.
-  std::vector<ChunkWrite> writes;
+  WriteBatch writes(*store_, locked.held);
   std::vector<size_t> write_of(batch, SIZE_MAX);  // each item's, if it has one
   if (shape.kv_heads != 0) {
     for (size_t i = 0; i < batch; ++i) {
       if (!status[i].ok()) continue;
       SessionCache& session = *locked.sessions[i];
-      const SessionConfig& config = session.config();
       const int64_t start = request.positions(static_cast<int>(i * shape.k));
-      status[i] = CheckStorable(config, KvPart::kKeys, keys.data() + i * item_values, {request.layer()}, start,
-                                shape.k, absl::StrCat("keys[", i, "]"));
-      if (status[i].ok()) {
-        status[i] = CheckStorable(config, KvPart::kValues, values.data() + i * item_values, {request.layer()},
-                                  start, shape.k, absl::StrCat("values[", i, "]"));
-      }
+      status[i] = CheckKvStorable(session.config(), keys.data() + i * item_values, values.data() + i * item_values,
+                                  {request.layer()}, start, shape.k, absl::StrCat("keys[", i, "]"),
+                                  absl::StrCat("values[", i, "]"));
       if (!status[i].ok()) continue;
-      absl::StatusOr<std::vector<LayerCache::PendingAppend>> pending =
-          PrepareAppend(session, {request.layer()}, start, shape.k, locked.held);
-      if (!pending.ok()) {
-        status[i] = pending.status();
-        continue;
+      absl::StatusOr<size_t> write =
+          writes.Add(session, {request.layer()}, start, shape.k, keys.data() + i * item_values,
+                     values.data() + i * item_values, queries.data() + i * item_queries);
+      if (write.ok()) {
+        write_of[i] = *write;
+      } else {
+        status[i] = write.status();
       }
-      write_of[i] = writes.size();
-      writes.push_back(WriteOf(session, request.layer(), std::move((*pending)[0]), keys.data() + i * item_values,
-                               values.data() + i * item_values, queries.data() + i * item_queries));
     }
   }
-  const EncodeJobs jobs = PrepareChunks(writes);
+  const absl::Span<const EncodeChunk> jobs = writes.Jobs();
 
   // Attention: every item that is still OK, as one batch, over its layer as
   // its new tokens leave it; the backend stores them first, in the same
@@ -396,7 +394,6 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
   std::vector<int64_t> top_tokens(batch * row * top, -1);
   std::vector<float> top_logits(batch * row * top, -INFINITY);
   std::vector<AttentionProblem> problems;
-  std::vector<const uint8_t*> sink_tables(writes.size());
   for (size_t i = 0; i < batch; ++i) {
     if (!status[i].ok()) continue;
     const LayerCache& layer = locked.sessions[i]->layers()[request.layer()];
@@ -405,28 +402,18 @@ absl::StatusOr<v1::DecodeResponse> Handler::Decode(const v1::DecodeRequest& requ
     const AttentionOutput item_output{out.get() + i * item_out, lse.data() + i * row,
                                       top ? top_tokens.data() + i * row * top : nullptr,
                                       top ? top_logits.data() + i * row * top : nullptr};
-    const size_t w = write_of[i];
-    problems.push_back(w != SIZE_MAX && jobs.chunk_of[w] != SIZE_MAX
-                           ? layer.PendingAttention(writes[w].pending, jobs.chunks[jobs.chunk_of[w]], item_queries,
-                                                    item_output, &sink_tables[w])
-                           : layer.Attention(item_queries, item_output));
+    problems.push_back(write_of[i] != SIZE_MAX ? writes.Attention(write_of[i], item_queries, item_output)
+                                               : layer.Attention(item_queries, item_output));
   }
   // A failed message changes nothing: the writes' pages go back unused.
-  TURBOKV_RETURN_IF_ERROR(RunBatch(problems, params, static_cast<int64_t>(problems.size()) * shape.k, jobs.chunks));
-  ApplyChunks(writes, jobs);
+  TURBOKV_RETURN_IF_ERROR(RunBatch(problems, params, static_cast<int64_t>(problems.size()) * shape.k, jobs));
+  writes.Apply();
+  CountApplied(writes);
   // New tokens are acknowledged as the tier holds them: an item whose
-  // tokens it did not take fails alone. Every item's are queued before any
-  // is waited for.
-  std::vector<absl::StatusOr<SessionStore::TierWrites>> queued(writes.size());
+  // tokens it did not take fails alone.
+  const std::vector<absl::Status> committed = writes.Commit();
   for (size_t i = 0; i < batch; ++i) {
-    if (write_of[i] == SIZE_MAX) continue;
-    queued[write_of[i]] =
-        store_->QueueNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].undo}});
-  }
-  for (size_t i = 0; i < batch; ++i) {
-    if (write_of[i] == SIZE_MAX) continue;
-    status[i] = store_->AwaitNewTokens(*locked.sessions[i], {{request.layer(), writes[write_of[i]].undo}},
-                                       queued[write_of[i]]);
+    if (write_of[i] != SIZE_MAX) status[i] = committed[write_of[i]];
   }
 
   v1::DecodeResponse response;

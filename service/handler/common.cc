@@ -9,6 +9,7 @@
 #include "kernels/half.h"
 #include "kernels/key_transform.h"
 #include "service/error_side.h"
+#include "service/status_macros.h"
 
 namespace turbokv {
 
@@ -209,6 +210,13 @@ absl::Status CheckStorable(const SessionConfig& config, KvPart part, const float
                                                    "vectors down or use q8_0"));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckKvStorable(const SessionConfig& config, const float* keys, const float* values,
+                             const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view keys_what,
+                             absl::string_view values_what) {
+  TURBOKV_RETURN_IF_ERROR(CheckStorable(config, KvPart::kKeys, keys, layers, start, n, keys_what));
+  return CheckStorable(config, KvPart::kValues, values, layers, start, n, values_what);
 }
 
 }  // namespace turbokv

@@ -50,6 +50,10 @@ enum class KvPart { kKeys, kValues };
 // and kv head.
 absl::Status CheckStorable(const SessionConfig& config, KvPart part, const float* data,
                            const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view what);
+// Both: the keys (named keys_what), then the values.
+absl::Status CheckKvStorable(const SessionConfig& config, const float* keys, const float* values,
+                             const std::vector<int>& layers, int64_t start, int64_t n, absl::string_view keys_what,
+                             absl::string_view values_what);
 
 // Queries ([rows][head_dim] flattened) whose scores stay finite against any
 // key a cache can hold: softmax scale x query norm x the largest key norm

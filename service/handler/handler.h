@@ -20,6 +20,7 @@
 #include "service/dataplane/tensor_io.h"
 #include "service/metrics.h"
 #include "service/store/session_store.h"
+#include "service/store/write_batch.h"
 #include "turbokv/v1/turbokv.pb.h"
 
 namespace turbokv {
@@ -158,71 +159,13 @@ class Handler {
   // Why a session found and then seen gone() under its lock is gone.
   absl::Status GoneStatus(const std::string& id, const std::string& tenant);
 
-  // Takes the pages of a chunk for each layer of `session`, making room
-  // first (with lru, evicting idle sessions other than those in `held`,
-  // whose mutexes the caller holds); all or none.
-  absl::StatusOr<std::vector<LayerCache::PendingAppend>> PrepareAppend(SessionCache& session,
-                                                                       const std::vector<int>& layers,
-                                                                       int64_t start, int64_t n,
-                                                                       absl::Span<const SessionCache* const> held);
-  // A prepared chunk of one layer and where its keys and values
-  // ([n][kv_heads][head_dim]) are, and its queries ([n][q_heads][head_dim],
-  // or null) for a key transform it fits; ApplyChunks fills before and
-  // after, the layer's length around the commit.
-  struct ChunkWrite {
-    LayerCache* layer = nullptr;
-    LayerCache::PendingAppend pending;
-    const float* keys = nullptr;
-    const float* values = nullptr;
-    const float* queries = nullptr;
-    int q_heads = 0;
-    // The layer's codecs and its session's error totals (SessionCache::errors).
-    CodecKind key_codec = CodecKind::kTurbo3;
-    CodecKind value_codec = CodecKind::kTurbo3;
-    SessionCache::LayerErrors* errors = nullptr;
-    int64_t before = 0;
-    int64_t after = 0;
-    LayerCache::Undo undo;  // what Apply replaced
-  };
-  // The write of a chunk into layer `l` of `session`.
-  static ChunkWrite WriteOf(SessionCache& session, int l, LayerCache::PendingAppend pending, const float* keys,
-                            const float* values, const float* queries);
-  // The backend's jobs for the writes with new tokens (LayerCache::Chunk):
-  // chunks[chunk_of[i]] is writes[i]'s (SIZE_MAX: none), which gains its
-  // quantization error in errors[i] and points into tables[i]. Keep them
-  // and the writes until the jobs are done.
-  struct EncodeJobs {
-    EncodeJobs() = default;
-    EncodeJobs(EncodeJobs&&) = default;
-    EncodeJobs(const EncodeJobs&) = delete;  // the chunks point into errors and tables
-    std::vector<EncodeChunk> chunks;
-    std::vector<size_t> chunk_of;
-    std::vector<SessionCache::LayerErrors> errors;
-    std::vector<std::vector<const uint8_t*>> tables;
-  };
-  static EncodeJobs PrepareChunks(std::vector<ChunkWrite>& writes);
-  // Applies every write whose jobs the backend has done; adds each one's
-  // quantization error to its session's and counts it, with the new tokens,
-  // in the metrics.
-  void ApplyChunks(std::vector<ChunkWrite>& writes, const EncodeJobs& jobs);
-  // Encodes every chunk in one job of the backend, then applies them all
-  // (on error none is: the layers stay as they were).
-  absl::Status CommitChunks(std::vector<ChunkWrite>& writes);
-  // Each layer's length before and after a stored chunk.
-  struct StoredChunk {
-    std::vector<int64_t> before;
-    std::vector<int64_t> after;
-    std::vector<LayerCache::Undo> undo;  // what Apply replaced, per layer
-  };
-  // The chunk's new tokens in `layers` of the session made durable before
-  // the call answers (SessionStore::QueueNewTokens, AwaitNewTokens); on an
-  // error they are gone from the layers again.
-  absl::Status Persist(SessionCache& session, const std::vector<int>& layers, const StoredChunk& chunk);
-  // PrepareAppend, then encodes keys and values ([layers.size()][n][kv_heads]
-  // [head_dim]) into each layer; queries ([layers.size()][n][q_heads]
-  // [head_dim], or null) serve the key transforms the chunk fits.
-  absl::StatusOr<StoredChunk> StoreChunk(SessionCache& session, const std::vector<int>& layers, int64_t start,
-                                         int64_t n, const float* keys, const float* values, const float* queries);
+  // Counts a batch's applied writes in the metrics: new tokens and each
+  // chunk's quantization error.
+  void CountApplied(const WriteBatch& batch);
+  // Encodes the batch's chunks in one job of the backend (timed), then
+  // applies them all and counts them (on error none is: the layers stay as
+  // they were).
+  absl::Status EncodeAndApply(WriteBatch& batch);
   // The problems as one batch on the backend, timed in the metrics; the
   // chunks of new_tokens stored first, in the same call, when there are
   // some (Backend::EncodeAndAttend: the problems may read their pages).

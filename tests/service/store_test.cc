@@ -18,6 +18,7 @@
 #include "service/store/page_pool.h"
 #include "service/store/session_store.h"
 #include "service/store/snapshot.h"
+#include "service/store/write_batch.h"
 #include "tests/kernels/codec_testing.h"
 
 namespace turbokv {
@@ -617,6 +618,61 @@ TEST(StoreTest, EvictionCountsEachSessionsSharedMetadataOnItsOwn) {
   EXPECT_TRUE(room.ok()) << room;
   EXPECT_EQ(store.pool().used_bytes(), 0u);
   EXPECT_EQ(store.session_count(), 0u);
+}
+
+// The store's write transaction: a batch dropped before Apply changes
+// nothing and gives its pages back; Undo takes an Apply back; Commit
+// answers for every write.
+TEST(WriteBatchTest, NothingChangesUntilApplyAndUndoTakesItBack) {
+  StoreOptions options;
+  options.page_tokens = kPage;
+  SessionStore store(options);
+  const SessionConfig config = TwoLayers();
+  absl::StatusOr<std::shared_ptr<SessionCache>> session = store.Create(config, "tenant", absl::Now());
+  ASSERT_TRUE(session.ok()) << session.status();
+  SessionCache& s = **session;
+  std::lock_guard<std::mutex> lock(s.mutex());
+  const SessionCache* held[] = {&s};
+  const Tokens first(2 * 70, 11), second(2 * 10, 12);
+  const size_t empty = store.pool().used_bytes();
+  {
+    WriteBatch batch(store, held);
+    absl::StatusOr<size_t> write = batch.Add(s, {0, 1}, 0, 70, first.k.data(), first.v.data(), nullptr);
+    ASSERT_TRUE(write.ok()) << write.status();
+    EXPECT_EQ(*write, 0u);
+    EXPECT_GT(store.pool().used_bytes(), empty);
+    ASSERT_EQ(batch.Jobs().size(), 2u);
+    ASSERT_TRUE(store.backend().Encode(batch.Jobs()).ok());
+  }
+  EXPECT_EQ(store.pool().used_bytes(), empty);
+  EXPECT_EQ(s.layers()[0].tokens(), 0);
+  EXPECT_EQ(s.layers()[1].tokens(), 0);
+
+  WriteBatch batch(store, held);
+  const absl::StatusOr<size_t> gap = batch.Add(s, {0}, 1, 10, second.k.data(), second.v.data(), nullptr);
+  EXPECT_EQ(gap.status().code(), absl::StatusCode::kFailedPrecondition) << gap.status();
+  ASSERT_TRUE(batch.Add(s, {0, 1}, 0, 70, first.k.data(), first.v.data(), nullptr).ok());
+  ASSERT_EQ(batch.writes().size(), 2u);
+  ASSERT_TRUE(store.backend().Encode(batch.Jobs()).ok());
+  batch.Apply();
+  EXPECT_EQ(s.layers()[0].tokens(), 70);
+  EXPECT_EQ(s.layers()[1].tokens(), 70);
+  EXPECT_EQ(batch.writes()[1].before, 0);
+  EXPECT_EQ(batch.writes()[1].after, 70);
+  EXPECT_GT(s.errors()[1].keys.vectors, 0u);
+  const std::vector<uint8_t> applied = Records(s.layers()[1]);
+  const std::vector<absl::Status> committed = batch.Commit();
+  ASSERT_EQ(committed.size(), 2u);
+  EXPECT_TRUE(committed[0].ok() && committed[1].ok());
+
+  WriteBatch more(store, held);
+  ASSERT_TRUE(more.Add(s, {1}, 70, 10, second.k.data(), second.v.data(), nullptr).ok());
+  ASSERT_TRUE(store.backend().Encode(more.Jobs()).ok());
+  more.Apply();
+  EXPECT_EQ(s.layers()[1].tokens(), 80);
+  more.Undo();
+  EXPECT_EQ(s.layers()[1].tokens(), 70);
+  EXPECT_EQ(Records(s.layers()[1]), applied);
 }
 
 }  // namespace
