@@ -129,7 +129,7 @@ def every_option_values():
                      "env": [{"name": "MALLOC_ARENA_MAX", "value": "4"}]})
     turbokvd["image"]["tag"] = "0.1.1"
     turbokvd["snapshot"]["persistence"].update({"enabled": True, "storageClassName": "fast-ssd"})
-    turbokvd["kvEvents"].update({"enabled": True, "topic": "kv@$(POD_IP)@demo-model"})
+    turbokvd["kvEvents"].update({"enabled": True, "topic": "kv@$(POD_IP)@demo-model", "dpRank": 2})
     values["podMonitor"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
     values["test"]["image"].update({"repository": "mirror.example.com/grpc-health-probe", "pullPolicy": "Always"})
     values["prometheusRule"]["additionalLabels"] = {"release": "kube-prometheus-stack"}
@@ -874,7 +874,8 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(sidecar["args"][-1], "--max-sessions=2000")
         # KV events on the pod's address, their ports named for a router to dial.
         for flag in ("--kv-events-endpoint=tcp://$(POD_IP):5557", "--kv-events-replay-endpoint=tcp://$(POD_IP):5558",
-                     "--kv-events-topic=kv@$(POD_IP)@demo-model", "--kv-events-hashes=bytes"):
+                     "--kv-events-topic=kv@$(POD_IP)@demo-model", "--kv-events-hashes=bytes",
+                     "--kv-events-dp-rank=2"):
             self.assertIn(flag, sidecar["args"])
         self.assertLessEqual({"kv-events": 5557, "kv-replay": 5558}.items(),
                              {p["name"]: p["containerPort"] for p in sidecar["ports"]}.items())
