@@ -20,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 EXAMPLE = os.path.join(HERE, "..", "examples", "vllm_offload.py")
 EVENTS = os.path.join(HERE, "vllm_events.py")
+ABORT = os.path.join(HERE, "vllm_abort.py")
 PYTHON = os.environ.get("TURBOKV_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
 MODEL = os.path.join(REPO, ".models", "smollm2-135m")
 
@@ -40,7 +41,8 @@ class VllmConnectorTest(unittest.TestCase):
             environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.environ.get("TURBOKV_PACKAGE_DIR", os.path.join(HERE, "..")), HERE]), **(env or {}))
             output = ["--json", out.name] if script == EXAMPLE else ["--out", out.name]
-            run = subprocess.run([PYTHON, script, "--target", target, "--model", MODEL, *output, *flags],
+            text = [] if script == EXAMPLE else ["--text", os.path.join(REPO, "docs", "OPERATIONS.md")]
+            run = subprocess.run([PYTHON, script, "--target", target, "--model", MODEL, *output, *text, *flags],
                                  capture_output=True, text=True, timeout=600, env=environment)
             self.assertEqual(run.returncode, 0, run.stdout + run.stderr[-6000:])
             with open(out.name) as f:
@@ -119,6 +121,20 @@ class VllmConnectorTest(unittest.TestCase):
         self.assertEqual(warm["cached_tokens"], 896, result["stderr"][-3000:])
         self.assertEqual(warm["tokens"], cold["tokens"])
         self.assertEqual(result["metrics"]["vllm:turbokv_load_errors"], 0)
+
+    def test_a_request_aborted_while_it_loads_gives_its_blocks_back(self):
+        daemon = Daemon()
+        try:
+            result = self.engine(daemon.target, script=ABORT)
+        finally:
+            daemon.close()
+        self.assertTrue(result["load_started"])
+        # vLLM holds the aborted request's 7 blocks until the load is
+        # reported finished (here: failed, its session deleted on abort).
+        self.assertEqual(result["free_while_loading"], result["free_before"] - 7)
+        self.assertEqual(result["free_after"], result["free_before"])
+        self.assertEqual(result["again"]["cached_tokens"], 896)
+        self.assertEqual(result["again"]["tokens"], result["first"]["tokens"])
 
     reference_tokens = None
 
@@ -200,7 +216,7 @@ class VllmConnectorTest(unittest.TestCase):
             daemon = Daemon(f"--kv-events-endpoint=ipc://{folder}/turbokvd-events", "--kv-events-hashes=int")
             try:
                 streams = self.engine(daemon.target, "--daemon-events", f"ipc://{folder}/turbokvd-events",
-                                      "--text", os.path.join(REPO, "docs", "OPERATIONS.md"), script=EVENTS)
+                                      script=EVENTS)
             finally:
                 daemon.close()
 

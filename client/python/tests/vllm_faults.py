@@ -3,6 +3,7 @@ loads a connector by module path, in its own processes)."""
 import os
 import signal
 import threading
+import time
 
 import torch
 
@@ -76,4 +77,17 @@ class SteppingWhileLoadingConnector(TurbokvConnector):
                 self._count("load_errors")
                 logger.warning("turbokv.vllm test: the engine did not step while loading")
                 return False
+        return super()._load(load, layout)
+
+
+class HeldLoadConnector(TurbokvConnector):
+    """Each load touches $TURBOKV_TEST_HOLD/started and waits (up to 60 s)
+    for $TURBOKV_TEST_HOLD/release before it reads anything."""
+
+    def _load(self, load, layout):
+        folder = os.environ["TURBOKV_TEST_HOLD"]
+        open(os.path.join(folder, "started"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(folder, "release")) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return super()._load(load, layout)
