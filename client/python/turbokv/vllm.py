@@ -740,7 +740,7 @@ class TurbokvConnector(KVConnectorBase_V1):
                 continue
             del self._loading[request]
             results.finished_recving.add(request)
-            if not future.result():
+            if future.cancelled() or not future.result():
                 # vLLM computes the request's prompt; nothing more is loaded
                 # from or saved to its session.
                 results.failed_recving.add(request)
