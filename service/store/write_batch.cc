@@ -25,11 +25,11 @@ absl::StatusOr<size_t> WriteBatch::Add(SessionCache& session, absl::Span<const i
   std::vector<LayerCache::PendingAppend> pending;
   absl::Status status;
   for (int attempt = 0; attempt < 3; ++attempt) {
+    pending.clear();  // a failed attempt's pages go back before room is made again
+    status = absl::OkStatus();
     size_t bytes = 0;
     for (int l : layers) bytes += session.layers()[l].BytesToAppend(start, n);
     TURBOKV_RETURN_IF_ERROR(store_.MakeRoom(bytes, held_));
-    pending.clear();
-    status = absl::OkStatus();
     for (int l : layers) {
       absl::StatusOr<LayerCache::PendingAppend> one = session.layers()[l].Prepare(start, n);
       if (!one.ok()) {

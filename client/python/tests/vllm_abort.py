@@ -3,8 +3,8 @@ while turbokv.vllm loads its prefix. vLLM runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) with vllm_faults.HeldLoadConnector, whose
 loads wait for a file. One run stores the prompt; a second request of it is
 aborted while its load waits; the load is let go; the prompt is run again.
-Writes as JSON (--out) the scheduler's free blocks at each point and both
-runs' tokens and cached tokens."""
+Writes as JSON (--out) the scheduler's free blocks at each point, both
+runs' tokens and cached tokens, and the connector's counters."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +31,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="turbokv-vllm-abort-") as hold:
         os.environ["TURBOKV_TEST_HOLD"] = hold
         llm = LLM(model=args.model, dtype="float16", enforce_eager=True, enable_prefix_caching=False,
-                  max_model_len=2048,
+                  disable_log_stats=False, max_model_len=2048,
                   kv_transfer_config=KVTransferConfig(
                       kv_connector="HeldLoadConnector", kv_connector_module_path="vllm_faults", kv_role="kv_both",
                       kv_connector_extra_config={"target": args.target, "key_codec": "f16", "value_codec": "f16"}))
@@ -64,6 +64,7 @@ def main() -> None:
             time.sleep(0.01)
         result["free_after"] = pool.get_num_free_blocks()
         result["again"] = run()
+        result["metrics"] = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:turbokv_")}
         with open(args.out, "w") as f:
             json.dump(result, f)
 

@@ -130,11 +130,12 @@ class VllmConnectorTest(unittest.TestCase):
             daemon.close()
         self.assertTrue(result["load_started"])
         # vLLM holds the aborted request's 7 blocks until the load is
-        # reported finished (here: failed, its session deleted on abort).
+        # reported finished (its session is not deleted under the load).
         self.assertEqual(result["free_while_loading"], result["free_before"] - 7)
         self.assertEqual(result["free_after"], result["free_before"])
         self.assertEqual(result["again"]["cached_tokens"], 896)
         self.assertEqual(result["again"]["tokens"], result["first"]["tokens"])
+        self.assertEqual(result["metrics"]["vllm:turbokv_load_errors"], 0)
 
     reference_tokens = None
 

@@ -385,6 +385,7 @@ class _Request:
     named: int                # turbokvd blocks named
     started_with: int         # tokens it started with (its prefix)
     announced: int = 0        # vLLM blocks its events cover
+    loading: bool = False     # a load of the session is in flight
     block_ids: List[int] = field(default_factory=list)
 
 
@@ -398,6 +399,7 @@ class TurbokvConnector(KVConnectorBase_V1):
         self._shape = _Shape.of(vllm_config, kv_cache_config)
         self._salt = self._shape.salt(vllm_config, str(self._settings.get("salt", "")))
         self._client: Optional[turbokv.Client] = None
+        self._client_lock = threading.Lock()   # the worker's loader thread connects too
         self._stats = TurbokvConnectorStats()
         self._stats_lock = threading.Lock()
         self._disabled = self._shape.unsupported
@@ -446,9 +448,10 @@ class TurbokvConnector(KVConnectorBase_V1):
             self._stats.data[name] += n
 
     def _connect(self) -> turbokv.Client:
-        if self._client is None:
-            self._client = _client(self._settings)
-        return self._client
+        with self._client_lock:
+            if self._client is None:
+                self._client = _client(self._settings)
+            return self._client
 
     def _session(self, session_id: str) -> turbokv.Session:
         """A handle on a session the scheduler opened (no call)."""
@@ -477,9 +480,10 @@ class TurbokvConnector(KVConnectorBase_V1):
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
             self._loader = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
     # -- scheduler side ---------------------------------------------------------
 
@@ -566,6 +570,7 @@ class TurbokvConnector(KVConnectorBase_V1):
         # its blocks are taken from here.
         block_ids = blocks.get_block_ids()[0][start // block:end // block]
         self._loads.append(_Load(request.request_id, tracked.session, start, end, block_ids))
+        tracked.loading = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = TurbokvConnectorMetadata(loads=self._loads)
@@ -630,6 +635,10 @@ class TurbokvConnector(KVConnectorBase_V1):
         return events
 
     def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.loading = False
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, TurbokvWorkerMetadata):
             return
@@ -657,9 +666,11 @@ class TurbokvConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._untracked.discard(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
-        if tracked is not None and tracked.stored <= tracked.started_with and time.monotonic() >= self._quiet_until:
+        if (tracked is not None and tracked.stored <= tracked.started_with and not tracked.loading
+                and time.monotonic() >= self._quiet_until):
             # Nothing of its own to share: the prefix stays with the sessions
-            # that named it (and this one expires by its TTL if the call fails).
+            # that named it (and this one expires by its TTL if the call
+            # fails, or if a load of it is still in flight: aborted).
             try:
                 self._connect().delete_session(tracked.session, timeout=1.0)
             except Exception as error:  # noqa: BLE001 (the request is done either way)
