@@ -302,13 +302,13 @@ int RunSpill(const Shape& shape, long long rounds, long long calls, const Sessio
     absl::StatusOr<std::shared_ptr<SessionCache>> found = store.Find(session.id(), "", absl::Now());
     if (!found.ok()) return false;
     std::lock_guard<std::mutex> lock((*found)->mutex());
-    return store.Demote(**found).ok();
+    return store.residency().Demote(**found).ok();
   };
   // (a) Promotion against a sequential read, alternating.
   std::vector<double> promote_mb_s, read_mb_s;
   int64_t session_bytes = 0;
   for (long long r = 0; r < rounds; ++r) {
-    if (!demote(*idle) || !store.tier()->Sync().ok()) return 1;
+    if (!demote(*idle) || !store.residency().tier()->Sync().ok()) return 1;
     session_bytes = idle->Info()->disk_bytes();
     DropFromPageCache(dir);
     auto start = Clock::now();

@@ -35,7 +35,7 @@ absl::Time CallDeadline::Current() { return call_deadline; }
 absl::Status Handler::Promote(SessionCache& session, absl::Span<const SessionCache* const> held) {
   if (session.resident()) return absl::OkStatus();
   const absl::Time start = absl::Now();
-  const absl::Status status = store_->Promote(session, held, options_.kernel_pool, CallDeadline::Current());
+  const absl::Status status = store_->residency().Promote(session, held, options_.kernel_pool, CallDeadline::Current());
   if (status.ok() && options_.metrics != nullptr) {
     options_.metrics->ObservePromotion(absl::ToDoubleSeconds(absl::Now() - start));
   }
@@ -158,7 +158,7 @@ v1::SessionInfo Handler::Info(const SessionCache& session) const {
   info.set_residency(!session.resident() ? v1::RESIDENCY_DISK
                      : session.on_tier() ? v1::RESIDENCY_MEMORY_AND_DISK
                                          : v1::RESIDENCY_MEMORY);
-  info.set_disk_bytes(static_cast<int64_t>(store_->TierBytes(session)));
+  info.set_disk_bytes(static_cast<int64_t>(store_->residency().TierBytes(session)));
   info.set_fp16_bytes(static_cast<int64_t>(session.fp16_bytes()));
   const absl::Time now = absl::Now();
   *info.mutable_age() = TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(now - session.created()));

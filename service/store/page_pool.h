@@ -21,7 +21,7 @@ struct Page {
   size_t bytes = 0;
   // The record of this page on the spill tier, once it is sealed (full) and
   // queued there; shared by every session holding the page. Guarded by the
-  // store (SessionStore::WriteThrough).
+  // store (Residency::WriteThrough).
   std::shared_ptr<TierRecord> record;
 };
 

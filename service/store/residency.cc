@@ -1,8 +1,8 @@
-// The store's residency (docs/ARCHITECTURE.md, "Rooms and layers"): sealed pages
-// written through to the tier below memory, demotion and promotion, claims
-// of sessions from a shared tier, the background rebalance, the drain's
-// flush and the scan at start. Members of SessionStore, kept apart from the
-// session map and the budget (session_store.cc).
+// Residency (residency.h): sealed pages written through to the tier below
+// memory, new tokens acknowledged, demotion and promotion, truncation on the
+// tier, the sessions a shared tier lost, the drain's flush.
+#include "service/store/residency.h"
+
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -14,67 +14,93 @@
 #include "service/log.h"
 #include "service/records/session_id.h"
 #include "service/status_macros.h"
-#include "service/store/session_store.h"
+#include "service/store/layer_cache.h"
 
 namespace turbokv {
 
-absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::string& id, const std::string& tenant,
-                                                                     absl::Time now) {
-  // One claim at a time: two calls naming the same session claim it once.
-  std::lock_guard<std::mutex> claiming(claim_mutex_);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = sessions_.find(id);
-    if (it != sessions_.end()) {
-      if (it->second->tenant() != tenant) return NotFound(id, tenant);
-      it->second->Touch(now);
-      return it->second;
-    }
-    if (absl::Status room = HasRoomFor(tenant); !room.ok()) return room;
-  }
-  absl::StatusOr<TierSession> image = shared_->Claim(id, tenant, /*if_epoch=*/0);
-  if (!image.ok()) {
-    if (absl::IsNotFound(image.status())) {
-      CountTakeover(kTakeoverNotFound);
-      std::lock_guard<std::mutex> lock(mutex_);
-      return NotFound(id, tenant);
-    }
-    CountTakeover(absl::IsFailedPrecondition(image.status()) ? kTakeoverHeld : kTakeoverFailed);
-    return image.status();
-  }
-  SessionConfig config = image->header.config;
-  config.pinned = image->pinned;
-  auto session = std::make_shared<SessionCache>(id, tenant, config, image->header.created);
-  session->Touch(now);
-  session->manifest_ = image->manifest;
-  PrefixIndex::Holding holding = DemotedHolding(*session, *image);
-  session->demoted_ = std::make_unique<TierSession>(*std::move(image));
-  absl::Status inserted;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    inserted = Insert(session);
-    if (inserted.ok()) prefix_index_.Set(id, std::move(holding));
-  }
-  if (!inserted.ok()) {
-    shared_->LetGo(std::move(*session->demoted_));  // its pages stay on the tier
-    return inserted;
-  }
-  CountTakeover(kTakeoverOk);
-  Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens in layer 0, %d layers)", id.c_str(),
-       tier_->name(), static_cast<long long>(session->layer_tokens(0)), config.layers);
-  return session;
+Residency::Residency(std::unique_ptr<Tier> tier, const ResidencyOptions& options, Backend& backend,
+                     PrefixIndex& prefix_index, ResidencyHost& host)
+    : options_(options),
+      backend_(backend),
+      prefix_index_(prefix_index),
+      host_(host),
+      tier_(std::move(tier)),
+      shared_(dynamic_cast<SharedTier*>(tier_.get())) {}
+
+void Residency::Close() {
+  if (tier_ != nullptr) tier_->Close();
 }
 
-PageKey SessionStore::Key(const SessionCache& session, int layer, int index, int tokens) {
+ResidencyStats Residency::Stats() const {
+  ResidencyStats stats;
+  stats.demotions = demotions_.load();
+  stats.promotions = promotions_.load();
+  if (tier_ != nullptr) {
+    stats.tier = tier_->Stats();
+    for (const Tier* part : tier_->Parts()) stats.tier_parts.push_back(part->Stats());
+  }
+  return stats;
+}
+
+absl::Status Residency::Health() const { return tier_ != nullptr ? tier_->Health() : absl::OkStatus(); }
+
+void Residency::Forget(SessionCache& session) {
+  if (tier_ != nullptr && session.on_tier()) tier_->PutTombstone(session.id(), session.tenant());
+  session.tier_ = SessionCache::TierState();
+}
+
+void Residency::Adopt(SessionCache& session, TierSession image) {
+  session.tier_.manifest = image.manifest;
+  session.tier_.demoted = std::make_unique<TierSession>(std::move(image));
+}
+
+bool Residency::LetGo(SessionCache& session) {
+  if (shared_ == nullptr || session.tier_.demoted == nullptr) return false;
+  shared_->LetGo(std::move(*session.tier_.demoted));
+  session.tier_ = SessionCache::TierState();
+  return true;
+}
+
+absl::StatusOr<TierSession> Residency::Claim(const std::string& id, const std::string& tenant) {
+  if (shared_ == nullptr) return absl::FailedPreconditionError("turbokvd runs without a shared tier (--redis-url)");
+  return shared_->Claim(id, tenant, /*if_epoch=*/0);
+}
+
+absl::Status Residency::Owned(const std::string& id) const {
+  return shared_ != nullptr ? shared_->Owned(id) : absl::OkStatus();
+}
+
+std::vector<std::string> Residency::TakeDisowned() {
+  std::vector<std::string> ids;
+  if (shared_ == nullptr) return ids;
+  for (auto& [id, why] : shared_->TakeDisowned()) ids.push_back(std::move(id));
+  return ids;
+}
+
+std::vector<TierSession> Residency::TakeClaimed() {
+  return shared_ != nullptr ? shared_->TakeClaimed() : std::vector<TierSession>();
+}
+
+absl::StatusOr<TierScanReport> Residency::Scan() {
+  return tier_ != nullptr ? tier_->Scan() : absl::StatusOr<TierScanReport>(TierScanReport());
+}
+
+absl::Status Residency::WriteManifest(SessionCache& session, bool acknowledged) {
+  if (tier_ == nullptr) return absl::OkStatus();
+  TURBOKV_RETURN_IF_ERROR(WriteTierManifest(session));
+  return acknowledged && HoldsEveryAppend() ? tier_->Wait(*session.tier_.manifest) : absl::OkStatus();
+}
+
+PageKey Residency::Key(const SessionCache& session, int layer, int index, int tokens) const {
   const SessionConfig& c = session.config();
   return PageKey{session.id(), session.tenant(), layer, index, tokens, c.KeyCodec(layer), c.ValueCodec(layer),
                  c.rotation_seed};
 }
 
-absl::StatusOr<std::shared_ptr<TierRecord>> SessionStore::PutPage(const PageKey& key, const LayerCache& layer,
+absl::StatusOr<std::shared_ptr<TierRecord>> Residency::PutPage(const PageKey& key, const LayerCache& layer,
                                                                   const Page& page, bool force) {
   absl::StatusOr<std::shared_ptr<TierRecord>> record;
-  absl::Status read = backend().ReadPage(layer.page_format(), page.data, [&](absl::string_view bytes) {
+  absl::Status read = backend_.ReadPage(layer.page_format(), page.data, [&](absl::string_view bytes) {
     record = tier_->PutPage(key, bytes, force);
     return record.status();
   });
@@ -82,7 +108,7 @@ absl::StatusOr<std::shared_ptr<TierRecord>> SessionStore::PutPage(const PageKey&
   return record;
 }
 
-absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
+absl::Status Residency::WriteThrough(SessionCache& session, bool force) {
   if (tier_ == nullptr || !session.resident() || session.gone()) return absl::OkStatus();
   const int64_t pt = options_.page_tokens;
   // A layer's sealed pages are encoded through its transform and next to
@@ -90,7 +116,7 @@ absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
   // that finds the pages finds what they need.
   for (size_t l = 0; l < session.layers().size(); ++l) {
     const LayerCache& layer = session.layers()[l];
-    const bool stale = l >= session.manifest_extras_.size() || session.manifest_extras_[l] != layer.extras_version();
+    const bool stale = l >= session.tier_.manifest_extras.size() || session.tier_.manifest_extras[l] != layer.extras_version();
     bool unwritten = false;
     if (stale && layer.tokens() >= pt) {
       std::lock_guard<std::mutex> lock(records_mutex_);
@@ -121,7 +147,7 @@ absl::Status SessionStore::WriteThrough(SessionCache& session, bool force) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCache& session,
+absl::StatusOr<Residency::TierWrites> Residency::QueueNewTokens(SessionCache& session,
                                                                      absl::Span<const LayerGrowth> growth) {
   TierWrites writes;
   if (tier_ == nullptr || !session.resident() || session.gone()) return writes;
@@ -131,15 +157,15 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
   }
   // A claim finds a session by its manifest, with each layer's transform
   // and sink tokens: one that has the current ones goes before the tokens.
-  bool stale = session.manifest_ == nullptr;
+  bool stale = session.tier_.manifest == nullptr;
   for (size_t l = 0; l < session.layers().size() && !stale; ++l) {
-    stale = l >= session.manifest_extras_.size() || session.manifest_extras_[l] != session.layers()[l].extras_version();
+    stale = l >= session.tier_.manifest_extras.size() || session.tier_.manifest_extras[l] != session.layers()[l].extras_version();
   }
   if (stale) TURBOKV_RETURN_IF_ERROR(WriteTierManifest(session));
   TURBOKV_RETURN_IF_ERROR(WriteThrough(session, /*force=*/false));
-  if (session.manifest_lacks_tails_) {
+  if (session.tier_.manifest_lacks_tails) {
     TURBOKV_RETURN_IF_ERROR(WriteTierManifest(session));  // its sealed pages have records now
-    session.manifest_lacks_tails_ = false;
+    session.tier_.manifest_lacks_tails = false;
   }
   const int64_t pt = options_.page_tokens;
   {
@@ -151,7 +177,7 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
       }
     }
   }
-  if (session.manifest_ != nullptr) writes.push_back(session.manifest_);
+  if (session.tier_.manifest != nullptr) writes.push_back(session.tier_.manifest);
   std::vector<TailWrite> tails;
   for (const LayerGrowth& grown : growth) {
     const LayerCache& layer = session.layers()[static_cast<size_t>(grown.layer)];
@@ -164,7 +190,7 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
     tail.to = static_cast<int32_t>(after % pt);
     tail.shape = layer.slots();
     const Page& page = *layer.pages()[static_cast<size_t>(tail.index)];
-    TURBOKV_RETURN_IF_ERROR(backend().ReadPage(layer.page_format(), page.data, [&](absl::string_view bytes) {
+    TURBOKV_RETURN_IF_ERROR(backend_.ReadPage(layer.page_format(), page.data, [&](absl::string_view bytes) {
       CopySlots(reinterpret_cast<const uint8_t*>(bytes.data()), tail.shape, tail.from, tail.to, &tail.slots);
       return absl::OkStatus();
     }));
@@ -178,7 +204,7 @@ absl::StatusOr<SessionStore::TierWrites> SessionStore::QueueNewTokens(SessionCac
   return writes;
 }
 
-absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth,
+absl::Status Residency::AwaitNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth,
                                           const absl::StatusOr<TierWrites>& queued) {
   absl::Status status = queued.status();
   for (size_t i = 0; status.ok() && i < queued->size(); ++i) {
@@ -207,12 +233,12 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
   if (absl::Status manifest = sealed ? WriteTierManifest(session) : absl::OkStatus(); !manifest.ok()) {
     Logf(LogLevel::kWarning, "session %s: its manifest after a refused append: %s (the next append writes one)",
          session.id().c_str(), std::string(manifest.message()).c_str());
-    session.manifest_extras_.clear();
-    session.kept_records_.insert(session.kept_records_.end(), held.begin(), held.end());
+    session.tier_.manifest_extras.clear();
+    session.tier_.kept_records.insert(session.tier_.kept_records.end(), held.begin(), held.end());
   }
   // A manifest the tier refused for good (not for being unreachable): the
   // next call writes another rather than wait on it again.
-  if (!absl::IsUnavailable(status)) session.manifest_extras_.clear();
+  if (!absl::IsUnavailable(status)) session.tier_.manifest_extras.clear();
   held.clear();
   return absl::Status(status.code(), absl::StrCat("the new tokens were not acknowledged: the ", tier_->name(),
                                                   " tier did not take them (", status.message(),
@@ -220,7 +246,7 @@ absl::Status SessionStore::AwaitNewTokens(SessionCache& session, absl::Span<cons
                                                   "them again is safe"));
 }
 
-absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session, bool tails) {
+absl::StatusOr<TierSession> Residency::TierImage(const SessionCache& session, bool tails) {
   TierSession image;
   image.header = SessionHeader{session.id(), session.tenant(), session.config(), session.created(),
                                options_.page_tokens};
@@ -254,7 +280,7 @@ absl::StatusOr<TierSession> SessionStore::TierImage(const SessionCache& session,
   return image;
 }
 
-absl::Status SessionStore::WriteTierManifest(SessionCache& session) {
+absl::Status Residency::WriteTierManifest(SessionCache& session) {
   if (HoldsEveryAppend()) {
     // It holds every layer whole: sealed pages without records get theirs
     // first, for it (not entered as sealed since the manifest before it,
@@ -278,13 +304,13 @@ absl::Status SessionStore::WriteTierManifest(SessionCache& session) {
   }
   absl::StatusOr<TierSession> image = TierImage(session, HoldsEveryAppend());
   if (!image.ok()) return image.status();
-  session.manifest_ = tier_->PutManifest(*image);
+  session.tier_.manifest = tier_->PutManifest(*image);
   NoteManifestExtras(session);
-  session.kept_records_.clear();  // their deletes go after it
+  session.tier_.kept_records.clear();  // their deletes go after it
   return absl::OkStatus();
 }
 
-std::vector<std::shared_ptr<TierRecord>> SessionStore::HoldRecords(SessionCache& session) {
+std::vector<std::shared_ptr<TierRecord>> Residency::HoldRecords(const SessionCache& session) {
   std::vector<std::shared_ptr<TierRecord>> held;
   std::lock_guard<std::mutex> lock(records_mutex_);
   for (const LayerCache& layer : session.layers()) {
@@ -295,21 +321,12 @@ std::vector<std::shared_ptr<TierRecord>> SessionStore::HoldRecords(SessionCache&
   return held;
 }
 
-void SessionStore::NoteManifestExtras(SessionCache& session) {
-  session.manifest_extras_.clear();
-  for (const LayerCache& layer : session.layers()) session.manifest_extras_.push_back(layer.extras_version());
+void Residency::NoteManifestExtras(SessionCache& session) {
+  session.tier_.manifest_extras.clear();
+  for (const LayerCache& layer : session.layers()) session.tier_.manifest_extras.push_back(layer.extras_version());
 }
 
 namespace {
-
-// Why a session on the tier only was dropped to bring the tier under its
-// high watermark: names the tier and its budget's flag (a Redis tier's is
-// not --spill-budget).
-std::string TierDropReason(const Tier& tier) {
-  const absl::string_view name = tier.name();
-  return absl::StrCat("dropped: the ", name, " tier was over its high watermark (--", name == "redis" ? "redis" : "spill",
-                      "-budget), oldest first");
-}
 
 // Waits for every record of `image` and its manifest; the first error.
 absl::Status WaitForImage(Tier& tier, const TierSession& image, const TierRecord& manifest) {
@@ -323,7 +340,7 @@ absl::Status WaitForImage(Tier& tier, const TierSession& image, const TierRecord
 
 }  // namespace
 
-absl::Status SessionStore::Demote(SessionCache& session) {
+absl::Status Residency::Demote(SessionCache& session) {
   if (tier_ == nullptr) return absl::FailedPreconditionError("turbokvd runs without --spill-dir");
   if (!session.resident() || session.gone()) return absl::OkStatus();
   absl::Status status = WriteThrough(session, true);
@@ -362,21 +379,19 @@ absl::Status SessionStore::Demote(SessionCache& session) {
     return status;
   }
   image->manifest = manifest;
-  session.manifest_ = std::move(manifest);
-  session.manifest_extras_.clear();
-  session.layers_.clear();
-  session.charge_.reset();
-  session.shared_charge_.reset();
-  session.demoted_ = std::make_unique<TierSession>(*std::move(image));
+  session.tier_.manifest = std::move(manifest);
+  session.tier_.manifest_extras.clear();
+  session.ReleaseMemory();
+  session.tier_.demoted = std::make_unique<TierSession>(*std::move(image));
   demotions_.fetch_add(1);
   prefix_index_.Move(session.id(), tier_->name());
   return absl::OkStatus();
 }
 
-absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
+absl::Status Residency::Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
                                    ThreadPool* pool, absl::Time call_deadline) {
   if (session.resident()) return absl::OkStatus();
-  const TierSession& image = *session.demoted_;
+  const TierSession& image = *session.tier_.demoted;
   const SessionConfig& config = session.config();
   size_t bytes = SessionMetadataBytes(config);
   for (size_t l = 0; l < image.layers.size(); ++l) {
@@ -435,17 +450,17 @@ absl::Status SessionStore::Promote(SessionCache& session, absl::Span<const Sessi
   return status;
 }
 
-absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
+absl::Status Residency::PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
                                       ThreadPool* pool, bool* calls_hold_it) {
-  const TierSession& image = *session.demoted_;
-  if (absl::Status status = MakeRoom(bytes, held, calls_hold_it); !status.ok()) {
+  const TierSession& image = *session.tier_.demoted;
+  if (absl::Status status = host_.MakeRoom(bytes, held, calls_hold_it); !status.ok()) {
     return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(),
                                                     " tier and cannot come back into memory: ", status.message()));
   }
   std::vector<std::shared_ptr<TierRecord>> records;
   for (const TierLayer& layer : image.layers) records.insert(records.end(), layer.pages.begin(), layer.pages.end());
   tier_->WillRead(records);
-  absl::Status status = Materialize(session);
+  absl::Status status = host_.Materialize(session);
   if (status.ok()) {
     // Layers load in parallel, as a large call (on the kernel workers, in
     // the background, whatever the count of layers): one thread's reads
@@ -472,9 +487,7 @@ absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl:
     }
   }
   if (!status.ok()) {
-    session.layers_.clear();
-    session.charge_.reset();
-    session.shared_charge_.reset();
+    session.ReleaseMemory();
     return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " could not be read back from the ",
                                                     tier_->name(), " tier: ", status.message()));
   }
@@ -489,14 +502,14 @@ absl::Status SessionStore::PromoteNow(SessionCache& session, size_t bytes, absl:
       }
     }
   }
-  session.demoted_.reset();
+  session.tier_.demoted.reset();
   NoteManifestExtras(session);  // what was loaded is what its manifest held
   promotions_.fetch_add(1);
   prefix_index_.Move(session.id(), kMemoryMedium);
   return absl::OkStatus();
 }
 
-void SessionStore::ForgetPartialRecords(SessionCache& session) {
+void Residency::ForgetPartialRecords(SessionCache& session) {
   std::lock_guard<std::mutex> lock(records_mutex_);
   for (LayerCache& layer : session.layers()) {
     if (layer.tokens() % options_.page_tokens != 0 && layer.pages().back().use_count() == 1) {
@@ -505,14 +518,7 @@ void SessionStore::ForgetPartialRecords(SessionCache& session) {
   }
 }
 
-absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
-  if (n <= session.config().sink_tokens && session.shared_charge_.use_count() > 1) {
-    // Its sink pages and transforms will be its own from now on.
-    const size_t shared = SessionSharedMetadataBytes(session.config());
-    const SessionCache* held[] = {&session};
-    TURBOKV_RETURN_IF_ERROR(MakeRoom(shared, held));
-    TURBOKV_ASSIGN_OR_RETURN(session.shared_charge_, pool_.Charge(shared));
-  }
+absl::Status Residency::Truncate(SessionCache& session, int64_t n) {
   std::vector<std::shared_ptr<TierRecord>> held = tier_ != nullptr ? HoldRecords(session) : decltype(held)();
   for (LayerCache& layer : session.layers()) layer.Truncate(n);
   prefix_index_.Truncate(session.id(), static_cast<size_t>(std::max<int64_t>(n, 0) / options_.page_tokens), n);
@@ -520,8 +526,8 @@ absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
   ForgetPartialRecords(session);
   const absl::Status manifest = WriteTierManifest(session);
   if (!manifest.ok()) {
-    session.manifest_extras_.clear();  // the next write sends one
-    session.kept_records_.insert(session.kept_records_.end(), held.begin(), held.end());
+    session.tier_.manifest_extras.clear();  // the next write sends one
+    session.tier_.kept_records.insert(session.tier_.kept_records.end(), held.begin(), held.end());
   }
   held.clear();  // the pages cut off go after the manifest
   if (!HoldsEveryAppend() || !session.resident()) return absl::OkStatus();
@@ -540,15 +546,15 @@ absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
   }
   TURBOKV_ASSIGN_OR_RETURN(std::shared_ptr<TierRecord> record,
                            shared_->PutTails(session.id(), session.tenant(), std::move(cuts)));
-  if (session.manifest_ != nullptr) TURBOKV_RETURN_IF_ERROR(tier_->Wait(*session.manifest_));
+  if (session.tier_.manifest != nullptr) TURBOKV_RETURN_IF_ERROR(tier_->Wait(*session.tier_.manifest));
   return tier_->Wait(*record);
 }
 
-size_t SessionStore::TierBytes(const SessionCache& session) {
+size_t Residency::TierBytes(const SessionCache& session) {
   if (!session.on_tier()) return 0;
-  size_t bytes = session.manifest_->bytes();
+  size_t bytes = session.tier_.manifest->bytes();
   if (!session.resident()) {
-    for (const TierLayer& layer : session.demoted_->layers) {
+    for (const TierLayer& layer : session.tier_.demoted->layers) {
       for (const auto& page : layer.pages) bytes += page->bytes();
     }
     return bytes;
@@ -562,8 +568,8 @@ size_t SessionStore::TierBytes(const SessionCache& session) {
   return bytes;
 }
 
-absl::Status SessionStore::RewriteDemoted(SessionCache& session) {
-  const TierSession& old = *session.demoted_;
+absl::Status Residency::RewriteDemoted(SessionCache& session) {
+  const TierSession& old = *session.tier_.demoted;
   TierSession image = old;
   const int64_t pt = options_.page_tokens;
   std::vector<uint8_t> bytes;
@@ -592,12 +598,12 @@ absl::Status SessionStore::RewriteDemoted(SessionCache& session) {
   }
   image.manifest = tier_->PutManifest(image);
   TURBOKV_RETURN_IF_ERROR(WaitForImage(*tier_, image, *image.manifest));
-  session.manifest_ = image.manifest;
-  *session.demoted_ = std::move(image);  // the lost records go
+  session.tier_.manifest = image.manifest;
+  *session.tier_.demoted = std::move(image);  // the lost records go
   return absl::OkStatus();
 }
 
-absl::Status SessionStore::Rewrite(SessionCache& session) {
+absl::Status Residency::Rewrite(SessionCache& session) {
   if (session.gone()) return absl::OkStatus();
   if (!session.resident()) {
     absl::Status status = RewriteDemoted(session);
@@ -618,16 +624,16 @@ absl::Status SessionStore::Rewrite(SessionCache& session) {
       }
     }
   }
-  session.manifest_extras_.clear();
-  session.manifest_lacks_tails_ = HoldsEveryAppend();
+  session.tier_.manifest_extras.clear();
+  session.tier_.manifest_lacks_tails = HoldsEveryAppend();
   absl::Status status = WriteTierManifest(session);
   if (status.ok()) status = WriteThrough(session, true);
   // Its sealed pages have records now: a manifest that holds the tails too
   // (or, failing it, the next append's).
-  if (status.ok() && session.manifest_lacks_tails_) status = WriteTierManifest(session);
+  if (status.ok() && session.tier_.manifest_lacks_tails) status = WriteTierManifest(session);
   if (status.ok()) {
-    session.manifest_lacks_tails_ = false;
-    status = tier_->Wait(*session.manifest_);
+    session.tier_.manifest_lacks_tails = false;
+    status = tier_->Wait(*session.tier_.manifest);
   }
   if (!status.ok()) {
     Logf(LogLevel::kWarning, "session %s: writing it again to the %s tier: %s", session.id().c_str(), tier_->name(),
@@ -636,18 +642,18 @@ absl::Status SessionStore::Rewrite(SessionCache& session) {
   return status;
 }
 
-void SessionStore::NoteLost() {
-  // Under mutex_: an id the tier hands over is in lost_ before any call can
-  // look for it there (an append of that session acknowledged meanwhile
-  // would skip its rewrite).
+void Residency::NoteLost() {
+  // Under lost_mutex_: an id the tier hands over is in lost_ before any
+  // call can look for it there (an append of that session acknowledged
+  // meanwhile would skip its rewrite).
   if (shared_ == nullptr) return;
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(lost_mutex_);
   for (std::string& id : shared_->TakeLost()) lost_.insert(std::move(id));
 }
 
-absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
+absl::Status Residency::RewriteIfLost(SessionCache& session) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(lost_mutex_);
     if (lost_.erase(session.id()) == 0) return absl::OkStatus();
   }
   absl::Status status = Rewrite(session);
@@ -656,7 +662,7 @@ absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
   // reading it is DATA_LOSS, as the log says).
   const bool unreadable = !session.resident() && (absl::IsDataLoss(status) || absl::IsNotFound(status));
   if (!status.ok() && !absl::IsFailedPrecondition(status) && !unreadable) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(lost_mutex_);
     if (!session.gone()) lost_.insert(session.id());
   }
   if (unreadable) {
@@ -666,102 +672,37 @@ absl::Status SessionStore::RewriteIfLost(SessionCache& session) {
   return status;
 }
 
-SessionStore::RebalanceReport SessionStore::Rebalance() {
-  RebalanceReport report;
-  if (tier_ == nullptr) return report;
-  if (shared_ != nullptr) {
-    for (const auto& disowned : shared_->TakeDisowned()) {
-      // Another daemon claimed it: this copy goes, without a tombstone.
-      std::lock_guard<std::mutex> lock(mutex_);
-      Erase(disowned.first);
-    }
-    // Sessions the tier claimed by itself (a stacked daemon's copies on its
-    // disk, once the lease of its run before lapsed), one claim at a time
-    // with calls' takeovers.
-    std::lock_guard<std::mutex> claiming(claim_mutex_);
-    for (TierSession& image : shared_->TakeClaimed()) {
-      const std::string id = image.header.id;
-      bool kept_on_tier = false;
-      if (absl::Status status = RegisterDemoted(std::move(image), absl::Now(), &kept_on_tier); !status.ok()) {
-        Logf(LogLevel::kWarning, "session %s, claimed from the %s tier, is not registered: %s", id.c_str(),
-             tier_->name(), std::string(status.message()).c_str());
-      }
-    }
-  }
+void Residency::RewriteLost() {
   NoteLost();
-  std::vector<std::shared_ptr<SessionCache>> lost;
+  std::vector<std::string> ids;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = lost_.begin(); it != lost_.end();) {
-      auto found = sessions_.find(*it);
-      if (found == sessions_.end()) {
-        it = lost_.erase(it);  // gone meanwhile: nothing to write
-        continue;
-      }
-      lost.push_back(found->second);
-      ++it;
-    }
+    std::lock_guard<std::mutex> lock(lost_mutex_);
+    ids.assign(lost_.begin(), lost_.end());
   }
-  for (const std::shared_ptr<SessionCache>& session : lost) {
+  for (const std::string& id : ids) {
+    std::shared_ptr<SessionCache> session = host_.Held(id);
+    if (session == nullptr) {
+      std::lock_guard<std::mutex> lock(lost_mutex_);
+      lost_.erase(id);  // gone meanwhile: nothing to write
+      continue;
+    }
     std::lock_guard<std::mutex> lock(session->mutex());
-    RewriteIfLost(*session).IgnoreError();  // logged; the next pass tries again
+    RewriteIfLost(*session).IgnoreError();  // logged; the next pass or call tries again
   }
-  std::vector<std::shared_ptr<SessionCache>> sessions = List();
-  // Write-through that the request path left for later (its queue was full).
-  for (const std::shared_ptr<SessionCache>& session : sessions) {
-    std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
-    if (lock.owns_lock() && !WriteThrough(*session, false).ok()) break;
-  }
-  std::sort(sessions.begin(), sessions.end(),
-            [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
-  const double budget = static_cast<double>(pool_.budget_bytes());
-  if (static_cast<double>(pool_.used_bytes()) > options_.high_watermark * budget) {
-    for (const std::shared_ptr<SessionCache>& session : sessions) {
-      if (static_cast<double>(pool_.used_bytes()) <= options_.low_watermark * budget) break;
-      std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
-      if (!lock.owns_lock() || session->gone() || !session->resident() || session->config().pinned ||
-          session->in_call()) {
-        continue;
-      }
-      if (absl::Status status = Demote(*session); !status.ok()) {
-        report.error = status;
-        break;
-      }
-      ++report.demoted;
-    }
-  }
-  const TierStats stats = tier_->Stats();
-  const double tier_budget = static_cast<double>(stats.budget_bytes);
-  int64_t live = stats.live_bytes + stats.queued_bytes;
-  if (static_cast<double>(live) > options_.high_watermark * tier_budget) {
-    // The oldest sessions on disk only go, whole, until the tier is under
-    // its low watermark.
-    for (const std::shared_ptr<SessionCache>& session : sessions) {
-      if (static_cast<double>(live) <= options_.low_watermark * tier_budget) break;
-      std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
-      if (!session_lock.owns_lock() || session->gone() || session->resident()) continue;
-      live -= static_cast<int64_t>(TierBytes(*session));
-      std::lock_guard<std::mutex> lock(mutex_);
-      Drop(session.get());
-      RememberGone(*session, TierDropReason(*tier_), &disk_drops_);
-      report.dropped.push_back(session->id());
-    }
-  }
-  return report;
 }
 
-absl::Status SessionStore::FlushTier(absl::Time deadline) {
+absl::Status Residency::Flush(absl::Time deadline) {
   if (tier_ == nullptr) return absl::OkStatus();
   absl::Status first_error;
   int failed = 0;
   // Sessions whose records the tier lost go back whole first, the demoted
   // ones too (from a stacked daemon's disk).
   NoteLost();
-  for (const std::shared_ptr<SessionCache>& session : List()) {
+  for (const std::shared_ptr<SessionCache>& session : host_.List()) {
     std::lock_guard<std::mutex> lock(session->mutex());
     bool lost;
     {
-      std::lock_guard<std::mutex> map_lock(mutex_);
+      std::lock_guard<std::mutex> lost_lock(lost_mutex_);
       lost = lost_.count(session->id()) > 0;
     }
     if (session->gone() || (!session->resident() && !lost)) continue;
@@ -774,7 +715,7 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
       std::shared_ptr<TierRecord> manifest = tier_->PutManifest(*image);
       status = WaitForImage(*tier_, *image, *manifest);
       if (status.ok()) {
-        session->manifest_ = std::move(manifest);
+        session->tier_.manifest = std::move(manifest);
         NoteManifestExtras(*session);
       }
     } else {
@@ -791,63 +732,6 @@ absl::Status SessionStore::FlushTier(absl::Time deadline) {
                                                          first_error.message()));
   }
   return first_error;
-}
-
-PrefixIndex::Holding SessionStore::DemotedHolding(const SessionCache& session, const TierSession& image) const {
-  std::vector<int64_t> tokens;
-  for (const TierLayer& layer : image.layers) tokens.push_back(layer.tokens);
-  PrefixIndex::Holding holding = HoldingOf(session, image.named, tokens);
-  holding.medium = tier_->name();
-  return holding;
-}
-
-absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bool* kept_on_tier) {
-  *kept_on_tier = false;
-  SessionConfig config = image.header.config;
-  config.pinned = image.pinned;
-  auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
-  session->Touch(now);
-  session->manifest_ = image.manifest;
-  PrefixIndex::Holding holding = DemotedHolding(*session, image);
-  session->demoted_ = std::make_unique<TierSession>(std::move(image));
-  absl::Status inserted;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (sessions_.count(session->id()) != 0) {
-      return absl::AlreadyExistsError("its snapshot holds it whole");
-    }
-    inserted = Insert(session);
-    if (inserted.ok()) prefix_index_.Set(session->id(), std::move(holding));
-  }
-  if (!inserted.ok()) {
-    // A shared tier keeps it for a later claim; a local one's records die
-    // with their handles.
-    *kept_on_tier = shared_ != nullptr;
-    if (shared_ != nullptr) shared_->LetGo(std::move(*session->demoted_));
-  }
-  return inserted;
-}
-
-absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
-  if (tier_ == nullptr) return TierScanReport();
-  absl::StatusOr<TierScanReport> report = tier_->Scan();
-  if (!report.ok()) return report.status();
-  std::vector<TierSession> sessions = std::move(report->sessions);
-  report->sessions.clear();
-  for (const auto& [id, status] : report->damaged) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
-  for (TierSession& image : sessions) {
-    const std::string id = image.header.id;
-    bool kept_on_tier = false;
-    absl::Status status = RegisterDemoted(std::move(image), now, &kept_on_tier);
-    if (status.ok()) {
-      ++report->loaded;
-    } else if (!absl::IsAlreadyExists(status)) {
-      report->damaged.emplace_back(id, status);
-      // Lost, unless the tier still holds it for a later claim.
-      if (!kept_on_tier) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
-    }
-  }
-  return report;
 }
 
 }  // namespace turbokv

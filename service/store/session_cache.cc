@@ -3,6 +3,31 @@
 #include <utility>
 
 namespace turbokv {
+namespace {
+
+// Measured (tests/service/store_test.cc, SessionMetadataIsCharged) and
+// rounded up.
+constexpr size_t kCodecMetadataBytes = 4096;
+constexpr size_t kLayerMetadataBytes = sizeof(LayerCache) + 96;
+
+}  // namespace
+
+size_t SessionMetadataBytes(const SessionConfig& config) {
+  // The session object, then per layer its LayerCache and allocator
+  // overhead; and the shared part.
+  return sizeof(SessionCache) + static_cast<size_t>(config.layers) * kLayerMetadataBytes +
+         SessionSharedMetadataBytes(config);
+}
+
+size_t SessionSharedMetadataBytes(const SessionConfig& config) {
+  // Its codecs (sign vectors, codebooks; a pair for the keys and values of
+  // every layer, and one more for each pair the ranges of layer_codecs add),
+  // and each layer's sink page and transform at their largest.
+  return kCodecMetadataBytes * (1 + config.layer_codecs.size()) +
+         static_cast<size_t>(config.layers) *
+             LayerExtrasBytes(config.kv_heads, config.head_dim, config.sink_tokens, config.sink_codec);
+}
+
 
 SessionCache::SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now)
     : id_(std::move(id)),
@@ -14,6 +39,12 @@ SessionCache::SessionCache(std::string id, std::string tenant, const SessionConf
 
 SessionCache::~SessionCache() = default;
 
+void SessionCache::ReleaseMemory() {
+  layers_.clear();
+  charge_.reset();
+  shared_charge_.reset();
+}
+
 size_t SessionCache::bytes_used() const {
   size_t bytes = 0;
   for (const LayerCache& layer : layers_) bytes += layer.bytes();
@@ -22,13 +53,13 @@ size_t SessionCache::bytes_used() const {
 
 int64_t SessionCache::layer_tokens(int layer) const {
   const size_t l = static_cast<size_t>(layer);
-  return resident() ? layers_[l].tokens() : demoted_->layers[l].tokens;
+  return resident() ? layers_[l].tokens() : tier_.demoted->layers[l].tokens;
 }
 
 int64_t SessionCache::tokens() const {
   int64_t tokens = 0;
   if (!resident()) {
-    for (const TierLayer& layer : demoted_->layers) tokens += layer.tokens;
+    for (const TierLayer& layer : tier_.demoted->layers) tokens += layer.tokens;
     return tokens;
   }
   for (const LayerCache& layer : layers_) tokens += layer.tokens();
@@ -40,7 +71,7 @@ int SessionCache::transformed_layers() const {
   if (resident()) {
     for (const LayerCache& layer : layers_) count += layer.transformed() ? 1 : 0;
   } else {
-    for (const TierLayer& layer : demoted_->layers) count += layer.extras.transform.empty() ? 0 : 1;
+    for (const TierLayer& layer : tier_.demoted->layers) count += layer.extras.transform.empty() ? 0 : 1;
   }
   return count;
 }

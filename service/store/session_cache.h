@@ -1,7 +1,7 @@
 // One session in the store: its id, tenant and configuration, its layers
-// (LayerCache) while resident, its state on a tier while demoted, and the
-// lock every call on it takes. SessionStore owns them; snapshots read and
-// fill them. No gRPC types.
+// (LayerCache) while resident, its state on the tier below memory
+// (Residency's), and the lock every call on it takes. SessionStore owns them;
+// snapshots read and fill them. No gRPC types.
 #pragma once
 
 #include <atomic>
@@ -43,14 +43,14 @@ class SessionCache {
 
   // Under mutex(): false while the session is on the spill tier only
   // (demoted): its layers are then empty and calls promote it first.
-  bool resident() const { return demoted_ == nullptr; }
+  bool resident() const { return tier_.demoted == nullptr; }
   // Whether a call that spans several messages (a ReadKv stream) is open on
   // it, its lock released between them (SessionInCall): it is in a call
   // then, and neither demoted, evicted nor expired.
   bool in_call() const { return calls_between_messages_.load() > 0; }
   // Under mutex(): whether it is on the spill tier (its manifest, and its
   // sealed pages as they are written through).
-  bool on_tier() const { return manifest_ != nullptr; }
+  bool on_tier() const { return tier_.manifest != nullptr; }
   // Under mutex(): bytes of the pages held in memory (shared pages
   // included) and what the same tokens take in fp16.
   size_t bytes_used() const;
@@ -73,6 +73,7 @@ class SessionCache {
 
  private:
   friend class SessionStore;
+  friend class Residency;
 
   const std::string id_;
   const std::string tenant_;
@@ -89,18 +90,34 @@ class SessionCache {
   // its forks share (SessionSharedMetadataBytes), held by each of them.
   std::shared_ptr<const void> charge_;
   std::shared_ptr<const void> shared_charge_;
-  std::unique_ptr<TierSession> demoted_;  // its state on the tier while demoted
-  std::shared_ptr<TierRecord> manifest_;  // its latest manifest on the tier
-  // Per layer: the LayerCache::extras_version() of its latest manifest (a
-  // sealed page that depends on a later one waits for a new manifest).
-  std::vector<uint64_t> manifest_extras_;
-  // A tier that holds every append lost the session's records and its
-  // manifest since lacks the tails: the next write sends one that has them.
-  bool manifest_lacks_tails_ = false;
-  // Records of pages a refused append or a truncation dropped, kept until a
-  // manifest without them is queued (their deletes go after it).
-  std::vector<std::shared_ptr<TierRecord>> kept_records_;
+  // Its state on the tier below memory: Residency's alone.
+  struct TierState {
+    std::unique_ptr<TierSession> demoted;  // while demoted: its layers on the tier
+    std::shared_ptr<TierRecord> manifest;  // its latest manifest on the tier
+    // Per layer: the LayerCache::extras_version() of its latest manifest (a
+    // sealed page that depends on a later one waits for a new manifest).
+    std::vector<uint64_t> manifest_extras;
+    // A tier that holds every append lost the session's records and its
+    // manifest since lacks the tails: the next write sends one that has them.
+    bool manifest_lacks_tails = false;
+    // Records of pages a refused append or a truncation dropped, kept until
+    // a manifest without them is queued (their deletes go after it).
+    std::vector<std::shared_ptr<TierRecord>> kept_records;
+  };
+  TierState tier_;
+
+  // Under mutex(): its layers go and their memory and its metadata's charge
+  // go back to the budget (evicted, deleted, demoted).
+  void ReleaseMemory();
 };
+
+// What a session's metadata (its object, layer tables and codecs, and each
+// layer's sink page and transform) costs in memory outside its pages:
+// charged to the budget like pages.
+size_t SessionMetadataBytes(const SessionConfig& config);
+// The part of it that forks share, as they share pages: the codecs and each
+// layer's sink page and transform (SessionCache's shared charge).
+size_t SessionSharedMetadataBytes(const SessionConfig& config);
 
 // Marks a session in a call for the life of a call that releases its lock
 // between messages (SessionCache::in_call()).

@@ -28,10 +28,14 @@ namespace turbokv {
 namespace {
 
 constexpr size_t kRememberedGone = 65536;
-// Measured (tests/service/store_test.cc, SessionMetadataIsCharged) and
-// rounded up.
-constexpr size_t kCodecMetadataBytes = 4096;
-constexpr size_t kLayerMetadataBytes = sizeof(LayerCache) + 96;
+
+// Why a session on the tier only was dropped to bring the tier under its
+// high watermark: names the tier and its budget's flag (a Redis tier's is
+// not --spill-budget).
+std::string TierDropReason(absl::string_view name) {
+  return absl::StrCat("dropped: the ", name, " tier was over its high watermark (--", name == "redis" ? "redis" : "spill",
+                      "-budget), oldest first");
+}
 
 std::string Who(const std::string& tenant) {
   return tenant.empty() ? std::string() : absl::StrCat(" of tenant '", tenant, "'");
@@ -39,34 +43,18 @@ std::string Who(const std::string& tenant) {
 
 }  // namespace
 
-size_t SessionMetadataBytes(const SessionConfig& config) {
-  // The session object, then per layer its LayerCache and allocator
-  // overhead; and the shared part.
-  return sizeof(SessionCache) + static_cast<size_t>(config.layers) * kLayerMetadataBytes +
-         SessionSharedMetadataBytes(config);
-}
-
-size_t SessionSharedMetadataBytes(const SessionConfig& config) {
-  // Its codecs (sign vectors, codebooks; a pair for the keys and values of
-  // every layer, and one more for each pair the ranges of layer_codecs add),
-  // and each layer's sink page and transform at their largest.
-  return kCodecMetadataBytes * (1 + config.layer_codecs.size()) +
-         static_cast<size_t>(config.layers) *
-             LayerExtrasBytes(config.kv_heads, config.head_dim, config.sink_tokens, config.sink_codec);
-}
-
 SessionStore::SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier)
     : options_(options),
       own_backend_(options.backend == nullptr ? std::make_unique<CpuBackend>() : nullptr),
       pool_(options.backend != nullptr ? options.backend : own_backend_.get(), options.budget_bytes),
-      tier_(std::move(tier)),
-      shared_(dynamic_cast<SharedTier*>(tier_.get())),
-      prefix_index_(options.on_block_events) {}
+      prefix_index_(options.on_block_events),
+      residency_(std::move(tier), ResidencyOptions{options.page_tokens, options.promotion_patience}, pool_.backend(),
+                 prefix_index_, *this) {}
 
 SessionStore::~SessionStore() {
   // The sessions' records are still theirs on the tier: going away here
   // must not reclaim them.
-  if (tier_ != nullptr) tier_->Close();
+  residency_.Close();
 }
 
 absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Build(std::string id, std::string tenant,
@@ -138,9 +126,10 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Create(const Session
     std::lock_guard<std::mutex> lock(mutex_);
     if (absl::Status inserted = Insert(*session); !inserted.ok()) return inserted;
   }
-  if (tier_ != nullptr) {
+  if (residency_.has_tier()) {
     std::lock_guard<std::mutex> lock((*session)->mutex());
-    WriteTierManifest(**session).IgnoreError();  // it holds no tokens yet: the first append writes one
+    // It holds no tokens yet: the first append writes one.
+    residency_.WriteManifest(**session, /*acknowledged=*/false).IgnoreError();
   }
   return session;
 }
@@ -151,23 +140,23 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::Find(const std::stri
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sessions_.find(id);
     if (it != sessions_.end() && it->second->tenant() == tenant) {
-      if (shared_ != nullptr) {
-        if (absl::Status owned = shared_->Owned(id); !owned.ok()) {
-          // Another daemon claimed it: this copy goes, without a tombstone.
-          Erase(id);
-          return owned;
-        }
+      if (absl::Status owned = residency_.Owned(id); !owned.ok()) {
+        // Another daemon claimed it: this copy goes, without a tombstone.
+        Erase(id);
+        return owned;
       }
       it->second->Touch(now);
       return it->second;
     }
-    if (shared_ == nullptr || it != sessions_.end() || damaged_.count(id) != 0) return NotFound(id, tenant);
+    if (residency_.shared_tier() == nullptr || it != sessions_.end() || damaged_.count(id) != 0) {
+      return NotFound(id, tenant);
+    }
   }
   return TakeOver(id, tenant, now);
 }
 
 absl::Status SessionStore::Delete(const std::string& id, const std::string& tenant) {
-  if (tier_ != nullptr) {
+  if (residency_.has_tier()) {
     // A session only a shared tier holds is claimed first, so that it goes
     // from there too.
     if (absl::StatusOr<std::shared_ptr<SessionCache>> found = Find(id, tenant, absl::Now()); !found.ok()) {
@@ -205,7 +194,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::ForkAs(SessionCache&
   // The fork shares the source's records on the tier as it shares its
   // pages: every sealed page gets one first (best effort: what is not on
   // the tier yet is the fork's unsealed tail there).
-  if (tier_ != nullptr) WriteThrough(source, true).IgnoreError();
+  residency_.WriteThrough(source, true).IgnoreError();
   // Past the sink tokens the fork shares the source's codecs, sink pages and
   // transforms; with fewer, it makes its own.
   const bool shares = prefix > config.sink_tokens;
@@ -223,11 +212,7 @@ absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::ForkAs(SessionCache&
   fork->layers_.reserve(source.layers().size());
   for (const LayerCache& layer : source.layers()) fork->layers_.push_back(layer.Fork(prefix));
   fork->errors_ = source.errors_;
-  absl::Status written = tier_ != nullptr ? WriteTierManifest(*fork) : absl::OkStatus();
-  if (written.ok() && HoldsEveryAppend()) {
-    // Acknowledged once the tier holds it, as an append is.
-    written = tier_->Wait(*fork->manifest_);
-  }
+  const absl::Status written = residency_.WriteManifest(*fork, /*acknowledged=*/true);
   std::lock_guard<std::mutex> lock(mutex_);
   absl::Status inserted = written.ok() ? Insert(fork) : written;
   if (!inserted.ok()) {
@@ -293,7 +278,7 @@ absl::StatusOr<PrefixIndex::Holding> SessionStore::NameBlocks(SessionCache& sess
   }
   // The names reach the tier with a manifest (best effort: else with the
   // next one, at the latest the drain's).
-  if (tier_ != nullptr) WriteTierManifest(session).IgnoreError();
+  residency_.WriteManifest(session, /*acknowledged=*/false).IgnoreError();
   return holding;
 }
 
@@ -324,7 +309,7 @@ absl::StatusOr<SessionStore::Attached> SessionStore::Attach(const SessionConfig&
     // A holder that cannot be read back or given room is passed over: the
     // next one, or a session of its own.
     const SessionCache* held[] = {source.get()};
-    if (absl::Status promoted = Promote(*source, held); !promoted.ok()) {
+    if (absl::Status promoted = residency_.Promote(*source, held); !promoted.ok()) {
       Logf(LogLevel::kWarning, "session %s not used for a prefix: %s", ShowId(source->id()).c_str(),
            std::string(promoted.message()).c_str());
       continue;
@@ -366,15 +351,14 @@ StoreSnapshot SessionStore::Snapshot() const {
     if (session->resident()) snapshot.resident_fp16_bytes += fp16_bytes;
     ++(session->resident() ? snapshot.resident_sessions : snapshot.demoted_sessions);
   }
-  if (tier_ != nullptr) {
-    snapshot.tier = tier_->Stats();
-    for (const Tier* part : tier_->Parts()) snapshot.tier_parts.push_back(part->Stats());
-  }
-  snapshot.demotions = demotions_.load();
-  snapshot.promotions = promotions_.load();
+  ResidencyStats residency = residency_.Stats();
+  snapshot.tier = residency.tier;
+  snapshot.tier_parts = std::move(residency.tier_parts);
+  snapshot.demotions = residency.demotions;
+  snapshot.promotions = residency.promotions;
   snapshot.disk_drops = disk_drops_.load();
   snapshot.named_blocks = static_cast<int64_t>(prefix_index_.blocks());
-  if (tier_ != nullptr) snapshot.tier_health = tier_->Health();
+  snapshot.tier_health = residency_.Health();
   snapshot.bytes_used = static_cast<int64_t>(pool_.used_bytes());
   snapshot.budget_bytes = static_cast<int64_t>(pool_.budget_bytes());
   snapshot.lru_evictions = lru_evictions_.load();
@@ -586,12 +570,8 @@ void SessionStore::Erase(const std::string& id) {
 
 void SessionStore::Drop(SessionCache* session) {
   session->gone_ = true;
-  session->layers_.clear();
-  session->charge_.reset();
-  session->shared_charge_.reset();
-  if (tier_ != nullptr && session->on_tier()) tier_->PutTombstone(session->id(), session->tenant());
-  session->manifest_.reset();
-  session->demoted_.reset();
+  session->ReleaseMemory();
+  residency_.Forget(*session);
 }
 
 void SessionStore::RememberGone(const SessionCache& session, std::string reason, std::atomic<int64_t>* counter) {
@@ -614,8 +594,8 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   if (fits()) return absl::OkStatus();
   auto refuse = [&](const std::string& why, absl::StatusCode code = absl::StatusCode::kResourceExhausted) {
     std::string tier;
-    if (tier_ != nullptr) {
-      const TierStats stats = tier_->Stats();
+    if (residency_.has_tier()) {
+      const TierStats stats = residency_.Stats().tier;
       tier = absl::StrCat("; spill tier: ", stats.live_bytes + stats.queued_bytes, " bytes used of ",
                           stats.budget_bytes);
     }
@@ -623,7 +603,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
                                            " needed, budget ", budget, " bytes", why, tier));
   };
   if (options_.eviction != EvictionPolicy::kLru) return refuse("");
-  const char* verb = tier_ != nullptr ? "demot" : "evict";
+  const char* verb = residency_.has_tier() ? "demot" : "evict";
   if (bytes > budget) return refuse(absl::StrCat(" (more than the whole budget: nothing was ", verb, "ed)"));
   std::unique_lock<std::mutex> lock(mutex_);
   std::vector<std::shared_ptr<SessionCache>> candidates;
@@ -647,7 +627,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     if (freeable >= needed) break;
     // A session with a call in flight is not idle: skip it.
     std::unique_lock<std::mutex> candidate_lock(candidate->mutex(), std::try_to_lock);
-    if (tier_ != nullptr && candidate->config().pinned) continue;
+    if (residency_.has_tier() && candidate->config().pinned) continue;
     if (!candidate_lock.owns_lock() || candidate->in_call()) {
       busy = true;
       continue;
@@ -672,11 +652,11 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
     return refuse(absl::StrCat("; ", verb, "ing every idle session would free only ", freeable, " bytes, so none was ",
                                verb, "ed", busy ? " (others are in calls)" : ""));
   }
-  if (tier_ != nullptr) {
+  if (residency_.has_tier()) {
     // Demotion writes to the tier: not under the store's mutex.
     lock.unlock();
     for (SessionCache* victim : victims) {
-      if (absl::Status status = Demote(*victim); !status.ok()) {
+      if (absl::Status status = residency_.Demote(*victim); !status.ok()) {
         return refuse(absl::StrCat("; demoting an idle session to the spill tier failed: ", status.message()),
                       absl::IsUnavailable(status) ? absl::StatusCode::kUnavailable
                                                   : absl::StatusCode::kResourceExhausted);
@@ -696,6 +676,23 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   return refuse(absl::StrCat(" (after ", verb, "ing; another call took the room first)"));
 }
 
+absl::Status SessionStore::Truncate(SessionCache& session, int64_t n) {
+  if (n <= session.config().sink_tokens && session.shared_charge_.use_count() > 1) {
+    // Its sink pages and transforms will be its own from now on.
+    const size_t shared = SessionSharedMetadataBytes(session.config());
+    const SessionCache* held[] = {&session};
+    TURBOKV_RETURN_IF_ERROR(MakeRoom(shared, held));
+    TURBOKV_ASSIGN_OR_RETURN(session.shared_charge_, pool_.Charge(shared));
+  }
+  return residency_.Truncate(session, n);
+}
+
+std::shared_ptr<SessionCache> SessionStore::Held(const std::string& id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sessions_.find(id);
+  return it != sessions_.end() ? it->second : nullptr;
+}
+
 int SessionStore::ExpireIdle(absl::Time now) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::shared_ptr<SessionCache>> expired;
@@ -713,6 +710,173 @@ int SessionStore::ExpireIdle(absl::Time now) {
     ++count;
   }
   return count;
+}
+
+absl::StatusOr<std::shared_ptr<SessionCache>> SessionStore::TakeOver(const std::string& id, const std::string& tenant,
+                                                                     absl::Time now) {
+  // One claim at a time: two calls naming the same session claim it once.
+  std::lock_guard<std::mutex> claiming(claim_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) {
+      if (it->second->tenant() != tenant) return NotFound(id, tenant);
+      it->second->Touch(now);
+      return it->second;
+    }
+    if (absl::Status room = HasRoomFor(tenant); !room.ok()) return room;
+  }
+  absl::StatusOr<TierSession> image = residency_.Claim(id, tenant);
+  if (!image.ok()) {
+    if (absl::IsNotFound(image.status())) {
+      CountTakeover(kTakeoverNotFound);
+      std::lock_guard<std::mutex> lock(mutex_);
+      return NotFound(id, tenant);
+    }
+    CountTakeover(absl::IsFailedPrecondition(image.status()) ? kTakeoverHeld : kTakeoverFailed);
+    return image.status();
+  }
+  SessionConfig config = image->header.config;
+  config.pinned = image->pinned;
+  auto session = std::make_shared<SessionCache>(id, tenant, config, image->header.created);
+  session->Touch(now);
+  PrefixIndex::Holding holding = DemotedHolding(*session, *image);
+  Residency::Adopt(*session, *std::move(image));
+  absl::Status inserted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inserted = Insert(session);
+    if (inserted.ok()) prefix_index_.Set(id, std::move(holding));
+  }
+  if (!inserted.ok()) {
+    residency_.LetGo(*session);  // its pages stay on the tier
+    return inserted;
+  }
+  CountTakeover(kTakeoverOk);
+  Logf(LogLevel::kInfo, "session %s taken over from the %s tier (%lld tokens in layer 0, %d layers)", id.c_str(),
+       residency_.tier_name(), static_cast<long long>(session->layer_tokens(0)), config.layers);
+  return session;
+}
+
+SessionStore::RebalanceReport SessionStore::Rebalance() {
+  RebalanceReport report;
+  if (!residency_.has_tier()) return report;
+  for (const std::string& id : residency_.TakeDisowned()) {
+    // Another daemon claimed it: this copy goes, without a tombstone.
+    std::lock_guard<std::mutex> lock(mutex_);
+    Erase(id);
+  }
+  {
+    // Sessions a shared tier claimed by itself (a stacked daemon's copies on
+    // its disk, once the lease of its run before lapsed), one claim at a
+    // time with calls' takeovers.
+    std::lock_guard<std::mutex> claiming(claim_mutex_);
+    for (TierSession& image : residency_.TakeClaimed()) {
+      const std::string id = image.header.id;
+      bool kept_on_tier = false;
+      if (absl::Status status = RegisterDemoted(std::move(image), absl::Now(), &kept_on_tier); !status.ok()) {
+        Logf(LogLevel::kWarning, "session %s, claimed from the %s tier, is not registered: %s", id.c_str(),
+             residency_.tier_name(), std::string(status.message()).c_str());
+      }
+    }
+  }
+  residency_.RewriteLost();
+  std::vector<std::shared_ptr<SessionCache>> sessions = List();
+  // Write-through that the request path left for later (its queue was full).
+  for (const std::shared_ptr<SessionCache>& session : sessions) {
+    std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
+    if (lock.owns_lock() && !residency_.WriteThrough(*session, false).ok()) break;
+  }
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a->last_used() < b->last_used(); });
+  const double budget = static_cast<double>(pool_.budget_bytes());
+  if (static_cast<double>(pool_.used_bytes()) > options_.high_watermark * budget) {
+    for (const std::shared_ptr<SessionCache>& session : sessions) {
+      if (static_cast<double>(pool_.used_bytes()) <= options_.low_watermark * budget) break;
+      std::unique_lock<std::mutex> lock(session->mutex(), std::try_to_lock);
+      if (!lock.owns_lock() || session->gone() || !session->resident() || session->config().pinned ||
+          session->in_call()) {
+        continue;
+      }
+      if (absl::Status status = residency_.Demote(*session); !status.ok()) {
+        report.error = status;
+        break;
+      }
+      ++report.demoted;
+    }
+  }
+  const TierStats stats = residency_.Stats().tier;
+  const double tier_budget = static_cast<double>(stats.budget_bytes);
+  int64_t live = stats.live_bytes + stats.queued_bytes;
+  if (static_cast<double>(live) > options_.high_watermark * tier_budget) {
+    // The oldest sessions on disk only go, whole, until the tier is under
+    // its low watermark.
+    for (const std::shared_ptr<SessionCache>& session : sessions) {
+      if (static_cast<double>(live) <= options_.low_watermark * tier_budget) break;
+      std::unique_lock<std::mutex> session_lock(session->mutex(), std::try_to_lock);
+      if (!session_lock.owns_lock() || session->gone() || session->resident()) continue;
+      live -= static_cast<int64_t>(residency_.TierBytes(*session));
+      std::lock_guard<std::mutex> lock(mutex_);
+      Drop(session.get());
+      RememberGone(*session, TierDropReason(residency_.tier_name()), &disk_drops_);
+      report.dropped.push_back(session->id());
+    }
+  }
+  return report;
+}
+
+PrefixIndex::Holding SessionStore::DemotedHolding(const SessionCache& session, const TierSession& image) const {
+  std::vector<int64_t> tokens;
+  for (const TierLayer& layer : image.layers) tokens.push_back(layer.tokens);
+  PrefixIndex::Holding holding = HoldingOf(session, image.named, tokens);
+  holding.medium = residency_.tier_name();
+  return holding;
+}
+
+absl::Status SessionStore::RegisterDemoted(TierSession image, absl::Time now, bool* kept_on_tier) {
+  *kept_on_tier = false;
+  SessionConfig config = image.header.config;
+  config.pinned = image.pinned;
+  auto session = std::make_shared<SessionCache>(image.header.id, image.header.tenant, config, image.header.created);
+  session->Touch(now);
+  PrefixIndex::Holding holding = DemotedHolding(*session, image);
+  Residency::Adopt(*session, std::move(image));
+  absl::Status inserted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (sessions_.count(session->id()) != 0) {
+      return absl::AlreadyExistsError("its snapshot holds it whole");
+    }
+    inserted = Insert(session);
+    if (inserted.ok()) prefix_index_.Set(session->id(), std::move(holding));
+  }
+  if (!inserted.ok()) {
+    // A shared tier keeps it for a later claim; a local one's records die
+    // with their handles.
+    *kept_on_tier = residency_.LetGo(*session);
+  }
+  return inserted;
+}
+
+absl::StatusOr<TierScanReport> SessionStore::LoadTier(absl::Time now) {
+  absl::StatusOr<TierScanReport> report = residency_.Scan();
+  if (!report.ok()) return report.status();
+  std::vector<TierSession> sessions = std::move(report->sessions);
+  report->sessions.clear();
+  for (const auto& [id, status] : report->damaged) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
+  for (TierSession& image : sessions) {
+    const std::string id = image.header.id;
+    bool kept_on_tier = false;
+    absl::Status status = RegisterDemoted(std::move(image), now, &kept_on_tier);
+    if (status.ok()) {
+      ++report->loaded;
+    } else if (!absl::IsAlreadyExists(status)) {
+      report->damaged.emplace_back(id, status);
+      // Lost, unless the tier still holds it for a later claim.
+      if (!kept_on_tier) damaged_[id] = absl::StrCat("from the spill tier: ", status.message());
+    }
+  }
+  return report;
 }
 
 }  // namespace turbokv

@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <condition_variable>
 #include <deque>
 #include <map>
 #include <functional>
@@ -14,7 +13,6 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -27,6 +25,7 @@
 #include "service/store/layer_cache.h"
 #include "service/store/page_pool.h"
 #include "service/store/prefix_index.h"
+#include "service/store/residency.h"
 #include "service/store/session_cache.h"
 #include "service/store/tiers/tier.h"
 
@@ -112,14 +111,6 @@ struct StoreOptions {
   absl::Duration promotion_patience = absl::Seconds(5);
 };
 
-// What a session's metadata (its object, layer tables and codecs, and each
-// layer's sink page and transform) costs in memory outside its pages:
-// charged to the budget like pages.
-size_t SessionMetadataBytes(const SessionConfig& config);
-// The part of it that forks share, as they share pages: the codecs and each
-// layer's sink page and transform (SessionCache's shared charge).
-size_t SessionSharedMetadataBytes(const SessionConfig& config);
-
 struct SnapshotReport {
   int64_t sessions = 0;  // written, or loaded
   int64_t bytes = 0;
@@ -131,10 +122,10 @@ struct SnapshotReport {
   std::vector<std::string> unverified;
 };
 
-class SessionStore {
+class SessionStore : private ResidencyHost {
  public:
   // tier: where sessions are demoted to and sealed pages written through
-  // (null: none, memory only).
+  // (null: none, memory only); Residency owns it.
   explicit SessionStore(const StoreOptions& options, std::unique_ptr<Tier> tier = nullptr);
   ~SessionStore();
   SessionStore(const SessionStore&) = delete;
@@ -186,7 +177,7 @@ class SessionStore {
                                   absl::Span<const std::string> hashes, absl::Time now);
   const PrefixIndex& prefix_index() const { return prefix_index_; }
 
-  std::vector<std::shared_ptr<SessionCache>> List() const;
+  std::vector<std::shared_ptr<SessionCache>> List() const override;
 
   // Makes room for `bytes` more. With kLru it first proves that evicting
   // least recently used idle sessions other than those in `held` (whose
@@ -197,53 +188,20 @@ class SessionStore {
   // race to another session; callers retry. With `calls_hold_it`, says
   // whether a refusal passed over sessions in calls (their locks held, or a
   // stream open on them), so that waiting for them may help.
-  absl::Status MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held, bool* calls_hold_it = nullptr);
+  absl::Status MakeRoom(size_t bytes, absl::Span<const SessionCache* const> held,
+                        bool* calls_hold_it = nullptr) override;
 
   // Deletes sessions idle longer than their TTL; returns how many.
   int ExpireIdle(absl::Time now);
 
-  // With a spill tier (all OK and no-ops without one):
-  // Brings a demoted session (whose mutex the caller holds) back into
-  // memory, making room as MakeRoom does (demoting others, never those in
-  // `held`). DATA_LOSS when a record fails its CRC, RESOURCE_EXHAUSTED
-  // naming both tiers when memory cannot take it. Reads layers on `pool`
-  // when given. Promotions take turns, first come first served: one that
-  // finds the room held by sessions in calls waits for them, until
-  // `deadline` (its call's; absl::InfiniteFuture(): for
-  // StoreOptions::promotion_patience), and later promotions wait behind it.
-  absl::Status Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
-                       ThreadPool* pool = nullptr, absl::Time deadline = absl::InfiniteFuture());
-  // Queues the session's sealed pages that are not on the tier yet (under
-  // its mutex); with !force only while the writer's queue has room.
-  absl::Status WriteThrough(SessionCache& session, bool force);
-  // Writes the session's sealed pages and tail and drops its memory (under
-  // its mutex). The error says why it stays in memory.
-  absl::Status Demote(SessionCache& session);
-  // Truncates every layer of the session (under its mutex) to n tokens and
-  // records it on the tier. With a tier that holds every append, once the
-  // tier has it; an error (the tier down) leaves the session truncated here
-  // while the tier may still hold the tokens.
+  // Where the sessions' pages are below memory: the tier chain, demotion,
+  // promotion, write-through and acknowledgement of new tokens.
+  Residency& residency() { return residency_; }
+
+  // Truncates every layer of the session (under its mutex) to n tokens
+  // (Residency::Truncate), its own metadata charged when it no longer shares
+  // a fork's sinks.
   absl::Status Truncate(SessionCache& session, int64_t n);
-  // New tokens of a layer of a session: those past undo.tokens, which
-  // Apply gave with what it replaced.
-  struct LayerGrowth {
-    int layer = 0;
-    LayerCache::Undo undo;
-  };
-  // Makes a call's new tokens (under the session's mutex) as durable as
-  // the tier promises, before the call answers. With a tier that holds every
-  // append: queues the pages they sealed and their slots of each layer's
-  // partly filled last page, then waits until the tier has them; on an
-  // error every layer is restored as it was (Restore) and the tier's error is
-  // returned (the tokens may be on the tier or not: appending them again
-  // is safe). Otherwise the sealed pages are queued behind the call (or
-  // later, by the background pass, when the writer's queue is full) and it
-  // returns OK. In two halves for calls on many sessions: queue them all,
-  // then wait for each.
-  using TierWrites = std::vector<std::shared_ptr<TierRecord>>;
-  absl::StatusOr<TierWrites> QueueNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth);
-  absl::Status AwaitNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth,
-                              const absl::StatusOr<TierWrites>& queued);
   // The background pass: drops the copies of sessions another daemon
   // claimed from a shared tier, catches up on write-through, demotes idle
   // sessions above the memory high watermark, drops the oldest sessions on
@@ -254,16 +212,9 @@ class SessionStore {
     absl::Status error;                // why a demotion failed, if one did
   };
   RebalanceReport Rebalance();
-  // Writes every resident session's tail and manifest and syncs the tier
-  // (the drain): a restart on the same spill dir finds them whole.
-  absl::Status FlushTier(absl::Time deadline);
   // Registers the sessions the tier held at start (on disk only); a
   // session already loaded from a snapshot keeps the snapshot's state.
   absl::StatusOr<TierScanReport> LoadTier(absl::Time now);
-  // Under the session's mutex: the bytes of its records on the tier.
-  size_t TierBytes(const SessionCache& session);
-  Tier* tier() { return tier_.get(); }
-  SharedTier* shared_tier() { return shared_; }  // the tier, when it is shared (else null)
 
   // Writes every session to options().snapshot_dir (each atomically; pages
   // are shared with a frozen copy under the session's mutex and written
@@ -334,65 +285,18 @@ class SessionStore {
   // Under the session's mutex: empties it, returns its bytes to the pool
   // and (with a tier) writes its tombstone.
   void Drop(SessionCache* session);
-  // Codecs and empty layers for the session, its metadata charged.
-  absl::Status Materialize(SessionCache& session);
-  // Promote's one attempt, its turn come: makes room for `bytes` and loads
-  // the session; *calls_hold_it as MakeRoom's.
-  absl::Status PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
-                          ThreadPool* pool, bool* calls_hold_it);
-  // The session's state on the tier: each layer's sealed pages that have
-  // records, in order, and (with tails) its partly filled last page,
-  // written now. Under the session's mutex.
-  absl::StatusOr<TierSession> TierImage(const SessionCache& session, bool tails);
-  // Writes the session (under its mutex) to the tier again: the tier lost
-  // its records. In memory: every sealed page in a new record after a new
-  // manifest. Demoted: every page read back from the tier (a stacked
-  // daemon's copy on its disk) and put again, then a manifest of them. OK
-  // once the tier holds it all.
-  absl::Status Rewrite(SessionCache& session);
-  absl::Status RewriteDemoted(SessionCache& session);
-  // The sessions the tier lost the records of since the last call, into
-  // lost_ (under mutex_ inside).
-  void NoteLost();
-  // Whether the session (under its mutex) is in lost_: taken out of it, and
-  // written again, or put back if that fails.
-  absl::Status RewriteIfLost(SessionCache& session);
-  // Writes a manifest of the session's sealed pages (under its mutex), and
-  // of its tails when the tier holds every append; the error of writing a
-  // tail.
-  absl::Status WriteTierManifest(SessionCache& session);
-  // Under the session's mutex: the records of its pages, held so that
-  // pages a truncation drops go from the tier only after the manifest that
-  // follows it (their deletes queue behind it).
-  std::vector<std::shared_ptr<TierRecord>> HoldRecords(SessionCache& session);
-  // Under the session's mutex, after its layers were cut back: a partly
-  // filled last page that only this session holds is written in place from
-  // now on, so it is not its record any more.
-  void ForgetPartialRecords(SessionCache& session);
-  // Records that the session's latest manifest holds its layers' current
-  // transforms and sinks.
-  static void NoteManifestExtras(SessionCache& session);
-  // Queues a record of the page on the tier (Tier::PutPage), its bytes read
-  // through the backend.
-  absl::StatusOr<std::shared_ptr<TierRecord>> PutPage(const PageKey& key, const LayerCache& layer, const Page& page,
-                                                      bool force);
-  // The key of a page record of the session.
-  static PageKey Key(const SessionCache& session, int layer, int index, int tokens);
-
+  // ResidencyHost's: codecs and empty layers for the session, its metadata
+  // charged; the session of an id in the map, or null.
+  absl::Status Materialize(SessionCache& session) override;
+  std::shared_ptr<SessionCache> Held(const std::string& id) const override;
   const StoreOptions options_;
   std::unique_ptr<Backend> own_backend_;  // when options_.backend is null
   PagePool pool_;
-  std::unique_ptr<Tier> tier_;
-  SharedTier* const shared_;  // tier_, when it is shared with other daemons
-  // A shared tier that holds every append (SharedTier::holds_every_append).
-  bool HoldsEveryAppend() const { return shared_ != nullptr && shared_->holds_every_append(); }
   PrefixIndex prefix_index_;  // its entries change under mutex_ (after the sessions' map)
-  std::mutex records_mutex_;  // guards Page::record
+  Residency residency_;
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<SessionCache>> sessions_;
   std::unordered_map<std::string, int64_t> tenant_sessions_;
-  // Ids of sessions whose records the tier lost, not yet written again.
-  std::unordered_set<std::string> lost_;
   // Ids evicted or expired (the most recent kRememberedGone): tenant and why.
   std::unordered_map<std::string, std::pair<std::string, std::string>> gone_reasons_;
   std::deque<std::string> gone_order_;
@@ -402,14 +306,7 @@ class SessionStore {
   std::mutex claim_mutex_;  // one TakeOver at a time; taken before mutex_
   std::atomic<int64_t> lru_evictions_{0};
   std::atomic<int64_t> ttl_expiries_{0};
-  std::atomic<int64_t> demotions_{0};
-  std::atomic<int64_t> promotions_{0};
   std::atomic<int64_t> disk_drops_{0};
-  // Promotions in line, first come first served: their tickets.
-  std::mutex line_mutex_;
-  std::condition_variable line_turn_;
-  std::deque<uint64_t> line_;
-  uint64_t tickets_ = 0;
 };
 
 }  // namespace turbokv

@@ -104,17 +104,17 @@ void WriteBatch::Undo() {
 }
 
 std::vector<absl::Status> WriteBatch::Commit() {
-  std::vector<std::vector<SessionStore::LayerGrowth>> growth(adds_.size());
+  std::vector<std::vector<Residency::LayerGrowth>> growth(adds_.size());
   for (size_t a = 0; a < adds_.size(); ++a) {
     for (size_t w = adds_[a]; w < AddEnd(a); ++w) growth[a].push_back({writes_[w].layer, writes_[w].undo});
   }
-  std::vector<absl::StatusOr<SessionStore::TierWrites>> queued;
+  std::vector<absl::StatusOr<Residency::TierWrites>> queued;
   for (size_t a = 0; a < adds_.size(); ++a) {
-    queued.push_back(store_.QueueNewTokens(*writes_[adds_[a]].session, growth[a]));
+    queued.push_back(store_.residency().QueueNewTokens(*writes_[adds_[a]].session, growth[a]));
   }
   std::vector<absl::Status> status(writes_.size());
   for (size_t a = 0; a < adds_.size(); ++a) {
-    const absl::Status add = store_.AwaitNewTokens(*writes_[adds_[a]].session, growth[a], queued[a]);
+    const absl::Status add = store_.residency().AwaitNewTokens(*writes_[adds_[a]].session, growth[a], queued[a]);
     for (size_t w = adds_[a]; w < AddEnd(a); ++w) status[w] = add;
   }
   return status;

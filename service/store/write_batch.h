@@ -70,7 +70,7 @@ class WriteBatch {
   // Puts the layers back as they were before Apply.
   void Undo();
   // Makes each Add's new tokens as durable as the tier promises
-  // (SessionStore::QueueNewTokens, then AwaitNewTokens: every Add's queued
+  // (Residency::QueueNewTokens, then AwaitNewTokens: every Add's queued
   // before any is waited for). A status per write, its Add's; an Add the
   // tier did not take is undone in its layers.
   std::vector<absl::Status> Commit();

@@ -107,7 +107,7 @@ class LayerCodecsTest : public ::testing::TestWithParam<std::string> {
     EXPECT_TRUE(session.ok()) << session.status();
     std::lock_guard<std::mutex> lock((*session)->mutex());
     const SessionCache* held[] = {session->get()};
-    EXPECT_TRUE(store_->Promote(**session, held, &pool_).ok());
+    EXPECT_TRUE(store_->residency().Promote(**session, held, &pool_).ok());
     const LayerCache& cache = (*session)->layers()[layer];
     std::string bytes;
     for (const std::shared_ptr<Page>& page : cache.pages()) {
@@ -261,9 +261,9 @@ TEST_P(LayerCodecsTest, EachLayerOfAMixedSessionIsItsCodecsSingleSession) {
     auto session = store_->Find(id, "", absl::Now());
     ASSERT_TRUE(session.ok());
     std::lock_guard<std::mutex> lock((*session)->mutex());
-    ASSERT_TRUE(store_->Demote(**session).ok());
+    ASSERT_TRUE(store_->residency().Demote(**session).ok());
   }
-  ASSERT_TRUE(store_->FlushTier(absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(store_->residency().Flush(absl::InfiniteFuture()).ok());
   Reopen(/*spill=*/true);  // found again by the new store's scan of the segments
   EXPECT_EQ(Info(mixed).config().layer_codecs_size(), 2);
   for (int l = 0; l < kLayers; ++l) same(mixed, single[l], l, 50, "after the spill tier");
@@ -699,10 +699,10 @@ TEST_P(StorageTest, SinksAndTransformSurviveForkTruncateSnapshotsAndTheSpillTier
     auto session = store_->Find(id, "", absl::Now());
     ASSERT_TRUE(session.ok());
     std::lock_guard<std::mutex> lock((*session)->mutex());
-    ASSERT_TRUE(store_->Demote(**session).ok());
+    ASSERT_TRUE(store_->residency().Demote(**session).ok());
   }
   EXPECT_EQ(Info(id).transformed_layers(), kLayers);  // said while on disk
-  ASSERT_TRUE(store_->FlushTier(absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(store_->residency().Flush(absl::InfiniteFuture()).ok());
   Reopen(/*spill=*/true);
   EXPECT_EQ(Read(id, kLayers), before);
   for (int l = 0; l < kLayers; ++l) EXPECT_EQ(Attend(id, l, q, n - 1).result().output().data(), outputs[l]);
@@ -836,9 +836,9 @@ TEST_P(StorageTest, ShortPromptsAreHeldExactUntilTheFirstPageFills) {
     auto session = store_->Find(id, "", absl::Now());
     ASSERT_TRUE(session.ok());
     std::lock_guard<std::mutex> lock((*session)->mutex());
-    ASSERT_TRUE(store_->Demote(**session).ok());
+    ASSERT_TRUE(store_->residency().Demote(**session).ok());
   }
-  ASSERT_TRUE(store_->FlushTier(absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(store_->residency().Flush(absl::InfiniteFuture()).ok());
   Reopen(/*spill=*/true);
   check("from the spill tier");
 

@@ -115,7 +115,7 @@ SessionConfig Config() {
 // handler does: the pages it seals are written through.
 void Append(SessionStore& store, SessionCache& session, int64_t n, uint64_t seed) {
   std::lock_guard<std::mutex> lock(session.mutex());
-  ASSERT_TRUE(store.Promote(session, {&session}).ok());
+  ASSERT_TRUE(store.residency().Promote(session, {&session}).ok());
   for (int l = 0; l < kLayers; ++l) {
     LayerCache& layer = session.layers()[l];
     const auto k = GaussianVectors(n * kHeads, kDim, seed + l), v = GaussianVectors(n * kHeads, kDim, seed + 10 + l);
@@ -124,7 +124,7 @@ void Append(SessionStore& store, SessionCache& session, int64_t n, uint64_t seed
     auto appended = layer.Append(layer.tokens(), n, k.data(), v.data());
     ASSERT_TRUE(appended.ok()) << appended.status();
   }
-  EXPECT_TRUE(store.WriteThrough(session, false).ok());
+  EXPECT_TRUE(store.residency().WriteThrough(session, false).ok());
 }
 
 SpillTest::RoomHeld SpillTest::HoldTheRoom(const std::string& name) {
@@ -143,7 +143,7 @@ SpillTest::RoomHeld SpillTest::HoldTheRoom(const std::string& name) {
   Append(*r.s.store, *r.waiting, 200, 1);
   {
     std::lock_guard<std::mutex> lock(r.waiting->mutex());
-    EXPECT_TRUE(r.s.store->Demote(*r.waiting).ok());
+    EXPECT_TRUE(r.s.store->residency().Demote(*r.waiting).ok());
   }
   auto busy = r.s.store->Create(Config(), "tenant", absl::Now());
   EXPECT_TRUE(busy.ok());
@@ -156,7 +156,7 @@ SpillTest::RoomHeld SpillTest::HoldTheRoom(const std::string& name) {
 std::vector<float> Contents(SessionStore& store, SessionCache& session) {
   std::lock_guard<std::mutex> lock(session.mutex());
   const SessionCache* held[] = {&session};
-  const absl::Status promoted = store.Promote(session, held);
+  const absl::Status promoted = store.residency().Promote(session, held);
   EXPECT_TRUE(promoted.ok()) << promoted;
   std::vector<float> out;
   if (!promoted.ok()) return out;
@@ -186,11 +186,11 @@ TEST_P(SpillTest, DemotionDropsMemoryAndPromotionBringsItBackBitExact) {
   const size_t used = s.store->pool().used_bytes();
   {
     std::lock_guard<std::mutex> lock((*session)->mutex());
-    ASSERT_TRUE(s.store->Demote(**session).ok());
+    ASSERT_TRUE(s.store->residency().Demote(**session).ok());
     EXPECT_FALSE((*session)->resident());
     EXPECT_EQ((*session)->bytes_used(), 0u);
     EXPECT_EQ((*session)->tokens(), 2 * 200);
-    EXPECT_GT(s.store->TierBytes(**session), 0u);
+    EXPECT_GT(s.store->residency().TierBytes(**session), 0u);
   }
   EXPECT_LT(s.store->pool().used_bytes(), used / 10);
   EXPECT_EQ(Contents(*s.store, **session), before);
@@ -215,7 +215,7 @@ TEST_P(SpillTest, NamedBlocksOutliveADemotionAndARestart) {
     {
       std::lock_guard<std::mutex> lock((*storer)->mutex());
       ASSERT_TRUE(s.store->NameBlocks(**storer, 0, absl::MakeConstSpan(hashes).subspan(0, 2)).ok());
-      ASSERT_TRUE(s.store->Demote(**storer).ok());
+      ASSERT_TRUE(s.store->residency().Demote(**storer).ok());
     }
     // The demoted holder is promoted for the attach.
     auto attached = s.store->Attach(Config(), true, "tenant", hashes, absl::Now());
@@ -223,7 +223,7 @@ TEST_P(SpillTest, NamedBlocksOutliveADemotionAndARestart) {
     EXPECT_EQ(attached->tokens, 2 * kPage);
     prefix = Contents(*s.store, *attached->session);
     EXPECT_EQ(prefix.size(), 2u * kLayers * 2 * kPage * kHeads * kDim);
-    ASSERT_TRUE(s.store->FlushTier(absl::Now() + absl::Seconds(30)).ok());
+    ASSERT_TRUE(s.store->residency().Flush(absl::Now() + absl::Seconds(30)).ok());
   }
   Store s = OpenStore(dir);
   EXPECT_EQ(s.store->prefix_index().blocks(), 2u);
@@ -274,9 +274,9 @@ TEST_P(SpillTest, ARestartFindsEverySealedPageAndAFlushedTail) {
     {
       // b's tail is written (as the drain does for all).
       std::lock_guard<std::mutex> lock((*b)->mutex());
-      ASSERT_TRUE(s.store->Demote(**b).ok());
+      ASSERT_TRUE(s.store->residency().Demote(**b).ok());
     }
-    ASSERT_TRUE(s.store->tier()->Sync().ok());
+    ASSERT_TRUE(s.store->residency().tier()->Sync().ok());
   }  // no drain: a crash, as far as the tails of a and c go
   Store s = OpenStore(dir);
   EXPECT_EQ(s.scan.loaded, 4);
@@ -317,7 +317,7 @@ TEST_P(SpillTest, TornAndForeignRecordsAreSkippedAndFailOnlyTheirSession) {
     Append(*s.store, **b, 128, 2);
     good = (*a)->id();
     other = (*b)->id();
-    ASSERT_TRUE(s.store->tier()->Sync().ok());
+    ASSERT_TRUE(s.store->residency().tier()->Sync().ok());
   }
   const std::vector<std::string> segments = Segments(dir);
   ASSERT_FALSE(segments.empty());
@@ -371,8 +371,8 @@ TEST_P(SpillTest, AMissingPageCutsOnlyItsLayer) {
     Append(*s.store, **session, 130, 1);
     id = (*session)->id();
     std::lock_guard<std::mutex> lock((*session)->mutex());
-    ASSERT_TRUE(s.store->Demote(**session).ok());  // the tails (2 tokens) are written now
-    ASSERT_TRUE(s.store->tier()->Sync().ok());
+    ASSERT_TRUE(s.store->residency().Demote(**session).ok());  // the tails (2 tokens) are written now
+    ASSERT_TRUE(s.store->residency().tier()->Sync().ok());
   }
   // Walk the records: the page record of layer 0, index 0 gets a flipped byte.
   bool damaged = false;
@@ -460,7 +460,7 @@ TEST_P(SpillTest, APromotionWaitsForTheCallHoldingItsRoom) {
   {
     std::lock_guard<std::mutex> lock((*waiting)->mutex());
     const SessionCache* held[] = {waiting->get()};
-    const absl::Status promoted = s.store->Promote(**waiting, held);
+    const absl::Status promoted = s.store->residency().Promote(**waiting, held);
     EXPECT_TRUE(promoted.ok()) << promoted;
     EXPECT_TRUE((*waiting)->resident());
   }
@@ -487,12 +487,12 @@ TEST_P(SpillTest, APromotionWaitsForRoomUntilItsCallsDeadline) {
   std::lock_guard<std::mutex> lock((*waiting)->mutex());
   const SessionCache* held[] = {waiting->get()};
   absl::Time start = absl::Now();
-  const absl::Status hurried = s.store->Promote(**waiting, held, nullptr, start + absl::Milliseconds(200));
+  const absl::Status hurried = s.store->residency().Promote(**waiting, held, nullptr, start + absl::Milliseconds(200));
   EXPECT_EQ(hurried.code(), absl::StatusCode::kResourceExhausted) << hurried;
   EXPECT_TRUE(absl::StrContains(hurried.message(), "for the calls holding memory to end")) << hurried;
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
   start = absl::Now();
-  const absl::Status patient = s.store->Promote(**waiting, held, nullptr, start + absl::Seconds(30));
+  const absl::Status patient = s.store->residency().Promote(**waiting, held, nullptr, start + absl::Seconds(30));
   EXPECT_TRUE(patient.ok()) << patient;
   EXPECT_TRUE((*waiting)->resident());
   ends.join();
@@ -514,7 +514,7 @@ TEST_P(SpillTest, BothTiersFullIsResourceExhaustedNamingBoth) {
     const SessionCache* held[] = {session->get()};
     last = s.store->MakeRoom(layer.BytesToAppend(0, 250), held);
     if (last.ok()) last = layer.Append(0, 250, k.data(), k.data()).status();
-    s.store->WriteThrough(**session, false).IgnoreError();
+    s.store->residency().WriteThrough(**session, false).IgnoreError();
   }
   ASSERT_FALSE(last.ok());
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
@@ -548,7 +548,7 @@ TEST_P(SpillTest, TheBackgroundPassDemotesAboveTheWatermarkAndDropsTheOldestOnDi
   EXPECT_LE(static_cast<double>(s.store->pool().used_bytes()), 0.8 * memory);
   ASSERT_FALSE(report.dropped.empty());
   EXPECT_EQ(report.dropped.front(), sessions.front()->id());
-  const TierStats stats = s.store->tier()->Stats();
+  const TierStats stats = s.store->residency().tier()->Stats();
   EXPECT_LE(static_cast<double>(stats.live_bytes + stats.queued_bytes), 0.8 * disk);
   auto gone = s.store->Find(sessions.front()->id(), "", absl::Now());
   ASSERT_FALSE(gone.ok());
@@ -585,11 +585,11 @@ TEST_P(SpillTest, SegmentsOfMostlyDeadRecordsAreCompacted) {
         ASSERT_TRUE(s.store->Delete(sessions[i]->id(), "").ok());
       }
     }
-    TierStats stats = s.store->tier()->Stats();
+    TierStats stats = s.store->residency().tier()->Stats();
     for (absl::Time until = absl::Now() + absl::Seconds(10);
          stats.bytes * 3 > stats.live_bytes * 4 + 3 * (2 << 20) && absl::Now() < until;
          absl::SleepFor(absl::Milliseconds(20))) {
-      stats = s.store->tier()->Stats();
+      stats = s.store->residency().tier()->Stats();
     }
     EXPECT_GT(stats.compactions, 0);
     // 4/3 of the live records, plus two segments: the active one (its dead
@@ -601,7 +601,7 @@ TEST_P(SpillTest, SegmentsOfMostlyDeadRecordsAreCompacted) {
       ASSERT_TRUE(session.ok());
       {
         std::lock_guard<std::mutex> lock((*session)->mutex());
-        ASSERT_TRUE(s.store->Demote(**session).ok());
+        ASSERT_TRUE(s.store->residency().Demote(**session).ok());
       }
       EXPECT_EQ(Contents(*s.store, **session), contents[k]);
     }

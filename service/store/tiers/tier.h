@@ -245,7 +245,7 @@ class SharedTier : public Tier {
   // FAILED_PRECONDITION when another daemon has claimed the session; OK otherwise.
   virtual absl::Status Owned(const std::string& id) const = 0;
   // Lets go of every session this daemon holds on the tier (the drain,
-  // after the store's FlushTier): another daemon may claim them at once.
+  // after Residency::Flush): another daemon may claim them at once.
   virtual absl::Status ReleaseAll() = 0;
 };
 
