@@ -467,7 +467,7 @@ void Server::SetDeviceHealth() {
 
 void Server::SetTierHealth() {
   if (options_.tiers.redis_url.empty()) return;
-  const bool up = store_->residency().tier()->Health().ok();
+  const bool up = store_->residency().Health().ok();
   for (grpc::Server* server : {server_.get(), health_server_.get()}) {
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(kRemoteTierService, up);
   }
@@ -494,7 +494,7 @@ void Server::ExpireLoop() {
     const SessionStore::RebalanceReport rebalanced = store_->Rebalance();
     for (const std::string& id : rebalanced.dropped) {
       Logf(LogLevel::kWarning, "session %s dropped: the %s tier is over its high watermark", id.c_str(),
-           store_->residency().tier()->name());
+           store_->residency().tier_name());
     }
     SetTierHealth();
     SetDeviceHealth();
@@ -560,13 +560,13 @@ absl::Status Server::Shutdown(absl::Duration deadline, absl::Duration snapshot_d
   if (shared_memory_ != nullptr) shared_memory_->Stop();  // no call runs any more
   if (expiry_thread_.joinable()) expiry_thread_.join();
   absl::Status status;
-  if (store_ != nullptr && store_->residency().tier() != nullptr) {
+  if (store_ != nullptr && store_->residency().has_tier()) {
     // Every session's unsealed tail joins its sealed pages on the tier: a
     // restart on the same spill dir finds it whole, and on Redis, any
     // daemon does, once its lease is let go.
     status = store_->residency().Flush(absl::Now() + snapshot_deadline);
     if (!status.ok()) {
-      Logf(LogLevel::kError, "%s tier not flushed: %s", store_->residency().tier()->name(), std::string(status.message()).c_str());
+      Logf(LogLevel::kError, "%s tier not flushed: %s", store_->residency().tier_name(), std::string(status.message()).c_str());
     }
     SharedTier* shared = store_->residency().shared_tier();
     if (absl::Status released = shared != nullptr ? shared->ReleaseAll() : absl::OkStatus(); !released.ok()) {

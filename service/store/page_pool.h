@@ -20,8 +20,8 @@ struct Page {
   uint8_t* data = nullptr;  // on the backend: host or device memory
   size_t bytes = 0;
   // The record of this page on the spill tier, once it is sealed (full) and
-  // queued there; shared by every session holding the page. Guarded by the
-  // store (Residency::WriteThrough).
+  // queued there; shared by every session holding the page. Guarded by
+  // Residency's records mutex (Residency::WriteThrough).
   std::shared_ptr<TierRecord> record;
 };
 

@@ -36,17 +36,20 @@ ResidencyStats Residency::Stats() const {
   stats.demotions = demotions_.load();
   stats.promotions = promotions_.load();
   if (tier_ != nullptr) {
-    stats.tier = tier_->Stats();
+    stats.tier = TierUse();
     for (const Tier* part : tier_->Parts()) stats.tier_parts.push_back(part->Stats());
   }
   return stats;
 }
 
+TierStats Residency::TierUse() const { return tier_ != nullptr ? tier_->Stats() : TierStats(); }
+
 absl::Status Residency::Health() const { return tier_ != nullptr ? tier_->Health() : absl::OkStatus(); }
 
 void Residency::Forget(SessionCache& session) {
   if (tier_ != nullptr && session.on_tier()) tier_->PutTombstone(session.id(), session.tenant());
-  session.tier_ = SessionCache::TierState();
+  session.tier_.manifest.reset();
+  session.tier_.demoted.reset();
 }
 
 void Residency::Adopt(SessionCache& session, TierSession image) {
@@ -57,7 +60,6 @@ void Residency::Adopt(SessionCache& session, TierSession image) {
 bool Residency::LetGo(SessionCache& session) {
   if (shared_ == nullptr || session.tier_.demoted == nullptr) return false;
   shared_->LetGo(std::move(*session.tier_.demoted));
-  session.tier_ = SessionCache::TierState();
   return true;
 }
 
@@ -98,7 +100,7 @@ PageKey Residency::Key(const SessionCache& session, int layer, int index, int to
 }
 
 absl::StatusOr<std::shared_ptr<TierRecord>> Residency::PutPage(const PageKey& key, const LayerCache& layer,
-                                                                  const Page& page, bool force) {
+                                                               const Page& page, bool force) {
   absl::StatusOr<std::shared_ptr<TierRecord>> record;
   absl::Status read = backend_.ReadPage(layer.page_format(), page.data, [&](absl::string_view bytes) {
     record = tier_->PutPage(key, bytes, force);
@@ -148,7 +150,7 @@ absl::Status Residency::WriteThrough(SessionCache& session, bool force) {
 }
 
 absl::StatusOr<Residency::TierWrites> Residency::QueueNewTokens(SessionCache& session,
-                                                                     absl::Span<const LayerGrowth> growth) {
+                                                                absl::Span<const LayerGrowth> growth) {
   TierWrites writes;
   if (tier_ == nullptr || !session.resident() || session.gone()) return writes;
   if (!HoldsEveryAppend()) {
@@ -205,7 +207,7 @@ absl::StatusOr<Residency::TierWrites> Residency::QueueNewTokens(SessionCache& se
 }
 
 absl::Status Residency::AwaitNewTokens(SessionCache& session, absl::Span<const LayerGrowth> growth,
-                                          const absl::StatusOr<TierWrites>& queued) {
+                                       const absl::StatusOr<TierWrites>& queued) {
   absl::Status status = queued.status();
   for (size_t i = 0; status.ok() && i < queued->size(); ++i) {
     if ((*queued)[i] != nullptr) status = tier_->Wait(*(*queued)[i]);
@@ -389,7 +391,7 @@ absl::Status Residency::Demote(SessionCache& session) {
 }
 
 absl::Status Residency::Promote(SessionCache& session, absl::Span<const SessionCache* const> held,
-                                   ThreadPool* pool, absl::Time call_deadline) {
+                                ThreadPool* pool, absl::Time call_deadline) {
   if (session.resident()) return absl::OkStatus();
   const TierSession& image = *session.tier_.demoted;
   const SessionConfig& config = session.config();
@@ -451,7 +453,7 @@ absl::Status Residency::Promote(SessionCache& session, absl::Span<const SessionC
 }
 
 absl::Status Residency::PromoteNow(SessionCache& session, size_t bytes, absl::Span<const SessionCache* const> held,
-                                      ThreadPool* pool, bool* calls_hold_it) {
+                                   ThreadPool* pool, bool* calls_hold_it) {
   const TierSession& image = *session.tier_.demoted;
   if (absl::Status status = host_.MakeRoom(bytes, held, calls_hold_it); !status.ok()) {
     return absl::Status(status.code(), absl::StrCat("session ", ShowId(session.id()), " is on the ", tier_->name(),
@@ -680,11 +682,16 @@ void Residency::RewriteLost() {
     ids.assign(lost_.begin(), lost_.end());
   }
   for (const std::string& id : ids) {
-    std::shared_ptr<SessionCache> session = host_.Held(id);
-    if (session == nullptr) {
+    std::shared_ptr<SessionCache> session;
+    {
+      // Looked up and let go in one step: an id the tier hands over again
+      // meanwhile stays.
       std::lock_guard<std::mutex> lock(lost_mutex_);
-      lost_.erase(id);  // gone meanwhile: nothing to write
-      continue;
+      session = host_.Held(id);
+      if (session == nullptr) {
+        lost_.erase(id);  // gone meanwhile: nothing to write
+        continue;
+      }
     }
     std::lock_guard<std::mutex> lock(session->mutex());
     RewriteIfLost(*session).IgnoreError();  // logged; the next pass or call tries again

@@ -69,8 +69,8 @@ class Residency {
  public:
   // tier: where sessions are demoted to and sealed pages written through;
   // null for none (memory only): every call below is then OK and does
-  // nothing, except that Demote and Claim say there is no tier. The
-  // backend, index and host must outlive it.
+  // nothing, except that Demote and Claim say there is no tier and Truncate
+  // still cuts the layers. The backend, index and host must outlive it.
   Residency(std::unique_ptr<Tier> tier, const ResidencyOptions& options, Backend& backend, PrefixIndex& prefix_index,
             ResidencyHost& host);
   Residency(const Residency&) = delete;
@@ -87,8 +87,10 @@ class Residency {
   SharedTier* shared_tier() { return shared_; }
   // "disk", "redis" ("" without a tier).
   const char* tier_name() const { return tier_ != nullptr ? tier_->name() : ""; }
-  // Counters and the tier's use. Health: why a shared tier does not answer.
+  // Counters and the tier's use (TierUse: the tier's alone). Health: why a
+  // shared tier does not answer.
   ResidencyStats Stats() const;
+  TierStats TierUse() const;
   absl::Status Health() const;
 
   // A session's pages on the tier (all under the session's mutex).
@@ -221,6 +223,7 @@ class Residency {
   SharedTier* const shared_;  // tier_, when it is shared with other daemons
   std::mutex records_mutex_;  // guards Page::record
   // Ids of sessions whose records the tier lost, not yet written again.
+  // Taken before the store's mutex (RewriteLost looks ids up under it).
   std::mutex lost_mutex_;
   std::unordered_set<std::string> lost_;
   std::atomic<int64_t> demotions_{0};

@@ -28,7 +28,6 @@ size_t SessionSharedMetadataBytes(const SessionConfig& config) {
              LayerExtrasBytes(config.kv_heads, config.head_dim, config.sink_tokens, config.sink_codec);
 }
 
-
 SessionCache::SessionCache(std::string id, std::string tenant, const SessionConfig& config, absl::Time now)
     : id_(std::move(id)),
       tenant_(std::move(tenant)),

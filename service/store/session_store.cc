@@ -595,7 +595,7 @@ absl::Status SessionStore::MakeRoom(size_t bytes, absl::Span<const SessionCache*
   auto refuse = [&](const std::string& why, absl::StatusCode code = absl::StatusCode::kResourceExhausted) {
     std::string tier;
     if (residency_.has_tier()) {
-      const TierStats stats = residency_.Stats().tier;
+      const TierStats stats = residency_.TierUse();
       tier = absl::StrCat("; spill tier: ", stats.live_bytes + stats.queued_bytes, " bytes used of ",
                           stats.budget_bytes);
     }
@@ -766,7 +766,7 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
     std::lock_guard<std::mutex> lock(mutex_);
     Erase(id);
   }
-  {
+  if (residency_.shared_tier() != nullptr) {
     // Sessions a shared tier claimed by itself (a stacked daemon's copies on
     // its disk, once the lease of its run before lapsed), one claim at a
     // time with calls' takeovers.
@@ -805,7 +805,7 @@ SessionStore::RebalanceReport SessionStore::Rebalance() {
       ++report.demoted;
     }
   }
-  const TierStats stats = residency_.Stats().tier;
+  const TierStats stats = residency_.TierUse();
   const double tier_budget = static_cast<double>(stats.budget_bytes);
   int64_t live = stats.live_bytes + stats.queued_bytes;
   if (static_cast<double>(live) > options_.high_watermark * tier_budget) {

@@ -135,7 +135,7 @@ class RedisTier final : public SharedTier {
   // (logged once). Returns why, as calls on it are told.
   std::string Disown(SessionState& state, absl::string_view epoch_now);
   // Under mutex_: Redis lost the session's records (`why`), and its epoch is
-  // this daemon's again: logged, and in lost_ for the store (TakeLost).
+  // this daemon's again: logged, and in lost_ for Residency (TakeLost).
   void NoteLost(const std::shared_ptr<SessionState>& state, absl::string_view why);
   // A script's error reply: FAILED_PRECONDITION (disowning the session) for
   // a stale epoch, INTERNAL otherwise.
