@@ -122,7 +122,7 @@ struct SnapshotReport {
   std::vector<std::string> unverified;
 };
 
-class SessionStore : private ResidencyHost {
+class SessionStore final : private ResidencyHost {
  public:
   // tier: where sessions are demoted to and sealed pages written through
   // (null: none, memory only); Residency owns it.
