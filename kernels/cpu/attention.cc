@@ -104,8 +104,10 @@ void ScanScalar(const ScanTask& task, ScanState* state) {
   }
 }
 
-absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& params,
-                            const AttentionQueries& queries, const AttentionOutput& output) {
+namespace {
+
+// CheckAttention's checks of the cache, and of q_heads against its kv heads.
+absl::Status CheckCache(const PagedKvCache& cache, const AttentionParams& params) {
   const int d = cache.key_layout.head_dim;
   for (const auto& [field, layout] : {std::make_pair("key_layout", &cache.key_layout),
                                       std::make_pair("value_layout", &cache.value_layout)}) {
@@ -131,6 +133,15 @@ absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& pa
     return Invalid("q_heads", absl::StrCat(params.q_heads, " is not a positive multiple of kv_heads ",
                                            cache.kv_heads));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckAttention(const PagedKvCache& cache, const AttentionParams& params,
+                            const AttentionQueries& queries, const AttentionOutput& output) {
+  if (absl::Status s = CheckCache(cache, params); !s.ok()) return s;
+  const int d = cache.key_layout.head_dim;
   if (!(params.softmax_scale >= 0.0f) || !std::isfinite(params.softmax_scale)) {
     return Invalid("softmax_scale", "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
   }
@@ -180,6 +191,10 @@ int64_t DefaultChunkTokens(const PagedKvCache& cache) {
   return chunk;
 }
 
+// Work items a thread gets at least when the heads of a short cache's pass
+// go in one item (Pass::heads_together).
+constexpr int64_t kItemsPerThread = 8;
+
 // Up to kQueriesPerPass queries of one problem, scanned together: each kv
 // head's span is cut into chunks, one work item per (head, chunk).
 struct Pass {
@@ -199,9 +214,11 @@ struct Pass {
   // that finishes the head.
   const KeyTransform* transform = nullptr;
   const PagedKvCache* sinks = nullptr;
-  std::vector<std::unique_ptr<ScanState>> states;  // [kv_heads][chunks]
-  // Per kv head, its chunks not yet scanned: the item that scans the last
-  // one finishes the head.
+  bool heads_together = false;  // one chunk a head, and one work item for all heads
+  // With more than one chunk: the chunks' states [kv_heads][chunks], and per
+  // kv head its chunks not yet scanned (the item that scans the last one
+  // finishes the head).
+  std::vector<std::unique_ptr<ScanState>> states;
   std::unique_ptr<std::atomic<int64_t>[]> unscanned;
 };
 
@@ -218,6 +235,20 @@ void Rotate(const HadamardRotation& rotation, AttentionPath path, bool inverse, 
       float* v = x + r * rotation.head_dim() + block * b;
       inverse ? rotation.Inverse(block, v) : rotation.Forward(block, v);
     }
+  }
+}
+
+// Asks for kv head h's key and value records of the cache (a layer's sinks:
+// a few tokens, a page apart) to be brought into the cache. Always inlined:
+// GCC takes a function of prefetches alone for one without effects and
+// drops its calls.
+__attribute__((always_inline)) inline void PrefetchRecords(const PagedKvCache& cache, int h) {
+  constexpr size_t kLine = 64;
+  for (int64_t t = cache.first_token; t < cache.tokens; ++t) {
+    const uint8_t* key = cache.key_record(h, t);
+    const uint8_t* value = cache.value_record(h, t);
+    for (size_t b = 0; b < cache.key_layout.code_size(); b += kLine) __builtin_prefetch(key + b);
+    for (size_t b = 0; b < cache.value_layout.code_size(); b += kLine) __builtin_prefetch(value + b);
   }
 }
 
@@ -354,14 +385,18 @@ void MergeSinks(const AttentionParams& params, const Pass& pass, int h) {
 }
 
 // Merges kv head h's chunks in order, normalizes, rotates the values back and
-// writes the pass's output rows of that head.
-void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, int h) {
+// writes the pass's output rows of that head. `only`: the head's one chunk's
+// state, when the pass has one chunk and the item kept it (else the states
+// in pass.states).
+void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, int h, ScanState* only = nullptr) {
   const PagedKvCache& cache = *pass.cache;
   const int d = cache.key_layout.head_dim;
   const int group = params.q_heads / cache.kv_heads;
   std::unique_ptr<ScanState> empty;  // a pass whose queries see nothing here
   if (pass.chunks == 0) empty = std::make_unique<ScanState>(pass.rows, d, params.top_k);
-  ScanState& total = pass.chunks > 0 ? *pass.states[static_cast<size_t>(h) * pass.chunks] : *empty;
+  ScanState& total = only != nullptr      ? *only
+                     : pass.chunks > 0 ? *pass.states[static_cast<size_t>(h) * pass.chunks]
+                                       : *empty;
   for (int64_t c = 1; c < pass.chunks; ++c) MergeState(*pass.states[h * pass.chunks + c], d, &total);
   for (int r = 0; r < pass.rows; ++r) {
     const int64_t query = r / group;
@@ -371,7 +406,10 @@ void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, i
     const float* acc = total.acc.data() + static_cast<size_t>(r) * d;
     const float inv = total.l[r] > 0.0f ? 1.0f / total.l[r] : 0.0f;
     for (int i = 0; i < d; ++i) out[i] = acc[i] * inv;
-    if (pass.value_rotation) Rotate(*pass.value_rotation, path, /*inverse=*/true, out, 1);
+    // A query's rows of the head are adjacent: rotated back together.
+    if (pass.value_rotation && r % group == group - 1) {
+      Rotate(*pass.value_rotation, path, /*inverse=*/true, out - static_cast<size_t>(group - 1) * d, group);
+    }
     pass.output.lse[o] = total.l[r] > 0.0f ? total.m[r] + std::log(total.l[r]) : -INFINITY;
     if (params.top_k > 0) {
       std::vector<TopEntry> top = total.top[r].entries();
@@ -384,7 +422,9 @@ void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, i
     }
   }
   // The chunks' states are merged: their memory goes now, not with the batch.
-  for (int64_t c = 0; c < pass.chunks; ++c) pass.states[h * pass.chunks + c].reset();
+  if (only == nullptr) {
+    for (int64_t c = 0; c < pass.chunks; ++c) pass.states[h * pass.chunks + c].reset();
+  }
   if (pass.transform != nullptr) FinishTransformedHead(params, pass, h);
   if (pass.sinks != nullptr) MergeSinks(params, pass, h);
 }
@@ -416,7 +456,8 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
                                                      " is not a multiple of kv_heads ", p.cache.kv_heads));
     }
     if (p.sinks.tokens == 0) continue;
-    if (absl::Status s = CheckAttention(p.sinks, params, p.queries, p.output); !s.ok()) {
+    // The sinks' queries and outputs are the problem's, checked with it below.
+    if (absl::Status s = CheckCache(p.sinks, params); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("problem ", i, ", its sinks: ", s.message()));
     }
   }
@@ -478,35 +519,44 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
   // position, so that how a query's tokens are cut (and merged) depends on
   // neither the pool size nor the other queries of the batch.
   int64_t items = static_cast<int64_t>(few.size());
+  int64_t one_chunk = 0;
   for (Pass& pass : passes) {
     const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : DefaultChunkTokens(*pass.cache);
     pass.chunk = chunk;
     pass.first_chunk = pass.begin / chunk;
     pass.chunks = pass.end > pass.begin ? (pass.end - 1) / chunk - pass.first_chunk + 1 : 0;
-    pass.states.resize(static_cast<size_t>(pass.cache->kv_heads) * pass.chunks);
-    pass.unscanned = std::make_unique<std::atomic<int64_t>[]>(pass.cache->kv_heads);
-    for (int h = 0; h < pass.cache->kv_heads; ++h) pass.unscanned[h].store(pass.chunks, std::memory_order_relaxed);
+    one_chunk += pass.chunks == 1 ? 1 : 0;
+  }
+  // Short caches in a batch that gives every thread many of them (a Decode
+  // step of many short sessions): each one's heads go in one item, so that
+  // the pool's dispatch is paid once a session, not once a kv head. Each
+  // head is computed as alone: the same bits either way.
+  const int threads = options.pool != nullptr ? options.pool->size() : 1;
+  const bool heads_together = one_chunk >= kItemsPerThread * threads;
+  for (Pass& pass : passes) {
+    pass.heads_together = heads_together && pass.chunks == 1;
+    if (pass.chunks > 1) {  // one chunk: its item finishes the head alone
+      pass.states.resize(static_cast<size_t>(pass.cache->kv_heads) * pass.chunks);
+      pass.unscanned = std::make_unique<std::atomic<int64_t>[]>(pass.cache->kv_heads);
+      for (int h = 0; h < pass.cache->kv_heads; ++h) pass.unscanned[h].store(pass.chunks, std::memory_order_relaxed);
+    }
     pass.first_item = items;
-    items += static_cast<int64_t>(pass.cache->kv_heads) * pass.chunks;
+    items += pass.heads_together ? 1 : static_cast<int64_t>(pass.cache->kv_heads) * pass.chunks;
     if (pass.chunks == 0) {  // no item: its outputs are empty
       for (int h = 0; h < pass.cache->kv_heads; ++h) FinishHead(params, options.path, pass, h);
     }
   }
-  const auto attend_item = [&](int64_t item) {
-    if (item < static_cast<int64_t>(few.size())) {
-      const FewItem& f = few[static_cast<size_t>(item)];
-      AttendFewCpu(*f.problem, params, f.head, f.first_query, f.queries);
-      return;
-    }
-    auto next = std::upper_bound(passes.begin(), passes.end(), item,
-                                 [](int64_t i, const Pass& p) { return i < p.first_item; });
-    Pass& pass = *std::prev(next);
-    const int64_t local = item - pass.first_item;
+  // One kv head's chunk `local` (head local / chunks) of a pass.
+  const auto attend_chunk = [&](Pass& pass, int64_t local) {
     const int d = pass.cache->key_layout.head_dim;
     thread_local std::vector<float> q, offsets;
     ScanTask task;
     task.cache = pass.cache;
     task.head = static_cast<int>(local / pass.chunks);
+    // The item that scans a head's one chunk finishes it: the head's sinks,
+    // read then, are fetched while it scans (a short session's sinks would
+    // otherwise cost their misses one after another).
+    if (pass.sinks != nullptr && pass.chunks == 1) PrefetchRecords(*pass.sinks, task.head);
     HeadQueries(params, options.path, pass, task.head, &q, &offsets);
     const int64_t grid = (pass.first_chunk + local % pass.chunks) * pass.chunk;
     task.begin = std::max(pass.begin, grid);
@@ -521,18 +571,46 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
     task.softcap = params.softcap;
     task.top_k = params.top_k;
     task.integer_dot_products = options.integer_dot_products;
-    auto state = std::make_unique<ScanState>(pass.rows, d, params.top_k);
-    if (options.path == AttentionPath::kScalar) {
-      ScanScalar(task, state.get());
-    } else {
-      ScanSimd(task, state.get());
+    const auto scan = [&](ScanState* state) {
+      if (options.path == AttentionPath::kScalar) {
+        ScanScalar(task, state);
+      } else {
+        ScanSimd(task, state);
+      }
+    };
+    if (pass.chunks == 1) {
+      // The head's only chunk: finished from this thread's state, with no
+      // state of the pass's to allocate, merge or free.
+      thread_local ScanState state(0, 0, 0);
+      state.Reset(pass.rows, d, params.top_k);
+      scan(&state);
+      FinishHead(params, options.path, pass, task.head, &state);
+      return;
     }
+    auto state = std::make_unique<ScanState>(pass.rows, d, params.top_k);
+    scan(state.get());
     pass.states[local] = std::move(state);
     // The last of the head's chunks to finish merges them (acq_rel: it sees
     // every other chunk's state).
     if (pass.unscanned[task.head].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       FinishHead(params, options.path, pass, task.head);
     }
+  };
+  const auto attend_item = [&](int64_t item) {
+    if (item < static_cast<int64_t>(few.size())) {
+      const FewItem& f = few[static_cast<size_t>(item)];
+      AttendFewCpu(*f.problem, params, f.head, f.first_query, f.queries);
+      return;
+    }
+    auto next = std::upper_bound(passes.begin(), passes.end(), item,
+                                 [](int64_t i, const Pass& p) { return i < p.first_item; });
+    Pass& pass = *std::prev(next);
+    const int64_t local = item - pass.first_item;
+    if (!pass.heads_together) {
+      attend_chunk(pass, local);
+      return;
+    }
+    for (int h = 0; h < pass.cache->kv_heads; ++h) attend_chunk(pass, h);
   };
   // The new tokens first: indices are claimed in order, so by the time a
   // thread claims a work item every chunk is taken, and it waits at most for
@@ -563,7 +641,9 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
         }
         attend_item(index - encodes);
       },
-      options.large_encode);
+      // A session's heads in one item make a call of few, larger items:
+      // as large a call as the same work a head an item.
+      options.large_encode || heads_together);
   return absl::OkStatus();
 }
 

@@ -62,6 +62,14 @@ struct ScanState {
   ScanState(int rows, int head_dim, int top_k)
       : m(rows, -INFINITY), l(rows, 0.0f), acc(static_cast<size_t>(rows) * head_dim, 0.0f),
         top(rows, TopK(top_k)) {}
+  // As constructed, keeping the memory it has (a thread's state for its
+  // work items).
+  void Reset(int rows, int head_dim, int top_k) {
+    m.assign(rows, -INFINITY);
+    l.assign(rows, 0.0f);
+    acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
+    top.assign(rows, TopK(top_k));
+  }
   std::vector<float> m;
   std::vector<float> l;
   std::vector<float> acc;

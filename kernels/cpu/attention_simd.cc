@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
@@ -698,9 +699,9 @@ void Scan(const ScanTask& task, ScanState* state) {
   float* const logits = w.logits.Get(static_cast<size_t>(task.rows) * kScanTile);
   bool vnni = false;
 #if HWY_TARGET == HWY_AVX3_DL
-  std::unique_ptr<IntPath> int_path;
+  std::optional<IntPath> int_path;  // on the stack: a short session's items are many
   if (task.integer_dot_products && IntPathApplies(c.key_layout.kind, c.value_layout.kind)) {
-    int_path = std::make_unique<IntPath>(task, setup);
+    int_path.emplace(task, setup);
     vnni = true;
   }
 #endif

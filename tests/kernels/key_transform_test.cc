@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
 #include "kernels/attention.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/paged_cache.h"
 #include "tests/kernels/attention_testing.h"
 #include "tests/kernels/codec_testing.h"
@@ -538,6 +539,41 @@ TEST(TransformedAttentionTest, PagesAndSinksApartGiveTheSameBits) {
       EXPECT_EQ(apart[i].lse, together[i].lse) << softcap;
       EXPECT_EQ(apart[i].top_tokens, together[i].top_tokens) << softcap;
       EXPECT_EQ(apart[i].top_logits, together[i].top_logits) << softcap;
+    }
+  }
+}
+
+// A batch of many short layers (a Decode step of short sessions) puts each
+// one's heads in one work item (kernels/cpu/attention.cc): every layer's
+// results are the bits it has attended alone, on the pool and without it.
+TEST(TransformedAttentionTest, ManyShortLayersInOneBatchGiveEachOnesBits) {
+  constexpr int kLayers = 20;  // past 8 items a thread of the pool's 2
+  std::vector<Stored> layers;
+  for (int i = 0; i < kLayers; ++i) {
+    layers.push_back(MakeStored(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, 90 + 7 * i, 4, kEverything));
+  }
+  ThreadPool pool(2, /*background_from=*/64);
+  AttentionOptions on_pool;
+  on_pool.pool = &pool;
+  for (float softcap : {0.0f, 25.0f}) {
+    std::vector<Result> together(kLayers);
+    std::vector<AttentionProblem> batch;
+    AttentionParams params = layers[0].params;
+    params.softcap = softcap;
+    params.top_k = 3;
+    for (int i = 0; i < kLayers; ++i) {
+      layers[i].params = params;
+      batch.push_back(layers[i].Problem(&together[i]));
+    }
+    ASSERT_TRUE(AttendCpu(AttentionBatch{batch.data(), kLayers}, params, on_pool).ok());
+    for (int i = 0; i < kLayers; ++i) {
+      for (const AttentionOptions& options : {AttentionOptions(), on_pool}) {
+        const Result alone = layers[i].Attend(options);
+        EXPECT_EQ(alone.out, together[i].out) << "layer " << i << " softcap " << softcap;
+        EXPECT_EQ(alone.lse, together[i].lse) << "layer " << i;
+        EXPECT_EQ(alone.top_tokens, together[i].top_tokens) << "layer " << i;
+        EXPECT_EQ(alone.top_logits, together[i].top_logits) << "layer " << i;
+      }
     }
   }
 }
