@@ -116,8 +116,9 @@ enum class AttentionPath {
 
 struct AttentionOptions {
   AttentionPath path = AttentionPath::kSimd;
-  // Work is split over kv heads and token chunks and runs here; nullptr runs
-  // everything on the calling thread.
+  // Work is split over kv heads and token chunks (a short cache's heads
+  // together, in a batch of many) and runs here; nullptr runs everything on
+  // the calling thread.
   ThreadPool* pool = nullptr;
   // Tokens per work item: a head's tokens are cut on a grid of this many,
   // fixed by position, so that results do not depend on the pool size or on

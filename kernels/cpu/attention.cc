@@ -196,7 +196,8 @@ int64_t DefaultChunkTokens(const PagedKvCache& cache) {
 constexpr int64_t kItemsPerThread = 8;
 
 // Up to kQueriesPerPass queries of one problem, scanned together: each kv
-// head's span is cut into chunks, one work item per (head, chunk).
+// head's span is cut into chunks, one work item per (head, chunk), or one
+// for all heads (heads_together).
 struct Pass {
   const PagedKvCache* cache = nullptr;
   AttentionQueries queries;  // this pass's queries
@@ -386,8 +387,9 @@ void MergeSinks(const AttentionParams& params, const Pass& pass, int h) {
 
 // Merges kv head h's chunks in order, normalizes, rotates the values back and
 // writes the pass's output rows of that head. `only`: the head's one chunk's
-// state, when the pass has one chunk and the item kept it (else the states
-// in pass.states).
+// state, which a pass of one chunk a head must give (it has no
+// pass.states); else the chunks' states in pass.states, or none (a pass
+// whose queries see nothing here: empty rows).
 void FinishHead(const AttentionParams& params, AttentionPath path, Pass& pass, int h, ScanState* only = nullptr) {
   const PagedKvCache& cache = *pass.cache;
   const int d = cache.key_layout.head_dim;
@@ -514,18 +516,21 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
   }
   for (Pass& pass : passes) PreparePass(params, &pass);
 
-  // Work items: (pass, kv head, chunk), all in one call of the pool (each of
-  // its phases costs every thread a wake-up). Chunks sit on a grid fixed by
-  // position, so that how a query's tokens are cut (and merged) depends on
-  // neither the pool size nor the other queries of the batch.
+  // Work items: (pass, kv head, chunk), or (pass) for all its heads, all in
+  // one call of the pool (each of its phases costs every thread a wake-up).
+  // Chunks sit on a grid fixed by position, so that how a query's tokens are
+  // cut (and merged) depends on neither the pool size nor the other queries
+  // of the batch.
   int64_t items = static_cast<int64_t>(few.size());
   int64_t one_chunk = 0;
+  int64_t head_items = 0;  // the items with every head a work item of its own
   for (Pass& pass : passes) {
     const int64_t chunk = options.chunk_tokens > 0 ? options.chunk_tokens : DefaultChunkTokens(*pass.cache);
     pass.chunk = chunk;
     pass.first_chunk = pass.begin / chunk;
     pass.chunks = pass.end > pass.begin ? (pass.end - 1) / chunk - pass.first_chunk + 1 : 0;
     one_chunk += pass.chunks == 1 ? 1 : 0;
+    head_items += static_cast<int64_t>(pass.cache->kv_heads) * pass.chunks;
   }
   // Short caches in a batch that gives every thread many of them (a Decode
   // step of many short sessions): each one's heads go in one item, so that
@@ -533,6 +538,13 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
   // head is computed as alone: the same bits either way.
   const int threads = options.pool != nullptr ? options.pool->size() : 1;
   const bool heads_together = one_chunk >= kItemsPerThread * threads;
+  // Fewer, larger items make as large a call of the pool as the same work a
+  // head an item would, no larger: a call small enough for its caller (a
+  // short Decode) stays on it.
+  const bool large_call =
+      options.large_encode || (heads_together && options.pool != nullptr &&
+                               options.pool->Large(static_cast<int64_t>(options.encode_first.size()) +
+                                                   static_cast<int64_t>(few.size()) + head_items));
   for (Pass& pass : passes) {
     pass.heads_together = heads_together && pass.chunks == 1;
     if (pass.chunks > 1) {  // one chunk: its item finishes the head alone
@@ -641,9 +653,7 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
         }
         attend_item(index - encodes);
       },
-      // A session's heads in one item make a call of few, larger items:
-      // as large a call as the same work a head an item.
-      options.large_encode || heads_together);
+      large_call);
   return absl::OkStatus();
 }
 

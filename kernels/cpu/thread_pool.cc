@@ -210,7 +210,7 @@ void ThreadPool::WorkerLoop(int cpu) {
 void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn, bool heavy) {
   if (n <= 0) return;
   const bool background = background_from_ > 0;
-  const bool large = background && (n >= background_from_ || (heavy && n > 1));
+  const bool large = Large(n) || (background && heavy && n > 1);
   if (!large && (workers_.empty() || n == 1 || background)) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;

@@ -44,6 +44,9 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return static_cast<int>(workers_.size()) + (background_from_ > 0 ? 0 : 1); }
+  // Whether a call of n indices (not `heavy`) runs on the workers alone, a
+  // large call of a background pool.
+  bool Large(int64_t n) const { return background_from_ > 0 && n >= background_from_; }
   // Workers kept to one CPU (`pin`; 0 without it, or where it failed).
   int pinned() const { return pinned_; }
 

@@ -545,14 +545,16 @@ TEST(TransformedAttentionTest, PagesAndSinksApartGiveTheSameBits) {
 
 // A batch of many short layers (a Decode step of short sessions) puts each
 // one's heads in one work item (kernels/cpu/attention.cc): every layer's
-// results are the bits it has attended alone, on the pool and without it.
+// results are the bits it has attended alone, on the pool and without it,
+// and a long layer in the same batch (chunks of its own) keeps its bits too.
 TEST(TransformedAttentionTest, ManyShortLayersInOneBatchGiveEachOnesBits) {
-  constexpr int kLayers = 20;  // past 8 items a thread of the pool's 2
+  constexpr int kLayers = 21;  // 20 short ones: past 8 items a thread of the pool's 2
   std::vector<Stored> layers;
-  for (int i = 0; i < kLayers; ++i) {
+  for (int i = 0; i + 1 < kLayers; ++i) {
     layers.push_back(MakeStored(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, 90 + 7 * i, 4, kEverything));
   }
-  ThreadPool pool(2, /*background_from=*/64);
+  layers.push_back(MakeStored(CodecKind::kTurbo3, CodecKind::kTurbo3, 128, 2, 4, 2000, 4, kEverything));
+  ThreadPool pool(2, /*background_from=*/16);  // the batch of 56 head items runs on the workers
   AttentionOptions on_pool;
   on_pool.pool = &pool;
   for (float softcap : {0.0f, 25.0f}) {
@@ -575,6 +577,9 @@ TEST(TransformedAttentionTest, ManyShortLayersInOneBatchGiveEachOnesBits) {
         EXPECT_EQ(alone.top_logits, together[i].top_logits) << "layer " << i;
       }
     }
+    // And the bits are right: the float reference over what a layer holds.
+    ExpectMatches(together[3], layers[3].Reference(), params.top_k, 5e-4, 1e-3, "short layer");
+    ExpectMatches(together[kLayers - 1], layers[kLayers - 1].Reference(), params.top_k, 5e-4, 1e-3, "long layer");
   }
 }
 
