@@ -31,8 +31,6 @@
 
 namespace turbokv {
 
-class ThreadPool;
-
 // How a claim of a session from a shared tier ended.
 enum TakeoverResult {
   kTakeoverOk,
