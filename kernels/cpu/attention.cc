@@ -542,9 +542,9 @@ absl::Status AttendItemsCpu(const AttentionBatch& batch, const AttentionParams& 
   // head an item would, no larger: a call small enough for its caller (a
   // short Decode) stays on it.
   const bool large_call =
-      options.large_encode || (heads_together && options.pool != nullptr &&
-                               options.pool->Large(static_cast<int64_t>(options.encode_first.size()) +
-                                                   static_cast<int64_t>(few.size()) + head_items));
+      options.large_encode ||
+      (options.pool != nullptr && options.pool->Large(static_cast<int64_t>(options.encode_first.size()) +
+                                                      static_cast<int64_t>(few.size()) + head_items));
   for (Pass& pass : passes) {
     pass.heads_together = heads_together && pass.chunks == 1;
     if (pass.chunks > 1) {  // one chunk: its item finishes the head alone

@@ -59,9 +59,7 @@ struct ScanTask {
 // maximum logit m, the sum l of exp(logit - m), and acc, the exp-weighted sum
 // of values in the value domain (rotated for turbo values).
 struct ScanState {
-  ScanState(int rows, int head_dim, int top_k)
-      : m(rows, -INFINITY), l(rows, 0.0f), acc(static_cast<size_t>(rows) * head_dim, 0.0f),
-        top(rows, TopK(top_k)) {}
+  ScanState(int rows, int head_dim, int top_k) { Reset(rows, head_dim, top_k); }
   // As constructed, keeping the memory it has (a thread's state for its
   // work items).
   void Reset(int rows, int head_dim, int top_k) {

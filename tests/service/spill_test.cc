@@ -548,7 +548,7 @@ TEST_P(SpillTest, TheBackgroundPassDemotesAboveTheWatermarkAndDropsTheOldestOnDi
   EXPECT_LE(static_cast<double>(s.store->pool().used_bytes()), 0.8 * memory);
   ASSERT_FALSE(report.dropped.empty());
   EXPECT_EQ(report.dropped.front(), sessions.front()->id());
-  const TierStats stats = s.store->residency().tier()->Stats();
+  const TierStats stats = s.store->residency().TierUse();
   EXPECT_LE(static_cast<double>(stats.live_bytes + stats.queued_bytes), 0.8 * disk);
   auto gone = s.store->Find(sessions.front()->id(), "", absl::Now());
   ASSERT_FALSE(gone.ok());
@@ -585,11 +585,11 @@ TEST_P(SpillTest, SegmentsOfMostlyDeadRecordsAreCompacted) {
         ASSERT_TRUE(s.store->Delete(sessions[i]->id(), "").ok());
       }
     }
-    TierStats stats = s.store->residency().tier()->Stats();
+    TierStats stats = s.store->residency().TierUse();
     for (absl::Time until = absl::Now() + absl::Seconds(10);
          stats.bytes * 3 > stats.live_bytes * 4 + 3 * (2 << 20) && absl::Now() < until;
          absl::SleepFor(absl::Milliseconds(20))) {
-      stats = s.store->residency().tier()->Stats();
+      stats = s.store->residency().TierUse();
     }
     EXPECT_GT(stats.compactions, 0);
     // 4/3 of the live records, plus two segments: the active one (its dead
